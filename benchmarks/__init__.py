@@ -1,0 +1,1 @@
+"""Side-by-side measurements of fxfuse against eager and torch.compile (see README.md)."""

@@ -1,0 +1,144 @@
+"""The public entry points: optimize(), explain(), stats().
+
+Policy everywhere: when fxfuse cannot do its job it returns the original module with one
+warning that names the reason (or raises the FxfuseError under strict=True). Each new
+specialization is checked against the original module on the input it was built from; a
+mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
+"""
+import warnings
+
+import torch
+
+from .errors import FxfuseError, UnsupportedError
+from .kernel import interpreting, kernels_available
+from .log import logger
+from .options import Options
+from .runtime import FxfuseWarning, OptimizedModule
+from .tracing import trace
+
+# relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
+VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def _as_args(example_input) -> tuple:
+    if isinstance(example_input, torch.Tensor):
+        return (example_input,)
+    if isinstance(example_input, (tuple, list)):
+        return tuple(example_input)
+    raise UnsupportedError(f"example_input must be a tensor or a tuple of tensors, "
+                           f"got {type(example_input).__name__}")
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedError(f"fxfuse.optimize takes an nn.Module, got {type(model).__name__}")
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
+    if training:
+        raise UnsupportedError(
+            f"{training[0]} is in training mode; fxfuse optimizes inference only. "
+            "Call model.eval() before fxfuse.optimize (training support does not exist yet).")
+
+
+def build_graph(model, args: tuple, options: Options):
+    """Trace, rewrite, and verify one specialization; returns the rewritten GraphModule."""
+    from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
+
+    use_kernels = options.use_kernels
+    if use_kernels is None:
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        use_kernels = bool(devices) and all(kernels_available(d) for d in devices)
+        if not use_kernels and not interpreting() and devices and all(d.type == "cpu" for d in devices):
+            warnings.warn("fxfuse: no CUDA device, so fused groups run their torch reference "
+                          "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
+                          "The rewritten graph runs and explain() tells the story; speed needs a GPU.",
+                          FxfuseWarning, stacklevel=4)
+    options = options.with_(use_kernels=use_kernels)
+    with torch.no_grad():
+        gm = trace(model, args)
+        gm = run_pipeline(gm, tuple(a for a in args if isinstance(a, torch.Tensor)), options)
+        gm.meta["fxfuse_options"] = options
+        if options.verify:
+            _verify(model, gm, args)
+    return gm
+
+
+def _verify(model, gm, args) -> None:
+    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    expected = torch.utils._pytree.tree_leaves(model(*args))
+    got = torch.utils._pytree.tree_leaves(gm(*tensors))
+    if len(expected) != len(got):
+        raise FxfuseError(f"the rewritten graph returns {len(got)} values, the model {len(expected)}")
+    for k, (e, g) in enumerate(zip(expected, got)):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
+            raise FxfuseError(f"output {k}: the rewritten graph gives {_desc(g)}, the model {_desc(e)}")
+        if not e.is_floating_point():
+            if not torch.equal(e, g):
+                raise FxfuseError(f"output {k} differs from eager")
+            continue
+        nan_e, nan_g = torch.isnan(e), torch.isnan(g)
+        if not torch.equal(nan_e, nan_g):
+            raise FxfuseError(f"output {k}: NaN where eager has none (or the reverse)")
+        e64, g64 = e.double().nan_to_num(0, 0, 0), g.double().nan_to_num(0, 0, 0)
+        err = (e64 - g64).norm() / (e64.norm() + 1e-30)
+        tol = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
+        if err > tol:
+            raise FxfuseError(f"output {k}: relative error {err:.2e} against eager exceeds {tol:.0e}; "
+                              "this is a bug in fxfuse, please report it with explain()")
+        logger.debug("verified output %d: relative error %.2e", k, err)
+
+
+def _desc(t) -> str:
+    return f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Module:
+    """Return a module computing what `model` computes on inputs like `example_input`, faster.
+
+    Options (keyword arguments): see fxfuse.Options. Unknown options raise FxfuseError.
+    """
+    opts = Options.from_kwargs(**options)
+    args = _as_args(example_input)
+    _check_model(model)
+    try:
+        return OptimizedModule(model, args, opts, build_graph)
+    except Exception as e:  # noqa: BLE001 -- the fallback policy covers internal errors too
+        if not isinstance(e, FxfuseError):
+            e = FxfuseError(f"internal error while optimizing ({type(e).__name__}: {e})").with_traceback(
+                e.__traceback__)
+        if opts.strict:
+            raise e
+        warnings.warn(f"fxfuse: {e} -- returning the original module unchanged", FxfuseWarning, stacklevel=2)
+        return model
+
+
+def stats(optimized) -> dict:
+    """Counts that tests and benchmarks assert on: fused kernels, library calls, launches."""
+    if not isinstance(optimized, OptimizedModule):
+        return {"optimized": False, "fused_kernels": 0, "library_calls": 0, "specializations": 0,
+                "kernel_launches": 0, "reference_fallbacks": 0}
+    spec = next(iter(optimized.specializations.values()))
+    fused = library = 0
+    for node in spec.gm.graph.nodes:
+        kind = node_kind(spec.gm, node)
+        fused += kind == "fused kernel"
+        library += kind == "library call"
+    kernels = list(optimized.fused_kernels())
+    return {"optimized": True, "fused_kernels": fused, "library_calls": library,
+            "specializations": len(optimized.specializations),
+            "kernel_launches": sum(k.launches for k in kernels),
+            "reference_fallbacks": sum(k.fallbacks for k in kernels)}
+
+
+def node_kind(gm, node) -> str:
+    from .kernel import FusedKernel
+    import operator
+    if node.op in ("placeholder", "output", "get_attr"):
+        return {"placeholder": "input", "output": "output", "get_attr": "constant"}[node.op]
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), FusedKernel):
+        return "fused kernel"
+    if node.op == "call_function" and node.target is operator.getitem and \
+            node.args[0].op == "call_module" and isinstance(gm.get_submodule(node.args[0].target), FusedKernel):
+        return "kernel output"
+    return "library call"

@@ -1,0 +1,79 @@
+"""FusedKernel: the module a fused group becomes in the rewritten graph.
+
+It owns the group's KernelIR, its generated Triton source and a reference GraphModule made of
+the group's original (canonical) torch ops. forward() launches the kernel when it can and the
+inputs are exactly what the kernel was built for; otherwise it runs the reference, so a
+kernel never sees shapes, strides or dtypes it was not generated for.
+"""
+import contextlib
+import os
+
+import torch
+import torch.fx
+
+from .codegen import block_size, generate, num_warps
+from .ir import KernelIR
+from .kernel_cache import default_cache
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Generated kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
+    if device.type == "cuda":
+        return not interpreting()
+    return device.type == "cpu" and interpreting()
+
+
+class FusedKernel(torch.nn.Module):
+    def __init__(self, ir: KernelIR, reference: torch.fx.GraphModule, input_meta: tuple,
+                 members: tuple, use_kernel: bool = True, origin: str = "fuse_pointwise"):
+        super().__init__()
+        self.ir = ir
+        self.reference = reference
+        self.input_meta = input_meta      # (shape, stride, dtype) the kernel was built for, per input
+        self.members = members            # readable description of the fused nodes
+        self.origin = origin              # the pass that built this kernel
+        self.use_kernel = use_kernel
+        self.source, self.kernel_name = generate(ir)
+        self._kernel = None
+        self.launches = 0                 # kernel launches so far (tests assert the fast path ran)
+        self.fallbacks = 0
+
+    def _matches(self, inputs) -> bool:
+        for t, (shape, stride, dtype) in zip(inputs, self.input_meta):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                return False
+            if t.numel() > 1 and tuple(t.stride()) != stride:
+                return False
+        return len(inputs) == len(self.input_meta)
+
+    def compiled(self):
+        if self._kernel is None:
+            self._kernel = default_cache().load(self.source, self.kernel_name)
+        return self._kernel
+
+    def forward(self, *inputs):
+        device = inputs[0].device if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if not (self.use_kernel and device is not None and kernels_available(device)
+                and self._matches(inputs)
+                and all(t.device == device for t in inputs)):
+            self.fallbacks += 1
+            return self.reference(*inputs)
+        outs = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in self.ir.outputs]
+        numel = self.ir.numel
+        block = block_size(numel)
+        grid = (triton_cdiv(numel, block),)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            self.compiled()[grid](*inputs, *outs, BLOCK=block, num_warps=num_warps(block))
+        self.launches += 1
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel_name}, shape={list(self.ir.shape)}, members={list(self.members)}"
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

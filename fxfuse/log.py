@@ -1,0 +1,17 @@
+"""Diagnostics go through logging.getLogger("fxfuse"); FXFUSE_LOG=info|debug turns them on.
+
+Nothing is printed unless asked: the logger has a NullHandler and does not propagate a level
+of its own unless FXFUSE_LOG is set, in which case a stderr handler is attached once.
+"""
+import logging
+import os
+
+logger = logging.getLogger("fxfuse")
+logger.addHandler(logging.NullHandler())
+
+_level = os.environ.get("FXFUSE_LOG", "").strip().upper()
+if _level in ("DEBUG", "INFO", "WARNING", "ERROR"):
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[fxfuse %(levelname)s] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(_level)

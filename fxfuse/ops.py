@@ -1,0 +1,226 @@
+"""The op table: which canonical ops are pointwise, and how each one prints in Triton.
+
+After the normalize pass every pointwise op in a graph is a `call_function` whose target is a
+key of POINTWISE, with its value operands (nodes or Python numbers) as positional args and
+its constant parameters as kwargs named in `PointwiseOp.params`. Everything downstream
+(fusion, lowering to the fused-kernel IR, code generation) reads this table, so adding an
+op is one entry here plus its spellings in passes/normalize.py.
+
+Expressions compute in fp32 (the kernel's compute type); helpers such as `_tanh` live in the
+prelude that codegen puts at the top of every generated module. They use only core `tl`
+functions, because libdevice is not available under the Triton interpreter and the CPU tests
+must run the same code as the GPU.
+"""
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def cast(x, dtype):
+    """Canonical type cast (`x.float()`, `x.to(torch.half)`, `x.type(...)` all become this)."""
+    return x.to(dtype)
+
+
+@dataclass(frozen=True)
+class PointwiseOp:
+    name: str
+    target: Callable
+    nargs: int
+    expr: Callable[..., str]  # (operand expressions..., **params) -> Triton expression
+    params: tuple = ()
+    returns_bool: bool = False
+    defaults: dict = field(default_factory=dict)
+
+
+def literal(v) -> str:
+    """A Python number as a Triton source literal; full precision, inf and nan included
+    (1e999 parses as inf, and Triton folds 0.0 * inf to nan at compile time)."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    v = float(v)
+    if math.isnan(v):
+        return "(0.0 * 1e999)"
+    if math.isinf(v):
+        return "1e999" if v > 0 else "(-1e999)"
+    return repr(v)
+
+
+def _pow(x, exponent) -> str:
+    e = float(exponent)
+    if e == 0:
+        return f"({x} * 0.0 + 1.0)"  # x ** 0 == 1, also for nan, as in torch
+    if e.is_integer() and abs(e) <= 4:
+        prod = " * ".join([f"{x}"] * int(abs(e)))
+        return f"({prod})" if e > 0 else f"_div(1.0, {prod})"
+    if e == 0.5:
+        return f"_sqrt({x})"
+    if e.is_integer():
+        # sign of an odd power follows the base; magnitude through exp2/log2
+        mag = f"tl.exp2({literal(e)} * tl.log2(tl.abs({x})))"
+        return f"tl.where({x} < 0, -{mag}, {mag})" if int(e) % 2 else mag
+    return f"tl.exp2({literal(e)} * tl.log2({x}))"  # negative base -> nan, as in torch
+
+
+def _clamp(x, min=None, max=None) -> str:
+    out = x
+    if min is not None:
+        out = f"tl.where({out} < {literal(min)}, {literal(min)}, {out})"  # keeps nan, as torch.clamp
+    if max is not None:
+        out = f"tl.where({out} > {literal(max)}, {literal(max)}, {out})"
+    return out
+
+
+def _op(name, target, nargs, expr, params=(), returns_bool=False, **defaults):
+    return PointwiseOp(name, target, nargs, expr, tuple(params), returns_bool, defaults)
+
+
+_TABLE = [
+    # arithmetic: operator targets accept a number on either side, like eager
+    _op("add", operator.add, 2, lambda a, b: f"({a} + {b})"),
+    _op("sub", operator.sub, 2, lambda a, b: f"({a} - {b})"),
+    _op("mul", operator.mul, 2, lambda a, b: f"({a} * {b})"),
+    _op("div", operator.truediv, 2, lambda a, b: f"_div({a}, {b})"),
+    _op("neg", operator.neg, 1, lambda a: f"(-{a})"),
+    _op("pow", operator.pow, 1, _pow, ("exponent",)),
+    _op("maximum", torch.maximum, 2, lambda a, b: f"_maximum({a}, {b})"),
+    _op("minimum", torch.minimum, 2, lambda a, b: f"_minimum({a}, {b})"),
+    _op("where", torch.where, 3, lambda c, a, b: f"tl.where({c}, {a}, {b})"),
+    _op("gt", operator.gt, 2, lambda a, b: f"({a} > {b})", returns_bool=True),
+    _op("lt", operator.lt, 2, lambda a, b: f"({a} < {b})", returns_bool=True),
+    _op("ge", operator.ge, 2, lambda a, b: f"({a} >= {b})", returns_bool=True),
+    _op("le", operator.le, 2, lambda a, b: f"({a} <= {b})", returns_bool=True),
+    _op("eq", operator.eq, 2, lambda a, b: f"({a} == {b})", returns_bool=True),
+    _op("ne", operator.ne, 2, lambda a, b: f"({a} != {b})", returns_bool=True),
+    # unary math
+    _op("exp", torch.exp, 1, lambda a: f"tl.exp({a})"),
+    _op("log", torch.log, 1, lambda a: f"tl.log({a})"),
+    _op("sqrt", torch.sqrt, 1, lambda a: f"_sqrt({a})"),
+    _op("rsqrt", torch.rsqrt, 1, lambda a: f"_div(1.0, _sqrt({a}))"),
+    _op("reciprocal", torch.reciprocal, 1, lambda a: f"_div(1.0, {a})"),
+    _op("abs", torch.abs, 1, lambda a: f"tl.abs({a})"),
+    _op("sin", torch.sin, 1, lambda a: f"tl.sin({a})"),
+    _op("cos", torch.cos, 1, lambda a: f"tl.cos({a})"),
+    _op("erf", torch.erf, 1, lambda a: f"tl.erf({a})"),
+    _op("floor", torch.floor, 1, lambda a: f"tl.floor({a})"),
+    _op("ceil", torch.ceil, 1, lambda a: f"tl.ceil({a})"),
+    _op("expm1", torch.expm1, 1, lambda a: f"_expm1({a})"),
+    _op("log1p", torch.log1p, 1, lambda a: f"_log1p({a})"),
+    _op("clamp", torch.clamp, 1, _clamp, ("min", "max"), min=None, max=None),
+    # activations
+    _op("relu", torch.relu, 1, lambda a: f"tl.where({a} < 0, 0.0, {a})"),  # keeps nan
+    _op("sigmoid", torch.sigmoid, 1, lambda a: f"_sigmoid({a})"),
+    _op("tanh", torch.tanh, 1, lambda a: f"_tanh({a})"),
+    _op("gelu", F.gelu, 1, lambda a, approximate="none": (
+        f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))" if approximate == "none" else
+        f"(0.5 * {a} * (1.0 + _tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))"),
+        ("approximate",), approximate="none"),
+    _op("silu", F.silu, 1, lambda a: f"({a} * _sigmoid({a}))"),
+    _op("mish", F.mish, 1, lambda a: f"({a} * _tanh(_softplus({a}, 1.0, 20.0)))"),
+    _op("leaky_relu", F.leaky_relu, 1,
+        lambda a, negative_slope=0.01: f"tl.where({a} > 0, {a}, {a} * {literal(negative_slope)})",
+        ("negative_slope",), negative_slope=0.01),
+    _op("elu", F.elu, 1,
+        lambda a, alpha=1.0: f"tl.where({a} > 0, {a}, {literal(alpha)} * _expm1({a}))",
+        ("alpha",), alpha=1.0),
+    _op("selu", F.selu, 1, lambda a: (
+        f"(1.0507009873554805 * tl.where({a} > 0, {a}, 1.6732632423543772 * _expm1({a})))")),
+    _op("softplus", F.softplus, 1,
+        lambda a, beta=1.0, threshold=20.0: f"_softplus({a}, {literal(beta)}, {literal(threshold)})",
+        ("beta", "threshold"), beta=1.0, threshold=20.0),
+    _op("hardsigmoid", F.hardsigmoid, 1, lambda a: _clamp(f"({a} / 6.0 + 0.5)", 0.0, 1.0)),
+    _op("hardswish", F.hardswish, 1, lambda a: f"({a} * {_clamp(f'({a} + 3.0)', 0.0, 6.0)} / 6.0)"),
+    _op("cast", cast, 1, lambda a, dtype: _cast_expr(a, dtype), ("dtype",)),
+]
+
+POINTWISE: dict = {op.target: op for op in _TABLE}
+BY_NAME: dict = {op.name: op for op in _TABLE}
+
+# dtypes a fused kernel computes on: loads of these are upcast to fp32, results stored back
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_DTYPE = {
+    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+    torch.float64: "tl.float64", torch.bool: "tl.int1", torch.int8: "tl.int8",
+    torch.uint8: "tl.uint8", torch.int16: "tl.int16", torch.int32: "tl.int32",
+    torch.int64: "tl.int64",
+}
+
+
+def _cast_expr(a, dtype) -> str:
+    """A cast inside a kernel rounds to the target type and continues in fp32, as eager would."""
+    if dtype == torch.bool:
+        return f"({a} != 0)"
+    if dtype == torch.float32:
+        return f"{a}.to(tl.float32)"
+    return f"{a}.to({TRITON_DTYPE[dtype]}).to(tl.float32)"
+
+
+def is_pointwise_target(target) -> bool:
+    try:
+        return target in POINTWISE
+    except TypeError:  # unhashable targets
+        return False
+
+
+# Source put at the top of every generated kernel module. Division and square root are the
+# correctly rounded forms (Triton's `/` and tl.sqrt are approximate on the GPU), so fp32
+# results match eager to the last bits where eager itself is exact.
+PRELUDE = '''
+@triton.jit
+def _div(a, b):
+    return tl.div_rn(a, b)
+
+
+@triton.jit
+def _sqrt(a):
+    return tl.sqrt_rn(a)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.where((a != a) | (a > b), a, b)  # nan propagates, as torch.maximum
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.where((a != a) | (a < b), a, b)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    # (1 - e) / (1 + e) loses relative accuracy near 0, where a short series is exact to fp32
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    t = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
+    return tl.where(ax < 0.0625, series, tl.where(x < 0, -t, t))
+
+
+@triton.jit
+def _expm1(x):
+    series = x * (1.0 + x * (0.5 + x * (0.16666666666666666 + x * (0.041666666666666664 + x * 0.008333333333333333))))
+    return tl.where(tl.abs(x) < 0.1, series, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _log1p(x):
+    u = 1.0 + x
+    # log(u) * x / (u - 1) cancels the rounding of 1 + x (Goldberg's trick)
+    small = tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    return tl.where(tl.abs(x) < 0.5, small, tl.log(u))
+
+
+@triton.jit
+def _softplus(x, beta, threshold):
+    bx = x * beta
+    return tl.where(bx > threshold, x, _log1p(tl.exp(bx)) / beta)
+'''

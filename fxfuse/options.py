@@ -1,0 +1,34 @@
+"""Options of fxfuse.optimize, one frozen dataclass so a specialization can record what built it."""
+from dataclasses import dataclass, fields, replace
+
+from .errors import FxfuseError
+
+
+@dataclass(frozen=True)
+class Options:
+    strict: bool = False
+    """Raise FxfuseError subclasses instead of falling back to the original module with a warning."""
+    fuse: bool = True
+    """Fuse pointwise ops into generated Triton kernels (off: only normalize and the runtime)."""
+    cuda_graphs: bool = True
+    """On CUDA, capture each specialization once in a CUDA graph and replay it."""
+    max_specializations: int = 8
+    """How many input signatures (shape, dtype, device, strides, grad mode) get their own build."""
+    verify: bool = True
+    """Check each new specialization against the original module on the input it was built from."""
+    use_kernels: bool | None = None
+    """Run the generated Triton kernels (None: when CUDA or TRITON_INTERPRET=1 is available)."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "Options":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise FxfuseError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        opts = cls(**kwargs)
+        if opts.max_specializations < 1:
+            raise FxfuseError("max_specializations must be at least 1")
+        return opts
+
+    def with_(self, **kwargs) -> "Options":
+        return replace(self, **kwargs)

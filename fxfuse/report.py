@@ -1,0 +1,120 @@
+"""explain(): what every stage left behind, as text a person reads.
+
+For each specialization: the input signature, one "constructed by <pass> (N ms)" line per
+pass, the rewritten graph as Python with a shape/dtype comment per line, and a table with one
+row per node (kind, shape, members of fused groups, the decision and its reason, kernel name).
+"""
+import torch
+import torch.fx
+from tabulate import tabulate
+
+from .api import node_kind
+from .kernel import FusedKernel
+from .runtime import OptimizedModule
+
+DTYPE_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+               torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8"}
+
+
+def shape_str(node) -> str:
+    meta = node.meta.get("tensor_meta")
+    if meta is None:
+        return ""
+    if hasattr(meta, "shape"):
+        return f"{DTYPE_SHORT.get(meta.dtype, str(meta.dtype))}{list(meta.shape)}"
+    if isinstance(meta, (tuple, list)):
+        return "(" + ", ".join(f"{DTYPE_SHORT.get(m.dtype, m.dtype)}{list(m.shape)}"
+                               for m in meta if hasattr(m, "shape")) + ")"
+    return ""
+
+
+def _call_text(node) -> str:
+    args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+    if node.op == "call_module":
+        return f"self.{node.target}({args})"
+    if node.op == "call_method":
+        return f"{_arg(node.args[0])}.{node.target}({', '.join(_arg(a) for a in node.args[1:])})"
+    if node.op == "get_attr":
+        return f"self.{node.target}"
+    return f"{torch.fx.node._get_qualified_name(node.target)}({args})"
+
+
+def _arg(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, (tuple, list)):
+        inner = ", ".join(_arg(x) for x in a)
+        return f"({inner},)" if isinstance(a, tuple) and len(a) == 1 else (f"({inner})" if isinstance(a, tuple) else f"[{inner}]")
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_arg(v)}" for k, v in a.items()) + "}"
+    return repr(a)
+
+
+def graph_as_python(gm: torch.fx.GraphModule) -> str:
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    lines = [f"def forward(self, {', '.join(inputs)}):"]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        comment = shape_str(node)
+        if node.op == "output":
+            lines.append(f"    return {_arg(node.args[0])}")
+            continue
+        lines.append(f"    {node.name} = {_call_text(node)}" + (f"  # {comment}" if comment else ""))
+    return "\n".join(lines)
+
+
+def node_table(gm: torch.fx.GraphModule) -> str:
+    rows = []
+    for node in gm.graph.nodes:
+        kind = node_kind(gm, node)
+        if kind in ("input", "output", "constant", "kernel output"):
+            continue
+        meta = node.meta.get("fxfuse", {})
+        members, kernel, decision = "", "", meta.get("decision", "")
+        if kind == "fused kernel":
+            mod = gm.get_submodule(node.target)
+            members = ", ".join(mod.members)
+            kernel = mod.kernel_name
+            decision = decision or (f"fused {len(mod.members)} pointwise ops" + (
+                "" if mod.use_kernel else "; runs the torch reference (no CUDA / interpreter)"))
+        elif meta.get("note"):
+            decision = meta["note"]
+        elif meta.get("kept"):
+            decision = "kept: " + meta["kept"]
+        elif not decision:
+            decision = "library op: not pointwise"
+        rows.append([node.name, kind, shape_str(node), members, decision, kernel])
+    return tabulate(rows, headers=["node", "kind", "output", "members", "decision / reason", "kernel"],
+                    tablefmt="simple", maxcolwidths=[None, None, None, 48, 56, None])
+
+
+def explain(optimized, kernels: bool = False) -> str:
+    """A report of what fxfuse did to a model (a str; print it)."""
+    if not isinstance(optimized, OptimizedModule):
+        return (f"{type(optimized).__name__} was not optimized by fxfuse (fxfuse.optimize returned the "
+                "original module; its warning says why).")
+    out = [f"fxfuse report for {type(optimized.original).__name__}: "
+           f"{len(optimized.specializations)} specialization(s)"]
+    for k, spec in enumerate(optimized.specializations.values()):
+        gm = spec.gm
+        sig = ", ".join(f"{DTYPE_SHORT.get(s[1], s[1])}{list(s[0])} on {s[2]}" if s[0] != "const" else s[2]
+                        for s in spec.signature)
+        out.append(f"\n== specialization {k}: inputs ({sig}); built in {spec.build_ms:.0f} ms; "
+                   f"calls so far: {spec.calls}")
+        t = gm.meta.get("fxfuse_trace", {})
+        out.append(f"# constructed by {t.get('tracer', 'trace')} ({t.get('ms', 0):.1f} ms)")
+        for p in gm.meta.get("fxfuse_passes", []):
+            extra = f", skipped: {p['skipped']}" if "skipped" in p else ""
+            out.append(f"# constructed by {p['pass']} ({p['ms']:.1f} ms, {p['nodes']} nodes{extra})")
+        out.append(f"# CUDA graph: {spec.cuda_graph_note}")
+        out.append(graph_as_python(gm))
+        out.append("")
+        out.append(node_table(gm))
+        if kernels:
+            for mod in gm.modules():
+                if isinstance(mod, FusedKernel):
+                    out.append(f"\n# ---- {mod.kernel_name} ({', '.join(mod.members)})\n{mod.source}")
+    if optimized.misses:
+        out.append(f"\nguard misses: {len(optimized.misses)} (last: {optimized.misses[-1]})")
+    return "\n".join(out)

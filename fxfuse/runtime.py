@@ -1,0 +1,181 @@
+"""OptimizedModule: guards, specializations and CUDA-graph replay around rewritten graphs.
+
+The example input fixes shapes. Every call computes a signature of its inputs (shape, dtype,
+device, strides, and whether autograd would record) and runs the specialization built for
+exactly that signature. A miss builds another one (up to options.max_specializations), then
+runs the original module with one warning, or raises GuardError under strict=True. A kernel
+built for other shapes never runs.
+
+On CUDA a specialization is captured once in a CUDA graph: inputs are copied into static
+buffers, the graph replays, and outputs are cloned out of the graph's memory pool, so a tensor
+returned by one call is never overwritten by the next. The pool itself is the memory plan:
+during capture the caching allocator reuses an intermediate's block once it is dead.
+"""
+import time
+import warnings
+
+import torch
+import torch.fx
+
+from .errors import FxfuseError, GuardError
+from .kernel import FusedKernel
+from .log import logger
+
+
+class FxfuseWarning(UserWarning):
+    """Category of fxfuse's fallback warnings, so users can filter them."""
+
+
+def signature(args) -> tuple:
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.dtype, a.device, tuple(a.stride()), a.requires_grad))
+        else:
+            sig.append(("const", type(a).__name__, repr(a)))
+    return tuple(sig)
+
+
+def describe_mismatch(expected: tuple, got: tuple) -> str:
+    if len(expected) != len(got):
+        return f"expected {len(expected)} inputs, got {len(got)}"
+    fields = ("shape", "dtype", "device", "stride", "requires_grad")
+    for k, (e, g) in enumerate(zip(expected, got)):
+        if e != g:
+            if e[0] == "const" or g[0] == "const":
+                return f"input {k}: expected {e[-1]}, got {g[-1]}"
+            for name, ev, gv in zip(fields, e, g):
+                if ev != gv:
+                    return f"input {k}: {name} {gv} where the specialization has {ev}"
+    return "no difference"
+
+
+class Specialization:
+    """One rewritten graph for one input signature, run directly or through a CUDA graph."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float):
+        self.gm = gm
+        self.options = options
+        self.build_ms = build_ms
+        self.signature = signature(example_args)
+        self.tensor_positions = [k for k, a in enumerate(example_args) if isinstance(a, torch.Tensor)]
+        self.graph = None
+        self.cuda_graph_note = "not on CUDA"
+        self.calls = 0
+        devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
+        if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
+            self._capture(example_args)
+        elif not options.cuda_graphs:
+            self.cuda_graph_note = "off (cuda_graphs=False)"
+
+    def _tensor_args(self, args):
+        return [args[k] for k in self.tensor_positions]
+
+    def _capture(self, example_args):
+        if self.gm.meta.get("fxfuse_inplace_kept"):
+            self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
+            return
+        try:
+            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                         for a in self._tensor_args(example_args)]
+            for s, a in zip(static_in, self._tensor_args(example_args)):
+                s.copy_(a)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _ in range(2):  # compiles kernels, creates library handles
+                    self.gm(*static_in)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph):
+                static_out = self.gm(*static_in)
+            self.static_in, self.static_out, self.graph = static_in, static_out, graph
+            self.cuda_graph_note = "captured: one CUDA graph replay per call"
+        except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
+            torch.cuda.synchronize()
+            self.graph = None
+            self.cuda_graph_note = f"off: capture failed ({type(e).__name__}: {str(e)[:200]})"
+            logger.info("CUDA graph capture failed, running without: %s", e)
+
+    def __call__(self, args):
+        self.calls += 1
+        if self.graph is None:
+            with torch.no_grad():
+                return self.gm(*self._tensor_args(args))
+        for s, a in zip(self.static_in, self._tensor_args(args)):
+            s.copy_(a)
+        self.graph.replay()
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
+
+
+class OptimizedModule(torch.nn.Module):
+    """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
+
+    def __init__(self, model: torch.nn.Module, example_args: tuple, options, build):
+        super().__init__()
+        self.original = model
+        self.options = options
+        self._build = build                # (model, args, options) -> GraphModule
+        self.specializations: dict = {}
+        self.misses: list = []
+        self._warned: set = set()
+        self.add_specialization(example_args)
+
+    def add_specialization(self, args) -> Specialization:
+        start = time.perf_counter()
+        gm = self._build(self.original, args, self.options)
+        spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start))
+        self.specializations[spec.signature] = spec
+        self.add_module(f"specialization_{len(self.specializations) - 1}", gm)
+        return spec
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, FxfuseWarning, stacklevel=3)
+
+    def _needs_autograd(self, args) -> bool:
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return False
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return True
+        return any(p.requires_grad for p in self.original.parameters())
+
+    def forward(self, *args):
+        if self._needs_autograd(args):
+            self._warn_once("grad", "fxfuse runs inference only: this call would record autograd, so "
+                            "the original module runs. Call under torch.no_grad() or "
+                            "torch.inference_mode() to use the optimized graph.")
+            return self.original(*args)
+        sig = signature(args)
+        spec = self.specializations.get(sig)
+        if spec is not None:
+            return spec(args)
+        first = next(iter(self.specializations))
+        reason = describe_mismatch(first, sig)
+        self.misses.append(reason)
+        if len(self.specializations) >= self.options.max_specializations:
+            if self.options.strict:
+                raise GuardError(f"{reason}; all {self.options.max_specializations} specializations "
+                                 "are in use (option max_specializations)")
+            self._warn_once("full", f"fxfuse: {reason}; max_specializations="
+                            f"{self.options.max_specializations} reached, running the original module "
+                            "for inputs like this")
+            return self.original(*args)
+        try:
+            spec = self.add_specialization(args)
+        except FxfuseError as e:
+            if self.options.strict:
+                raise
+            self._warn_once("build:" + reason, f"fxfuse: no specialization for a new input ({reason}): "
+                            f"{e}; running the original module")
+            return self.original(*args)
+        logger.info("built specialization %d: %s", len(self.specializations), reason)
+        return spec(args)
+
+    def fused_kernels(self):
+        for spec in self.specializations.values():
+            for mod in spec.gm.modules():
+                if isinstance(mod, FusedKernel):
+                    yield mod

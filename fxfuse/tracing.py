@@ -1,0 +1,96 @@
+"""Capture a model as a torch.fx graph and record shapes, dtypes and strides on every node.
+
+torch.fx.symbolic_trace first (it keeps nn.Linear, nn.ReLU, ... as readable call_module
+nodes); when it cannot follow the model (Python control flow on tensor values or shapes)
+torch.export(strict=False) is tried, which specializes shapes and yields aten-level nodes
+that the normalize pass also understands. Shapes come only from ShapePropagation, stored the
+torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own
+meta so the normalize pass can fold them into constants.
+"""
+import inspect
+import time
+
+import torch
+import torch.fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+from .errors import TraceError
+from .log import logger
+
+
+def fxfuse_meta(node: torch.fx.Node) -> dict:
+    """fxfuse's own facts about a node live under one key, never as node attributes."""
+    return node.meta.setdefault("fxfuse", {})
+
+
+class ShapePropagation(ShapeProp):
+    """ShapeProp that also records non-tensor results (sizes, dims) under meta['fxfuse']['value']."""
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            fxfuse_meta(n)["device"] = result.device
+        elif _is_plain_value(result):
+            fxfuse_meta(n)["value"] = result
+        return result
+
+
+def _is_plain_value(v) -> bool:
+    if isinstance(v, (bool, int, float, torch.dtype, torch.device, torch.Size)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_is_plain_value(x) for x in v)
+    return False
+
+
+def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
+    with torch.no_grad():
+        ShapePropagation(gm).propagate(*example_args)
+
+
+def _split_concrete(model: torch.nn.Module, example_args: tuple):
+    """Non-tensor example arguments become concrete_args: the graph is specialized on them."""
+    if all(isinstance(a, torch.Tensor) for a in example_args):
+        return None, example_args
+    params = list(inspect.signature(model.forward).parameters)
+    if len(params) < len(example_args):
+        raise TraceError("non-tensor example arguments need a forward() with named parameters")
+    concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
+    tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
+    return concrete, tensors
+
+
+def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
+    """Return a GraphModule equivalent to model on inputs like example_args, with shapes."""
+    start = time.perf_counter()
+    concrete, tensor_args = _split_concrete(model, example_args)
+    try:
+        gm = torch.fx.symbolic_trace(model, concrete_args=concrete)
+        how = "torch.fx.symbolic_trace"
+        propagate_shapes(gm, tensor_args)
+    except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
+        logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
+        if concrete:
+            raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
+                             "torch.export is not tried for non-tensor inputs") from fx_error
+        try:
+            exported = torch.export.export(model, tuple(example_args), strict=False)
+            gm = exported.module()
+            how = "torch.export(strict=False)"
+            propagate_shapes(gm, tensor_args)
+        except Exception as export_error:  # noqa: BLE001
+            raise TraceError(
+                f"could not capture a graph of {type(model).__name__}: "
+                f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}; "
+                f"torch.export(strict=False) failed with {type(export_error).__name__}: "
+                f"{_first_line(export_error)}. Remove data-dependent Python control flow from "
+                "forward() (use torch.where), or mark the offending submodule as a leaf."
+            ) from export_error
+    gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
+                               "concrete_args": concrete or {}}
+    return gm
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,108 @@
+"""Eval-mode BatchNorm: folded into (copies of) the preceding Linear/Conv weights, or else
+turned into a per-channel multiply-add that pointwise fusion can absorb.
+
+In eval mode BatchNorm is y = x * scale + shift with scale = gamma / sqrt(var + eps) and
+shift = beta - mean * scale, constants per channel (dim 1). After a Conv (channels = dim 1)
+or a Linear on 2-d input (features = dim 1) whose only reader is the BatchNorm, it is
+absorbed into a new weight and bias; the user's model is never modified, the copies live on
+the GraphModule. Training-mode BatchNorm, or one without running statistics, is left alone.
+"""
+import operator
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxfuse.tracing import fxfuse_meta
+
+CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def _scale_shift(bn: nn.modules.batchnorm._BatchNorm):
+    with torch.no_grad():
+        var, mean = bn.running_var.double(), bn.running_mean.double()
+        scale = torch.rsqrt(var + bn.eps)
+        if bn.weight is not None:
+            scale = scale * bn.weight.double()
+        shift = -mean * scale
+        if bn.bias is not None:
+            shift = shift + bn.bias.double()
+    return scale, shift
+
+
+def _is_eval_batchnorm(mod) -> bool:
+    return (isinstance(mod, nn.modules.batchnorm._BatchNorm) and not mod.training
+            and mod.track_running_stats and mod.running_mean is not None)
+
+
+def _register(gm, stem: str, tensor: torch.Tensor) -> str:
+    name = "fxfuse_" + stem.replace(".", "_")
+    k = 0
+    while hasattr(gm, f"{name}_{k}"):
+        k += 1
+    gm.register_buffer(f"{name}_{k}", tensor.detach(), persistent=False)
+    return f"{name}_{k}"
+
+
+def _foldable_producer(gm, bn_node):
+    """The Linear/Conv call_module node the BatchNorm can be folded into, or None."""
+    src = bn_node.args[0]
+    if not isinstance(src, torch.fx.Node) or src.op != "call_module" or len(src.users) != 1:
+        return None
+    mod = gm.get_submodule(src.target)
+    if type(mod) in CONV_FUNCTIONS and mod.padding_mode == "zeros":
+        return src
+    meta = src.meta.get("tensor_meta")
+    if type(mod) is nn.Linear and meta is not None and len(meta.shape) == 2:
+        return src
+    return None
+
+
+def fold_batchnorm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        bn = gm.get_submodule(node.target)
+        if not _is_eval_batchnorm(bn):
+            continue
+        scale, shift = _scale_shift(bn)
+        src = _foldable_producer(gm, node)
+        if src is not None:
+            layer = gm.get_submodule(src.target)
+            dtype = layer.weight.dtype
+            shape = (-1,) + (1,) * (layer.weight.dim() - 1)
+            weight = (layer.weight.double() * scale.view(shape)).to(dtype)
+            bias = shift if layer.bias is None else layer.bias.double() * scale + shift
+            with g.inserting_before(node):
+                w = g.get_attr(_register(gm, f"{src.target}.weight_bn", weight))
+                b = g.get_attr(_register(gm, f"{src.target}.bias_bn", bias.to(dtype)))
+                if type(layer) is nn.Linear:
+                    new = g.call_function(F.linear, (src.args[0], w, b))
+                else:
+                    new = g.call_function(CONV_FUNCTIONS[type(layer)], (
+                        src.args[0], w, b, layer.stride, layer.padding, layer.dilation, layer.groups))
+            fxfuse_meta(new)["note"] = f"{node.target} folded into {src.target}"
+            new.meta["tensor_meta"] = node.meta.get("tensor_meta")
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            g.erase_node(src)
+            continue
+        meta = node.meta.get("tensor_meta")
+        if meta is None or len(meta.shape) < 2:
+            continue
+        dtype = meta.dtype
+        view = (-1,) + (1,) * (len(meta.shape) - 2)
+        with g.inserting_before(node):
+            s = g.get_attr(_register(gm, f"{node.target}.scale", scale.to(dtype).view(view)))
+            t = g.get_attr(_register(gm, f"{node.target}.shift", shift.to(dtype).view(view)))
+            mul = g.call_function(operator.mul, (node.args[0], s))
+            new = g.call_function(operator.add, (mul, t))
+        fxfuse_meta(new)["note"] = f"eval-mode {node.target} as a per-channel multiply-add"
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    return gm

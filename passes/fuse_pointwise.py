@@ -1,0 +1,240 @@
+"""Pointwise fusion: maximal convex groups of pointwise nodes become one generated kernel each.
+
+Groups grow along producer -> consumer edges and then across siblings that share an input,
+as long as the group stays convex (no path leaves it and comes back, checked with networkx on
+the quotient graph) and every member whose value is read outside the group has the group's
+full iteration shape (it is stored from the kernel). Smaller members, such as `bias * 2`
+feeding `x + bias * 2`, are recomputed per point, which is what broadcasting means.
+Library calls (matmul, conv, pooling, reductions, views) stay as they are.
+"""
+import operator
+
+import networkx as nx
+import torch
+import torch.fx
+
+from fxfuse.ir import IndexMap, IRBuilder
+from fxfuse.kernel import FusedKernel
+from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
+from fxfuse.tracing import fxfuse_meta
+
+SCALAR_TYPES = (int, float, bool)
+UNSUPPORTED_INPUT_DTYPES = (torch.float64, torch.complex64, torch.complex128)
+
+
+def _meta(node):
+    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
+    """None if node can join a fused kernel, else the reason (shown by explain)."""
+    if node.op != "call_function" or not is_pointwise_target(node.target):
+        return "not a pointwise op"
+    op = POINTWISE[node.target]
+    meta = _meta(node)
+    if not hasattr(meta, "shape"):
+        return "output is not a single tensor"
+    if meta.dtype not in FLOAT_DTYPES and not (meta.dtype == torch.bool and op.returns_bool):
+        return f"output dtype {meta.dtype} is computed by the library"
+    if meta.shape.numel() == 0:
+        return "empty tensor"
+    operands, params = node.args[:op.nargs], list(node.args[op.nargs:]) + list(node.kwargs.values())
+    if any(isinstance(p, torch.fx.Node) for p in params):
+        return "a parameter of the op is a tensor"
+    for a in operands:
+        if isinstance(a, torch.fx.Node):
+            m = _meta(a)
+            if not hasattr(m, "shape"):
+                return f"operand {a.name} is not a tensor"
+            if m.dtype in UNSUPPORTED_INPUT_DTYPES:
+                return f"operand {a.name} has dtype {m.dtype}"
+            if a in mutated:
+                return f"operand {a.name} is mutated in place elsewhere in the graph"
+        elif not isinstance(a, SCALAR_TYPES):
+            return f"operand {a!r} is neither a tensor nor a number"
+    if node.target is torch.where and _meta(node.args[0]) is not None and _meta(node.args[0]).dtype != torch.bool:
+        return "where() condition is not bool"
+    return None
+
+
+def _mutated_values(gm) -> set:
+    """Values (and the nodes they are views of) that an in-place op kept by normalize writes."""
+    kept = set(gm.meta.get("fxfuse_inplace_kept", []))
+    out = set()
+    for node in gm.graph.nodes:
+        if node.name in kept:
+            stack = [a for a in node.all_input_nodes]
+            while stack:
+                n = stack.pop()
+                if n not in out:
+                    out.add(n)
+                    stack.extend(n.all_input_nodes)
+                    stack.extend(n.users)
+    return out
+
+
+class Grouping:
+    """Union of nodes into groups over a quotient DAG that is kept acyclic (convexity)."""
+
+    def __init__(self, graph: torch.fx.Graph, fusible: set):
+        self.q = nx.DiGraph()
+        self.group = {}
+        self.members = {}
+        for node in graph.nodes:
+            self.group[node] = node
+            self.members[node] = [node]
+            self.q.add_node(node)
+        for node in graph.nodes:
+            for src in node.all_input_nodes:
+                self.q.add_edge(src, node)
+        self.fusible = fusible
+
+    def _creates_cycle(self, a, b) -> bool:
+        removed = [(u, v) for u, v in ((a, b), (b, a)) if self.q.has_edge(u, v)]
+        self.q.remove_edges_from(removed)
+        try:
+            return nx.has_path(self.q, a, b) or nx.has_path(self.q, b, a)
+        finally:
+            self.q.add_edges_from(removed)
+
+    @staticmethod
+    def iteration_shape(members) -> tuple:
+        return tuple(torch.broadcast_shapes(*[_meta(m).shape for m in members]))
+
+    def _shapes_ok(self, members) -> bool:
+        try:
+            shape = self.iteration_shape(members)
+        except RuntimeError:
+            return False
+        inside = set(members)
+        devices = {fxfuse_meta(m).get("device") for m in members}
+        if len(devices) > 1:
+            return False
+        for m in members:
+            read_outside = any(u not in inside for u in m.users)
+            if read_outside and tuple(_meta(m).shape) != shape:
+                return False
+        return True
+
+    def try_merge(self, x, y) -> bool:
+        a, b = self.group[x], self.group[y]
+        if a is b or a not in self.fusible or b not in self.fusible:
+            return False
+        merged = self.members[a] + self.members[b]
+        if not self._shapes_ok(merged) or self._creates_cycle(a, b):
+            return False
+        for u, _ in list(self.q.in_edges(b)):
+            if u is not a:
+                self.q.add_edge(u, a)
+        for _, v in list(self.q.out_edges(b)):
+            if v is not a:
+                self.q.add_edge(a, v)
+        self.q.remove_node(b)
+        for m in self.members.pop(b):
+            self.group[m] = a
+        self.members[a] = merged
+        return True
+
+
+def fuse_pointwise(gm: torch.fx.GraphModule, use_kernels: bool = True) -> torch.fx.GraphModule:
+    g = gm.graph
+    mutated = _mutated_values(gm)
+    fusible = set()
+    for node in g.nodes:
+        reason = why_not_fusible(node, mutated)
+        if reason is None:
+            fusible.add(node)
+        elif node.op == "call_function" and is_pointwise_target(node.target):
+            fxfuse_meta(node)["decision"] = f"not fused: {reason}"
+    grouping = Grouping(g, fusible)
+    order = {n: k for k, n in enumerate(g.nodes)}
+    for node in g.nodes:                      # producer -> consumer
+        if node in fusible:
+            for src in node.all_input_nodes:
+                grouping.try_merge(src, node)
+    for node in g.nodes:                      # siblings reading the same value
+        readers = sorted((u for u in node.users if u in fusible), key=order.get)
+        for u in readers[1:]:
+            grouping.try_merge(readers[0], u)
+    return _rebuild(gm, grouping, order, use_kernels)
+
+
+def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx.GraphModule:
+    """Emit the quotient DAG in topological order; each multi-op group becomes a FusedKernel."""
+    new = torch.fx.Graph()
+    env = {}
+    units = nx.lexicographical_topological_sort(grouping.q, key=lambda n: order[n])
+    count = 0
+    for head in units:
+        members = sorted(grouping.members[head], key=order.get)
+        if head not in grouping.fusible:
+            env[head] = new.node_copy(head, lambda n: env[n])
+            continue
+        name = f"fused_{count}"
+        count += 1
+        inputs, outputs, module = build_fused_kernel(gm, members, use_kernels)
+        gm.add_submodule(name, module)
+        call = new.call_module(name, tuple(env[i] for i in inputs))
+        call.meta["fxfuse"] = {"kind": "fused kernel", "members": [m.name for m in members]}
+        if len(outputs) == 1:
+            call.meta["tensor_meta"] = outputs[0].meta["tensor_meta"]
+            env[outputs[0]] = call
+        else:
+            for k, out in enumerate(outputs):
+                item = new.call_function(operator.getitem, (call, k))
+                item.meta["tensor_meta"] = out.meta["tensor_meta"]
+                item.meta["fxfuse"] = {"kind": "output of " + name}
+                env[out] = item
+    gm.graph = new
+    for node in new.nodes:
+        node.meta.setdefault("fxfuse", {})
+    new.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
+
+
+def build_fused_kernel(gm, members, use_kernels: bool):
+    """Lower a group of canonical pointwise nodes to the IR; return (inputs, outputs, module)."""
+    inside = set(members)
+    shape = Grouping.iteration_shape(members)
+    inputs = []
+    for m in members:
+        for a in m.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [m for m in members if any(u not in inside for u in m.users)]
+    b = IRBuilder(shape)
+    for a in inputs:
+        b.add_input(_meta(a).dtype)
+    value = {}
+    for m in members:
+        op = POINTWISE[m.target]
+        args = []
+        for a in m.args[:op.nargs]:
+            if isinstance(a, torch.fx.Node) and a in inside:
+                args.append(value[a])
+            elif isinstance(a, torch.fx.Node):
+                meta = _meta(a)
+                args.append(b.load(inputs.index(a), IndexMap.broadcast(meta.shape, meta.stride, shape)))
+            else:
+                args.append(b.const(a))
+        params = dict(zip(op.params, m.args[op.nargs:]))
+        params.update(m.kwargs)
+        value[m] = b.op(op.name, args, **params)
+    for out in outputs:
+        b.store(value[out], _meta(out).dtype)
+    reference = _reference_module(members, inputs, outputs)
+    input_meta = tuple((tuple(_meta(a).shape), tuple(_meta(a).stride), _meta(a).dtype) for a in inputs)
+    described = tuple(f"{m.name}={POINTWISE[m.target].name}" for m in members)
+    return inputs, outputs, FusedKernel(b.build(), reference, input_meta, described, use_kernels)
+
+
+def _reference_module(members, inputs, outputs) -> torch.fx.GraphModule:
+    """The group's own torch ops as a small GraphModule: the kernel's reference and fallback."""
+    g = torch.fx.Graph()
+    env = {a: g.placeholder(a.name) for a in inputs}
+    for m in members:
+        env[m] = g.node_copy(m, lambda n: env[n])
+    g.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), g)

@@ -1,0 +1,475 @@
+"""Normalize: every spelling of an op becomes one canonical node before any matching.
+
+`nn.ReLU()`, `F.relu`, `torch.relu`, `x.relu()`, `x.relu_()`, `F.relu(x, inplace=True)` and
+aten's `relu.default` all become `torch.relu(x)`; likewise for every op of fxfuse.ops. Each
+spelling is a row of SPELLINGS: which canonical op it is, the names of its parameters in
+positional order (to bind args and kwargs), and whether it mutates its first operand.
+
+Also here: `nn.Linear` / `F.linear` with a bias becomes `F.linear(x, W)` plus a pointwise bias
+add (epilogue work for fusion); ConvNd keeps its library call with the bias split out;
+eval-mode Dropout and Identity vanish; shape arithmetic (`x.size(0) * 2`) folds to constants
+(the runtime guards on shapes); in-place ops become functional when nothing else can observe
+the mutation, and otherwise stay as they are, so eager semantics hold either way.
+"""
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxfuse.ops import POINTWISE, cast, is_pointwise_target
+from fxfuse.tracing import fxfuse_meta
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Spelling:
+    canonical: object                  # key of fxfuse.ops.POINTWISE
+    names: tuple                       # this spelling's parameter names, positional order
+    inplace: bool = False
+    fixed: dict = field(default_factory=dict)   # canonical params this spelling implies
+    rename: dict = field(default_factory=dict)  # this spelling's name -> canonical param name
+
+
+UNARY = {  # canonical target: function spellings (each also has methods `name` and `name_`)
+    torch.exp: [torch.exp],
+    torch.log: [torch.log], torch.sqrt: [torch.sqrt], torch.rsqrt: [torch.rsqrt],
+    torch.abs: [torch.abs, torch.absolute], torch.sin: [torch.sin], torch.cos: [torch.cos],
+    torch.erf: [torch.erf, torch.special.erf], torch.floor: [torch.floor], torch.ceil: [torch.ceil],
+    torch.expm1: [torch.expm1, torch.special.expm1], torch.log1p: [torch.log1p, torch.special.log1p],
+    torch.reciprocal: [torch.reciprocal], torch.relu: [torch.relu, F.relu],
+    torch.sigmoid: [torch.sigmoid, F.sigmoid, torch.special.expit], torch.tanh: [torch.tanh, F.tanh],
+    F.silu: [F.silu], F.mish: [F.mish], F.selu: [F.selu], F.hardsigmoid: [F.hardsigmoid],
+    F.hardswish: [F.hardswish], operator.neg: [operator.neg, torch.neg, torch.negative],
+}
+METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
+                torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
+                torch.floor: "floor", torch.ceil: "ceil", torch.expm1: "expm1",
+                torch.log1p: "log1p", torch.reciprocal: "reciprocal", torch.relu: "relu",
+                torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg"}
+BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, torch.subtract]),
+          operator.mul: ("mul", [torch.mul, torch.multiply]),
+          operator.truediv: ("div", [torch.div, torch.divide, torch.true_divide]),
+          operator.gt: ("gt", [torch.gt, torch.greater]), operator.lt: ("lt", [torch.lt, torch.less]),
+          operator.ge: ("ge", [torch.ge, torch.greater_equal]),
+          operator.le: ("le", [torch.le, torch.less_equal]), operator.eq: ("eq", [torch.eq]),
+          operator.ne: ("ne", [torch.ne, torch.not_equal]),
+          torch.maximum: ("maximum", [torch.maximum]), torch.minimum: ("minimum", [torch.minimum])}
+INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
+                     operator.imul: operator.mul, operator.itruediv: operator.truediv}
+ACTIVATION_PARAMS = {  # canonical: (F spelling, its parameter names after input, module class)
+    torch.relu: ((), nn.ReLU), torch.sigmoid: ((), nn.Sigmoid), torch.tanh: ((), nn.Tanh),
+    F.silu: ((), nn.SiLU), F.mish: ((), nn.Mish), F.selu: ((), nn.SELU),
+    F.hardsigmoid: ((), nn.Hardsigmoid), F.hardswish: ((), nn.Hardswish),
+    F.gelu: (("approximate",), nn.GELU), F.leaky_relu: (("negative_slope",), nn.LeakyReLU),
+    F.elu: (("alpha",), nn.ELU), F.softplus: (("beta", "threshold"), nn.Softplus),
+}
+
+
+def _build_function_spellings() -> dict:
+    table = {}
+    for canon, spellings in UNARY.items():
+        for fn in spellings:
+            table[fn] = Spelling(canon, ("input", "inplace"))
+        under = getattr(torch, f"{getattr(canon, '__name__', '')}_", None)
+        if under is not None and canon is not operator.neg:
+            table[under] = Spelling(canon, ("input",), inplace=True)
+    for canon, (_, spellings) in BINARY.items():
+        table[canon] = Spelling(canon, ("input", "other"))
+        for fn in spellings:
+            table[fn] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"))
+    for op, canon in INPLACE_OPERATORS.items():
+        table[op] = Spelling(canon, ("input", "other"), inplace=True)
+    for canon, (params, _) in ACTIVATION_PARAMS.items():
+        if canon in (F.gelu, F.leaky_relu, F.elu, F.softplus):
+            table[canon] = Spelling(canon, ("input",) + params + ("inplace",))
+    table[F.relu_] = Spelling(torch.relu, ("input",), inplace=True)
+    table[F.leaky_relu_] = Spelling(F.leaky_relu, ("input", "negative_slope"), inplace=True)
+    table[F.elu_] = Spelling(F.elu, ("input", "alpha"), inplace=True)
+    table[torch.pow] = Spelling(operator.pow, ("input", "exponent"))
+    table[operator.pow] = Spelling(operator.pow, ("input", "exponent"))
+    table[torch.square] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    clamp = ("input", "min", "max")
+    for fn in (torch.clamp, torch.clip):
+        table[fn] = Spelling(torch.clamp, clamp)
+    table[torch.clamp_] = Spelling(torch.clamp, clamp, inplace=True)
+    table[torch.clamp_min] = Spelling(torch.clamp, ("input", "min"))
+    table[torch.clamp_max] = Spelling(torch.clamp, ("input", "max"))
+    table[F.hardtanh] = Spelling(torch.clamp, ("input", "min_val", "max_val", "inplace"),
+                                 fixed={"min": -1.0, "max": 1.0},
+                                 rename={"min_val": "min", "max_val": "max"})
+    table[F.hardtanh_] = Spelling(torch.clamp, ("input", "min_val", "max_val"), inplace=True,
+                                  fixed={"min": -1.0, "max": 1.0},
+                                  rename={"min_val": "min", "max_val": "max"})
+    table[F.relu6] = Spelling(torch.clamp, ("input", "inplace"), fixed={"min": 0.0, "max": 6.0})
+    table[torch.where] = Spelling(torch.where, ("condition", "input", "other"))
+    table[torch.rsub] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
+    return table
+
+
+def _build_method_spellings() -> dict:
+    table = {}
+    for canon, name in METHOD_NAMES.items():
+        table[name] = Spelling(canon, ("input",))
+        table[name + "_"] = Spelling(canon, ("input",), inplace=True)
+    table["negative"] = Spelling(operator.neg, ("input",))
+    for canon, (name, _) in BINARY.items():
+        if name in ("maximum", "minimum"):
+            table[name] = Spelling(canon, ("input", "other"))
+            continue
+        table[name] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"))
+        table[name + "_"] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"), inplace=True)
+    for alias, name in (("subtract", "sub"), ("multiply", "mul"), ("divide", "div"), ("true_divide", "div")):
+        table[alias] = table[name]
+    table["pow"] = Spelling(operator.pow, ("input", "exponent"))
+    table["pow_"] = Spelling(operator.pow, ("input", "exponent"), inplace=True)
+    table["square"] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    for name in ("clamp", "clip"):
+        table[name] = Spelling(torch.clamp, ("input", "min", "max"))
+        table[name + "_"] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
+    table["clamp_min"] = Spelling(torch.clamp, ("input", "min"))
+    table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
+    table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
+    return table
+
+
+def _build_aten_spellings() -> dict:
+    """aten overloads that torch.export produces, mapped onto the same canonical ops."""
+    table = {}
+    for canon, name in METHOD_NAMES.items():
+        for overload in ("default",):
+            for suffix, inplace in (("", False), ("_", True)):
+                packet = getattr(aten, name + suffix, None)
+                if packet is not None and hasattr(packet, overload):
+                    table[getattr(packet, overload)] = Spelling(canon, ("input",), inplace=inplace)
+    for canon, (name, _) in BINARY.items():
+        for suffix, inplace in (("", False), ("_", True)):
+            packet = getattr(aten, name + suffix, None)
+            for overload in ("Tensor", "Scalar", "default"):
+                if packet is not None and hasattr(packet, overload):
+                    table[getattr(packet, overload)] = Spelling(
+                        canon, ("input", "other", "alpha", "rounding_mode"), inplace=inplace)
+    for canon, (params, _) in ACTIVATION_PARAMS.items():
+        name = getattr(canon, "__name__", "")
+        for suffix, inplace in (("", False), ("_", True)):
+            packet = getattr(aten, name + suffix, None)
+            if packet is not None and hasattr(packet, "default"):
+                table[packet.default] = Spelling(canon, ("input",) + params, inplace=inplace)
+    table[aten.hardtanh.default] = Spelling(
+        torch.clamp, ("input", "min_val", "max_val"), fixed={"min": -1.0, "max": 1.0},
+        rename={"min_val": "min", "max_val": "max"})
+    table[aten.clamp.default] = Spelling(torch.clamp, ("input", "min", "max"))
+    table[aten.pow.Tensor_Scalar] = Spelling(operator.pow, ("input", "exponent"))
+    table[aten.where.self] = Spelling(torch.where, ("condition", "input", "other"))
+    return table
+
+
+FUNCTION_SPELLINGS = _build_function_spellings()
+METHOD_SPELLINGS = _build_method_spellings()
+ATEN_SPELLINGS = _build_aten_spellings()
+CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                "double": torch.float64}
+DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                   nn.FeatureAlphaDropout, nn.Identity)
+DROPOUT_FUNCTIONS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2,
+                     F.alpha_dropout: 2, F.feature_alpha_dropout: 2}  # index of `training`
+SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
+SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
+ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+         operator.mod, operator.getitem, operator.neg, operator.pow}
+CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """The Spelling row of a node, with module spellings bound to the module's attributes."""
+    if node.op == "call_function":
+        row = FUNCTION_SPELLINGS.get(node.target) or ATEN_SPELLINGS.get(node.target)
+        return row
+    if node.op == "call_method":
+        return METHOD_SPELLINGS.get(node.target)
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        for canon, (params, cls) in ACTIVATION_PARAMS.items():
+            if type(mod) is cls:
+                fixed = {p: getattr(mod, p) for p in params}
+                return Spelling(canon, ("input",), inplace=getattr(mod, "inplace", False), fixed=fixed)
+        if type(mod) in (nn.Hardtanh, nn.ReLU6):
+            return Spelling(torch.clamp, ("input",), inplace=mod.inplace,
+                            fixed={"min": float(mod.min_val), "max": float(mod.max_val)})
+    return None
+
+
+def _bind(row: Spelling, node: torch.fx.Node) -> dict | None:
+    names = row.names
+    if row.fixed.get("_where_method"):
+        names = ("input", "condition", "other")
+    if len(node.args) > len(names):
+        return None
+    bound = dict(zip(names, node.args))
+    for k, v in node.kwargs.items():
+        if k not in names or k in bound:
+            return None
+        bound[k] = v
+    bound.pop("inplace", None)
+    return {row.rename.get(k, k): v for k, v in bound.items()}
+
+
+def canonical_call(row: Spelling, node: torch.fx.Node):
+    """(target, args, kwargs) of the canonical form of a node, or None if it has none."""
+    bound = _bind(row, node)
+    if bound is None:
+        return None
+    params = {k: v for k, v in row.fixed.items() if not k.startswith("_")}
+    params.update(bound)
+    canon = row.canonical
+    op = POINTWISE[canon]
+    if canon is torch.where:
+        return canon, (params["condition"], params["input"], params["other"]), {}
+    x = params.pop("input")
+    if op.nargs == 2:
+        other = params.pop("other")
+        if params.pop("rounding_mode", None) is not None:
+            return None
+        alpha = params.pop("alpha", 1)
+        if params:
+            return None
+        if row.fixed.get("_swap"):  # rsub(input, other, alpha) = other - alpha * input
+            x, other = other, x
+        if alpha != 1:
+            if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
+                return None
+            return ("alpha", canon), (x, other, alpha), {}
+        return canon, (x, other), {}
+    if canon is operator.pow:
+        e = params.pop("exponent")
+        return (canon, (x, float(e)), {}) if isinstance(e, (int, float)) and not params else None
+    if canon is torch.clamp:
+        lo, hi = params.get("min"), params.get("max")
+        if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
+            return "tensor_clamp", (x, lo, hi), {}
+        return canon, (x,), {k: (None if v is None else float(v)) for k, v in (("min", lo), ("max", hi))}
+    allowed = set(op.params)
+    if set(params) - allowed:
+        return None
+    if any(isinstance(v, torch.fx.Node) for v in params.values()):
+        return None
+    return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}
+
+
+FRESH_FUNCTIONS = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
+                   torch.mm, torch.bmm, torch.addmm}
+
+
+def _produces_fresh_tensor(node) -> bool:
+    """True if node's output is a new tensor that no view or parameter shares."""
+    return node.op == "call_function" and (
+        (is_pointwise_target(node.target) and node.target is not cast)
+        or node.target in FRESH_FUNCTIONS)
+
+
+def _reads_without_alias(gm, user) -> bool:
+    """True if `user` reads its inputs without keeping a view of them."""
+    if user.op == "output":
+        return True
+    if user.op == "call_function" and (_produces_fresh_tensor(user) or user.target in FUNCTION_SPELLINGS):
+        return True
+    if user.op == "call_method" and (user.target in METHOD_SPELLINGS or user.target in SHAPE_METHODS):
+        return True
+    if user.op == "call_module":
+        mod = gm.get_submodule(user.target)
+        return isinstance(mod, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)) \
+            or spelling_of(gm, user) is not None
+    return False
+
+
+def _is_shape_value(node) -> bool:
+    """A non-tensor value computed only from shapes (sizes, dims, dtypes), safe to fold."""
+    if "value" not in node.meta.get("fxfuse", {}):
+        return False
+    if node.op == "call_method" and node.target in SHAPE_METHODS:
+        return True
+    if node.op == "call_function" and node.target is getattr and node.args[1] in SHAPE_ATTRS:
+        return True
+    if node.op == "call_function" and node.target in (aten.sym_size.int, aten.sym_numel.default):
+        return True
+    if node.op == "call_function" and node.target in ARITH:
+        return all(_is_shape_value(a) for a in node.all_input_nodes)
+    return False
+
+
+def _register_constant(gm, stem: str, tensor: torch.Tensor) -> str:
+    name = "fxfuse_" + stem.replace(".", "_")
+    k = 0
+    while hasattr(gm, name + (f"_{k}" if k else "")):
+        k += 1
+    name += f"_{k}" if k else ""
+    gm.register_buffer(name, tensor.detach(), persistent=False)
+    return name
+
+
+def _is_tensor_node(node) -> bool:
+    return isinstance(node, torch.fx.Node) and "tensor_meta" in node.meta
+
+
+def _split_layer(gm, node) -> bool:
+    """Linear -> F.linear(x, W) + b ; ConvNd -> F.convNd(x, W, None, ...) + b.view(C, 1, ...)."""
+    g = gm.graph
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if type(mod) is nn.Linear and len(node.args) == 1 and not node.kwargs:
+            with g.inserting_before(node):
+                w = g.get_attr(f"{node.target}.weight")
+                out = g.call_function(F.linear, (node.args[0], w))
+                if mod.bias is not None:
+                    out.meta = dict(node.meta)
+                    out = g.call_function(operator.add, (out, g.get_attr(f"{node.target}.bias")))
+        elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and mod.padding_mode == "zeros" \
+                and len(node.args) == 1 and not node.kwargs:
+            nd = int(type(mod).__name__[-2])
+            with g.inserting_before(node):
+                w = g.get_attr(f"{node.target}.weight")
+                out = g.call_function(CONV_FUNCTIONS[nd], (node.args[0], w, None, mod.stride,
+                                                           mod.padding, mod.dilation, mod.groups))
+                if mod.bias is not None:
+                    out.meta = dict(node.meta)
+                    shape = (-1,) + (1,) * nd
+                    b = g.get_attr(_register_constant(gm, f"{node.target}.bias", mod.bias.view(shape)))
+                    out = g.call_function(operator.add, (out, b))
+        else:
+            return False
+    elif node.op == "call_function" and node.target is F.linear:
+        args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
+        if args.get("bias") is None:
+            return False
+        with g.inserting_before(node):
+            out = g.call_function(F.linear, (args["input"], args["weight"]))
+            out.meta = dict(node.meta)
+            out = g.call_function(operator.add, (out, args["bias"]))
+    else:
+        return False
+    out.meta = dict(node.meta)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return True
+
+
+def _is_identity(gm, node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), DROPOUT_MODULES) and len(node.args) == 1
+    if node.op == "call_function" and node.target in DROPOUT_FUNCTIONS:
+        training = node.kwargs.get("training", node.args[DROPOUT_FUNCTIONS[node.target]]
+                                   if len(node.args) > DROPOUT_FUNCTIONS[node.target] else True)
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return training is False or p == 0
+    if node.op == "call_function" and node.target in (aten.dropout.default,):
+        return node.args[2] is False
+    return False
+
+
+def _cast_target(node):
+    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype)), else None."""
+    if node.op != "call_method":
+        return None
+    if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+        return CAST_METHODS[node.target]
+    if node.target in ("to", "type") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) \
+            and not node.kwargs:
+        return node.args[1]
+    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    return None
+
+
+def normalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    g = gm.graph
+    order = {n: k for k, n in enumerate(g.nodes)}
+    kept_inplace = []
+    for node in list(g.nodes):
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if _is_shape_value(node) and node.users:
+            value = node.meta["fxfuse"]["value"]
+            node.replace_all_uses_with(value if not isinstance(value, torch.Size) else tuple(value))
+            continue
+        if _is_identity(gm, node):
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            continue
+        if _split_layer(gm, node):
+            continue
+        dtype = _cast_target(node)
+        if dtype is not None:
+            src = node.args[0]
+            if _is_tensor_node(src) and src.meta["tensor_meta"].dtype == dtype:
+                node.replace_all_uses_with(src)  # a no-op conversion returns its input
+                g.erase_node(node)
+            else:
+                _replace(g, node, cast, (src, dtype), {})
+            continue
+        row = spelling_of(gm, node)
+        if row is None or (node.op == "call_function" and node.target in POINTWISE
+                           and not row.inplace and _already_canonical(row, node)):
+            continue
+        call = canonical_call(row, node)
+        if call is None:
+            continue
+        if row.inplace:
+            base = node.args[0]
+            safe = isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base) and all(
+                u is node or _reads_without_alias(gm, u) for u in base.users)
+            if not safe:
+                fxfuse_meta(node)["kept"] = "in-place op on a value that is a view, input or parameter"
+                kept_inplace.append(node)
+                continue
+            new = _replace(g, node, *call)
+            for user in list(base.users):
+                if user is not new and order.get(user, -1) > order[node]:
+                    user.replace_input_with(base, new)
+        else:
+            _replace(g, node, *call)
+    gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
+    g.eliminate_dead_code(is_impure_node=_is_impure)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def _is_impure(node) -> bool:
+    """Dead-code elimination keeps mutating ops and anything not known to be pure."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "get_attr":
+        return False
+    if node.op == "call_function" and (is_pointwise_target(node.target) or node.target in FRESH_FUNCTIONS):
+        return False
+    return node.is_impure() or node.op in ("call_module", "call_method") or "kept" in node.meta.get("fxfuse", {})
+
+
+def _already_canonical(row, node) -> bool:
+    return row.canonical is node.target and canonical_call(row, node) == (node.target, node.args, dict(node.kwargs))
+
+
+def _replace(g, node, target, args, kwargs):
+    """Insert the canonical call for node and make every user read it instead."""
+    with g.inserting_before(node):
+        if isinstance(target, tuple):  # add(x, y, alpha=a) -> x + y * a
+            x, other, alpha = args
+            scaled = g.call_function(operator.mul, (other, alpha))
+            new = g.call_function(target[1], (x, scaled))
+        elif target == "tensor_clamp":  # clamp with tensor bounds -> maximum / minimum
+            x, lo, hi = args
+            new = x
+            if lo is not None:
+                new = g.call_function(torch.maximum, (new, lo))
+            if hi is not None:
+                new = g.call_function(torch.minimum, (new, hi))
+        else:
+            new = g.call_function(target, tuple(args), kwargs)
+    new.meta = dict(node.meta)
+    new.meta.pop("fxfuse", None)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return new

@@ -1,0 +1,35 @@
+"""The pass pipeline, as a table of contents: one commented line per pass.
+
+Each pass takes a GraphModule and returns one; shapes are re-propagated after each pass that
+adds nodes, so later passes read shapes only from node.meta["tensor_meta"].
+"""
+import time
+
+from fxfuse.tracing import propagate_shapes
+
+from .fold_batchnorm import fold_batchnorm
+from .fuse_pointwise import fuse_pointwise
+from .normalize import normalize
+
+PIPELINE = [
+    # name              pass              re-propagate shapes after it
+    ("fold_batchnorm", fold_batchnorm, True),    # eval BatchNorm -> folded weights or per-channel mul-add
+    ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
+    ("fuse_pointwise", fuse_pointwise, False),   # maximal convex pointwise groups -> one Triton kernel each
+]
+
+
+def run_pipeline(gm, example_args, options):
+    """Run every enabled pass; record what each did (ms, node count) for explain()."""
+    log = []
+    for name, fn, reprop in PIPELINE:
+        if name == "fuse_pointwise" and not options.fuse:
+            log.append({"pass": name, "ms": 0.0, "nodes": len(gm.graph.nodes), "skipped": "fuse=False"})
+            continue
+        start = time.perf_counter()
+        gm = fn(gm, use_kernels=options.use_kernels) if name == "fuse_pointwise" else fn(gm)
+        if reprop:
+            propagate_shapes(gm, example_args)
+        log.append({"pass": name, "ms": 1e3 * (time.perf_counter() - start), "nodes": len(gm.graph.nodes)})
+    gm.meta["fxfuse_passes"] = log
+    return gm
