@@ -140,7 +140,8 @@ def measure_ceilings(device, dtype, warm_s=1.0):
 
     CUDA: a square cuBLAS product in `dtype` under the current TF32 flags (8192^3, 4096^3 if
     memory is short), after ~1 s of matmuls to bring the clocks up; a device-to-device copy of
-    up to 1 GiB (bytes read + written); one replay of a CUDA graph holding one tiny kernel.
+    up to 1 GiB (bytes read + written); one replay of a CUDA graph holding one tiny kernel
+    (and, for reference only, the per-kernel cost in a graph of 64 such kernels).
     CPU: the same with small sizes and one tiny eager op as the "launch"; rough, for testing.
     """
     cuda = device.type == "cuda"
@@ -182,11 +183,16 @@ def measure_ceilings(device, dtype, warm_s=1.0):
         with torch.cuda.stream(side):
             tiny.add_(1.0)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph, graph64 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             tiny.add_(1.0)
+        with torch.cuda.graph(graph64):  # per-kernel cost inside a graph, for reference
+            for _ in range(64):
+                tiny.add_(1.0)
         t_graph = time_per_call(lambda x: graph.replay(), [tiny], max_calls=20000)
+        t_graph64 = time_per_call(lambda x: graph64.replay(), [tiny], max_calls=2000)
         out["launch_s"] = t_graph.us * 1e-6
+        out["graph_kernel_s"] = t_graph64.us * 1e-6 / 64
     out.update({"precision": precision_settings(), "tiny_kernel": "x.add_(1) on 1 element"})
     return out
 
@@ -292,8 +298,10 @@ def run_case(case, tools, device, dtype, ceilings, args, seed):
 # ---------------------------------------------------------------------------- run
 
 def add_common_args(parser):
-    known = ",".join(t.key for t in toolmod.TOOLS)
-    parser.add_argument("--tools", help=f"comma list of columns (default: the default set); known: {known}")
+    default = ",".join(t.key for t in toolmod.select_tools())
+    extra = ",".join(t.key for t in toolmod.TOOLS if not t.default)
+    parser.add_argument("--tools", help=f"comma list of columns (default {default}; "
+                                        f"also known: {extra})")
     parser.add_argument("--max-autotune", action="store_true",
                         help="add torch.compile mode=max-autotune-no-cudagraphs (slow to compile)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",

@@ -40,7 +40,9 @@ def fmt_err(err):
 def ceilings_line(c):
     return (f"matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({c['matmul_dtype']}, "
             f"{c['matmul_n']}^3), copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
-            f"launch {c['launch_s'] * 1e6:.2f} us, eager launch {c['eager_launch_s'] * 1e6:.2f} us")
+            f"launch {c['launch_s'] * 1e6:.2f} us, eager launch {c['eager_launch_s'] * 1e6:.2f} us"
+            + (f", {c['graph_kernel_s'] * 1e6:.2f} us per kernel in a graph"
+               if "graph_kernel_s" in c else ""))
 
 
 def cell_value(rec):
@@ -233,8 +235,9 @@ class Report:
         ax.set_title(f"fxfuse speedup over best other tool\n{self.meta['device']}, "
                      f"{self.meta['dtype']}, {group_key}={group}", fontsize=9)
         bar = fig.colorbar(im, ax=ax, label="speedup (log scale)")
-        ticks = [t for t in range(-8, 9) if abs(t) <= span] or [0]
-        bar.set_ticks(ticks, labels=[f"{2.0 ** t:g}x" for t in ticks])
+        nice = [1 / 16, 1 / 8, 1 / 4, 1 / 2, 0.8, 1, 1.25, 2, 4, 8, 16]
+        ticks = [math.log2(v) for v in nice if abs(math.log2(v)) <= span]
+        bar.set_ticks(ticks, labels=[f"{2.0 ** t:.3g}x" for t in ticks])
         fig.tight_layout()
         path = self.dir / f"{self.stem}_heatmap_{group_key}{group}.png"
         fig.savefig(path, dpi=110)

@@ -35,6 +35,7 @@ class Tool:
     default: bool = True     # in the table unless --tools says otherwise
     fxfuse: bool = False     # an fxfuse variant: not an "other tool" when ranking competitors
     compiled: bool = False   # uses torch.compile: reset dynamo around it
+    private_copy: bool = False  # build from a deep copy (made before the build clock starts)
 
 
 # ---------------------------------------------------------------------------- builders
@@ -79,7 +80,7 @@ def build_compile(model, example, mode=None):
 
 
 def build_fxfuse(model, example, **options):
-    """fxfuse.optimize with the given options, on a private copy of the model.
+    """fxfuse.optimize with the given options (its Tool gets a private copy of the model).
 
     The copy keeps a pass that rewrites the module in place from changing what the other
     columns measure. An option fxfuse does not know yet raises FxfuseError or TypeError,
@@ -89,7 +90,7 @@ def build_fxfuse(model, example, **options):
 
     if not hasattr(fxfuse, "optimize"):
         raise NotApplicable("fxfuse.optimize does not exist yet")
-    return fxfuse.optimize(copy.deepcopy(model), example, **options)
+    return fxfuse.optimize(model, example, **options)
 
 
 def _fxfuse_unsupported():
@@ -104,26 +105,29 @@ def _fxfuse_unsupported():
     return tuple(kinds)
 
 
-# One line per column. Order is the column order of the tables.
+def fxfuse_tool(key, label, default=True, **options):
+    """A column running fxfuse.optimize(model, example, **options) on a private model copy."""
+    return Tool(key, label, functools.partial(build_fxfuse, **options), default=default,
+                fxfuse=True, private_copy=True)
+
+
+def compile_tool(key, label, mode=None, default=True):
+    """A column running torch.compile(model, mode=mode); dynamo is reset around each build."""
+    return Tool(key, label, functools.partial(build_compile, mode=mode), default=default,
+                compiled=True)
+
+
+# One line per column, in table order. default=False columns run only when --tools names them.
 TOOLS = [
     Tool("eager", "eager", build_eager),
     Tool("cudagraph", "eager+graph", build_cudagraph),
-    Tool("compile", "compile", build_compile, compiled=True),
-    Tool("compile-ro", "compile r-o", functools.partial(build_compile, mode="reduce-overhead"),
-         compiled=True),
-    Tool("compile-ma", "compile m-a",
-         functools.partial(build_compile, mode="max-autotune-no-cudagraphs"),
-         default=False, compiled=True),
-    Tool("fxfuse-overhead", "fxfuse ovh",
-         functools.partial(build_fxfuse, fuse=False, cuda_graphs=True), fxfuse=True),
-    Tool("fxfuse", "fxfuse", functools.partial(build_fxfuse, fuse=True, cuda_graphs=True),
-         fxfuse=True),
-    Tool("fxfuse-s1", "fxfuse S1",
-         functools.partial(build_fxfuse, fuse=True, cuda_graphs=True, strassen="force",
-                           strassen_levels=1), default=False, fxfuse=True),
-    Tool("fxfuse-s2", "fxfuse S2",
-         functools.partial(build_fxfuse, fuse=True, cuda_graphs=True, strassen="force",
-                           strassen_levels=2), default=False, fxfuse=True),
+    compile_tool("compile", "compile"),
+    compile_tool("compile-ro", "compile r-o", mode="reduce-overhead"),
+    compile_tool("compile-ma", "compile m-a", mode="max-autotune-no-cudagraphs", default=False),
+    fxfuse_tool("fxfuse-overhead", "fxfuse ovh", fuse=False, cuda_graphs=True),
+    fxfuse_tool("fxfuse", "fxfuse", fuse=True, cuda_graphs=True),
+    fxfuse_tool("fxfuse-s1", "fxfuse S1", default=False, strassen="force", strassen_levels=1),
+    fxfuse_tool("fxfuse-s2", "fxfuse S2", default=False, strassen="force", strassen_levels=2),
 ]
 TOOLS_BY_KEY = {t.key: t for t in TOOLS}
 HEADLINE = "fxfuse"  # the column whose speedups the tables report
@@ -161,6 +165,8 @@ def build_tool(tool, model, example):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            if tool.private_copy:
+                model = copy.deepcopy(model)
             _sync(example.device)
             start = time.perf_counter()
             fn = tool.build(model, example)
