@@ -59,7 +59,7 @@ def _foldable_producer(gm, bn_node):
     return None
 
 
-def fold_batchnorm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     for node in list(g.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:

@@ -136,7 +136,11 @@ class Grouping:
         return True
 
 
-def fuse_pointwise(gm: torch.fx.GraphModule, use_kernels: bool = True) -> torch.fx.GraphModule:
+def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    if options is not None and not options.fuse:
+        gm.meta["fxfuse_skipped"] = True
+        return gm
+    use_kernels = True if options is None or options.use_kernels is None else options.use_kernels
     g = gm.graph
     mutated = _mutated_values(gm)
     fusible = set()

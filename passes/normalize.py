@@ -383,7 +383,7 @@ def _cast_target(node):
     return None
 
 
-def normalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     order = {n: k for k, n in enumerate(g.nodes)}
     kept_inplace = []

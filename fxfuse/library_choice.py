@@ -1,0 +1,50 @@
+"""Measured choice between library spellings of the same GEMM, per shape, on the GPU.
+
+cuBLAS picks its kernel by heuristics, and two spellings of one Linear can differ by 20x:
+on an H100 (fp32, 8 layers in a CUDA graph, benchmarks/probe_linear_epilogue.py) `mm` took
+418 us where `addmm` with the bias in cuBLASLt's epilogue took 20 us (batch 16, width 128),
+while at batch 64, width 1024 `mm` took 104 us and `addmm` 229 us. So rather than guess,
+time both once per (batch, in, out, dtype, TF32 setting) and remember the answer for the
+process. This is the seed of the cost model's calibration: a measured fact per shape.
+"""
+import functools
+
+import torch
+
+
+def _time_us(fn, reps: int = 3, calls: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    return best
+
+
+@functools.lru_cache(maxsize=512)
+def bias_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                         allow_tf32: bool) -> tuple:
+    """(True, reason) if F.linear(x, W, b) beats F.linear(x, W) for this shape on this GPU.
+
+    The bias add itself is free in the other spelling (it joins the fused epilogue kernel),
+    so the comparison is GEMM against GEMM-with-epilogue.
+    """
+    if device.type != "cuda":
+        return False, "bias fused into the pointwise kernel (no GPU to measure on)"
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(batch, k, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, device=device, dtype=dtype, generator=gen)
+    with torch.no_grad():
+        plain = _time_us(lambda: torch.nn.functional.linear(x, w))
+        with_bias = _time_us(lambda: torch.nn.functional.linear(x, w, b))
+    if with_bias < 0.95 * plain:
+        return True, f"bias in the library GEMM: measured {with_bias:.1f} us vs {plain:.1f} us without"
+    return False, f"bias fused into the pointwise kernel: GEMM measured {plain:.1f} us vs {with_bias:.1f} us with bias"
