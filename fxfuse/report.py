@@ -35,8 +35,25 @@ def _call_text(node) -> str:
     if node.op == "call_method":
         return f"{_arg(node.args[0])}.{node.target}({', '.join(_arg(a) for a in node.args[1:])})"
     if node.op == "get_attr":
-        return f"self.{node.target}"
-    return f"{torch.fx.node._get_qualified_name(node.target)}({args})"
+        return _attr_path(node.target)
+    return f"{_function_name(node.target)}({args})"
+
+
+def _attr_path(target: str) -> str:
+    """`self.fc.weight`, or `self.get_submodule("0").weight` where a name is not an identifier."""
+    *mods, leaf = target.split(".")
+    if all(m.isidentifier() for m in mods):
+        return "self." + ".".join(mods + [leaf])
+    return f'self.get_submodule("{".".join(mods)}").{leaf}'
+
+
+def _function_name(fn) -> str:
+    name = getattr(fn, "__name__", "")
+    if getattr(torch.nn.functional, name, None) is fn:
+        return f"torch.nn.functional.{name}"
+    if getattr(torch, name, None) is fn:
+        return f"torch.{name}"
+    return torch.fx.node._get_qualified_name(fn)
 
 
 def _arg(a) -> str:
