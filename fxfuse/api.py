@@ -55,7 +55,7 @@ def build_graph(model, args: tuple, options: Options):
     options = options.with_(use_kernels=use_kernels)
     with torch.no_grad():
         gm = trace(model, args)
-        gm = run_pipeline(gm, tuple(a for a in args if isinstance(a, torch.Tensor)), options)
+        gm = run_pipeline(gm, args, options)
         gm.meta["fxfuse_options"] = options
         if options.verify:
             _verify(model, gm, args)
@@ -63,9 +63,8 @@ def build_graph(model, args: tuple, options: Options):
 
 
 def _verify(model, gm, args) -> None:
-    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
     expected = torch.utils._pytree.tree_leaves(model(*args))
-    got = torch.utils._pytree.tree_leaves(gm(*tensors))
+    got = torch.utils._pytree.tree_leaves(gm(*args))
     if len(expected) != len(got):
         raise FxfuseError(f"the rewritten graph returns {len(got)} values, the model {len(expected)}")
     for k, (e, g) in enumerate(zip(expected, got)):

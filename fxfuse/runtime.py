@@ -71,6 +71,13 @@ class Specialization:
     def _tensor_args(self, args):
         return [args[k] for k in self.tensor_positions]
 
+    def _with_static(self, args) -> list:
+        """args with each tensor replaced by its static buffer (scalars are guarded constants)."""
+        full = list(args)
+        for k, s in zip(self.tensor_positions, self.static_in):
+            full[k] = s
+        return full
+
     def _capture(self, example_args):
         if self.gm.meta.get("fxfuse_inplace_kept"):
             self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
@@ -80,16 +87,18 @@ class Specialization:
                          for a in self._tensor_args(example_args)]
             for s, a in zip(static_in, self._tensor_args(example_args)):
                 s.copy_(a)
+            self.static_in = static_in
+            static_args = self._with_static(example_args)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
                 for _ in range(2):  # compiles kernels, creates library handles
-                    self.gm(*static_in)
+                    self.gm(*static_args)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(graph):
-                static_out = self.gm(*static_in)
-            self.static_in, self.static_out, self.graph = static_in, static_out, graph
+                static_out = self.gm(*static_args)
+            self.static_out, self.graph = static_out, graph
             self.cuda_graph_note = "captured: one CUDA graph replay per call"
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
@@ -101,7 +110,7 @@ class Specialization:
         self.calls += 1
         if self.graph is None:
             with torch.no_grad():
-                return self.gm(*self._tensor_args(args))
+                return self.gm(*args)
         for s, a in zip(self.static_in, self._tensor_args(args)):
             s.copy_(a)
         self.graph.replay()

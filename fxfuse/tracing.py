@@ -67,7 +67,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     try:
         gm = torch.fx.symbolic_trace(model, concrete_args=concrete)
         how = "torch.fx.symbolic_trace"
-        propagate_shapes(gm, tensor_args)
+        propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
         if concrete:
