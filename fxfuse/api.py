@@ -63,10 +63,10 @@ def build_graph(model, args: tuple, options: Options):
 
 
 def _verify(model, gm, args) -> None:
-    expected = torch.utils._pytree.tree_leaves(model(*args))
-    got = torch.utils._pytree.tree_leaves(gm(*args))
-    if len(expected) != len(got):
-        raise FxfuseError(f"the rewritten graph returns {len(got)} values, the model {len(expected)}")
+    expected, expected_spec = torch.utils._pytree.tree_flatten(model(*args))
+    got, got_spec = torch.utils._pytree.tree_flatten(gm(*args))
+    if expected_spec != got_spec:
+        raise FxfuseError(f"the rewritten graph returns {got_spec}, the model {expected_spec}")
     for k, (e, g) in enumerate(zip(expected, got)):
         if not isinstance(e, torch.Tensor):
             continue

@@ -8,6 +8,7 @@ torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to 
 meta so the normalize pass can fold them into constants.
 """
 import inspect
+import logging
 import time
 
 import torch
@@ -74,7 +75,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
             raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
                              "torch.export is not tried for non-tensor inputs") from fx_error
         try:
-            exported = torch.export.export(model, tuple(example_args), strict=False)
+            exported = _quiet_export(model, tuple(example_args))
             gm = exported.module()
             how = "torch.export(strict=False)"
             propagate_shapes(gm, tensor_args)
@@ -89,6 +90,16 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}}
     return gm
+
+
+def _quiet_export(model, args):
+    """torch.export logs warnings and graph dumps on failure; fxfuse prints nothing unless asked."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        return torch.export.export(model, args, strict=False)
+    finally:
+        logging.disable(previous)
 
 
 def _first_line(e: BaseException) -> str:

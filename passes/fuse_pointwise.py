@@ -166,6 +166,7 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
 def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx.GraphModule:
     """Emit the quotient DAG in topological order; each multi-op group becomes a FusedKernel."""
     new = torch.fx.Graph()
+    new.set_codegen(gm.graph._codegen)  # keeps torch.export's pytree inputs/outputs
     env = {}
     units = nx.lexicographical_topological_sort(grouping.q, key=lambda n: order[n])
     count = 0

@@ -340,7 +340,7 @@ def _split_layer(gm, node) -> bool:
                     out = g.call_function(operator.add, (out, b))
         else:
             return False
-    elif node.op == "call_function" and node.target is F.linear:
+    elif node.op == "call_function" and node.target in (F.linear, aten.linear.default):
         args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
         if args.get("bias") is None:
             return False
