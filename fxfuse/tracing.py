@@ -7,7 +7,9 @@ that the normalize pass also understands. Shapes come only from ShapePropagation
 torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own
 meta so the normalize pass can fold them into constants.
 """
+import contextlib
 import inspect
+import io
 import logging
 import time
 
@@ -96,8 +98,9 @@ def _quiet_export(model, args):
     """torch.export logs warnings and graph dumps on failure; fxfuse prints nothing unless asked."""
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
-    try:
-        return torch.export.export(model, args, strict=False)
+    try:  # it also prints a partial graph to stderr when it fails
+        with contextlib.redirect_stderr(io.StringIO()):
+            return torch.export.export(model, args, strict=False)
     finally:
         logging.disable(previous)
 
