@@ -52,20 +52,27 @@ def literal(v) -> str:
 def _pow(x, exponent) -> str:
     e = float(exponent)
     if e == 0:
-        return f"({x} * 0.0 + 1.0)"  # x ** 0 == 1, also for nan, as in torch
+        return f"tl.where({x} == {x}, 1.0, 1.0)"  # x ** 0 == 1, also for nan and inf, as in torch
     if e.is_integer() and abs(e) <= 4:
         prod = " * ".join([f"{x}"] * int(abs(e)))
         return f"({prod})" if e > 0 else f"_div(1.0, {prod})"
     if e == 0.5:
         return f"_sqrt({x})"
+    if e == -0.5:
+        return f"_div(1.0, _sqrt({x}))"  # torch computes x ** -0.5 as rsqrt: (-0) ** -0.5 == -inf
     if e.is_integer():
-        # sign of an odd power follows the base; magnitude through exp2/log2
+        # sign of an odd power follows the base, -0 included (1 / x < 0 sees its sign bit);
+        # magnitude through exp2/log2
         mag = f"tl.exp2({literal(e)} * tl.log2(tl.abs({x})))"
-        return f"tl.where({x} < 0, -{mag}, {mag})" if int(e) % 2 else mag
-    return f"tl.exp2({literal(e)} * tl.log2({x}))"  # negative base -> nan, as in torch
+        return f"tl.where(({x} < 0) | (_div(1.0, {x}) < 0), -{mag}, {mag})" if int(e) % 2 else mag
+    # negative finite base -> nan, as in torch; (-inf) ** e is inf (e > 0) or 0 (e < 0), as C pow
+    return (f"tl.where({x} == {literal(-math.inf)}, {literal(math.inf if e > 0 else 0.0)}, "
+            f"tl.exp2({literal(e)} * tl.log2({x})))")
 
 
 def _clamp(x, min=None, max=None) -> str:
+    if any(b is not None and math.isnan(b) for b in (min, max)):
+        return f"tl.where({x} == {x}, {literal(math.nan)}, {literal(math.nan)})"  # a nan bound: all nan, as torch
     out = x
     if min is not None:
         out = f"tl.where({out} < {literal(min)}, {literal(min)}, {out})"  # keeps nan, as torch.clamp

@@ -8,6 +8,7 @@ absorbed into a new weight and bias; the user's model is never modified, the cop
 the GraphModule. Training-mode BatchNorm, or one without running statistics, is left alone.
 """
 import operator
+from types import SimpleNamespace
 
 import torch
 import torch.fx
@@ -59,9 +60,53 @@ def _foldable_producer(gm, bn_node):
     return None
 
 
+BATCH_NORM_FUNCTIONS = {  # eval-mode functional spellings (torch.export gives the aten one)
+    torch.ops.aten.batch_norm.default: ("input", "weight", "bias", "running_mean", "running_var",
+                                        "training", "momentum", "eps", "cudnn_enabled"),
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+}
+
+
+def _constant(gm, node):
+    """The tensor a get_attr node names (None stays None); anything else is not a constant."""
+    if node is None:
+        return None
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise LookupError
+
+
+def _functional_batchnorm(gm, node):
+    """A BatchNorm stand-in (what _scale_shift reads) holding the constants of an eval-mode
+    functional batch_norm, or None."""
+    names = BATCH_NORM_FUNCTIONS.get(node.target) if node.op == "call_function" else None
+    if names is None or len(node.args) > len(names):
+        return None
+    args = dict(zip(names, node.args), **node.kwargs)
+    if args.get("training", False) is not False or not isinstance(args.get("input"), torch.fx.Node):
+        return None
+    try:
+        mean, var = _constant(gm, args.get("running_mean")), _constant(gm, args.get("running_var"))
+        weight, bias = _constant(gm, args.get("weight")), _constant(gm, args.get("bias"))
+    except (LookupError, AttributeError):
+        return None
+    if mean is None or var is None:
+        return None
+    return SimpleNamespace(running_mean=mean, running_var=var, weight=weight, bias=bias,
+                           eps=float(args.get("eps", 1e-5)))
+
+
 def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     for node in list(g.nodes):
+        bn = _functional_batchnorm(gm, node)
+        if bn is not None:
+            _as_multiply_add(gm, node, bn, node.args[0] if node.args else node.kwargs["input"],
+                             node.name)
+            continue
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         bn = gm.get_submodule(node.target)
@@ -89,20 +134,29 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
             g.erase_node(node)
             g.erase_node(src)
             continue
-        meta = node.meta.get("tensor_meta")
-        if meta is None or len(meta.shape) < 2:
-            continue
-        dtype = meta.dtype
-        view = (-1,) + (1,) * (len(meta.shape) - 2)
-        with g.inserting_before(node):
-            s = g.get_attr(_register(gm, f"{node.target}.scale", scale.to(dtype).view(view)))
-            t = g.get_attr(_register(gm, f"{node.target}.shift", shift.to(dtype).view(view)))
-            mul = g.call_function(operator.mul, (node.args[0], s))
-            new = g.call_function(operator.add, (mul, t))
-        fxfuse_meta(new)["note"] = f"eval-mode {node.target} as a per-channel multiply-add"
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
-    g.eliminate_dead_code()
+        _as_multiply_add(gm, node, bn, node.args[0], node.target)
+    # Only the constants this pass orphaned are dead: the default purity test would also drop
+    # in-place calls whose result is unused (`v.relu_()` as a statement), changing the model.
+    g.eliminate_dead_code(is_impure_node=lambda n: n.op != "get_attr")
     g.lint()
     gm.recompile()
     return gm
+
+
+def _as_multiply_add(gm, node, bn, x, stem: str) -> None:
+    """Replace an eval BatchNorm node by x * scale + shift with per-channel constants."""
+    g = gm.graph
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape") or len(meta.shape) < 2:
+        return
+    scale, shift = _scale_shift(bn)
+    dtype = meta.dtype
+    view = (-1,) + (1,) * (len(meta.shape) - 2)
+    with g.inserting_before(node):
+        s = g.get_attr(_register(gm, f"{stem}.scale", scale.to(dtype).view(view)))
+        t = g.get_attr(_register(gm, f"{stem}.shift", shift.to(dtype).view(view)))
+        mul = g.call_function(operator.mul, (x, s))
+        new = g.call_function(operator.add, (mul, t))
+    fxfuse_meta(new)["note"] = f"eval-mode {stem} as a per-channel multiply-add"
+    node.replace_all_uses_with(new)
+    g.erase_node(node)

@@ -161,7 +161,19 @@ def _build_aten_spellings() -> dict:
     table[aten.hardtanh.default] = Spelling(
         torch.clamp, ("input", "min_val", "max_val"), fixed={"min": -1.0, "max": 1.0},
         rename={"min_val": "min", "max_val": "max"})
+    table[aten.hardtanh_.default] = Spelling(
+        torch.clamp, ("input", "min_val", "max_val"), inplace=True, fixed={"min": -1.0, "max": 1.0},
+        rename={"min_val": "min", "max_val": "max"})
+    table[aten.relu6.default] = Spelling(torch.clamp, ("input",), fixed={"min": 0.0, "max": 6.0})
     table[aten.clamp.default] = Spelling(torch.clamp, ("input", "min", "max"))
+    table[aten.clamp_.default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
+    table[aten.clamp_min.default] = Spelling(torch.clamp, ("input", "min"))
+    table[aten.clamp_max.default] = Spelling(torch.clamp, ("input", "max"))
+    table[aten.square.default] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    for overload in (aten.rsub.Scalar, aten.rsub.Tensor):
+        table[overload] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
+    for overload in (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
+        table[overload] = Spelling(torch.where, ("condition", "input", "other"))
     table[aten.pow.Tensor_Scalar] = Spelling(operator.pow, ("input", "exponent"))
     table[aten.where.self] = Spelling(torch.where, ("condition", "input", "other"))
     return table
@@ -181,6 +193,7 @@ SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
 ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
          operator.mod, operator.getitem, operator.neg, operator.pow}
 CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+EXPORT_ASSERTS = {p.default for p in (getattr(aten, "_assert_tensor_metadata", None),) if p is not None}
 
 
 def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
@@ -227,6 +240,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     canon = row.canonical
     op = POINTWISE[canon]
     if canon is torch.where:
+        if {"condition", "input", "other"} - set(params):  # torch.where(cond) is nonzero(), not pointwise
+            return None
         return canon, (params["condition"], params["input"], params["other"]), {}
     x = params.pop("input")
     if op.nargs == 2:
@@ -250,7 +265,7 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         lo, hi = params.get("min"), params.get("max")
         if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
             return "tensor_clamp", (x, lo, hi), {}
-        return canon, (x,), {k: (None if v is None else float(v)) for k, v in (("min", lo), ("max", hi))}
+        return canon, (x,), {"min": lo, "max": hi}  # ints stay ints: clamp(int tensor, 0, 6) is an int tensor
     allowed = set(op.params)
     if set(params) - allowed:
         return None
@@ -370,7 +385,14 @@ def _is_identity(gm, node) -> bool:
 
 
 def _cast_target(node):
-    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype)), else None."""
+    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), and
+    torch.export's aten.to.dtype), else None."""
+    if node.op == "call_function" and node.target is aten.to.dtype:
+        # to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)
+        extra = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]), **node.kwargs)
+        if isinstance(node.args[1], torch.dtype) and not any(extra.values()):
+            return node.args[1]
+        return None
     if node.op != "call_method":
         return None
     if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
@@ -393,10 +415,14 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if _is_shape_value(node) and node.users:
             value = node.meta["fxfuse"]["value"]
             node.replace_all_uses_with(value if not isinstance(value, torch.Size) else tuple(value))
+            g.erase_node(node)  # pure, and the impurity test of the final DCE would keep a method call
             continue
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
+            continue
+        if node.op == "call_function" and node.target in EXPORT_ASSERTS:
+            g.erase_node(node)  # torch.export's dtype/device check: the runtime guards those on every call
             continue
         if _split_layer(gm, node):
             continue
@@ -410,21 +436,38 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 _replace(g, node, cast, (src, dtype), {})
             continue
         row = spelling_of(gm, node)
-        if row is None or (node.op == "call_function" and node.target in POINTWISE
-                           and not row.inplace and _already_canonical(row, node)):
+        if row is None:
+            if _mutates(gm, node):   # x.masked_fill_(m, 0), x.zero_(), x[i] = v: fusion must see the write
+                fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
+                kept_inplace.append(node)
+            continue
+        if node.op == "call_function" and node.target in POINTWISE and not row.inplace \
+                and _already_canonical(row, node):
             continue
         call = canonical_call(row, node)
         if call is None:
+            if row.inplace or _inplace_flag(row, node):   # x.div_(y, rounding_mode="floor")
+                fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
+                kept_inplace.append(node)
             continue
-        if row.inplace:
-            base = node.args[0]
+        if row.inplace or _inplace_flag(row, node):
+            base = node.args[0] if node.args else node.kwargs.get("input")
             safe = isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base) and all(
                 u is node or _reads_without_alias(gm, u) for u in base.users)
             if not safe:
                 fxfuse_meta(node)["kept"] = "in-place op on a value that is a view, input or parameter"
                 kept_inplace.append(node)
                 continue
+            want = _dtype_of(node)           # an in-place op keeps its operand's dtype
+            got = _call_dtype(call)
             new = _replace(g, node, *call)
+            if want is not None and got is not None and got != want:
+                # x.gt_(0) stays float, an fp16 x.add_(fp32) stays fp16: cast the functional result back
+                with g.inserting_after(new):
+                    back = g.call_function(cast, (new, want))
+                new.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+                back.meta = dict(new.meta)
+                new = back
             for user in list(base.users):
                 if user is not new and order.get(user, -1) > order[node]:
                     user.replace_input_with(base, new)
@@ -443,9 +486,70 @@ def _is_impure(node) -> bool:
         return True
     if node.op == "get_attr":
         return False
+    if "kept" in node.meta.get("fxfuse", {}):  # a kept in-place op (F.leaky_relu(v, inplace=True) included)
+        return True
     if node.op == "call_function" and (is_pointwise_target(node.target) or node.target in FRESH_FUNCTIONS):
         return False
-    return node.is_impure() or node.op in ("call_module", "call_method") or "kept" in node.meta.get("fxfuse", {})
+    return node.is_impure() or node.op in ("call_module", "call_method")
+
+
+def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:
+    """True if the call passes inplace=True (`F.relu(x, inplace=True)`, `F.hardtanh(x, -1, 1, True)`)."""
+    if "inplace" not in row.names:
+        return False
+    k = row.names.index("inplace")
+    flag = node.args[k] if len(node.args) > k else node.kwargs.get("inplace", False)
+    return flag is True
+
+
+INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
+                             operator.ipow, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _mutates(gm, node) -> bool:
+    """True if node (one with no canonical form) may write into one of its operands."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(node.target), "inplace", False) is True
+    if node.op != "call_function":
+        return False
+    if node.target is operator.setitem or "out" in node.kwargs:
+        return True
+    if node.target in INPLACE_OPERATORS_UNKNOWN:
+        return bool(node.args) and _is_tensor_node(node.args[0])
+    schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _dtype_of(node):
+    meta = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    return getattr(meta, "dtype", None)
+
+
+def _call_dtype(call):
+    """dtype of what a canonical call (target, args, kwargs) computes, from its operands' metadata
+    (run on meta tensors), or None if unknown."""
+    target, args, kwargs = call
+
+    def fake(a):
+        if not isinstance(a, torch.fx.Node):
+            return a
+        meta = a.meta.get("tensor_meta")
+        if not hasattr(meta, "dtype"):
+            raise LookupError(a.name)
+        return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+
+    try:
+        if isinstance(target, tuple):                  # ("alpha", add/sub): x op other * alpha
+            x, other, alpha = (fake(a) for a in args)
+            return target[1](x, other * alpha).dtype
+        if target == "tensor_clamp":
+            x, lo, hi = (fake(a) for a in args)
+            return torch.clamp(x, lo, hi).dtype
+        return target(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()}).dtype
+    except Exception:  # noqa: BLE001 -- unknown: leave the node as normalize makes it
+        return None
 
 
 def _already_canonical(row, node) -> bool:
