@@ -1,0 +1,544 @@
+"""Asymmetric fused Strassen: large Linear layers as prefix -> ONE batched GEMM -> suffix.
+
+After normalize a Linear is `F.linear(x, W)` (W a get_attr [N, K]) followed by canonical
+pointwise ops. With x flattened to [B, K] and L levels (s = 2^L blocks per side, r = 7^L
+products, tables from fxfuse/strassen_tables.py), this pass rewrites
+
+    y = F.linear(x, W)    into    A = prefix(x)          [r, B/s, K/s]   FusedKernel
+                                  P = torch.bmm(A, R)    [r, B/s, N/s]   one library GEMM
+                                  y = suffix(P)          [B, N]          FusedKernel
+
+where R [r, K/s, N/s] is combined ONCE here from W.T (float64, rounded once) and registered
+as a buffer. It is asymmetric because only the left operand is combined per call.
+
+Fusion across layers: the suffix of layer i, the pointwise ops that follow it (its epilogue:
+bias, activation, residual adds, ... up to the next Linear) and the prefix of layer i+1 all
+iterate over the same [B/s, N/s] space, so they are ONE kernel built here with IRBuilder: it
+loads the r products at (i, j), rebuilds y's s*s blocks in registers, applies the epilogue
+per block, and stores the r next-layer combinations. A value (y or an epilogue result) is
+stored only when something outside the kernel reads it. A chain of n rewritten layers is n+1
+kernels and n bmm calls. FusedKernel call_module nodes are not pointwise, so fuse_pointwise
+leaves them alone.
+
+Sizes that do not divide by s are padded, not peeled (correctness first; the cost is small
+for the large layers this pass is for): x gets an explicit F.pad node (zeros) before a
+standalone prefix, W.T and constant epilogue operands are zero-padded at optimize time,
+stored outputs live in padded [Bp, Np] buffers and are narrowed back to [B, N] by view
+nodes, and a fused kernel zeroes the padded rows/columns of the next layer's input with two
+small bool masks, because garbage there would not cancel exactly in floating point (Strassen
+mixes padded and real blocks in its sums).
+
+Numerics: each candidate layer is measured on the example input (gm.meta
+["fxfuse_example_args"], set by run_pipeline; random data if absent) against a float64
+product; a layer whose Strassen error exceeds the tolerance is retried with fewer levels and
+otherwise stays classical. Everything lands in node.meta["fxfuse"] (explain() shows
+"decision"). Created nodes get tensor_meta here (from meta tensors), so the pipeline needs no
+shape re-propagation after this pass. fp32 stays IEEE: the bmm is torch's, so
+torch.backends.cuda.matmul.allow_tf32 decides, and the kernels add in fp32.
+"""
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fxfuse.errors import FxfuseError
+from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
+from fxfuse.kernel import FusedKernel
+from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
+from fxfuse.strassen_tables import block_position, combine_ir, levels, measure_levels, prefix_ref, suffix_ref
+from fxfuse.tracing import fxfuse_meta
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from .fuse_pointwise import _mutated_values, why_not_fusible
+
+MODES = ("off", "auto", "force")
+MAX_LEVELS = 3
+AUTO_MIN_SIZE = 2048          # "auto": min(B, K, N) at least this (until the cost model lands)
+TOLERANCE_FACTOR = 3.0        # default tolerance: 3x the classical product's measured error ...
+ERROR_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}   # ... at least this
+
+
+def _tmeta(node):
+    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+def _fetch(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _ceil_to(n: int, s: int) -> int:
+    return -(-n // s) * s
+
+
+@dataclass
+class Layer:
+    """One Linear that may be rewritten; sizes are the flattened [B, K] x [K, N] product."""
+    node: torch.fx.Node
+    out_shape: tuple
+    B: int
+    K: int
+    N: int
+    dtype: torch.dtype
+    levels: int = 0                       # 0: stays classical
+    right: torch.Tensor | None = None     # R [7^L, Kp/s, Np/s] once accepted
+    record: dict = field(default_factory=dict)
+
+    @property
+    def x(self) -> torch.fx.Node:
+        return self.node.args[0]      # read live: an earlier rewrite may have replaced the producer
+
+    s = property(lambda self: 1 << self.levels)                # blocks per side
+    Bp = property(lambda self: _ceil_to(self.B, self.s))       # padded sizes
+    Kp = property(lambda self: _ceil_to(self.K, self.s))
+    Np = property(lambda self: _ceil_to(self.N, self.s))
+
+
+def why_not_strassen(node: torch.fx.Node, mutated: set) -> str | None:
+    """None if `node` is a Linear this pass can rewrite, else the reason."""
+    if node.op != "call_function" or node.target is not F.linear or len(node.args) != 2 or node.kwargs:
+        return "not a bias-free F.linear"
+    x, w = node.args
+    xm, wm, ym = _tmeta(x), _tmeta(w), _tmeta(node)
+    if not (isinstance(w, torch.fx.Node) and w.op == "get_attr" and hasattr(wm, "shape") and len(wm.shape) == 2):
+        return "weight is not a constant matrix"
+    if not hasattr(xm, "shape") or not hasattr(ym, "shape") or len(xm.shape) < 2:
+        return "input is not a tensor of at least 2 dims"
+    if xm.dtype not in FLOAT_DTYPES or wm.dtype != xm.dtype:
+        return f"dtype {xm.dtype} (weight {wm.dtype}): kernels compute fp16/bf16/fp32 only"
+    if xm.shape.numel() == 0 or wm.shape.numel() == 0:
+        return "empty tensor"
+    if x in mutated:
+        return "input is mutated in place elsewhere in the graph"
+    if not node.users:
+        return "output is unused"
+    return None
+
+
+def _measure(layer: Layer, x: torch.Tensor, weight: torch.Tensor, max_levels: int, tolerance) -> None:
+    """Choose layer.levels (0 = classical) by the numerics guard; fill layer.record."""
+    found = measure_levels(x.reshape(layer.B, layer.K), weight, max_levels, tolerance,
+                           TOLERANCE_FACTOR, ERROR_FLOOR[layer.dtype])
+    layer.levels, layer.right = found.pop("levels"), found.pop("right")
+    layer.record.update(found)
+
+
+class _LayerProbe(torch.fx.Interpreter):
+    """Runs the (not yet rewritten) graph and measures each candidate Linear on its real input."""
+
+    def __init__(self, gm, layers: dict, measure):
+        super().__init__(gm)
+        self.layers, self.measure = layers, measure
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n in self.layers:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            self.measure(self.layers[n], args[0], args[1])
+        return out
+
+
+def _choose(gm, layers: list, options) -> None:
+    max_levels = options.strassen_levels
+    measure = lambda layer, x, w: _measure(layer, x, w, max_levels, options.tolerance)  # noqa: E731
+    example = gm.meta.get("fxfuse_example_args")
+    with torch.no_grad():
+        if example is not None:
+            _LayerProbe(gm, {l.node: l for l in layers}, measure).run(*example)
+            for layer in layers:
+                layer.record["measured_on"] = "the example input"
+        else:
+            for layer in layers:
+                dev = fxfuse_meta(layer.node).get("device", torch.device("cpu"))
+                x = torch.randn(_tmeta(layer.x).shape, dtype=layer.dtype, device=dev)
+                measure(layer, x, _fetch(gm, layer.node.args[1].target))
+                layer.record["measured_on"] = "random data (no example input recorded)"
+
+
+def _epilogue(layer: Layer, order: dict, mutated: set) -> list:
+    """Pointwise nodes after the Linear that one tail kernel can compute per block: each has
+    y's shape, reads y or earlier members, and otherwise only numbers and external tensors
+    that exist before the Linear (or are constants) and broadcast as a scalar, a row vector
+    [N] or a full [.., N] tensor."""
+    y = layer.node
+    inside = {y}
+    members = []
+    yshape = tuple(layer.out_shape)
+    for node in list(y.graph.nodes)[order[y] + 1:]:
+        if node.op != "call_function" or not is_pointwise_target(node.target):
+            continue
+        if why_not_fusible(node, mutated) is not None or tuple(_tmeta(node).shape) != yshape:
+            continue
+        operands = node.args[:POINTWISE[node.target].nargs]
+        if not any(isinstance(a, torch.fx.Node) and a in inside for a in operands):
+            continue
+        if all(not isinstance(a, torch.fx.Node) or a in inside or _external_kind(a, layer, order)
+               for a in operands):
+            inside.add(node)
+            members.append(node)
+    return members
+
+
+def _external_kind(a: torch.fx.Node, layer: Layer, order: dict) -> str | None:
+    if a.op != "get_attr" and order[a] >= order[layer.node]:
+        return None          # computed after the Linear: the kernel could not read it in time
+    m = _tmeta(a)
+    shape = tuple(m.shape)
+    if m.shape.numel() == 1:
+        return "scalar"
+    if shape == tuple(layer.out_shape):
+        return "full"
+    if shape and shape[-1] == layer.N and m.shape.numel() == layer.N:
+        return "row"
+    return None
+
+
+def _zero_padding(z: torch.Tensor, row_valid: torch.Tensor, col_valid: torch.Tensor) -> torch.Tensor:
+    """Reference of the kernels' masking: the next prefix must see exact zeros in padding."""
+    return torch.where(row_valid[:, None] & col_valid[None, :], z, torch.zeros((), dtype=z.dtype, device=z.device))
+
+
+class _Rewriter:
+    """Graph surgery for the accepted layers, in graph order."""
+
+    def __init__(self, gm, layers: list, order: dict, mutated: set, use_kernels: bool):
+        self.gm, self.g = gm, gm.graph
+        self.layers = layers
+        self.order, self.mutated, self.use_kernels = order, mutated, use_kernels
+        self.fed = {}          # Linear node -> node of its prefix [r, B/s, K/s] made by a previous tail
+        self.dead = set()
+        self.kernels = 0
+        self.fake = {}         # created node -> meta tensor (its shape and strides)
+        self.device = layers[0].right.device
+
+    # -- small helpers -------------------------------------------------------------------
+    def _const(self, prefix: str, tensor: torch.Tensor) -> torch.fx.Node:
+        k = 0
+        while hasattr(self.gm, f"{prefix}_{k}"):
+            k += 1
+        self.gm.register_buffer(f"{prefix}_{k}", tensor)
+        node = self.g.get_attr(f"{prefix}_{k}")
+        self._set_meta(node, torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta"))
+        return node
+
+    def _set_meta(self, node, fake: torch.Tensor) -> None:
+        """Shapes of created nodes, so later layers of this pass read them like any other."""
+        self.fake[node] = fake
+        node.meta["tensor_meta"] = _extract_tensor_metadata(fake)
+        fxfuse_meta(node)["device"] = self.device
+
+    def _meta_of(self, node) -> torch.Tensor:
+        if node in self.fake:
+            return self.fake[node]
+        m = _tmeta(node)
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+
+    def _call(self, fn, args, kwargs=None) -> torch.fx.Node:
+        node = self.g.call_function(fn, args, kwargs or {})
+        metas = [self._meta_of(a) if isinstance(a, torch.fx.Node) else a for a in args]
+        self._set_meta(node, fn(*metas, **(kwargs or {})))
+        return node
+
+    def _module(self, ir: KernelIR, reference, inputs: list, members: tuple, decision: str) -> torch.fx.Node:
+        input_meta = tuple((tuple(self._meta_of(a).shape), tuple(self._meta_of(a).stride()),
+                            self._meta_of(a).dtype) for a in inputs)
+        name = f"strassen_{self.kernels}"
+        while hasattr(self.gm, name):
+            name += "_"
+        self.kernels += 1
+        self.gm.add_submodule(name, FusedKernel(ir, reference, input_meta, members, self.use_kernels,
+                                                origin="strassen"))
+        call = self.g.call_module(name, tuple(inputs))
+        call.meta["fxfuse"] = {"kind": "fused kernel", "decision": decision, "strassen_kernel": True}
+        return call
+
+    # -- the rewrite -----------------------------------------------------------------------
+    def run(self) -> None:
+        for layer in self.layers:
+            self._rewrite(layer)
+        constants = {a for n in self.dead for a in n.all_input_nodes if a.op == "get_attr"}
+        for node in reversed(list(self.g.nodes)):
+            if node in self.dead:
+                assert not node.users, f"{node.name} still read by {list(node.users)}"
+                self.g.erase_node(node)
+        for node in constants:
+            if not node.users:
+                self.g.erase_node(node)
+
+    def _next_layer(self, layer: Layer, inside: set) -> Layer | None:
+        for other in self.layers:
+            if self.order[other.node] > self.order[layer.node] and other.x in inside \
+                    and other.levels == layer.levels and other.node not in self.fed:
+                return other
+        return None
+
+    def _rewrite(self, layer: Layer) -> None:
+        lin = layer.node
+        self.order = {n: k for k, n in enumerate(self.g.nodes)}   # earlier rewrites added nodes
+        members = _epilogue(layer, self.order, self.mutated)
+        inside = {lin, *members}
+        nxt = self._next_layer(layer, inside)
+        z = nxt.x if nxt is not None else None
+        stored = [v for v in [lin] + members
+                  if any(u not in inside and not (nxt is not None and u is nxt.node and v is z) for u in v.users)]
+        with self.g.inserting_before(lin):
+            prefix = self.fed.get(lin)
+            if prefix is None:
+                prefix = self._standalone_prefix(layer)
+            right = self._const("strassen_right", layer.right)
+            products = self._call(torch.bmm, (prefix, right))
+            products.meta["fxfuse"] = dict(layer.record)
+            call, outputs = self._tail(layer, products, members, stored, nxt)
+            if nxt is not None:
+                self.fed[nxt.node] = outputs.pop(0)
+            for v, out in zip(stored, outputs):
+                if layer.Bp != layer.B:
+                    out = self._call(torch.narrow, (out, 0, 0, layer.B))
+                if layer.Np != layer.N:
+                    out = self._call(torch.narrow, (out, 1, 0, layer.N))
+                if len(layer.out_shape) != 2:
+                    out = self._call(torch.reshape, (out, tuple(layer.out_shape)))
+                v.replace_all_uses_with(out, delete_user_cb=lambda u: u not in inside)
+        self.dead.update(inside)
+
+    def _standalone_prefix(self, layer: Layer) -> torch.fx.Node:
+        x = layer.x
+        if len(layer.out_shape) != 2:
+            x = self._call(torch.reshape, (x, (layer.B, layer.K)))
+        if (layer.Bp, layer.Kp) != (layer.B, layer.K):
+            x = self._call(F.pad, (x, (0, layer.Kp - layer.K, 0, layer.Bp - layer.B)))
+        xm = self._meta_of(x)
+        s, L = layer.s, layer.levels
+        bh, kh = layer.Bp // s, layer.Kp // s
+        s0, s1 = xm.stride()
+        b = IRBuilder((bh, kh))
+        inp = b.add_input(layer.dtype)
+        blocks = []
+        for p in range(4 ** L):
+            r, c = block_position(p, L)
+            blocks.append(b.load(inp, IndexMap(r * bh * s0 + c * kh * s1, (s0, s1))))
+        stores = self._prefix_stores(b, blocks, L, bh * kh, kh)
+        ir = KernelIR(b.shape, tuple(b.inputs), (OutputSpec((7 ** L, bh, kh), layer.dtype),),
+                      tuple(b.instrs), tuple(stores))
+        g = torch.fx.Graph()
+        xp = g.placeholder("x")
+        g.output(g.call_function(prefix_ref, (xp, L), {"out_dtype": layer.dtype}))
+        ref = torch.fx.GraphModule(torch.nn.Module(), g)
+        call = self._module(ir, ref, [x], (f"prefix of {layer.node.name}",),
+                            f"Strassen prefix of {layer.node.name}: {7 ** L} combinations of "
+                            f"{4 ** L} blocks of its input")
+        self._set_meta(call, torch.empty((7 ** L, bh, kh), dtype=layer.dtype, device="meta"))
+        return call
+
+    @staticmethod
+    def _prefix_stores(b: IRBuilder, blocks: list, L: int, slice_elems: int, row_stride: int) -> list:
+        U = levels(L)[0]
+        return [Store(0, IndexMap(t * slice_elems, (row_stride, 1)), combine_ir(b, blocks, U[t]))
+                for t in range(U.shape[0])]
+
+    def _prepare_external(self, a: torch.fx.Node, kind: str, layer: Layer) -> torch.fx.Node:
+        """a as a tensor the kernel can read at block offsets: [Bp, Np], [Np] or 0-d."""
+        B, N, Bp, Np = layer.B, layer.N, layer.Bp, layer.Np
+        if a.op == "get_attr":
+            t = _fetch(self.gm, a.target).detach()
+            unchanged = {"scalar": t.dim() == 0, "row": t.dim() == 1 and Np == N,
+                         "full": t.dim() == 2 and (Bp, Np) == (B, N)}[kind]
+            if unchanged and t.is_contiguous():
+                node = self.g.get_attr(a.target)      # a fresh read: the original may come after the Linear
+                self._set_meta(node, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                return node
+            if kind == "scalar":
+                t = t.reshape(())
+            elif kind == "row":
+                t = F.pad(t.reshape(N), (0, Np - N))
+            else:
+                t = F.pad(t.reshape(B, N), (0, Np - N, 0, Bp - B))
+            return self._const("strassen_operand", t.contiguous())
+        if kind == "scalar":
+            return self._call(torch.reshape, (a, ())) if len(_tmeta(a).shape) else a
+        if kind == "row":
+            n = self._call(torch.reshape, (a, (N,))) if len(_tmeta(a).shape) != 1 else a
+            return self._call(F.pad, (n, (0, Np - N))) if Np != N else n
+        n = self._call(torch.reshape, (a, (B, N))) if len(_tmeta(a).shape) != 2 else a
+        return self._call(F.pad, (n, (0, Np - N, 0, Bp - B))) if (Bp, Np) != (B, N) else n
+
+    def _tail(self, layer: Layer, products, members: list, stored: list, nxt: Layer | None):
+        """One kernel: suffix of `layer` + its epilogue + (nxt's prefix); returns (call, outputs)."""
+        L, s = layer.levels, layer.s
+        bh, nh = layer.Bp // s, layer.Np // s
+        r, q = 7 ** L, 4 ** L
+        _, _, W = levels(L)
+        b = IRBuilder((bh, nh))
+        inputs = [products]
+        b.add_input(layer.dtype)
+        M = [b.load(0, IndexMap(t * bh * nh, (nh, 1))) for t in range(r)]
+        vals = {layer.node: [combine_ir(b, M, W[k]) for k in range(q)]}
+        ext = {}
+        for m in members:
+            op = POINTWISE[m.target]
+            for a in m.args[:op.nargs]:
+                if isinstance(a, torch.fx.Node) and a not in vals and a not in ext:
+                    kind = _external_kind(a, layer, self.order)
+                    node = self._prepare_external(a, kind, layer)
+                    inputs.append(node)
+                    ext[a] = (kind, b.add_input(_tmeta(a).dtype), self._meta_of(node).stride())
+            params = dict(zip(op.params, m.args[op.nargs:]))
+            params.update(m.kwargs)
+            vals[m] = []
+            for k in range(q):
+                R, C = block_position(k, L)
+                args = []
+                for a in m.args[:op.nargs]:
+                    if isinstance(a, torch.fx.Node) and a in vals:
+                        args.append(vals[a][k])
+                    elif isinstance(a, torch.fx.Node):
+                        kind, idx, st = ext[a]
+                        index = (IndexMap(0, (0, 0)) if kind == "scalar" else
+                                 IndexMap(C * nh * st[0], (0, st[0])) if kind == "row" else
+                                 IndexMap(R * bh * st[0] + C * nh * st[1], (st[0], st[1])))
+                        args.append(b.load(idx, index))
+                    else:
+                        args.append(b.const(a))
+                vals[m].append(b.op(op.name, args, **params))
+        outputs, stores = [], []
+        mask_inputs = []
+        if nxt is not None:
+            zs = list(vals[nxt.x])
+            pad_rows, pad_cols = layer.Bp != layer.B, layer.Np != layer.N
+            if pad_rows or pad_cols:
+                valid_r = torch.arange(layer.Bp, device=layer.right.device) < layer.B
+                valid_c = torch.arange(layer.Np, device=layer.right.device) < layer.N
+                mask_inputs = [self._const("strassen_valid_rows", valid_r), self._const("strassen_valid_cols", valid_c)]
+                ir_r, ir_c = b.add_input(torch.bool), b.add_input(torch.bool)
+                zero = b.const(0.0)
+                for k in range(q):
+                    R, C = block_position(k, L)
+                    if (R + 1) * bh > layer.B:
+                        zs[k] = b.op("where", [b.load(ir_r, IndexMap(R * bh, (1, 0))), zs[k], zero])
+                    if (C + 1) * nh > layer.N:
+                        zs[k] = b.op("where", [b.load(ir_c, IndexMap(C * nh, (0, 1))), zs[k], zero])
+            outputs.append(OutputSpec((r, bh, nh), nxt.dtype))
+            stores += self._prefix_stores(b, zs, L, bh * nh, nh)
+        for v in stored:
+            out = len(outputs)
+            outputs.append(OutputSpec((layer.Bp, layer.Np), _tmeta(v).dtype))
+            for k in range(q):
+                R, C = block_position(k, L)
+                stores.append(Store(out, IndexMap(R * bh * layer.Np + C * nh, (layer.Np, 1)), vals[v][k]))
+        inputs += mask_inputs
+        ir = KernelIR(b.shape, tuple(b.inputs), tuple(outputs), tuple(b.instrs), tuple(stores))
+        ref = self._tail_reference(layer, members, ext, stored, nxt, bool(mask_inputs))
+        described = (f"suffix of {layer.node.name}",) + tuple(
+            f"{m.name}={POINTWISE[m.target].name}" for m in members) + (
+            (f"prefix of {nxt.node.name}",) if nxt is not None else ())
+        decision = (f"Strassen suffix of {layer.node.name}" + (f" + {len(members)} pointwise ops" if members else "")
+                    + (f" + prefix of {nxt.node.name}" if nxt is not None else "")
+                    + f"; stores {', '.join(v.name for v in stored) or 'no full-size value'}")
+        call = self._module(ir, ref, inputs, described, decision)
+        metas = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in outputs]
+        if len(outputs) == 1:
+            self._set_meta(call, metas[0])
+            return call, [call]
+        call.meta["tensor_meta"] = tuple(_extract_tensor_metadata(m) for m in metas)
+        items = []
+        for k, meta in enumerate(metas):
+            item = self.g.call_function(operator.getitem, (call, k))
+            self._set_meta(item, meta)
+            items.append(item)
+        return call, items
+
+    def _tail_reference(self, layer, members, ext, stored, nxt, masked) -> torch.fx.GraphModule:
+        """The tail's torch ops on whole padded tensors: the kernel's fallback and reference."""
+        g = torch.fx.Graph()
+        env = {layer.node: g.call_function(suffix_ref, (g.placeholder("products"), layer.levels),
+                                           {"out_dtype": layer.dtype})}
+        for a in ext:
+            env[a] = g.placeholder(a.name)
+        for m in members:
+            env[m] = g.node_copy(m, lambda n: env[n])
+        outs = []
+        if nxt is not None:
+            z = env[nxt.x]
+            if masked:
+                z = g.call_function(_zero_padding, (z, g.placeholder("valid_rows"), g.placeholder("valid_cols")))
+            outs.append(g.call_function(prefix_ref, (z, layer.levels), {"out_dtype": nxt.dtype}))
+        outs += [env[v] for v in stored]
+        g.output(outs[0] if len(outs) == 1 else tuple(outs))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _decide_mode(layer: Layer, mode: str) -> str | None:
+    """None if the mode asks for Strassen on this layer, else the reason it does not."""
+    if mode == "force":
+        return None
+    smallest = min(layer.B, layer.K, layer.N)
+    if smallest >= AUTO_MIN_SIZE:
+        return None
+    return (f"classical: min(B, K, N) = {smallest} < {AUTO_MIN_SIZE} "
+            "(size threshold until the cost model lands)")
+
+
+def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    mode = "off" if options is None else options.strassen
+    if mode not in MODES:
+        raise FxfuseError(f"option strassen={mode!r}; expected one of {MODES}")
+    if mode == "off":
+        gm.meta["fxfuse_skipped"] = True
+        return gm
+    if not 1 <= options.strassen_levels <= MAX_LEVELS:
+        raise FxfuseError(f"strassen_levels must be 1..{MAX_LEVELS}, got {options.strassen_levels}")
+    use_kernels = True if options.use_kernels is None else options.use_kernels
+    mutated = _mutated_values(gm)
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    candidates = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not F.linear:
+            continue
+        reason = why_not_strassen(node, mutated)
+        if reason is not None:
+            fxfuse_meta(node).update({"strassen": False, "decision": f"classical: {reason}"})
+            continue
+        xm, wm = _tmeta(node.args[0]), _tmeta(node.args[1])
+        N, K = wm.shape
+        layer = Layer(node, tuple(_tmeta(node).shape),
+                      xm.shape.numel() // K, K, N, xm.dtype)
+        reason = _decide_mode(layer, mode)
+        if reason is not None:
+            fxfuse_meta(node).update({"strassen": False, "decision": reason})
+            continue
+        candidates.append(layer)
+    if not candidates:
+        return gm
+    _choose(gm, candidates, options)
+    accepted = []
+    for layer in candidates:
+        rec = layer.record
+        if not layer.levels:
+            worst = min(rec["errors_by_levels"].values())
+            fxfuse_meta(layer.node).update({"strassen": False, **rec, "decision": (
+                f"classical: Strassen error {worst:.1e} on {rec['measured_on']} exceeds tolerance "
+                f"{rec['tolerance']:.1e} (classical {rec['classical_error']:.1e})")})
+            continue
+        extra = layer.right.numel() * layer.right.element_size()
+        padding = ("no padding" if (layer.Bp, layer.Kp, layer.Np) == (layer.B, layer.K, layer.N) else
+                   f"padded {layer.B}x{layer.K}x{layer.N} -> {layer.Bp}x{layer.Kp}x{layer.Np}")
+        why = "forced" if mode == "force" else f"auto: min(B, K, N) >= {AUTO_MIN_SIZE} (size threshold until the cost model lands)"
+        rec.update({"strassen": True, "levels": layer.levels, "padded": (layer.Bp, layer.Kp, layer.Np),
+                    "extra_weight_bytes": extra})
+        rec["decision"] = (f"Strassen {layer.levels} level(s), {7 ** layer.levels} products of "
+                           f"[{layer.Bp >> layer.levels}x{layer.Kp >> layer.levels}]x"
+                           f"[{layer.Kp >> layer.levels}x{layer.Np >> layer.levels}] in one bmm ({why}); "
+                           f"{padding}; "
+                           f"error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e} "
+                           f"(classical {rec['classical_error']:.1e}) on {rec['measured_on']}; "
+                           f"+{extra / 2 ** 20:.1f} MiB combined weights")
+        accepted.append(layer)
+    if accepted:
+        _Rewriter(gm, accepted, order, mutated, use_kernels).run()
+        gm.graph.lint()
+        gm.recompile()
+    return gm
