@@ -1,0 +1,278 @@
+"""Epilogue-fused GEMM: y = epilogue(x @ W.T) in ONE Triton kernel, split-K for small batch.
+
+Why (DESIGN.md, "Middle"): a Linear with its bias and activation costs a library GEMM plus a
+pointwise kernel, and at small batch cuBLAS fp32 is far from peak (30 us for a 64x1024x1024
+layer on an H100). Fusing the epilogue saves a launch and a round trip of y through memory;
+splitting K over several programs puts more SMs to work when [M, N] has few output tiles.
+
+Kernel: a classical tiled GEMM (pid -> an output tile [BLOCK_M, BLOCK_N] and a K slice ->
+loop over BLOCK_K steps, fp32 accumulate, pipelined loads), then the epilogue on the tile:
+pointwise steps of fxfuse.ops over the product, numbers and constant vectors (bias [N]),
+described exactly like a fused MLP's epilogue (mlp_kernel.Pointwise; value 0 is x @ W.T).
+W is read in place ([N, K], as nn.Linear stores it): no copy of the weights.
+
+Split-K without a second kernel ("serial split-K", CUTLASS's semaphore): each of SPLIT_K
+programs of a tile stores its fp32 partial to a workspace, then increments the tile's counter
+(barrier, then an acq_rel atomic: the CUTLASS release pattern); the program that sees the
+last count sums the partials in a fixed order (so results do not depend on arrival order),
+resets the counter for the next launch, applies the epilogue and stores y. The workspace and
+counters belong to the module, so one module must not run on two streams at once (a CUDA
+graph replays on one stream).
+
+Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was allowed;
+fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes in fp32.
+Only builtins of triton.language are used (tl.full, not tl.zeros), see mlp_kernel.
+"""
+import contextlib
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .codegen import HEADER, IndentedBuffer
+from .kernel import FusedKernel, kernels_available, triton_cdiv
+from .mlp_kernel import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
+from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
+
+GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_SPLIT_K = 16
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    k: int                   # in features
+    n: int                   # out features
+    dtype: torch.dtype
+    epilogue: tuple = ()     # Pointwise steps; value 0 is x @ W.T, step j defines value j + 1
+    output: int = 0          # the value stored
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 32
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    precision: str = "ieee"
+
+
+def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **override) -> GemmConfig:
+    """Tile sizes and split-K for a batch of m rows: one place, apart from correctness.
+
+    Rows per tile follow the batch (16..64, or 128 for tensor-core dtypes at large batch);
+    split-K doubles while the grid has fewer than ~one program per SM and each split still
+    runs at least 4 K steps. `override` sets fields (for tests and the probe).
+    """
+    tensor_cores = spec.dtype != torch.float32 or allow_tf32
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if (m <= 64 or not tensor_cores) else 128
+    block_n = 64 if spec.n <= 64 or not tensor_cores else 128
+    block_k = 64 if tensor_cores else 32
+    tiles = triton_cdiv(m, block_m) * triton_cdiv(spec.n, block_n)
+    split = 1
+    while split < MAX_SPLIT_K and tiles * split * 2 <= SMS and spec.k >= block_k * split * 2 * 4:
+        split *= 2
+    cfg = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split,
+               num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=3,
+               precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee")
+    cfg.update(override)
+    return GemmConfig(**cfg)
+
+
+def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | None:
+    if spec.dtype not in GEMM_DTYPES:
+        return f"dtype {spec.dtype} has no fused GEMM kernel"
+    if min(config.block_m, config.block_n, config.block_k) < 16:
+        return "tl.dot takes blocks of at least 16"
+    if config.split_k < 1 or config.split_k & (config.split_k - 1):
+        return "split_k must be a power of two"
+    for j, s in enumerate(spec.epilogue):
+        if s.op not in BY_NAME or any(kind == "value" and not 0 <= ref <= j for kind, ref in s.operands):
+            return f"epilogue step {j} ({s.op}) reads a value it cannot see"
+    if not 0 <= spec.output <= len(spec.epilogue):
+        return "output is not a value of the epilogue"
+    return None
+
+
+def gemm_kernel_name(spec: GemmSpec, config: GemmConfig) -> str:
+    ops = "_".join(dict.fromkeys(s.op for s in spec.epilogue)) or "plain"
+    digest = hashlib.sha256(repr((spec, config)).encode()).hexdigest()[:10]
+    return f"fxgemm_{ops}_{digest}"
+
+
+def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
+    """(source, kernel name). Kernel arguments: x [M, K] (row stride stride_xm, unit column
+    stride), W [N, K] contiguous, out [M, N] (row stride stride_om), the epilogue constants
+    (fp32, each padded to a multiple of 16), the split-K workspace and counters, M."""
+    name = gemm_kernel_name(spec, config)
+    c = config
+    k_split = triton_cdiv(triton_cdiv(spec.k, c.block_k), c.split_k) * c.block_k   # K elements per split
+    dot_kw = f", input_precision=\"{c.precision}\"" if spec.dtype == torch.float32 else ""
+    buf = IndentedBuffer()
+    buf.line("@triton.jit")
+    buf.line(f"def {name}(x_ptr, w_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, M, stride_xm, stride_om, "
+             "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):")
+    with buf.indent():
+        buf.line(f"# y[M, {spec.n}] = epilogue(x[M, {spec.k}] @ W[{spec.n}, {spec.k}].T); split-K {c.split_k} "
+                 f"({k_split} K elements per program); {c}")
+        buf.line("pid_m = tl.program_id(0)")
+        buf.line("pid_n = tl.program_id(1)")
+        buf.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        buf.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        buf.line("offs_k = tl.arange(0, BLOCK_K)")
+        buf.line("m_ok = offs_m < M")
+        buf.line(f"n_ok = offs_n < {spec.n}")
+        buf.line("x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm")
+        buf.line(f"w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
+        k0 = "0"
+        if c.split_k > 1:
+            buf.line("pid_k = tl.program_id(2)")
+            k0 = f"pid_k * {k_split}"
+        buf.line("acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)")
+        buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
+        with buf.indent():
+            buf.line(f"k = {k0} + kk + offs_k")
+            buf.line(f"k_ok = k < {spec.k}")
+            buf.line("a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)")
+            buf.line("b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)")
+            buf.line(f"acc = tl.dot(a, b, acc=acc{dot_kw})")
+        if c.split_k > 1:
+            _emit_split_k_fixup(buf, c)
+            with buf.indent():
+                _emit_epilogue_and_store(buf, spec, numels)
+        else:
+            _emit_epilogue_and_store(buf, spec, numels)
+    return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
+
+
+def _emit_split_k_fixup(buf, c: GemmConfig):
+    """Partial to the workspace; the last of the tile's SPLIT_K programs sums them. Ends with
+    an open `if`: the caller emits the epilogue one level deeper, inside it."""
+    buf.line("# serial split-K: workspace [SPLIT_K, grid_m * BLOCK_M, grid_n * BLOCK_N] fp32")
+    buf.line("ws_cols = tl.num_programs(1) * BLOCK_N")
+    buf.line("ws_tile = ws_ptr + (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * ws_cols "
+             "+ offs_n[None, :]")
+    buf.line("ws_split = (tl.num_programs(0) * BLOCK_M).to(tl.int64) * ws_cols")
+    buf.line("tl.store(ws_tile + pid_k * ws_split, acc)")
+    buf.line("tl.debug_barrier()  # every thread's partial is written before the release below")
+    buf.line("tile = pid_m * tl.num_programs(1) + pid_n")
+    buf.line('count = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")')
+    buf.line(f"if count == {c.split_k - 1}:")
+    with buf.indent():
+        buf.line("acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)")
+        for s in range(c.split_k):   # fixed order: the sum does not depend on who came last
+            buf.line(f'acc += tl.load(ws_tile + {s} * ws_split, cache_modifier=".cg")')
+        buf.line('tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch')
+
+
+def _emit_epilogue_and_store(buf, spec: GemmSpec, numels: tuple):
+    buf.line("v0 = acc")
+    offsets, at = {}, 0
+    for k, n in enumerate(numels):
+        offsets[k], at = at, at + -(-n // 16) * 16
+    loaded = set()
+    for j, step in enumerate(spec.epilogue):
+        args = []
+        for kind, ref in step.operands:
+            if kind == "vector":
+                if ref not in loaded:
+                    loaded.add(ref)
+                    if numels[ref] == 1:
+                        buf.line(f"k{ref} = tl.load(v_ptr + {offsets[ref]})")
+                    else:
+                        buf.line(f"k{ref} = tl.load(v_ptr + {offsets[ref]} + offs_n, mask=n_ok, other=0.0)[None, :]")
+                args.append(f"k{ref}")
+            elif kind == "value":
+                args.append(f"v{ref}")
+            else:
+                args.append(literal(ref))
+        buf.line(f"v{j + 1} = {BY_NAME[step.op].expr(*args, **dict(step.params))}")
+    buf.line(f"tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], "
+             f"v{spec.output}.to({TRITON_DTYPE[spec.dtype]}), mask=m_ok[:, None] & n_ok[None, :])")
+
+
+def pack_vectors(vectors: list, device) -> torch.Tensor:
+    sizes = [-(-v.numel() // 16) * 16 for v in vectors]
+    buf = torch.zeros(max(sum(sizes), 1), dtype=torch.float32, device=device)
+    at = 0
+    for v, size in zip(vectors, sizes):
+        buf[at:at + v.numel()] = v.detach().reshape(-1).to(device=device, dtype=torch.float32)
+        at += size
+    return buf
+
+
+class EpilogueGemm(FusedKernel):
+    """y = epilogue(x @ W.T) as one launch; a FusedKernel to the rest of fxfuse.
+
+    forward(x) runs the kernel for x [..., K] of the built dtype on the weight's device (any
+    batch: the config chosen for the example batch is kept), else the reference GraphModule.
+    """
+
+    def __init__(self, spec: GemmSpec, weight: torch.Tensor, vectors: list, reference: torch.fx.GraphModule,
+                 members: tuple, use_kernel: bool = True, config: GemmConfig = GemmConfig()):
+        torch.nn.Module.__init__(self)
+        problem = why_not_gemm(spec, config)
+        if problem:
+            raise ValueError(f"no fused GEMM kernel: {problem}")
+        if tuple(weight.shape) != (spec.n, spec.k) or weight.dtype != spec.dtype:
+            raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} does not match {spec}")
+        self.spec, self.config = spec, config
+        self.ir = None
+        self.reference = reference
+        self.members = members
+        self.origin = "gemm_epilogue"
+        self.use_kernel = use_kernel
+        self.weight = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
+        numels = tuple(v.numel() for v in vectors)
+        self.source, self.kernel_name = generate_gemm(spec, numels, config)
+        self.register_buffer("packed_vectors", pack_vectors(vectors, weight.device), persistent=False)
+        self.register_buffer("counters", torch.zeros(1, dtype=torch.int32, device=weight.device), persistent=False)
+        self._workspace = None
+        self.input_meta = ((None, None, spec.dtype),)
+        self._kernel = None
+        self.launches = 0
+        self.fallbacks = 0
+
+    def _matches(self, inputs) -> bool:
+        if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+            return False
+        x = inputs[0]
+        return x.dim() >= 1 and x.shape[-1] == self.spec.k and x.dtype == self.spec.dtype \
+            and x.device == self.weight.device
+
+    def _scratch(self, grid) -> tuple:
+        """Workspace and zeroed counters big enough for this grid (grown, never shrunk)."""
+        c = self.config
+        tiles = grid[0] * grid[1]
+        if self.counters.numel() < tiles:
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.weight.device)
+        need = c.split_k * grid[0] * c.block_m * grid[1] * c.block_n
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.float32, device=self.weight.device)
+        return self._workspace, self.counters
+
+    def forward(self, *inputs):
+        x = inputs[0] if inputs else None
+        if not (self.use_kernel and self._matches(inputs) and kernels_available(x.device)):
+            self.fallbacks += 1
+            return self.reference(*inputs)
+        lead = tuple(x.shape[:-1])
+        x2 = x.reshape(-1, self.spec.k)
+        if self.spec.k > 1 and x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        m, c = x2.shape[0], self.config
+        out = torch.empty((m, self.spec.n), dtype=self.spec.dtype, device=x.device)
+        if m:
+            grid = (triton_cdiv(m, c.block_m), triton_cdiv(self.spec.n, c.block_n), c.split_k)
+            ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
+            with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+                self.compiled()[grid](x2, self.weight, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
+                                      out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                      num_warps=c.num_warps, num_stages=c.num_stages)
+            self.launches += 1
+        return out.view(lead + (self.spec.n,))
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel_name}, K={self.spec.k}, N={self.spec.n}, {self.config}"

@@ -1,0 +1,408 @@
+"""The fully fused narrow MLP: a whole chain of Linear layers and their pointwise epilogues in
+ONE Triton kernel.
+
+Why: for narrow layers at small batch, time goes to launches (two per Linear+ReLU, ~1.2 us
+each even from a CUDA graph) and to round trips of activations through memory, not to FLOPs.
+Here each program takes BLOCK_M rows through every layer: the activations never leave
+registers, only the weights are read (from L2/HBM, tile by tile), and the whole network is
+one launch.
+
+How: the pass (passes/fuse_mlp.py) describes the chain as an `MLPSpec`, a straight-line
+program over *values* (value 0 is the input; every value is [rows, width]):
+  Linear(out, src, weight)                -> out = src @ W.T        (fp32 accumulate)
+  Pointwise(out, op, operands, params)    -> out = op(operands)     (fxfuse.ops expressions)
+Operands of a pointwise step are earlier values (residuals included), numbers, or constant
+vectors (a bias [N], or a scalar tensor). Triton cannot slice a register tensor, so a value
+of width w is held as ceil(w / T) column tiles of T lanes (`tile_of`); a Linear is unrolled at
+generation time into one tile product per (K tile, N tile), and each pointwise op runs tile
+by tile. The source is generated per chain and loaded through the kernel cache.
+
+Two forms of the tile product (`KernelConfig.rowwise`): tl.dot needs 16 rows, so at batch 1
+it would compute 15 rows of padding; the row-wise form (BLOCK_M = 1, one program per row)
+multiplies a row tile by a weight tile and reduces over K, doing only the real row's work.
+Every program streams all weights, so both forms pay while the weights are small.
+
+Padding: weights are zero-padded to whole tiles and packed tile by tile in the order the kernel
+reads them (`pack`), once at optimize time; constant vectors are padded with zeros. Padded
+lanes of an activation may still become non-zero (sigmoid(0) = 0.5, x / 0 = nan), so partial
+tiles are masked to 0 before they feed a product (0 * nan would spread into real lanes), and
+the final store masks rows and columns. Rows past the batch are loaded as 0 and never stored;
+rows are independent in a matrix product, so they cannot leak.
+
+Precision: fp32 tl.dot uses input_precision="ieee" unless TF32 was allowed when the chain was
+built (torch.backends.cuda.matmul.allow_tf32); fp16/bf16 feed tl.dot in their own type and
+accumulate in fp32; the row-wise form computes in fp32. Epilogues compute in fp32.
+
+Code size: an fp32 "ieee" tl.dot and the row-wise product are lowered to FMAs fully unrolled,
+BLOCK_M * K * N / threads of them per product; the whole chain is straight-line code, so
+`why_not_kernel` bounds that count (about 8 layers of 256 at BLOCK_M 16), which bounds compile
+time. Of triton.language's jit-defined helpers only tl.sum is used (tl.reduce with a combine
+function of our own is ~60x slower under the interpreter): like every generated kernel, this
+one runs under the interpreter only if TRITON_INTERPRET=1 was set before triton was imported.
+"""
+import contextlib
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .codegen import HEADER, IndentedBuffer
+from .kernel import FusedKernel, kernels_available, triton_cdiv
+from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
+
+MAX_WIDTH = 1024             # widest value a kernel may hold
+MAX_TILE = 64                # lanes per column tile (128 past 512 lanes: at most 8 x 8 products)
+MAX_DOTS = 1024              # unrolled tile products per kernel (tensor-core forms)
+MAX_FMA_PER_THREAD = 1 << 17  # unrolled FMAs per thread (FMA forms): bounds code size
+ROWWISE_MAX_BATCH = 32       # provisional: batch up to which one program per row wins (probe)
+SMS = 132                    # H100 SXM; only used to judge when larger row tiles still fill the GPU
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Linear:
+    out: int                 # value id it defines
+    src: int                 # value id it reads ([rows, K])
+    weight: int              # index into the weights list ([N, K], as nn.Linear stores it)
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    out: int
+    op: str                  # key of fxfuse.ops.BY_NAME
+    operands: tuple          # ("value", id) | ("number", x) | ("vector", index into vectors)
+    params: tuple = ()       # sorted (name, value) pairs of the op's constant parameters
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    widths: tuple            # width of every value; value 0 is the chain's input
+    steps: tuple             # Linear / Pointwise in execution order; step k defines value k + 1
+    output: int              # the value stored
+    dtype: torch.dtype       # input, weight and output dtype
+
+    @property
+    def linears(self) -> list:
+        return [s for s in self.steps if isinstance(s, Linear)]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int = 16        # rows per program
+    rowwise: bool = False    # broadcast-multiply-reduce products, BLOCK_M 1 (else tl.dot)
+    num_warps: int = 4
+    max_tile: int = MAX_TILE
+    precision: str = "ieee"  # fp32 tl.dot: "ieee" or "tf32"
+
+
+def tile_of(width: int, max_tile: int = MAX_TILE) -> tuple:
+    """(T, n): a value of this width is held as n column tiles of T lanes.
+
+    T is the next power of two >= 16 (tl.dot's minimum), capped at max_tile (at 128 past
+    512 lanes); n * T covers the width with less padding than one power-of-two tile would
+    (130 lanes: 3 x 64, not 256).
+    """
+    p = max(16, 1 << (max(width, 1) - 1).bit_length())
+    t = min(p, max_tile if p <= 512 else max(max_tile, 128))
+    return t, triton_cdiv(width, t)
+
+
+def _padded_kn(spec: MLPSpec, max_tile: int) -> list:
+    out = []
+    for s in spec.linears:
+        (tk, nk), (tn, nn) = tile_of(spec.widths[s.src], max_tile), tile_of(spec.widths[s.out], max_tile)
+        out.append((tk * nk, tn * nn, nk * nn))
+    return out
+
+
+def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **override) -> KernelConfig:
+    """The kernel configuration for a batch: one place, kept apart from correctness.
+
+    Row-wise up to ROWWISE_MAX_BATCH rows; else tl.dot with 16 rows per program, or 32/64
+    where the batch still gives every SM two programs and a value stays ~32 registers per
+    thread (BLOCK_M * width <= 1024 * num_warps); row-wise also where tl.dot's unrolled code
+    would exceed the budget (why_not_kernel). `override` sets fields (for the probe).
+    """
+    widest = max(spec.widths)
+    warps = 4 if widest <= 128 else 8
+    precision = "tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee"
+    forced, override = bool(override), dict(override)
+    rowwise = override.pop("rowwise", batch <= ROWWISE_MAX_BATCH)
+    block_m = 1 if rowwise else 16
+    if not rowwise:
+        for bm in (64, 32):
+            if batch >= 2 * SMS * bm and bm * widest <= 1024 * warps:
+                block_m = bm
+                break
+    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, max_tile=MAX_TILE, precision=precision)
+    cfg.update(override)
+    config = KernelConfig(**cfg)
+    if not forced and why_not_kernel(spec, config) and not why_not_kernel(spec, rows := KernelConfig(
+            block_m=1, rowwise=True, num_warps=warps, precision=precision)):
+        return rows   # 16x fewer unrolled FMAs than tl.dot's 16 rows: fits where tl.dot does not
+    return config
+
+
+def fma_per_thread(spec: MLPSpec, config: KernelConfig) -> int:
+    return config.block_m * sum(k * n for k, n, _ in _padded_kn(spec, config.max_tile)) // (32 * config.num_warps)
+
+
+def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str | None:
+    """None if the kernel can be generated for spec and config, else why not (legality)."""
+    if spec.dtype not in KERNEL_DTYPES:
+        return f"dtype {spec.dtype} has no fused MLP kernel"
+    if not spec.linears:
+        return "no Linear layer"
+    if max(spec.widths) > MAX_WIDTH:
+        return f"width {max(spec.widths)} > {MAX_WIDTH} does not fit on chip"
+    if config.rowwise and config.block_m > 2:
+        return "the row-wise form takes 1 or 2 rows per program"
+    if not config.rowwise and config.block_m < 16:
+        return "tl.dot takes at least 16 rows per program"
+    fma_form = config.rowwise or (spec.dtype == torch.float32 and config.precision == "ieee")
+    if fma_form and fma_per_thread(spec, config) > MAX_FMA_PER_THREAD:
+        return (f"{fma_per_thread(spec, config)} unrolled FMAs per thread > {MAX_FMA_PER_THREAD} "
+                "(code size; fewer or narrower layers fit)")
+    dots = sum(d for _, _, d in _padded_kn(spec, config.max_tile))
+    if dots > MAX_DOTS:
+        return f"{dots} unrolled tile products > {MAX_DOTS}"
+    return None
+
+
+class Layout:
+    """Element offsets of every weight block and constant vector in the two packed buffers.
+    Code generation and packing both read it, so they cannot disagree."""
+
+    def __init__(self, spec: MLPSpec, numels: tuple, max_tile: int = MAX_TILE):
+        self.weight_offset, self.vector_offset = {}, {}
+        at = 0
+        for s, (k, n, _) in zip(spec.linears, _padded_kn(spec, max_tile)):
+            self.weight_offset[s.weight] = at
+            at += k * n
+        self.weight_numel = max(at, 1)
+        self.vector_size = [1] * len(numels)   # 1 for a scalar, else whole tiles of its consumer
+        for s in spec.steps:
+            if isinstance(s, Pointwise):
+                for kind, ref in s.operands:
+                    if kind == "vector" and numels[ref] > 1:
+                        t, n = tile_of(spec.widths[s.out], max_tile)
+                        self.vector_size[ref] = t * n
+        at = 0
+        for k, size in enumerate(self.vector_size):
+            self.vector_offset[k] = at
+            at += -(-size // 16) * 16          # 64-byte aligned starts
+        self.vector_numel = max(at, 1)
+
+
+def pack(spec: MLPSpec, weights: list, vectors: list, layout: Layout, config: KernelConfig) -> tuple:
+    """(packed weights in spec.dtype, packed constants in fp32), padded with zeros.
+
+    Weight tiles are stored in the order the kernel reads them, [N tile][K tile], each one
+    contiguous: [T_k, T_n] (W.T, as tl.dot takes it) or, for the row-wise form, [T_n, T_k]
+    (rows of W, so the reduction runs along contiguous K, as in a GEMV)."""
+    device, mt = weights[0].device, config.max_tile
+    wbuf = torch.zeros(layout.weight_numel, dtype=spec.dtype, device=device)
+    for s in spec.linears:
+        (tk, nk), (tn, nn) = tile_of(spec.widths[s.src], mt), tile_of(spec.widths[s.out], mt)
+        w = weights[s.weight].detach()
+        n, k = w.shape
+        wp = torch.zeros(nn * tn, nk * tk, dtype=spec.dtype, device=device)
+        wp[:n, :k] = w.to(device=device, dtype=spec.dtype)
+        if config.rowwise:
+            tiles = wp.reshape(nn, tn, nk, tk).permute(0, 2, 1, 3).reshape(-1)
+        else:
+            tiles = wp.reshape(nn, tn, nk, tk).permute(0, 2, 3, 1).reshape(-1)
+        at = layout.weight_offset[s.weight]
+        wbuf[at:at + tiles.numel()] = tiles
+    vbuf = torch.zeros(layout.vector_numel, dtype=torch.float32, device=device)
+    for k, v in enumerate(vectors):
+        flat = v.detach().reshape(-1).to(device=device, dtype=torch.float32)
+        at = layout.vector_offset[k]
+        vbuf[at:at + flat.numel()] = flat
+    return wbuf, vbuf
+
+
+def kernel_name(spec: MLPSpec, config: KernelConfig) -> str:
+    digest = hashlib.sha256(repr((spec, config)).encode()).hexdigest()[:10]
+    return f"fxmlp_{len(spec.linears)}x{max(spec.widths)}_{'rows' if config.rowwise else 'dot'}_{digest}"
+
+
+def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
+    """(source, kernel name) of one Triton kernel computing the whole chain.
+
+    Arguments of the kernel: x [M, K0] (row stride stride_xm, unit column stride), out
+    [M, N] (row stride stride_om), the packed weights and constants, M, and BLOCK_M.
+    """
+    name = kernel_name(spec, config)
+    mt = config.max_tile
+    layout = Layout(spec, numels, mt)
+    buf = IndentedBuffer()
+    buf.line("@triton.jit")
+    buf.line(f"def {name}(x_ptr, out_ptr, w_ptr, v_ptr, M, stride_xm, stride_om, BLOCK_M: tl.constexpr):")
+    with buf.indent():
+        esize = torch.empty((), dtype=spec.dtype).element_size()
+        widths = " -> ".join(str(spec.widths[s.out]) for s in spec.linears)
+        buf.line(f"# {len(spec.linears)} Linear layers, widths {spec.widths[0]} -> {widths}; "
+                 f"{'row-wise products' if config.rowwise else 'tl.dot'}, {config}")
+        buf.line(f"# per program: reads BLOCK_M rows of x and all {layout.weight_numel * esize} bytes "
+                 "of packed weights; activations stay in registers; writes BLOCK_M rows")
+        buf.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
+        buf.line("row_ok = rows < M")
+        buf.line("rows = rows.to(tl.int64)")
+        for t in sorted({tile_of(w, mt)[0] for w in spec.widths}):
+            buf.line(f"c{t} = tl.arange(0, {t})")
+        _emit_input(buf, spec, mt)
+        loaded = set()
+        for step in spec.steps:
+            if isinstance(step, Linear):
+                _emit_linear(buf, spec, step, layout, config)
+            else:
+                _emit_pointwise(buf, spec, step, layout, numels, loaded, mt)
+        _emit_store(buf, spec, mt)
+    return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
+
+
+def _cols(j: int, t: int) -> str:
+    return f"({j * t} + c{t})" if j else f"c{t}"
+
+
+def _emit_input(buf, spec, mt):
+    k0 = spec.widths[0]
+    t, n = tile_of(k0, mt)
+    buf.line(f"# input: {k0} columns as {n} tile(s) of {t}")
+    for j in range(n):
+        mask = "row_ok[:, None]" + (f" & ({_cols(j, t)} < {k0})[None, :]" if (j + 1) * t > k0 else "")
+        buf.line(f"v0_{j} = tl.load(x_ptr + rows[:, None] * stride_xm + {_cols(j, t)}[None, :], "
+                 f"mask={mask}, other=0.0).to(tl.float32)")
+
+
+def _emit_linear(buf, spec, step, layout, config):
+    k, n = spec.widths[step.src], spec.widths[step.out]
+    (tk, nk), (tn, nn) = tile_of(k, config.max_tile), tile_of(n, config.max_tile)
+    buf.line(f"# v{step.out} = v{step.src} @ W{step.weight}.T: {k} -> {n} as {nk} x {nn} tiles of "
+             f"[{tk}, {tn}] (weights at element {layout.weight_offset[step.weight]})")
+    to_dot = spec.dtype != torch.float32 and not config.rowwise
+    dot_kw = f", input_precision=\"{config.precision}\"" if spec.dtype == torch.float32 else ""
+    operands = []
+    for kk in range(nk):
+        expr = f"v{step.src}_{kk}"
+        if (kk + 1) * tk > k and step.src != 0:   # padded lanes may hold f(0) != 0 or nan
+            expr = f"tl.where(({_cols(kk, tk)} < {k})[None, :], {expr}, 0.0)"
+        if to_dot:
+            expr = f"{expr}.to({TRITON_DTYPE[spec.dtype]})"
+        if expr != f"v{step.src}_{kk}":
+            buf.line(f"a{step.out}_{kk} = {expr}")
+            expr = f"a{step.out}_{kk}"
+        operands.append(expr)
+    base = layout.weight_offset[step.weight]
+    for j in range(nn):
+        for kk in range(nk):
+            at = base + (j * nk + kk) * tk * tn
+            if config.rowwise:   # [tn, tk] tile: reduce along contiguous K
+                buf.line(f"w = tl.load(w_ptr + {at} + c{tn}[:, None] * {tk} + c{tk}[None, :])")
+                w = "w" if spec.dtype == torch.float32 else "w.to(tl.float32)"
+                prod = f"tl.sum({operands[kk]}[:, None, :] * {w}[None, :, :], axis=2)"
+                buf.line(f"acc = {prod}" if kk == 0 else f"acc = acc + {prod}")
+            else:                # [tk, tn] tile, as tl.dot takes it
+                buf.line(f"w = tl.load(w_ptr + {at} + c{tk}[:, None] * {tn} + c{tn}[None, :])")
+                acc = "out_dtype=tl.float32" if kk == 0 else "acc=acc"
+                buf.line(f"acc = tl.dot({operands[kk]}, w, {acc}{dot_kw})")
+        buf.line(f"v{step.out}_{j} = acc")
+
+
+def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):
+    t, n = tile_of(spec.widths[step.out], mt)
+    op = BY_NAME[step.op]
+    for kind, ref in step.operands:        # constants: loaded once, where first needed
+        if kind == "vector" and ref not in loaded:
+            loaded.add(ref)
+            at = layout.vector_offset[ref]
+            if numels[ref] == 1:
+                buf.line(f"k{ref} = tl.load(v_ptr + {at})")
+            else:
+                for j in range(n):
+                    buf.line(f"k{ref}_{j} = tl.load(v_ptr + {at} + {_cols(j, t)})[None, :]")
+    for j in range(n):
+        args = []
+        for kind, ref in step.operands:
+            if kind == "value":
+                args.append(f"v{ref}_{j}")
+            elif kind == "number":
+                args.append(literal(ref))
+            else:
+                args.append(f"k{ref}" if numels[ref] == 1 else f"k{ref}_{j}")
+        buf.line(f"v{step.out}_{j} = {op.expr(*args, **dict(step.params))}")
+
+
+def _emit_store(buf, spec, mt):
+    w = spec.widths[spec.output]
+    t, n = tile_of(w, mt)
+    for j in range(n):
+        mask = "row_ok[:, None]" + (f" & ({_cols(j, t)} < {w})[None, :]" if (j + 1) * t > w else "")
+        buf.line(f"tl.store(out_ptr + rows[:, None] * stride_om + {_cols(j, t)}[None, :], "
+                 f"v{spec.output}_{j}.to({TRITON_DTYPE[spec.dtype]}), mask={mask})")
+
+
+class FusedMLP(FusedKernel):
+    """A chain of Linear layers + epilogues as one kernel launch (a FusedKernel to the rest
+    of fxfuse: stats, explain and the runtime count its launches and fallbacks).
+
+    forward(x) runs the kernel when kernels can run on x's device and x has the dtype, last
+    dimension and device it was built for (any leading shape: the batch is a kernel argument);
+    otherwise the reference, a GraphModule of the chain's original nodes.
+    """
+
+    def __init__(self, spec: MLPSpec, weights: list, vectors: list, reference: torch.fx.GraphModule,
+                 members: tuple, use_kernel: bool = True, config: KernelConfig = KernelConfig()):
+        torch.nn.Module.__init__(self)
+        problem = why_not_kernel(spec, config)
+        if problem:
+            raise ValueError(f"no fused MLP kernel: {problem}")
+        self.spec, self.config = spec, config
+        self.ir = None                     # not a pointwise-IR kernel
+        self.reference = reference
+        self.members = members
+        self.origin = "fused_mlp"
+        self.use_kernel = use_kernel
+        self.out_width = spec.widths[spec.output]
+        numels = tuple(v.numel() for v in vectors)
+        self.source, self.kernel_name = generate_mlp(spec, numels, config)
+        wbuf, vbuf = pack(spec, weights, vectors, Layout(spec, numels, config.max_tile), config)
+        self.register_buffer("packed_weights", wbuf, persistent=False)
+        self.register_buffer("packed_vectors", vbuf, persistent=False)
+        self.input_meta = ((None, None, spec.dtype),)
+        self._kernel = None
+        self.launches = 0
+        self.fallbacks = 0
+
+    def _matches(self, inputs) -> bool:
+        if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+            return False
+        x = inputs[0]
+        return (x.dim() >= 1 and x.shape[-1] == self.spec.widths[0] and x.dtype == self.spec.dtype
+                and x.device == self.packed_weights.device)
+
+    def forward(self, *inputs):
+        x = inputs[0] if inputs else None
+        if not (self.use_kernel and self._matches(inputs) and kernels_available(x.device)):
+            self.fallbacks += 1
+            return self.reference(*inputs)
+        lead = tuple(x.shape[:-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[1] > 1 and x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        out = torch.empty((m, self.out_width), dtype=self.spec.dtype, device=x.device)
+        if m:
+            bm = self.config.block_m
+            with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+                self.compiled()[(triton_cdiv(m, bm),)](
+                    x2, out, self.packed_weights, self.packed_vectors, m, x2.stride(0), out.stride(0),
+                    BLOCK_M=bm, num_warps=self.config.num_warps)
+            self.launches += 1
+        return out.view(lead + (self.out_width,))
+
+    def extra_repr(self) -> str:
+        widths = [self.spec.widths[0]] + [self.spec.widths[s.out] for s in self.spec.linears]
+        return f"kernel={self.kernel_name}, widths={widths}, {self.config}, members={list(self.members)}"

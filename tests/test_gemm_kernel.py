@@ -1,0 +1,112 @@
+"""The epilogue-fused GEMM (fxfuse/gemm_kernel.py): y = act(x @ W.T + b) as one kernel, with
+serial split-K. CPU tensors under the Triton interpreter; marked cuda: compiled on a GPU.
+Irregular sizes hit every mask; split-K is forced at tiny sizes so its fix-up path runs."""
+import copy
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from fxfuse.gemm_kernel import EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm  # noqa: E402
+from fxfuse.kernel import interpreting  # noqa: E402
+from fxfuse.mlp_kernel import Pointwise  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+ACT_OPS = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu"}
+
+
+@pytest.fixture(autouse=True)
+def _backend(request):
+    if request.node.get_closest_marker("cuda"):
+        if not torch.cuda.is_available() or interpreting():
+            pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
+    elif not interpreting():
+        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+def layer(k, n, act, dtype, device="cpu", **config):
+    """(model, EpilogueGemm) for Linear(k, n) + act; config fields override the chosen ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(k, n), act()).eval().to(device=device, dtype=dtype)
+    spec = GemmSpec(k, n, dtype, (Pointwise(1, "add", (("value", 0), ("vector", 0))),
+                                  Pointwise(2, ACT_OPS[act], (("value", 1),))), 2)
+    m = config.pop("m", 16)
+    cfg = choose_gemm_config(m, spec, **config)
+    mod = EpilogueGemm(spec, model[0].weight, [model[0].bias], torch.fx.symbolic_trace(model), (), config=cfg)
+    return model, mod
+
+
+def rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def check(model, mod, x):
+    with torch.no_grad():
+        got, want, ref = mod(x), model(x), copy.deepcopy(model).double()(x.double())
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, ref) < TOL[x.dtype] + 2 * rel_err(want, ref), (rel_err(got, ref), rel_err(want, ref))
+    assert mod.fallbacks == 0 and mod.launches >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 13, 7), (5, 37, 24), (37, 100, 130)])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype):
+    model, mod = layer(k, n, nn.ReLU, dtype, split_k=split_k, block_k=16)
+    check(model, mod, torch.randn(m, k, dtype=dtype))
+    if split_k > 1:
+        assert int(mod.counters.abs().sum()) == 0        # reset for the next launch
+        check(model, mod, torch.randn(m, k, dtype=dtype))  # and the next launch is right too
+
+
+@pytest.mark.parametrize("act", list(ACT_OPS))
+def test_activations_padded_columns_masked(act):
+    model, mod = layer(24, 13, act, torch.float32, split_k=2, block_k=16)   # sigmoid(0) != 0 past column 13
+    check(model, mod, torch.randn(37, 24))
+
+
+def test_leading_dims_strides_and_empty_batch():
+    model, mod = layer(24, 13, nn.GELU, torch.float32)
+    check(model, mod, torch.randn(2, 3, 24))
+    check(model, mod, torch.randn(24, 5).t())
+    assert mod(torch.randn(0, 24)).shape == (0, 13)
+
+
+def test_reference_when_kernels_are_off():
+    model, mod = layer(24, 13, nn.ReLU, torch.float32)
+    mod.use_kernel = False
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), model(x))
+    assert mod.fallbacks == 1 and mod.launches == 0
+
+
+def test_config_choice_splits_k_for_small_batch_only():
+    spec = GemmSpec(1024, 1024, torch.float32)
+    small, large = choose_gemm_config(1, spec), choose_gemm_config(4096, spec)
+    assert small.split_k > 1 and large.split_k == 1
+    assert choose_gemm_config(64, spec, allow_tf32=True).precision == "tf32"
+    assert why_not_gemm(spec, small) is None
+    assert "split_k" in why_not_gemm(spec, choose_gemm_config(1, spec, split_k=3))
+    bad = GemmSpec(8, 8, torch.float32, (Pointwise(1, "relu", (("value", 2),)),), 1)
+    assert "cannot see" in why_not_gemm(bad)
+    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32)[1].source
+
+
+@pytest.mark.cuda   # each case compiles its own kernel: kept few
+@pytest.mark.parametrize("m,k,n,dtype", [(1, 1024, 1024, torch.float32), (64, 1024, 1024, torch.float32),
+                                         (37, 100, 130, torch.float32), (4096, 512, 256, torch.float32),
+                                         (1, 1024, 1024, torch.float16), (64, 512, 256, torch.bfloat16)])
+def test_gpu_epilogue_gemm(m, k, n, dtype):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model, mod = layer(k, n, nn.GELU, dtype, device="cuda", m=m)
+        for _ in range(3):   # repeated launches: the split-K counters must reset every time
+            check(model, mod, torch.randn(m, k, dtype=dtype, device="cuda"))
+        assert int(mod.counters.abs().sum()) == 0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
