@@ -18,6 +18,15 @@ class Options:
     """Check each new specialization against the original module on the input it was built from."""
     use_kernels: bool | None = None
     """Run the generated Triton kernels (None: when CUDA or TRITON_INTERPRET=1 is available)."""
+    fused_mlp: str = "auto"
+    """Chains of narrow Linear layers as one kernel: "auto" (where it pays), "force" (every legal chain), "off"."""
+    strassen: str = "off"
+    """Asymmetric fused Strassen for large Linear layers: "off", "auto" (where it pays), "force" (every legal layer)."""
+    strassen_levels: int = 1
+    """Strassen recursion levels per rewritten Linear (7^L products of (1/2^L)-size blocks)."""
+    tolerance: float | None = None
+    """Relative error (Frobenius, vs float64) a Strassen layer may have on the example input
+    (None: 3x the classical product's, at least 1e-5 fp32 / 1e-2 fp16, bf16)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Options":

@@ -8,14 +8,18 @@ import time
 from fxfuse.tracing import propagate_shapes
 
 from .fold_batchnorm import fold_batchnorm
+from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
 from .linear_epilogue import linear_epilogue
 from .normalize import normalize
+from .strassen import strassen
 
 PIPELINE = [
     # name              pass              re-propagate shapes after it
     ("fold_batchnorm", fold_batchnorm, True),    # eval BatchNorm -> folded weights or per-channel mul-add
     ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
+    ("strassen", strassen, False),               # large Linears -> Strassen prefix | one bmm | suffix+epilogue+next prefix
+    ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel
     ("linear_epilogue", linear_epilogue, False), # bias back into the GEMM where the GPU measures that faster
     ("fuse_pointwise", fuse_pointwise, False),   # maximal convex pointwise groups -> one Triton kernel each
 ]
@@ -24,6 +28,7 @@ PIPELINE = [
 def run_pipeline(gm, example_args, options):
     """Run every enabled pass; record what each did (ms, node count) for explain()."""
     log = []
+    gm.meta["fxfuse_example_args"] = example_args   # passes that measure numerics (strassen) read it
     for name, fn, reprop in PIPELINE:
         start = time.perf_counter()
         gm = fn(gm, options)
