@@ -126,6 +126,9 @@ TOOLS = [
     compile_tool("compile-ma", "compile m-a", mode="max-autotune-no-cudagraphs", default=False),
     fxfuse_tool("fxfuse-overhead", "fxfuse ovh", fuse=False, cuda_graphs=True),
     fxfuse_tool("fxfuse", "fxfuse", fuse=True, cuda_graphs=True),
+    fxfuse_tool("fxfuse-lib", "fxfuse lib", default=False, gemm="off", fused_mlp="off"),
+    fxfuse_tool("fxfuse-gemm", "fxfuse gemm", default=False, gemm="force", fused_mlp="off"),
+    fxfuse_tool("fxfuse-mlp", "fxfuse mlp", default=False, fused_mlp="force"),
     fxfuse_tool("fxfuse-s1", "fxfuse S1", default=False, strassen="force", strassen_levels=1),
     fxfuse_tool("fxfuse-s2", "fxfuse S2", default=False, strassen="force", strassen_levels=2),
 ]

@@ -20,6 +20,8 @@ class Options:
     """Run the generated Triton kernels (None: when CUDA or TRITON_INTERPRET=1 is available)."""
     fused_mlp: str = "auto"
     """Chains of narrow Linear layers as one kernel: "auto" (where it pays), "force" (every legal chain), "off"."""
+    gemm: str = "auto"
+    """A Linear and the pointwise ops after it as one generated Triton GEMM: "auto" (where it pays), "force", "off"."""
     strassen: str = "off"
     """Asymmetric fused Strassen for large Linear layers: "off", "auto" (where it pays), "force" (every legal layer)."""
     strassen_levels: int = 1

@@ -40,8 +40,9 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         k = linear.args[1].meta["tensor_meta"].shape[-1]
         use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device,
                                                    torch.backends.cuda.matmul.allow_tf32)
-        if not use_library:
-            fxfuse_meta(linear)["decision"] = reason
+        if not use_library:   # keep what earlier passes decided about this Linear (fuse_gemm's "no")
+            earlier = fxfuse_meta(linear).get("decision")
+            fxfuse_meta(linear)["decision"] = f"{earlier}; {reason}" if earlier else reason
             continue
         with gm.graph.inserting_before(add):
             new = gm.graph.call_function(F.linear, (linear.args[0], linear.args[1], add.args[1]))

@@ -8,6 +8,7 @@ import time
 from fxfuse.tracing import propagate_shapes
 
 from .fold_batchnorm import fold_batchnorm
+from .fuse_gemm import fuse_gemm
 from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
 from .linear_epilogue import linear_epilogue
@@ -20,6 +21,7 @@ PIPELINE = [
     ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
     ("strassen", strassen, False),               # large Linears -> Strassen prefix | one bmm | suffix+epilogue+next prefix
     ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel
+    ("fuse_gemm", fuse_gemm, False),             # a Linear + its epilogue -> one generated split-K GEMM where it pays
     ("linear_epilogue", linear_epilogue, False), # bias back into the GEMM where the GPU measures that faster
     ("fuse_pointwise", fuse_pointwise, False),   # maximal convex pointwise groups -> one Triton kernel each
 ]

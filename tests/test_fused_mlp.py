@@ -79,7 +79,27 @@ def test_eight_layer_mlp_is_one_launch():
     assert "fused MLP: 8 Linear layer(s)" in fxfuse.explain(opt)
 
 
-def test_seed_network_auto_fused():
+@pytest.fixture
+def narrow_auto(monkeypatch):
+    """The "auto" rule as it was before the H100 measurement said no everywhere (widths <= 256):
+    these tests check which regions auto picks and how it cuts them, not the thresholds."""
+    import fxfuse.passes.fuse_mlp as pass_module
+    monkeypatch.setattr(pass_module, "AUTO_MAX_WIDTH", 256)
+    monkeypatch.setattr(pass_module, "AUTO_MAX_ROWS", 16384)
+
+
+def test_auto_default_declines_and_says_why():
+    from fxfuse.demo import seed_network
+    opt = fxfuse.optimize(seed_network(128, 8), torch.randn(1, 128), strict=True)
+    assert not fused_modules(opt)
+    gm = next(iter(opt.specializations.values())).gm
+    linears = [n for n in gm.graph.nodes if n.target is F.linear]
+    assert len(linears) == 8 and all("measured faster than library GEMMs" in n.meta["fxfuse"]["fused_mlp"]
+                                     for n in linears)
+    assert "not a fused MLP" in fxfuse.explain(opt)
+
+
+def test_seed_network_auto_fused(narrow_auto):
     from fxfuse.demo import seed_network
     model = seed_network(128, 8)
     opt = fxfuse.optimize(model, torch.randn(1, 128), strict=True)       # default: fused_mlp="auto"
@@ -180,18 +200,18 @@ def test_value_read_outside_splits_the_chain():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_leaves_wide_chains_alone_and_says_why():
+def test_auto_leaves_wide_chains_alone_and_says_why(narrow_auto):
     model = mlp([300, 300])
-    opt = fxfuse.optimize(model, torch.randn(2, 300), strict=True)
+    opt = fxfuse.optimize(model, torch.randn(2, 300), strict=True, gemm="off")  # (auto would take it)
     assert not fused_modules(opt)
     gm = next(iter(opt.specializations.values())).gm
     (linear,) = [n for n in gm.graph.nodes if n.target is F.linear]
-    assert "widest layer 300 > 256" in linear.meta["fxfuse"]["fused_mlp"]
+    assert "widths up to 300" in linear.meta["fxfuse"]["fused_mlp"]
     assert should_fuse_mlp(4, [128, 128], torch.float32)[0]
     assert not should_fuse_mlp(4, [512, 128], torch.float32)[0]
 
 
-def test_auto_fuses_the_narrow_middle_of_a_wide_model():
+def test_auto_fuses_the_narrow_middle_of_a_wide_model(narrow_auto):
     # 300 -> 24 stays a library GEMM, its bias add + ReLU join the kernel as a prefix; the
     # 300-wide head is cut off the chain (the longest narrow prefix is kept)
     model = nn.Sequential(nn.Linear(300, 24), nn.ReLU(), nn.Linear(24, 13), nn.Tanh(), nn.Linear(13, 24),
@@ -206,7 +226,7 @@ def test_auto_fuses_the_narrow_middle_of_a_wide_model():
     assert mod.launches == 2 and mod.fallbacks == 0
 
 
-def test_auto_fuses_narrow_and_off_disables():
+def test_auto_fuses_narrow_and_off_disables(narrow_auto):
     model = mlp([13, 24, 24])
     assert len(fused_modules(fxfuse.optimize(model, torch.randn(3, 13), strict=True))) == 1
     opt = fxfuse.optimize(model, torch.randn(3, 13), fused_mlp="off", strict=True)

@@ -112,3 +112,16 @@ def test_new_shape_builds_new_specialization_on_gpu():
         x = torch.randn(3, 128, device="cuda")
         assert rel_err(opt(x), model(x)) < 1e-6
     assert fxfuse.stats(opt)["specializations"] == 2
+
+
+@pytest.mark.parametrize("batch,hidden", [(1, 1024), (64, 1024), (37, 300)])
+def test_fused_gemm_seed_network(batch, hidden):
+    model = seed_network(hidden, 4).cuda()
+    x = torch.randn(batch, hidden, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True, gemm="force", fused_mlp="off")
+    with torch.no_grad():
+        for _ in range(3):
+            fresh = torch.randn_like(x)
+            assert rel_err(opt(fresh), model(fresh)) < 1e-5
+    s = fxfuse.stats(opt)
+    assert s["fused_kernels"] == 4 and s["library_calls"] == 0 and s["reference_fallbacks"] == 0

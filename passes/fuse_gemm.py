@@ -1,0 +1,163 @@
+"""Epilogue-fused GEMM: a Linear and the pointwise ops that follow it become ONE generated
+Triton GEMM (fxfuse/gemm_kernel.py) whose epilogue applies them to the output tile.
+
+Runs after fuse_mlp (chains it fused are gone) and before linear_epilogue and
+fuse_pointwise, so it sees `F.linear(x, W)` (W a get_attr [N, K]) followed by canonical
+pointwise ops. The epilogue grows over the users of the product exactly as a fused MLP's body
+does (fuse_mlp._Region: same legality rules, same lowering), with two limits: it stops at the
+next Linear, and it may not read x (a residual `x + lin(x)` needs x at the output tile's
+coordinates, which the GEMM does not have). Then it is cut back to the longest prefix whose
+only value read outside is its last, since nothing in between is written to memory.
+
+Profitability lives in `should_fuse_gemm`, the one place the choice is made for
+gemm="auto" (until the cost model replaces it); "force" fuses every legal Linear (tests,
+benchmarks), "off" skips the pass. The decision goes to node.meta["fxfuse"]["decision"].
+"""
+import torch
+import torch.fx
+
+from fxfuse.errors import FxfuseError
+from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm
+from fxfuse.mlp_kernel import Linear, Pointwise
+from fxfuse.tracing import fxfuse_meta
+
+from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta
+from .fuse_pointwise import _mutated_values
+
+MODES = ("off", "auto", "force")
+
+
+def should_fuse_gemm(m: int, k: int, n: int, dtype: torch.dtype, allow_tf32: bool) -> tuple:
+    """(fuse?, reason) for a legal Linear + epilogue under gemm="auto".
+
+    Provisional rule read off one H100 grid (benchmarks/results/nvidia-h100-80gb-hbm3/
+    mlp_20261123-012743.md, 8 x Linear(h) + ReLU, fp32 TF32 off, per call in a CUDA graph):
+    the generated split-K GEMM beat cuBLAS + the epilogue kernel only at batch 16, hidden 1024
+    (78.7 us vs 108.2 us); at batch 1 it lost (78.9 vs 46.0), at batch >= 64 it lost by up to
+    3x (its IEEE fp32 tl.dot runs on FMA units, far below cuBLAS), at hidden 128 and 2048 too.
+    The cost model replaces this with calibrated estimates.
+    """
+    if dtype != torch.float32 or allow_tf32:
+        return False, "library GEMM + fused epilogue kernel (the generated GEMM is measured for IEEE fp32 only)"
+    lo_rows, hi_rows = GEMM_ROWS
+    lo_width, hi_width = GEMM_WIDTHS
+    if lo_rows <= m <= hi_rows and lo_width <= min(k, n) and max(k, n) <= hi_width:
+        return True, (f"{m} rows, widths {k}->{n}: split-K GEMM with fused epilogue measured faster than "
+                      "cuBLAS + epilogue kernel (H100: 78.7 vs 108.2 us at batch 16, hidden 1024)")
+    return False, (f"library GEMM + fused epilogue kernel: the generated GEMM measured slower outside "
+                   f"{lo_rows}..{hi_rows} rows and widths {lo_width}..{hi_width} (H100, fp32)")
+
+
+GEMM_ROWS = (9, 32)          # rows where the generated GEMM measured faster (see should_fuse_gemm)
+GEMM_WIDTHS = (768, 1536)    # in/out features where it measured faster
+
+
+class _EpilogueRegion(_Region):
+    """A fused-MLP region limited to one Linear at its start and an epilogue that never reads x."""
+
+    def __init__(self, gm, start, mutated):
+        super().__init__(gm, start, mutated)
+        self.start = start
+
+    def joins(self, node) -> bool:
+        if node is self.start:
+            return super().joins(node)
+        if _linear_parts(node) is not None or any(a is self.x for a in node.args):
+            return False
+        return super().joins(node)
+
+
+def _gemm_spec(spec, region):
+    """GemmSpec from the region's MLPSpec: value 0 there is x, value 1 the product; here the
+    product is value 0, so every value id moves down by one."""
+    first, *rest = spec.steps
+    assert isinstance(first, Linear) and first.src == 0
+    epilogue = []
+    for step in rest:
+        assert isinstance(step, Pointwise)
+        operands = tuple((kind, ref - 1) if kind == "value" else (kind, ref) for kind, ref in step.operands)
+        epilogue.append(Pointwise(step.out - 1, step.op, operands, step.params))
+    k = _tmeta(region.x).shape[-1]
+    return GemmSpec(k=k, n=spec.widths[1], dtype=spec.dtype, epilogue=tuple(epilogue), output=spec.output - 1)
+
+
+def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    mode = getattr(options, "gemm", "auto") if options is not None else "auto"
+    if mode not in MODES:
+        raise FxfuseError(f"option gemm={mode!r}; expected one of {MODES}")
+    if mode == "off" or (options is not None and not options.fuse):
+        gm.meta["fxfuse_skipped"] = True
+        return gm
+    use_kernels = True if options is None or options.use_kernels is None else options.use_kernels
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    g = gm.graph
+    mutated = _mutated_values(gm)
+    order = {n: k for k, n in enumerate(g.nodes)}
+    changed = False
+    for start in list(g.nodes):
+        if getattr(start, "_erased", False) or _linear_parts(start) is None or not isinstance(start.args[0], torch.fx.Node) \
+                or not hasattr(_tmeta(start.args[0]), "shape") or start.args[0] in mutated \
+                or _tmeta(start.args[0]).dtype not in GEMM_DTYPES:
+            continue
+        region = _EpilogueRegion(gm, start, mutated)
+        if not region.joins(start):
+            continue
+        region.grow(start, order)
+        region.trim()
+        if not region.nodes:
+            continue
+        spec, weights, vectors, members = _lower(gm, region)
+        gspec = _gemm_spec(spec, region)
+        config = choose_gemm_config(region.batch, gspec, allow_tf32)
+        problem = why_not_gemm(gspec, config)
+        if problem:
+            _note(start, f"no fused GEMM: {problem}")
+            continue
+        ok, reason = should_fuse_gemm(region.batch, gspec.k, gspec.n, gspec.dtype, allow_tf32)
+        if mode == "force":
+            ok, reason = True, f"forced by gemm='force'; auto: {'yes' if ok else 'no'}, {reason}"
+        if not ok:
+            _note(start, reason)
+            continue
+        module = EpilogueGemm(gspec, weights[0], vectors, _reference(gm, region), members, use_kernels, config)
+        _replace(gm, region, module, reason)
+        changed = True
+    if changed:
+        g.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return gm
+
+
+def _note(node, text: str) -> None:
+    """Add this pass's "no" to what earlier passes decided about the node (explain shows both)."""
+    earlier = fxfuse_meta(node).get("decision")
+    fxfuse_meta(node)["decision"] = f"{earlier}; {text}" if earlier else text
+
+
+def _replace(gm, region, module: EpilogueGemm, reason: str) -> None:
+    g = gm.graph
+    k = 0
+    while hasattr(gm, f"fused_gemm_{k}"):
+        k += 1
+    name = f"fused_gemm_{k}"
+    gm.add_submodule(name, module)
+    out = region.output
+    with g.inserting_before(out):
+        call = g.call_module(name, (region.x,))
+    call.meta["tensor_meta"] = out.meta["tensor_meta"]
+    c = module.config
+    call.meta["fxfuse"] = {
+        "kind": "fused gemm", "members": [n.name for n in region.nodes],
+        "device": fxfuse_meta(out).get("device"),
+        "decision": (f"fused GEMM: Linear + {len(region.nodes) - 1} pointwise ops in one launch ({reason}; "
+                     f"tiles {c.block_m}x{c.block_n}x{c.block_k}, split-K {c.split_k}, {c.precision})"),
+    }
+    out.replace_all_uses_with(call)
+    consts = set()
+    for node in reversed(region.nodes):
+        consts.update(a for a in node.all_input_nodes if a.op == "get_attr")
+        g.erase_node(node)
+    for c_node in consts:
+        if not c_node.users:
+            g.erase_node(c_node)

@@ -1,0 +1,101 @@
+"""The fuse_gemm pass: Linear + epilogue -> one generated GEMM (CPU, Triton interpreter).
+
+Differential against eager on fresh random inputs at irregular sizes, and every test asserts
+the rewrite happened (kernel launches of the fused GEMMs, no library linear left)."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse.gemm_kernel import EpilogueGemm  # noqa: E402
+from fxfuse.kernel import interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU kernels need TRITON_INTERPRET=1")
+
+
+def gemms(opt):
+    return [m for m in opt.modules() if isinstance(m, EpilogueGemm)]
+
+
+def library_linears(opt):
+    gm = next(iter(opt.specializations.values())).gm
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.linear]
+
+
+def check(model, example, **options):
+    opt = fxfuse.optimize(model, example, strict=True, gemm="force", fused_mlp="off", **options)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn_like(example)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    return opt
+
+
+def test_chain_of_linears_with_activations():
+    model = nn.Sequential(nn.Linear(37, 24), nn.GELU(), nn.Linear(24, 13), nn.ReLU(), nn.Linear(13, 5)).eval()
+    opt = check(model, torch.randn(5, 37))
+    assert len(gemms(opt)) == 3 and not library_linears(opt)
+    assert all(g.launches >= 2 and g.fallbacks == 0 for g in gemms(opt))
+    assert fxfuse.stats(opt)["fused_kernels"] == 3
+
+
+def test_residual_of_the_input_stays_outside_the_gemm():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(19, 19)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x)) * 0.5
+
+    opt = check(Residual().eval(), torch.randn(7, 19))
+    (g,) = gemms(opt)
+    assert [s.op for s in g.spec.epilogue] == ["add", "tanh", "mul"]   # bias, tanh, * 0.5
+    assert fxfuse.stats(opt)["fused_kernels"] == 2                       # + the residual add kernel
+
+
+def test_product_read_twice_is_stored_once():
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(11, 9)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return torch.relu(y), y.sigmoid()
+
+    model = TwoReaders().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 11), strict=True, gemm="force", fused_mlp="off")
+    with torch.no_grad():
+        x = torch.randn(3, 11)
+        for got, want in zip(opt(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (g,) = gemms(opt)
+    assert g.launches >= 1 and not library_linears(opt)
+
+
+def test_three_d_input_and_fp16():
+    model = nn.Sequential(nn.Linear(16, 24), nn.SiLU()).eval().half()
+    x = torch.randn(2, 3, 16, dtype=torch.float16)
+    opt = fxfuse.optimize(model, x, strict=True, gemm="force", fused_mlp="off")
+    with torch.no_grad():
+        x = torch.randn_like(x)
+        torch.testing.assert_close(opt(x), model(x), rtol=5e-3, atol=5e-3)
+    assert len(gemms(opt)) == 1 and gemms(opt)[0].launches >= 1
+
+
+def test_auto_explains_its_no():
+    model = nn.Sequential(nn.Linear(13, 7), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 13), strict=True, fused_mlp="off")
+    assert not gemms(opt) and len(library_linears(opt)) == 1
+    assert "library GEMM" in fxfuse.explain(opt)
+
+
+def test_bad_mode_is_a_clear_error():
+    with pytest.raises(fxfuse.FxfuseError, match="gemm="):
+        fxfuse.optimize(nn.Linear(3, 3).eval(), torch.randn(2, 3), strict=True, gemm="always")
