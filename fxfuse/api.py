@@ -14,7 +14,7 @@ from .kernel import interpreting, kernels_available
 from .log import logger
 from .options import Options
 from .runtime import FxfuseWarning, OptimizedModule
-from .tracing import trace
+from .tracing import clone_args, trace
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -55,7 +55,7 @@ def build_graph(model, args: tuple, options: Options):
     options = options.with_(use_kernels=use_kernels)
     with torch.no_grad():
         gm = trace(model, args)
-        gm = run_pipeline(gm, args, options)
+        gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         gm.meta["fxfuse_options"] = options
         if options.verify:
             _verify(model, gm, args)
@@ -63,29 +63,41 @@ def build_graph(model, args: tuple, options: Options):
 
 
 def _verify(model, gm, args) -> None:
-    expected, expected_spec = torch.utils._pytree.tree_flatten(model(*args))
-    got, got_spec = torch.utils._pytree.tree_flatten(gm(*args))
+    """Each side runs on its own copy of args: a model that mutates its input (`x.add_(1)`)
+    would otherwise feed the rewritten graph an input eager has already changed. The inputs
+    are compared afterwards too, since eager semantics include those writes."""
+    eager_args, graph_args = clone_args(args), clone_args(args)
+    expected, expected_spec = torch.utils._pytree.tree_flatten(model(*eager_args))
+    got, got_spec = torch.utils._pytree.tree_flatten(gm(*graph_args))
     if expected_spec != got_spec:
         raise FxfuseError(f"the rewritten graph returns {got_spec}, the model {expected_spec}")
+    for k, (e, g) in enumerate(zip(eager_args, graph_args)):
+        problem = _mismatch(e, g)
+        if problem:  # torch.fx records `x += 1` on an input as `x = x + 1`: the graph lost a write
+            raise UnsupportedError(f"input {k} after the call: {problem}; the model writes into its input "
+                                   "in a way the traced graph does not (`x += 1` on an input traces as "
+                                   "`x = x + 1`): write x.add_(1), or x = x + 1")
     for k, (e, g) in enumerate(zip(expected, got)):
-        if not isinstance(e, torch.Tensor):
-            continue
-        if not isinstance(g, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
-            raise FxfuseError(f"output {k}: the rewritten graph gives {_desc(g)}, the model {_desc(e)}")
-        if not e.is_floating_point():
-            if not torch.equal(e, g):
-                raise FxfuseError(f"output {k} differs from eager")
-            continue
-        nan_e, nan_g = torch.isnan(e), torch.isnan(g)
-        if not torch.equal(nan_e, nan_g):
-            raise FxfuseError(f"output {k}: NaN where eager has none (or the reverse)")
-        e64, g64 = e.double().nan_to_num(0, 0, 0), g.double().nan_to_num(0, 0, 0)
-        err = (e64 - g64).norm() / (e64.norm() + 1e-30)
-        tol = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
-        if err > tol:
-            raise FxfuseError(f"output {k}: relative error {err:.2e} against eager exceeds {tol:.0e}; "
-                              "this is a bug in fxfuse, please report it with explain()")
-        logger.debug("verified output %d: relative error %.2e", k, err)
+        problem = _mismatch(e, g)
+        if problem:
+            raise FxfuseError(f"output {k}: {problem}; this is a bug in fxfuse, please report it with explain()")
+
+
+def _mismatch(e, g) -> str | None:
+    """How g differs from eager's e (exactly for non-floats, else within tolerance), or None."""
+    if not isinstance(e, torch.Tensor):
+        return None
+    if not isinstance(g, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
+        return f"the rewritten graph gives {_desc(g)}, the model {_desc(e)}"
+    if not e.is_floating_point():
+        return None if torch.equal(e, g) else "differs from eager"
+    if not torch.equal(torch.isnan(e), torch.isnan(g)):
+        return "NaN where eager has none (or the reverse)"
+    e64, g64 = e.double().nan_to_num(0, 0, 0), g.double().nan_to_num(0, 0, 0)
+    err = (e64 - g64).norm() / (e64.norm() + 1e-30)
+    tol = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
+    logger.debug("verified: relative error %.2e", err)
+    return f"relative error {err:.2e} against eager exceeds {tol:.0e}" if err > tol else None
 
 
 def _desc(t) -> str:

@@ -124,7 +124,10 @@ def generate(ir: KernelIR, name: str | None = None) -> tuple:
             value = values[st.value]
             if not is_vector[st.value]:  # a value built only from scalars still fills the block
                 value = f"(tl.zeros([BLOCK], tl.float32) + {value})"
-            buf.line(f"tl.store(out{st.output} + {_address(st.index, dim_vars)}, "
+            address = _address(st.index, dim_vars)
+            if not any(st.index.strides):  # a one-point space ([], [1, 1]): a block of one address
+                address += " + offs * 0"
+            buf.line(f"tl.store(out{st.output} + {address}, "
                      f"{value}.to({TRITON_DTYPE[spec.dtype]}), mask=mask)")
     source = HEADER + PRELUDE + "\n\n" + buf.getvalue()
     return source, name

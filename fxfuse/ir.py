@@ -63,13 +63,14 @@ class Store:
 class OutputSpec:
     shape: tuple
     dtype: torch.dtype
+    strides: tuple | None = None   # None: contiguous; else the layout eager gives (channels_last ...)
 
 
 @dataclass(frozen=True)
 class KernelIR:
     shape: tuple                 # iteration space
     inputs: tuple                # torch dtypes of the pointer inputs, in argument order
-    outputs: tuple               # OutputSpec per output, allocated contiguous by the caller
+    outputs: tuple               # OutputSpec per output, allocated by the caller with its strides
     instrs: tuple
     stores: tuple
 
@@ -144,12 +145,16 @@ class IRBuilder:
     def op(self, name: str, args, **params) -> int:
         return self._add(Instr(name, tuple(args), tuple(sorted(params.items()))))
 
-    def store(self, value: int, dtype, index: IndexMap | None = None, shape=None) -> int:
+    def store(self, value: int, dtype, index: IndexMap | None = None, shape=None, strides=None) -> int:
+        """Store value into a new output of `shape` (default: the iteration space), laid out with
+        `strides` (default: contiguous), through `index` (default: the map of that layout)."""
         shape = tuple(shape if shape is not None else self.shape)
-        self.outputs.append(OutputSpec(shape, dtype))
+        strides = tuple(strides) if strides is not None else None
+        self.outputs.append(OutputSpec(shape, dtype, strides))
         out = len(self.outputs) - 1
         if index is None:
-            index = IndexMap.broadcast(shape, torch.empty(shape, device="meta").stride(), self.shape)
+            layout = strides if strides is not None else torch.empty(shape, device="meta").stride()
+            index = IndexMap.broadcast(shape, layout, self.shape)
         self.stores.append(Store(out, index, value))
         return out
 

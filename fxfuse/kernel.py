@@ -62,7 +62,8 @@ class FusedKernel(torch.nn.Module):
                 and all(t.device == device for t in inputs)):
             self.fallbacks += 1
             return self.reference(*inputs)
-        outs = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in self.ir.outputs]
+        outs = [torch.empty(o.shape, dtype=o.dtype, device=device) if o.strides is None else
+                torch.empty_strided(o.shape, o.strides, dtype=o.dtype, device=device) for o in self.ir.outputs]
         numel = self.ir.numel
         block = block_size(numel)
         grid = (triton_cdiv(numel, block),)

@@ -11,6 +11,7 @@ buffers, the graph replays, and outputs are cloned out of the graph's memory poo
 returned by one call is never overwritten by the next. The pool itself is the memory plan:
 during capture the caching allocator reuses an intermediate's block once it is dead.
 """
+import inspect
 import time
 import warnings
 
@@ -151,7 +152,33 @@ class OptimizedModule(torch.nn.Module):
             return True
         return any(p.requires_grad for p in self.original.parameters())
 
-    def forward(self, *args):
+    def _positional(self, args, kwargs):
+        """args with keyword arguments bound into their positions of the original forward(), or
+        None where that is impossible (keyword-only or **kwargs parameters)."""
+        try:
+            bound = inspect.signature(self.original.forward).bind(*args, **kwargs)
+        except TypeError:
+            return None
+        return None if bound.kwargs else tuple(bound.args)
+
+    def forward(self, *args, **kwargs):
+        if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
+            positional = self._positional(args, kwargs)
+            if positional is None:
+                if self.options.strict:
+                    raise GuardError(f"keyword arguments {sorted(kwargs)} do not bind to positional "
+                                     f"parameters of {type(self.original).__name__}.forward")
+                self._warn_once("kwargs", f"fxfuse: keyword arguments {sorted(kwargs)} do not bind to "
+                                "positional parameters of forward(); running the original module")
+                return self.original(*args, **kwargs)
+            args = positional
+        if self.original.training:  # opt.train() or model.train() after optimize (opt.train() reaches it)
+            if self.options.strict:
+                raise GuardError("the module is in training mode; fxfuse's graphs are eval-mode graphs "
+                                 "(Dropout removed, BatchNorm folded). Call .eval() to use them")
+            self._warn_once("train", "fxfuse: the module is in training mode, so the original module runs "
+                            "(the optimized graphs are eval-mode graphs). Call .eval() to use them.")
+            return self.original(*args)
         if self._needs_autograd(args):
             self._warn_once("grad", "fxfuse runs inference only: this call would record autograd, so "
                             "the original module runs. Call under torch.no_grad() or "

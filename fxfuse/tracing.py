@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch.fx.passes.shape_prop import ShapeProp
 
-from .errors import TraceError
+from .errors import TraceError, UnsupportedError
 from .log import logger
 
 
@@ -46,21 +46,50 @@ def _is_plain_value(v) -> bool:
     return False
 
 
+def clone_args(args) -> tuple:
+    """Copies of the tensor arguments with the same strides and storage offset (other values as
+    they are). Running a graph executes the model's in-place ops (`x.add_(1)` on an input), so
+    fxfuse runs graphs on copies: optimize() must not change the user's example input."""
+    def clone(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        storage = a.untyped_storage().clone()
+        return torch.empty(0, dtype=a.dtype, device=a.device).set_(
+            storage, a.storage_offset(), a.shape, a.stride())
+    return tuple(clone(a) for a in args)
+
+
 def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
-    with torch.no_grad():
-        ShapePropagation(gm).propagate(*example_args)
+    # ShapeProp prints the traceback of a failing node to stderr before raising; the error
+    # fxfuse raises (or warns with) carries the reason, so nothing is printed
+    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        ShapePropagation(gm).propagate(*clone_args(example_args))
 
 
 def _split_concrete(model: torch.nn.Module, example_args: tuple):
     """Non-tensor example arguments become concrete_args: the graph is specialized on them."""
     if all(isinstance(a, torch.Tensor) for a in example_args):
         return None, example_args
+    for k, a in enumerate(example_args):
+        if _holds_tensor(a):
+            raise UnsupportedError(
+                f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
+                "plain values (numbers, None, tuples of them) as arguments. Pass the tensors as separate "
+                "arguments (a wrapper module whose forward(x, y) calls the model with [x, y] does it)")
     params = list(inspect.signature(model.forward).parameters)
     if len(params) < len(example_args):
         raise TraceError("non-tensor example arguments need a forward() with named parameters")
     concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
     tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
     return concrete, tensors
+
+
+def _holds_tensor(value) -> bool:
+    """A list, tuple or dict with a tensor inside: as a concrete argument its tensors would be
+    baked into the graph as constants, and the guard on its value could not see them change."""
+    if isinstance(value, torch.Tensor):
+        return False
+    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
 
 
 def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
@@ -95,9 +124,10 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
 
 
 def _quiet_export(model, args):
-    """torch.export logs warnings and graph dumps on failure; fxfuse prints nothing unless asked."""
+    """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure;
+    fxfuse prints nothing unless asked: its TraceError carries the reason."""
     previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    logging.disable(logging.CRITICAL)
     try:  # it also prints a partial graph to stderr when it fails
         with contextlib.redirect_stderr(io.StringIO()):
             return torch.export.export(model, args, strict=False)

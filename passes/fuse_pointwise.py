@@ -54,7 +54,28 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
             return f"operand {a!r} is neither a tensor nor a number"
     if node.target is torch.where and _meta(node.args[0]) is not None and _meta(node.args[0]).dtype != torch.bool:
         return "where() condition is not bool"
+    if op.returns_bool and _compares_wide_integers(node):
+        return "compares int32/int64 values, which fp32 (the kernel's compute type) cannot hold exactly"
     return None
+
+
+# integer dtypes whose every value is exact in fp32, the type kernels load them as
+EXACT_IN_FP32 = (torch.bool, torch.uint8, torch.int8, torch.int16)
+
+
+def comparison_dtype(node: torch.fx.Node) -> torch.dtype:
+    """The dtype eager compares in: both operands are converted to it first (x_fp16 > 0.1
+    compares with 0.1 rounded to fp16; an int64 compared with an int compares as integers)."""
+    def like(a):
+        m = _meta(a) if isinstance(a, torch.fx.Node) else None
+        return torch.empty((1,) * len(m.shape), dtype=m.dtype, device="meta") if m is not None else a
+    return torch.result_type(*[like(a) for a in node.args[:2]])
+
+
+def _compares_wide_integers(node) -> bool:
+    if comparison_dtype(node).is_floating_point:
+        return False
+    return any(_meta(a).dtype not in EXACT_IN_FP32 for a in node.args[:2] if isinstance(a, torch.fx.Node))
 
 
 def _mutated_values(gm) -> set:
@@ -224,15 +245,47 @@ def build_fused_kernel(gm, members, use_kernels: bool):
                 args.append(b.load(inputs.index(a), IndexMap.broadcast(meta.shape, meta.stride, shape)))
             else:
                 args.append(b.const(a))
+        if op.returns_bool:
+            args = _round_operands(b, m, args)
         params = dict(zip(op.params, m.args[op.nargs:]))
         params.update(m.kwargs)
         value[m] = b.op(op.name, args, **params)
-    for out in outputs:
-        b.store(value[out], _meta(out).dtype)
+        if _meta(m).dtype in (torch.float16, torch.bfloat16) and op.name != "cast":
+            # eager rounds every fp16 result before the next op reads it; so does the kernel
+            value[m] = b.op("cast", [value[m]], dtype=_meta(m).dtype)
+    for out in outputs:  # in eager's layout: a channels_last result stays channels_last
+        meta = _meta(out)
+        b.store(value[out], meta.dtype, strides=meta.stride if _is_dense(meta.shape, meta.stride) else None)
     reference = _reference_module(members, inputs, outputs)
     input_meta = tuple((tuple(_meta(a).shape), tuple(_meta(a).stride), _meta(a).dtype) for a in inputs)
     described = tuple(f"{m.name}={POINTWISE[m.target].name}" for m in members)
     return inputs, outputs, FusedKernel(b.build(), reference, input_meta, described, use_kernels)
+
+
+def _round_operands(b: IRBuilder, node, args: list) -> list:
+    """Operands of a comparison rounded to the dtype eager compares in, when that is narrower than
+    the kernel's fp32: x_fp16 == 0.1 is true where x holds fp16(0.1), as in eager."""
+    dtype = comparison_dtype(node)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return args
+    rounded = []
+    for a, v in zip(node.args[:2], args):
+        if isinstance(a, torch.fx.Node):
+            rounded.append(b.op("cast", [v], dtype=dtype))
+        else:  # a number: round it here, Triton source cannot call .to() on a literal
+            rounded.append(b.const(torch.tensor(float(a), dtype=dtype).item()))
+    return rounded
+
+
+def _is_dense(shape, strides) -> bool:
+    """True if strides lay out every element of shape exactly once (contiguous up to a
+    permutation of dims, as eager's pointwise results are): a layout a kernel can store into."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(shape, strides) if n != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _reference_module(members, inputs, outputs) -> torch.fx.GraphModule:

@@ -381,7 +381,20 @@ def _is_identity(gm, node) -> bool:
         return training is False or p == 0
     if node.op == "call_function" and node.target in (aten.dropout.default,):
         return node.args[2] is False
-    return False
+    return _is_detach(node)
+
+
+DETACH_FUNCTIONS = {torch.detach, aten.detach.default, aten.detach_.default, aten.alias.default}
+
+
+def _is_detach(node) -> bool:
+    """detach() only cuts autograd, which fxfuse never records: the value is its input (an alias
+    of it, as in eager). torch.export wraps every tensor constant in detach_, which would
+    otherwise count as an in-place op and keep everything it touches out of fusion."""
+    if node.op == "call_method":
+        return node.target in ("detach", "detach_") and len(node.args) == 1 and not node.kwargs
+    return node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
+
 
 
 def _cast_target(node):
@@ -561,7 +574,10 @@ def _replace(g, node, target, args, kwargs):
     with g.inserting_before(node):
         if isinstance(target, tuple):  # add(x, y, alpha=a) -> x + y * a
             x, other, alpha = args
-            scaled = g.call_function(operator.mul, (other, alpha))
+            if isinstance(other, torch.fx.Node):
+                scaled = g.call_function(operator.mul, (other, alpha))
+            else:  # x.sub(1, alpha=2): fold the number, a node of two numbers would not fuse
+                scaled = other * alpha
             new = g.call_function(target[1], (x, scaled))
         elif target == "tensor_clamp":  # clamp with tensor bounds -> maximum / minimum
             x, lo, hi = args

@@ -180,8 +180,6 @@ def test_failed_trace_prints_nothing(capsys):
     assert captured.out == "" and captured.err == ""
 
 
-@pytest.mark.xfail(strict=True, reason="runtime: guards do not include training mode, so after opt.train() (or "
-                   "model.train()) the eval-mode graph still runs: Dropout silently skipped, no warning")
 def test_train_after_optimize_is_not_silently_eval():
     model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.ReLU()).eval()
     x = torch.randn(4, 6)
@@ -208,8 +206,6 @@ def test_frozen_parameters_with_grad_enabled_take_the_fast_path():
     assert fxfuse.stats(opt)["kernel_launches"] > launches
 
 
-@pytest.mark.xfail(strict=True, reason="runtime: OptimizedModule.forward(*args) takes no keyword arguments, "
-                   "so model(input=x), which eager accepts, raises TypeError")
 def test_keyword_arguments_are_accepted():
     model = nn.Sequential(nn.Linear(6, 6), nn.ReLU()).eval()
     x = torch.randn(4, 6)

@@ -228,9 +228,6 @@ class TransposedIntermediate(nn.Module):
         return torch.softmax(a, -1) * a        # softmax splits a's readers into two kernels
 
 
-@pytest.mark.xfail(strict=True, reason="fuse_pointwise/kernel: a kernel allocates its outputs contiguous, but the "
-                   "kernel reading one was built for eager's strides (tensor_meta of the original graph), so "
-                   "it falls back to its torch reference on every call")
 def test_kernel_reading_a_kernel_output_takes_the_fast_path():
     model = TransposedIntermediate().eval()
     x = torch.randn(5, 7)

@@ -163,12 +163,7 @@ def test_large_irregular_pointwise_chain():
     assert_fast_path(opt)
 
 
-ONE_ELEMENT = pytest.mark.xfail(strict=True, reason="codegen: a 1-element iteration space stores a block "
-                                "value through a scalar pointer (InterpreterError)")
-
-
-@pytest.mark.parametrize("shape", [pytest.param((1,), marks=ONE_ELEMENT), pytest.param((1, 1), marks=ONE_ELEMENT),
-                                   (7,), (13, 1), (1, 37), (3, 1, 5), (2, 3, 5, 7)])
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (7,), (13, 1), (1, 37), (3, 1, 5), (2, 3, 5, 7)])
 def test_pointwise_chain_small_shapes(shape):
     model = PointwiseChain().eval()
     x = torch.randn(*shape)
@@ -381,8 +376,6 @@ class IntCompare(nn.Module):
         return torch.where(ids > 16777216, x, -x), ids != 16777217
 
 
-@pytest.mark.xfail(strict=True, reason="fuse_pointwise/codegen: int32/int64 operands are loaded as fp32 inside "
-                   "a kernel, so comparisons of integers above 2**24 round first: a silently wrong answer")
 def test_integer_comparisons_are_exact():
     model = IntCompare().eval()
     x = torch.randn(8)
