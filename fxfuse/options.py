@@ -26,6 +26,9 @@ class Options:
     """Asymmetric fused Strassen for large Linear layers: "off", "auto" (where it pays), "force" (every legal layer)."""
     strassen_levels: int = 1
     """Strassen recursion levels per rewritten Linear (7^L products of (1/2^L)-size blocks)."""
+    calibration: str | None = None
+    """Cost-model calibration file (from `python -m benchmarks.autotune`); None: $FXFUSE_CALIBRATION,
+    else the shipped file for this GPU, else the roofline."""
     tolerance: float | None = None
     """Relative error (Frobenius, vs float64) a Strassen layer may have on the example input
     (None: 3x the classical product's, at least 1e-5 fp32 / 1e-2 fp16, bf16)."""

@@ -106,8 +106,60 @@ def node_table(gm: torch.fx.GraphModule) -> str:
                     tablefmt="simple", maxcolwidths=[None, None, None, 48, 56, None])
 
 
-def explain(optimized, kernels: bool = False) -> str:
-    """A report of what fxfuse did to a model (a str; print it)."""
+PLAN_COLUMNS = ("library", "gemm", "strassen1", "strassen2", "mlp")
+
+
+def plan_table(gm) -> str:
+    """One row per planned Linear: every candidate's estimated time (us; '-' where illegal),
+    the cost model's choice and why the runner-up lost. Empty when no plan was made."""
+    plans = gm.meta.get("fxfuse_plans") or []
+    if not plans:
+        return ""
+    rows = []
+    for p in plans:
+        layer = p["layer"]
+        est = [f"{p['estimates'][c]:.1f}" if c in p["estimates"] else "-" for c in PLAN_COLUMNS]
+        losers = sorted((v, c) for c, v in p["estimates"].items() if c != p["choice"])
+        why = p["reasons"].get(losers[0][1], "") if losers else "the only legal candidate"
+        rows.append([p["node"], f"{layer.m}x{layer.k}->{layer.n}", *est, p["choice"],
+                     f"next best {losers[0][1]}: {why}" if losers else why])
+    head = f"cost model: {gm.meta.get('fxfuse_cost_model', '?')}; estimated us per layer ('-': not legal, see reasons)"
+    return head + "\n" + tabulate(rows, headers=["linear", "m x k->n", *PLAN_COLUMNS, "choice", "why"],
+                                   tablefmt="simple", maxcolwidths=[None] * 8 + [60])
+
+
+def _measured_line(spec, gm) -> str:
+    """explain(measure=True): the specialization's CUDA-graph replay timed on the GPU next to
+    the sum of the chosen candidates' estimates (which leaves out the input copy and output clone)."""
+    if spec.graph is None:
+        return f"# measured: not available ({spec.cuda_graph_note}; measure=True times CUDA-graph replays)"
+    torch.cuda.synchronize()
+    for _ in range(3):
+        spec.graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            spec.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 20)
+    measured = sorted(times)[len(times) // 2]
+    plans = gm.meta.get("fxfuse_plans") or []
+    counted, estimate = set(), 0.0
+    for p in plans:       # a fused MLP's estimate covers its whole segment: count it once
+        key = (p["chain"], p["segment"]) if p["segment"] else p["node"]
+        if key not in counted:
+            counted.add(key)
+            estimate += p["estimates"].get(p["choice"], 0.0)
+    versus = f" vs {estimate:.1f} us estimated for the planned Linear layers" if plans else ""
+    return f"# measured: {measured:.1f} us per graph replay (median of 5 x 20 replays){versus}"
+
+
+def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
+    """A report of what fxfuse did to a model (a str; print it). kernels=True adds the generated
+    Triton sources; measure=True (CUDA) times each specialization next to the cost model's estimate."""
     if not isinstance(optimized, OptimizedModule):
         return (f"{type(optimized).__name__} was not optimized by fxfuse (fxfuse.optimize returned the "
                 "original module; its warning says why).")
@@ -128,6 +180,11 @@ def explain(optimized, kernels: bool = False) -> str:
         out.append(graph_as_python(gm))
         out.append("")
         out.append(node_table(gm))
+        plans = plan_table(gm)
+        if plans:
+            out.append("\n" + plans)
+        if measure:
+            out.append(_measured_line(spec, gm))
         if kernels:
             for mod in gm.modules():
                 if isinstance(mod, FusedKernel):

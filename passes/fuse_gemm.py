@@ -23,6 +23,7 @@ from fxfuse.tracing import fxfuse_meta
 
 from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta
 from .fuse_pointwise import _mutated_values
+from .plan_linears import planned_choice
 
 MODES = ("off", "auto", "force")
 
@@ -113,7 +114,11 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if problem:
             _note(start, f"no fused GEMM: {problem}")
             continue
-        ok, reason = should_fuse_gemm(region.batch, gspec.k, gspec.n, gspec.dtype, allow_tf32)
+        choice = planned_choice(start)
+        if choice is None:
+            ok, reason = should_fuse_gemm(region.batch, gspec.k, gspec.n, gspec.dtype, allow_tf32)
+        else:
+            ok, reason = choice == "gemm", f"the cost model chose {choice}"
         if mode == "force":
             ok, reason = True, f"forced by gemm='force'; auto: {'yes' if ok else 'no'}, {reason}"
         if not ok:

@@ -32,6 +32,7 @@ from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target
 from fxfuse.tracing import fxfuse_meta
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
+from .plan_linears import planned_choice
 
 MODES = ("off", "auto", "force")
 AUTO_MAX_WIDTH = 0       # measured: no width where the kernel beat library GEMMs yet (should_fuse_mlp)
@@ -55,6 +56,17 @@ def should_fuse_mlp(batch: int, widths, dtype: torch.dtype) -> tuple:
         return False, (f"widths up to {widest}, batch {batch}: outside where the fused MLP kernel "
                        "measured faster than library GEMMs")
     return True, f"widths <= {widest} fit on chip"
+
+
+def _auto_choice(region, spec) -> tuple:
+    """(fuse?, reason) under "auto": the cost model's plan where every Linear of the region has
+    one (fuse only if all chose "mlp"), else should_fuse_mlp's measured rule."""
+    choices = [planned_choice(n) for n in region.nodes if _linear_parts(n) is not None]
+    if choices and all(c is not None for c in choices):
+        if all(c == "mlp" for c in choices):
+            return True, "the cost model chose one fused MLP kernel for these layers"
+        return False, f"the cost model chose {', '.join(sorted(set(choices)))}"
+    return should_fuse_mlp(region.batch, spec.widths, spec.dtype)
 
 
 def _tmeta(node):
@@ -292,7 +304,7 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             spec, weights, vectors, members = _lower(gm, region)
             config = choose_config(spec, region.batch, allow_tf32)
             problem = why_not_kernel(spec, config)
-            ok, reason = (False, problem) if problem else should_fuse_mlp(region.batch, spec.widths, spec.dtype)
+            ok, reason = (False, problem) if problem else _auto_choice(region, spec)
             if mode == "force" and not problem:
                 ok, reason = True, f"forced by fused_mlp='force'; auto: {'yes' if ok else 'no'}, {reason}"
             if ok:

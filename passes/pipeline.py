@@ -13,12 +13,14 @@ from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
 from .linear_epilogue import linear_epilogue
 from .normalize import normalize
+from .plan_linears import plan_linears
 from .strassen import strassen
 
 PIPELINE = [
     # name              pass              re-propagate shapes after it
     ("fold_batchnorm", fold_batchnorm, True),    # eval BatchNorm -> folded weights or per-channel mul-add
     ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
+    ("plan_linears", plan_linears, False),       # cost model: per chain of Linears, which candidate each layer runs as
     ("strassen", strassen, False),               # large Linears -> Strassen prefix | one bmm | suffix+epilogue+next prefix
     ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel
     ("fuse_gemm", fuse_gemm, False),             # a Linear + its epilogue -> one generated split-K GEMM where it pays

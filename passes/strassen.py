@@ -52,6 +52,7 @@ from fxfuse.tracing import fxfuse_meta
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
+from .plan_linears import planned_choice
 
 MODES = ("off", "auto", "force")
 MAX_LEVELS = 3
@@ -85,6 +86,7 @@ class Layer:
     N: int
     dtype: torch.dtype
     levels: int = 0                       # 0: stays classical
+    max_levels: int | None = None         # the cost model's choice (None: options.strassen_levels)
     right: torch.Tensor | None = None     # R [7^L, Kp/s, Np/s] once accepted
     record: dict = field(default_factory=dict)
 
@@ -144,7 +146,7 @@ class _LayerProbe(torch.fx.Interpreter):
 
 def _choose(gm, layers: list, options) -> None:
     max_levels = options.strassen_levels
-    measure = lambda layer, x, w: _measure(layer, x, w, max_levels, options.tolerance)  # noqa: E731
+    measure = lambda layer, x, w: _measure(layer, x, w, layer.max_levels or max_levels, options.tolerance)  # noqa: E731
     example = gm.meta.get("fxfuse_example_args")
     with torch.no_grad():
         if example is not None:
@@ -472,9 +474,18 @@ class _Rewriter:
 
 
 def _decide_mode(layer: Layer, mode: str) -> str | None:
-    """None if the mode asks for Strassen on this layer, else the reason it does not."""
+    """None if the mode asks for Strassen on this layer, else the reason it does not.
+
+    "auto" follows the cost model's plan (passes/plan_linears.py) where one was made, which
+    also caps the levels; the size threshold remains for Linears outside any plan."""
     if mode == "force":
         return None
+    choice = planned_choice(layer.node)
+    if choice is not None:
+        if choice.startswith("strassen"):
+            layer.max_levels = int(choice[len("strassen"):])
+            return None
+        return f"classical: the cost model chose {choice} (explain's plan table has the estimates)"
     smallest = min(layer.B, layer.K, layer.N)
     if smallest >= AUTO_MIN_SIZE:
         return None
@@ -526,7 +537,8 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         extra = layer.right.numel() * layer.right.element_size()
         padding = ("no padding" if (layer.Bp, layer.Kp, layer.Np) == (layer.B, layer.K, layer.N) else
                    f"padded {layer.B}x{layer.K}x{layer.N} -> {layer.Bp}x{layer.Kp}x{layer.Np}")
-        why = "forced" if mode == "force" else f"auto: min(B, K, N) >= {AUTO_MIN_SIZE} (size threshold until the cost model lands)"
+        why = ("forced" if mode == "force" else "auto: the cost model's choice" if layer.max_levels
+               else f"auto: min(B, K, N) >= {AUTO_MIN_SIZE} (size threshold: no cost-model plan)")
         rec.update({"strassen": True, "levels": layer.levels, "padded": (layer.Bp, layer.Kp, layer.Np),
                     "extra_weight_bytes": extra})
         rec["decision"] = (f"Strassen {layer.levels} level(s), {7 ** layer.levels} products of "

@@ -86,6 +86,7 @@ def narrow_auto(monkeypatch):
     import fxfuse.passes.fuse_mlp as pass_module
     monkeypatch.setattr(pass_module, "AUTO_MAX_WIDTH", 256)
     monkeypatch.setattr(pass_module, "AUTO_MAX_ROWS", 16384)
+    monkeypatch.setattr(pass_module, "planned_choice", lambda node: None)   # no cost-model plan: the rule
 
 
 def test_auto_default_declines_and_says_why():
@@ -94,8 +95,10 @@ def test_auto_default_declines_and_says_why():
     assert not fused_modules(opt)
     gm = next(iter(opt.specializations.values())).gm
     linears = [n for n in gm.graph.nodes if n.target is F.linear]
-    assert len(linears) == 8 and all("measured faster than library GEMMs" in n.meta["fxfuse"]["fused_mlp"]
+    assert len(linears) == 8 and all("the cost model chose library" in n.meta["fxfuse"]["fused_mlp"]
                                      for n in linears)
+    assert all(n.meta["fxfuse"]["plan"]["choice"] == "library" for n in linears)
+    assert "no calibration for this device" in linears[0].meta["fxfuse"]["plan"]["reasons"]["mlp"]
     assert "not a fused MLP" in fxfuse.explain(opt)
 
 

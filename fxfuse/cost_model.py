@@ -1,0 +1,612 @@
+"""Cost model: how long each way of running a chain of Linear layers takes, and which to pick.
+
+Why it exists (DESIGN.md, "Cost model"): legality lives in the passes, profitability here.
+A pass describes each layer as plain data (`LinearLayer`) and says which candidates are
+legal; this module estimates each candidate and chooses for the whole chain at once, because
+a choice at layer i changes what fuses at the boundary with layer i+1.
+
+Candidates (CANDIDATES):
+  library    cuBLAS F.linear + one generated pointwise kernel for the epilogue (or the bias
+             in cuBLASLt's epilogue: both spellings are costed, the cheaper one counts)
+  gemm       one Triton GEMM with the epilogue fused (fxfuse.gemm_kernel.EpilogueGemm)
+  strassenL  prefix kernel -> torch.bmm of 7**L products -> suffix kernel (passes/strassen.py)
+  mlp        layers i..j as ONE kernel (fxfuse.mlp_kernel.FusedMLP)
+
+Where a number comes from: every cost is a roofline (FLOPs at the matmul ceiling, bytes at
+the copy bandwidth, one CUDA-graph launch per kernel) divided by an *efficiency*, measured
+by `python -m benchmarks.autotune` on a grid of shapes (efficiency = roofline / measured
+time). Efficiencies are interpolated linearly in log coordinates (log m, log sqrt(k*n));
+outside the grid the nearest measured efficiency scales the roofline. At a measured point
+the estimate is the measurement. Where no table covers a component the efficiency falls
+back to a related table (a Triton GEMM to cuBLAS-with-bias, a bmm to cuBLAS, a Strassen
+kernel to the pointwise kernel at the same bytes), and without any calibration to 1: the
+plain roofline, optimistic for small GEMMs, but ordered sensibly.
+
+Strassen boundaries: between two consecutive layers with the same level, the suffix of layer
+i, its epilogue and the prefix of layer i+1 are ONE kernel. Its cost is charged to the
+EARLIER layer (layer i's tail); layer i+1 then has no prefix cost.
+"""
+import bisect
+import functools
+import importlib.metadata
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+CANDIDATES = ("library", "gemm", "strassen1", "strassen2", "mlp")
+SCHEMA = 1
+ENV_VAR = "FXFUSE_CALIBRATION"
+CALIBRATION_DIR = Path(__file__).with_name("calibration")
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+SIBLING_DTYPE = {"float16": "bfloat16", "bfloat16": "float16"}   # same tensor-core rate and size
+GEMM_AXES = ("m", "h")
+TABLE_AXES = {"linear": GEMM_AXES, "linear_bias": GEMM_AXES, "gemm_epilogue": GEMM_AXES,
+              "bmm7": GEMM_AXES, "bmm49": GEMM_AXES, "pointwise": ("bytes",), "mlp": ("m", "width"),
+              **{f"strassen{lv}_{part}": GEMM_AXES for lv in (1, 2) for part in ("prefix", "fused", "suffix")}}
+MLP_ROWWISE_MAX = 32    # mlp_kernel.choose_config: one program per row up to 32 rows ...
+MLP_BLOCK_M = 16        # ... then 16 rows per program
+logger = logging.getLogger("fxfuse.cost_model")
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration file was asked for but could not be used: estimates use the roofline."""
+
+
+class CalibrationError(ValueError):
+    """A calibration file or dict does not follow the schema (validate_calibration says how)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A cost: time and what it is made of. Estimates add up; sum() starts from 0."""
+    us: float
+    flops: float = 0.0
+    bytes: float = 0.0
+    launches: int = 0
+    source: str = "roofline"      # "roofline", "calibration", or both joined by "+"
+
+    def __add__(self, other):
+        if isinstance(other, (int, float)) and other == 0:
+            return self
+        if not isinstance(other, Estimate):
+            return NotImplemented
+        source = "+".join(sorted({s for s in (self.source + "+" + other.source).split("+") if s}))
+        return Estimate(self.us + other.us, self.flops + other.flops, self.bytes + other.bytes,
+                        self.launches + other.launches, source)
+
+    __radd__ = __add__
+
+    def __str__(self):
+        return (f"{self.us:.1f} us ({self.launches} launch{'es' * (self.launches != 1)}, "
+                f"{self.flops / 1e9:.2f} GFLOP, {self.bytes / 1e6:.2f} MB; {self.source or 'nothing'})")
+
+
+ZERO = Estimate(0.0, source="")
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """One Linear and its pointwise epilogue, as a pass describes it."""
+    m: int                                  # rows (batch, flattened leading dims)
+    k: int                                  # in features
+    n: int                                  # out features
+    dtype: torch.dtype
+    epilogue_ops: int = 1                   # pointwise ops after the GEMM (bias add counts)
+    output_read_elsewhere: bool = False     # y is read by something besides the next layer
+    bias: bool = True                       # one of the epilogue ops is a bias add
+
+    @property
+    def elt(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+# ---------------------------------------------------------------------------- roofline
+
+@dataclass(frozen=True)
+class Work:
+    """What a kernel must do: the roofline's inputs."""
+    flops: float = 0.0
+    bytes: float = 0.0
+    launches: int = 1
+    triton: bool = False          # a generated GEMM: runs at triton_gemm_fraction of cuBLAS's rate
+    rate_fraction: float = 1.0    # share of the SMs the kernel keeps busy
+    sm_bytes: float = 0.0         # bytes one SM must stream by itself (fused MLP: all weights)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Peak rates. Defaults: measured on an H100 (DESIGN.md), except the two marked assumed."""
+    matmul_tflops: dict = field(default_factory=lambda: {"float32": 51.6, "bfloat16": 700.0, "float16": 700.0})
+    copy_gbps: float = 3000.0
+    launch_us_graph: float = 1.2      # per kernel replayed from a CUDA graph
+    launch_us_eager: float = 10.0     # per eager launch (CPU side)
+    sms: int = 132
+    sm_gbps: float = 100.0            # assumed: what one SM streams from L2/HBM alone
+    triton_gemm_fraction: float = 0.8  # assumed: a generated GEMM's rate relative to cuBLAS
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ceilings":
+        base = cls()
+        known = {k: d[k] for k in ("copy_gbps", "launch_us_graph", "launch_us_eager", "sms", "sm_gbps",
+                                   "triton_gemm_fraction") if k in d}
+        return cls(matmul_tflops={**base.matmul_tflops, **d.get("matmul_tflops", {})}, **known)
+
+    def time_us(self, w: Work, dtype_name: str) -> float:
+        rate = self.matmul_tflops.get(dtype_name, self.matmul_tflops["float32"]) * 1e12 * w.rate_fraction
+        rate *= self.triton_gemm_fraction if w.triton else 1.0
+        busy = max(w.flops / rate if w.flops else 0.0, w.bytes / (self.copy_gbps * 1e9),
+                   w.sm_bytes / (self.sm_gbps * 1e9))
+        return busy * 1e6 + w.launches * self.launch_us_graph
+
+
+def _ceil_to(x: int, s: int) -> int:
+    return -(-x // s) * s
+
+
+def gemm_work(m, k, n, elt, bias=False, triton=False) -> Work:
+    return Work(2.0 * m * k * n, elt * (m * k + k * n + m * n + (n if bias else 0)), 1, triton)
+
+
+def bmm_work(level, m, k, n, elt) -> Work:
+    """r = 7**L products of [m/s, k/s] x [k/s, n/s], s = 2**L, sizes padded to multiples of s."""
+    s, r = 1 << level, 7 ** level
+    bm, bk, bn = -(-m // s), -(-k // s), -(-n // s)
+    return Work(2.0 * r * bm * bk * bn, elt * r * (bm * bk + bk * bn + bm * bn))
+
+
+def strassen_kernel_work(part, level, m, k, n, elt, stores_y=False) -> Work:
+    """Bytes moved by the pointwise kernels around the bmm: prefix reads x [mp, kp] and writes
+    r blocks; the fused boundary reads the r products and writes the next layer's r blocks
+    (and y only if something else reads it); the suffix reads the products and writes y."""
+    s, r = 1 << level, 7 ** level
+    mp, kp, np_ = _ceil_to(m, s), _ceil_to(k, s), _ceil_to(n, s)
+    products = r * (mp // s) * (np_ // s)
+    moved = {"prefix": mp * kp + r * (mp // s) * (kp // s),
+             "fused": 2 * products + n + (m * n if stores_y else 0),
+             "suffix": products + n + mp * np_,
+             "pad": m * k + mp * kp}[part]
+    return Work(bytes=elt * moved)
+
+
+def mlp_work(m, dims, elt, sms) -> Work:
+    """One kernel for Linear layers of (k, n) dims: weights read once from HBM, but every
+    program streams all of them through its own SM (one program per row up to 32 rows, then
+    per 16 rows), and few programs leave most SMs idle."""
+    weights = sum(k * n + n for k, n in dims)
+    programs = m if m <= MLP_ROWWISE_MAX else -(-m // MLP_BLOCK_M)
+    return Work(2.0 * m * sum(k * n for k, n in dims), elt * (weights + m * dims[0][0] + m * dims[-1][1]), 1,
+                triton=True, rate_fraction=min(1.0, programs / sms),
+                sm_bytes=-(-programs // sms) * weights * elt)
+
+
+def _table_work(name, coords, elt, entry, sms) -> Work:
+    """The Work of one measured point of table `name` (what autotune ran there)."""
+    if name == "pointwise":
+        return Work(bytes=coords[0])
+    if name == "mlp":
+        return mlp_work(coords[0], [(coords[1], coords[1])] * int(entry.get("layers", 8)), elt, sms)
+    m, h = coords
+    if name in ("linear", "linear_bias", "gemm_epilogue"):
+        return gemm_work(m, h, h, elt, bias=name != "linear", triton=name == "gemm_epilogue")
+    if name.startswith("bmm"):
+        return bmm_work({"bmm7": 1, "bmm49": 2}[name], m, h, h, elt)
+    level, part = int(name[8]), name.split("_")[1]
+    return strassen_kernel_work(part, level, m, h, h, elt)
+
+
+# ---------------------------------------------------------------------------- tables
+
+def _bracket(axis: tuple, x: float) -> list:
+    """[(index, weight)] of the one or two grid points around x (clamped at the ends)."""
+    if x <= axis[0]:
+        return [(0, 1.0)]
+    if x >= axis[-1]:
+        return [(len(axis) - 1, 1.0)]
+    i = bisect.bisect_right(axis, x) - 1
+    t = (x - axis[i]) / (axis[i + 1] - axis[i])
+    return [(i, 1.0 - t), (i + 1, t)]
+
+
+@dataclass(frozen=True)
+class Table:
+    """log(efficiency) at measured grid points; missing cells (skipped by autotune) are holes."""
+    axes: tuple          # per axis: ascending log coordinates
+    log_eff: dict        # index tuple -> log(roofline / measured)
+
+    @classmethod
+    def from_entry(cls, name, entry, elt, ceilings: Ceilings, dtype_name) -> "Table":
+        names = TABLE_AXES[name]
+        values = [list(map(float, entry[a])) for a in names]
+        log_eff = {}
+        for idx in itertools.product(*(range(len(v)) for v in values)):
+            us = entry["us"]
+            for i in idx:
+                us = us[i]
+            if us is not None and us > 0:
+                coords = tuple(v[i] for v, i in zip(values, idx))
+                log_eff[idx] = math.log(ceilings.time_us(_table_work(name, coords, elt, entry, ceilings.sms),
+                                                         dtype_name) / us)
+        return cls(tuple(tuple(math.log(x) for x in v) for v in values), log_eff)
+
+    def lookup(self, coords) -> tuple | None:
+        """(log(efficiency), whether coords lie inside the measured range): multilinear
+        interpolation in log coordinates, holes left out; None for an empty table."""
+        if not self.log_eff:
+            return None
+        logs = [math.log(max(c, 1e-30)) for c in coords]
+        inside = all(a[0] - 1e-9 <= x <= a[-1] + 1e-9 for a, x in zip(self.axes, logs))
+        total = acc = 0.0
+        for combo in itertools.product(*(_bracket(a, x) for a, x in zip(self.axes, logs))):
+            idx, w = tuple(i for i, _ in combo), math.prod(w for _, w in combo)
+            if idx in self.log_eff and w > 0:
+                total, acc = total + w, acc + w * self.log_eff[idx]
+        if total > 0:
+            return acc / total, inside
+        nearest = min(self.log_eff, key=lambda idx: sum((a[i] - x) ** 2 for a, i, x in zip(self.axes, idx, logs)))
+        return self.log_eff[nearest], inside
+
+
+# ---------------------------------------------------------------------------- calibration files
+
+def device_slug(device: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown"
+
+
+def calibration_name(device: str, torch_version: str, triton_version: str | None) -> str:
+    """`<gpu-slug>__torch-<ver>__triton-<ver>.json`, local version parts (+cu130) dropped."""
+    def ver(v):
+        return (v or "none").split("+")[0]
+    return f"{device_slug(device)}__torch-{ver(torch_version)}__triton-{ver(triton_version)}.json"
+
+
+def validate_calibration(data) -> list:
+    """Problems with a calibration dict (empty: valid). Unknown tables are ignored, so files of
+    a newer autotune stay readable."""
+    if not isinstance(data, dict):
+        return ["not a JSON object"]
+    problems = [f"missing key {k!r}" for k in ("schema", "device", "ceilings", "tables") if k not in data]
+    if problems:
+        return problems
+    if data["schema"] != SCHEMA:
+        problems.append(f"schema {data['schema']!r}, this fxfuse reads {SCHEMA}")
+    c, tables = data["ceilings"], data["tables"]
+    if not isinstance(c, dict) or not isinstance(c.get("matmul_tflops"), dict) or not isinstance(tables, dict):
+        return problems + ["ceilings must hold a matmul_tflops object, tables must be an object"]
+    problems += [f"ceiling {k}={v!r} is not a positive number" for k, v in
+                 [*c["matmul_tflops"].items(), ("copy_gbps", c.get("copy_gbps")),
+                  ("launch_us_graph", c.get("launch_us_graph"))] if not _positive(v)]
+    for name, per_dtype in tables.items():
+        if name in TABLE_AXES:
+            for dt, entry in (per_dtype.items() if isinstance(per_dtype, dict) else [("?", None)]):
+                problems += [f"{name}/{dt}: {p}" for p in _grid_problems(dt, entry, TABLE_AXES[name])]
+    return problems
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _grid_problems(dt, entry, axes) -> list:
+    if dt not in DTYPE_NAMES.values():
+        return [f"unknown dtype {dt!r}"]
+    if not isinstance(entry, dict) or any(a not in entry for a in (*axes, "us")):
+        return [f"needs keys {[*axes, 'us']}"]
+    if not all(isinstance(v, list) and v and all(map(_positive, v)) and sorted(set(v)) == v
+               for v in (entry[a] for a in axes)) or not _positive(entry.get("layers", 1)):
+        return ["axes must be non-empty ascending lists of positive numbers"]
+
+    def fits(us, depth):
+        ok = isinstance(us, list) and len(us) == len(entry[axes[depth]])
+        if depth == len(axes) - 1:
+            return ok and all(x is None or _positive(x) for x in us)
+        return ok and all(fits(u, depth + 1) for u in us)
+    return [] if fits(entry["us"], 0) else ["us does not match the axes (or holds a non-positive time)"]
+
+
+@functools.lru_cache(maxsize=16)
+def _read_file(path: str, stamp: tuple):
+    """Parse and validate one file (cached per path and modification stamp): dict or error text."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"cannot read {path}: {type(e).__name__}: {e}"
+    problems = validate_calibration(data)
+    return f"invalid calibration {path}: {'; '.join(problems[:5])}" if problems else data
+
+
+def _shipped_file(device_name: str, directory: Path) -> Path | None:
+    """The calibration for this GPU: the one for these torch/triton versions, else the newest name."""
+    files = sorted(directory.glob(f"{device_slug(device_name)}__*.json"))
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    exact = directory / calibration_name(device_name, torch.__version__, triton_version)
+    return exact if exact in files else (files[-1] if files else None)
+
+
+# ---------------------------------------------------------------------------- the model
+
+class CostModel:
+    """Estimates candidates from ceilings and (optionally) calibration tables. Immutable."""
+
+    def __init__(self, ceilings: Ceilings, tables: dict, description: str, cuda_graphs: bool = True):
+        self.ceilings, self.tables, self.description, self.cuda_graphs = ceilings, tables, description, cuda_graphs
+
+    def __repr__(self):
+        return f"CostModel({self.description})"
+
+    @classmethod
+    def roofline(cls, device_name=None, cuda_graphs: bool = True) -> "CostModel":
+        return cls(Ceilings(), {}, f"roofline, H100 ceilings ({device_name or 'device unknown'})", cuda_graphs)
+
+    @classmethod
+    def from_dict(cls, data: dict, description: str = "calibration", cuda_graphs: bool = True) -> "CostModel":
+        """Build from a calibration dict; CalibrationError if it does not follow the schema."""
+        problems = validate_calibration(data)
+        if problems:
+            raise CalibrationError("; ".join(problems[:5]))
+        ceilings = Ceilings.from_dict(data["ceilings"])
+        tables = {}
+        for name, per_dtype in data["tables"].items():
+            if name in TABLE_AXES:
+                elt = {dt: torch.empty((), dtype=getattr(torch, dt)).element_size() for dt in per_dtype}
+                tables[name] = {dt: Table.from_entry(name, e, elt[dt], ceilings, dt) for dt, e in per_dtype.items()}
+        return cls(ceilings, tables, description, cuda_graphs)
+
+    @classmethod
+    def load(cls, path=None, device_name: str | None = None, *, directory=None,
+             cuda_graphs: bool = True) -> "CostModel":
+        """path None: $FXFUSE_CALIBRATION, else the shipped file for device_name (default: the
+        current CUDA device), else the roofline. A file that was asked for (path, environment,
+        or shipped for this GPU) but cannot be used gives the roofline and ONE CalibrationWarning."""
+        path = path or os.environ.get(ENV_VAR) or None
+        if device_name is None and path is None and torch.cuda.is_available():
+            device_name = torch.cuda.get_device_name()
+        if path is None and device_name:
+            path = _shipped_file(device_name, Path(directory) if directory else CALIBRATION_DIR)
+        if path is None:
+            logger.info("no calibration for %s: roofline estimates", device_name or "this device")
+            return cls.roofline(device_name, cuda_graphs)
+        path = str(path)
+        try:
+            st = os.stat(path)
+            got = _read_file(path, (st.st_mtime_ns, st.st_size))
+        except OSError as e:
+            got = f"cannot read {path}: {type(e).__name__}: {e}"
+        if not isinstance(got, str):
+            desc = (f"calibration {Path(path).name} ({got['device']}, torch {got.get('torch')}, "
+                    f"triton {got.get('triton')})")
+            try:
+                return cls.from_dict(got, desc, cuda_graphs)
+            except Exception as e:  # noqa: BLE001 - a bad file must never break optimize()
+                got = f"cannot use {path}: {type(e).__name__}: {e}"
+        warnings.warn(f"fxfuse: {got}; cost estimates fall back to the roofline", CalibrationWarning, stacklevel=2)
+        return cls.roofline(device_name, cuda_graphs)
+
+    # -- components ----------------------------------------------------------------------
+    def _lookup(self, table: str, dtype_name: str, coords) -> tuple | None:
+        per_dtype = self.tables.get(table, {})
+        names = [dtype_name, SIBLING_DTYPE.get(dtype_name)] + (list(per_dtype) if table == "pointwise" else [])
+        hits = [per_dtype[n].lookup(coords) for n in names if n in per_dtype]
+        return next((h for h in hits if h is not None), None)
+
+    def _component(self, dtype, work: Work, tables=(), prefer_inside=True) -> Estimate:
+        """One kernel: its roofline over an efficiency from `tables` ((name, coords) pairs, own
+        table first, then related ones). prefer_inside: the first table whose measured range
+        holds this size wins (a tiny launch-bound kernel is better judged by a related kernel
+        measured that small than by extrapolating bandwidth-bound ones), else the first with
+        data. Without it simply the first with data: for a Triton GEMM past its grid its own
+        efficiency extrapolates better than cuBLAS's."""
+        dt = DTYPE_NAMES.get(dtype, "float32")
+        us, source = self.ceilings.time_us(work, dt), "roofline"
+        hits = [h for h in (self._lookup(name, dt, coords) for name, coords in tables) if h is not None]
+        if hits:
+            log_eff = next((h for h in hits if h[1]), hits[0])[0] if prefer_inside else hits[0][0]
+            us, source = us / math.exp(log_eff), "calibration"
+        if not self.cuda_graphs:   # eager: the CPU cannot launch faster than this
+            us = max(us, work.launches * self.ceilings.launch_us_eager)
+        return Estimate(us, work.flops, work.bytes, work.launches, source)
+
+    def _pointwise(self, dtype, work: Work, first=()) -> Estimate:
+        return self._component(dtype, work, tuple(first) + (("pointwise", (work.bytes,)),))
+
+    def _library(self, L: LinearLayer) -> Estimate:
+        m, k, n, elt, h = L.m, L.k, L.n, L.elt, math.sqrt(L.k * L.n)
+        plain = self._component(L.dtype, gemm_work(m, k, n, elt), [("linear", (m, h))])
+        if L.epilogue_ops <= 0:
+            return plain
+        best = plain + self._pointwise(L.dtype, Work(bytes=elt * (2 * m * n + (n if L.bias else 0))))
+        if L.bias:   # the bias in cuBLASLt's epilogue; any other op still needs the pointwise kernel
+            fused = self._component(L.dtype, gemm_work(m, k, n, elt, bias=True), [("linear_bias", (m, h))])
+            if L.epilogue_ops > 1:
+                fused = fused + self._pointwise(L.dtype, Work(bytes=elt * 2 * m * n))
+            best = min(best, fused, key=lambda e: e.us)
+        return best
+
+    # -- per layer: head (depends on prev) + body + tail (depends on next) ------------------
+    def _head(self, c: str, L: LinearLayer, prev: str | None) -> Estimate:
+        level = _level(c)
+        if not level or _fuses(prev, c):
+            return ZERO
+        s, coords = 1 << level, (L.m, math.sqrt(L.k * L.n))
+        pad = ZERO
+        if L.m % s or L.k % s:
+            pad = self._pointwise(L.dtype, strassen_kernel_work("pad", level, L.m, L.k, L.n, L.elt))
+        work = strassen_kernel_work("prefix", level, L.m, L.k, L.n, L.elt)
+        return pad + self._pointwise(L.dtype, work, [(f"strassen{level}_prefix", coords)])
+
+    def _body(self, c: str, L: LinearLayer) -> Estimate:
+        h = math.sqrt(L.k * L.n)
+        if c == "library":
+            return self._library(L)
+        if c == "gemm":
+            work = gemm_work(L.m, L.k, L.n, L.elt, bias=L.bias, triton=True)
+            return self._component(L.dtype, work, [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))],
+                                   prefer_inside=False)
+        if c == "mlp":
+            return self.estimate_mlp([L])
+        level = _level(c)
+        work = bmm_work(level, L.m, L.k, L.n, L.elt)
+        return self._component(L.dtype, work, [(f"bmm{7 ** level}", (L.m, h)), ("linear", (L.m, h))])
+
+    def _tail(self, c: str, L: LinearLayer, next_: str | None) -> Estimate:
+        level = _level(c)
+        if not level:
+            return ZERO
+        part = "fused" if _fuses(c, next_) else "suffix"
+        work = strassen_kernel_work(part, level, L.m, L.k, L.n, L.elt, stores_y=L.output_read_elsewhere)
+        return self._pointwise(L.dtype, work, [(f"strassen{level}_{part}", (L.m, math.sqrt(L.k * L.n)))])
+
+    def estimate(self, candidate: str, layer: LinearLayer, prev: str | None = None,
+                 next: str | None = None) -> Estimate:  # noqa: A002 - the name the passes use
+        """Cost of `layer` run as `candidate` between neighbours run as prev / next (None at the
+        chain's ends). A Strassen layer after one of the same level has no prefix; before one,
+        its tail is the shared boundary kernel (charged here, to the earlier layer)."""
+        if candidate not in CANDIDATES:
+            raise ValueError(f"unknown candidate {candidate!r}; expected one of {CANDIDATES}")
+        return self._head(candidate, layer, prev) + self._body(candidate, layer) + self._tail(candidate, layer, next)
+
+    def estimate_mlp(self, layers: list) -> Estimate:
+        """Layers as one fused kernel: reads x and the weights, writes the last y, one launch."""
+        first = layers[0]
+        dims = [(L.k, L.n) for L in layers]
+        work = mlp_work(first.m, dims, first.elt, self.ceilings.sms)
+        return self._component(first.dtype, work, [("mlp", (first.m, max(max(d) for d in dims)))])
+
+
+def _level(c: str | None) -> int:
+    return int(c[8:]) if c and c.startswith("strassen") else 0
+
+
+def _fuses(a: str | None, b: str | None) -> bool:
+    """Whether a layer run as `a` and the next run as `b` share one boundary kernel."""
+    return bool(_level(a)) and a == b
+
+
+# ---------------------------------------------------------------------------- the chain
+
+@dataclass
+class LayerPlan:
+    choice: str                        # a candidate name
+    estimates: dict                    # candidate -> Estimate (legal ones, in the chosen context)
+    reasons: dict                      # candidate -> why not chosen
+    segment: tuple | None = None       # for "mlp": (first, last) layer indices of the fused run
+    chain_us: dict = field(default_factory=dict)   # candidate -> best total chain time with it here
+
+
+@dataclass(frozen=True)
+class _Unit:
+    start: int
+    end: int          # exclusive
+    name: str
+
+
+def plan_chain(model: CostModel, layers: list, legal: list, mlp_legal=None) -> list:
+    """Exact minimum of the chain's total estimated time over the legal candidates.
+
+    Dynamic programming over layer boundaries with the previous choice as state: the total is
+    a sum of unit costs (a layer's body, or a whole fused-MLP run) and boundary costs (layer
+    i's tail + layer i+1's head, which depend on both choices). A forward and a backward pass
+    give, for every (layer, candidate), the best chain with that candidate there: the reason
+    a candidate lost is stated against the chain, not against the layer alone.
+    """
+    n = len(layers)
+    if len(legal) != n:
+        raise ValueError(f"{n} layers but {len(legal)} legality dicts")
+    for i, d in enumerate(legal):
+        unknown = set(d) - set(CANDIDATES)
+        if unknown:
+            raise ValueError(f"layer {i}: unknown candidate(s) {sorted(unknown)}")
+    units = [[_Unit(i, i + 1, c) for c in CANDIDATES if c != "mlp" and c in legal[i] and legal[i][c] is None]
+             for i in range(n)]
+    if mlp_legal is not None:
+        for i in range(n):
+            units[i] += [_Unit(i, j + 1, "mlp") for j in range(i, n) if mlp_legal(i, j) is None]
+
+    @functools.lru_cache(maxsize=None)
+    def unit_cost(u):
+        if u.name == "mlp":
+            return model.estimate_mlp(layers[u.start:u.end]).us
+        return model._body(u.name, layers[u.start]).us
+
+    @functools.lru_cache(maxsize=None)
+    def edge(e, a, b):   # boundary before layer e: tail of the unit named a, head of the one named b
+        tail = model._tail(a, layers[e - 1], b).us if a and a != "mlp" else 0.0
+        head = model._head(b, layers[e], a).us if b and b != "mlp" else 0.0
+        return tail + head
+
+    fwd = {(0, None): (0.0, None)}   # (boundary, name of the unit ending there) -> (cost, (state, unit))
+    for e in range(n):
+        for (pos, a), (cost, _) in [item for item in fwd.items() if item[0][0] == e]:   # ~5 states
+            for u in units[e]:
+                c = cost + edge(e, a, u.name) + unit_cost(u)
+                key = (u.end, u.name)
+                if key not in fwd or c < fwd[key][0]:
+                    fwd[key] = (c, ((pos, a), u))
+    bwd = {(n, a): edge(n, a, None) for (pos, a) in fwd if pos == n}
+    for e in range(n - 1, -1, -1):
+        for (pos, a) in [k for k in fwd if k[0] == e]:
+            bwd[(e, a)] = min((edge(e, a, u.name) + unit_cost(u) + bwd[(u.end, u.name)] for u in units[e]),
+                              default=math.inf)
+    ends = [k for k in fwd if k[0] == n]
+    if not ends:
+        raise ValueError("no plan of legal candidates covers every layer")
+    final = min(ends, key=lambda k: fwd[k][0] + bwd[k])
+    chosen, key = [], final
+    while fwd[key][1] is not None:
+        key, u = fwd[key][1]
+        chosen.append(u)
+    chosen.reverse()
+
+    at = {}
+    for (pos, a), (cost, _) in fwd.items():
+        at.setdefault(pos, []).append((a, cost))
+
+    def marginal(u):   # the best chain that runs u
+        return min((cost + edge(u.start, a, u.name) + unit_cost(u) + bwd[(u.end, u.name)]
+                    for a, cost in at.get(u.start, ())), default=math.inf)
+
+    best_total = bwd[(0, None)]
+    by_layer = {i: u for u in chosen for i in range(u.start, u.end)}
+    return [_layer_plan(model, layers, legal, mlp_legal, units, by_layer, i, marginal, best_total)
+            for i in range(n)]
+
+
+def _layer_plan(model, layers, legal, mlp_legal, units, by_layer, i, marginal, best_total) -> LayerPlan:
+    """Estimates in the chosen context, chain totals per candidate, and every "no" with its reason."""
+    u = by_layer[i]
+    prev = by_layer[i - 1].name if i > 0 else None
+    nxt = by_layer[i + 1].name if i + 1 < len(layers) else None
+    covering = [v for j in range(i + 1) for v in units[j] if v.name == "mlp" and v.end > i]
+    estimates, chain, best_mlp = {}, {}, None
+    for c in CANDIDATES:
+        if c == "mlp" and covering:
+            best_mlp = u if u.name == "mlp" else min(covering, key=marginal)
+            estimates[c], chain[c] = model.estimate_mlp(layers[best_mlp.start:best_mlp.end]), marginal(best_mlp)
+        elif c != "mlp" and legal[i].get(c, "x") is None:
+            estimates[c] = model.estimate(c, layers[i], prev, nxt)
+            chain[c] = marginal(_Unit(i, i + 1, c))
+    what = f"mlp (layers {u.start}..{u.end - 1})" if u.name == "mlp" else u.name
+    reasons = {}
+    for c in CANDIDATES:
+        if c == u.name:
+            continue
+        if c in estimates:
+            reasons[c] = (f"est {estimates[c].us:.1f} us vs {estimates[u.name].us:.1f} us for {what}; best chain "
+                          f"with {c} here {chain[c]:.1f} us vs {best_total:.1f} us")
+        elif c == "mlp":
+            reasons[c] = ("no fused-MLP candidate offered" if mlp_legal is None
+                          else mlp_legal(i, i) or "no legal fused-MLP run covers this layer")
+        else:
+            reasons[c] = legal[i].get(c) or "not offered by the pass"
+    segment = (u.start, u.end - 1) if u.name == "mlp" else None
+    return LayerPlan(u.name, estimates, reasons, segment, chain)

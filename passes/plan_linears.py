@@ -1,0 +1,179 @@
+"""Plan every Linear with the cost model, for the whole chain at once.
+
+Legality lives in the passes that rewrite (strassen, fuse_mlp, fuse_gemm); profitability
+lives here, in one call to fxfuse.cost_model.plan_chain per chain of Linear layers. This pass
+only describes the graph as plain data (fxfuse.cost_model.LinearLayer), asks the model, and
+writes each Linear's plan to node.meta["fxfuse"]["plan"]; the rewriting passes, in their
+"auto" modes, follow it. Nothing here rewrites the graph.
+
+Why whole chains: a choice at layer i changes what fuses at the boundary with layer i+1 (two
+Strassen layers in a row share one suffix+prefix kernel and never write the activation), so
+the model chooses by dynamic programming over the chain, not layer by layer.
+
+A chain is a run of Linears where each one's input is the previous one's output after
+pointwise ops only (bias, activation, scaling), read by nothing else. A residual add, a
+reduction or a second reader ends the chain: the model then sees the layer as writing its
+output (`output_read_elsewhere`).
+"""
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fxfuse.cost_model import CostModel, LinearLayer, plan_chain
+from fxfuse.ops import POINTWISE, is_pointwise_target
+from fxfuse.tracing import fxfuse_meta
+
+# Where Strassen's prefix/suffix kernels were calibrated (benchmarks/autotune.py) and where the
+# H100 measured it faster. Below, the model extrapolates them from the plain pointwise kernel
+# and underestimates them: batch 64, hidden 1024, Strassen 1 level measured 207 us against
+# 125 us classical (the model said 113); batch 256, hidden 2048: 505 vs 470 us.
+STRASSEN_MIN_ROWS = 1024
+STRASSEN_MIN_WIDTH = 2048
+MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_kernel.why_not_kernel refuses wider)
+
+
+def _tmeta(node):
+    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+def is_planned_linear(node: torch.fx.Node) -> bool:
+    """A bias-free F.linear (normalize split the bias) with a constant 2-D weight and shapes."""
+    if node.op != "call_function" or node.target is not F.linear or len(node.args) != 2 or node.kwargs:
+        return False
+    x, w = node.args
+    return (isinstance(w, torch.fx.Node) and w.op == "get_attr" and hasattr(_tmeta(w), "shape")
+            and len(_tmeta(w).shape) == 2 and hasattr(_tmeta(x), "shape") and hasattr(_tmeta(node), "shape"))
+
+
+def _single_source(node):
+    """The one non-constant tensor operand of a pointwise node, or None."""
+    if node.op != "call_function" or not is_pointwise_target(node.target):
+        return None
+    operands = [a for a in node.args[:POINTWISE[node.target].nargs]
+                if isinstance(a, torch.fx.Node) and a.op != "get_attr"]
+    return operands[0] if len(operands) == 1 else None
+
+
+def previous_linear(node: torch.fx.Node):
+    """(the Linear feeding `node` through single-reader pointwise ops only, ops on the way)."""
+    x, ops = node.args[0], 0
+    while isinstance(x, torch.fx.Node) and len(x.users) == 1:
+        if is_planned_linear(x):
+            return x, ops
+        src = _single_source(x)
+        if src is None:
+            return None, 0
+        x, ops = src, ops + 1
+    return None, 0
+
+
+def _describe(node, epilogue_ops: int, read_elsewhere: bool) -> LinearLayer:
+    w = _tmeta(node.args[1])
+    n, k = w.shape
+    m = _tmeta(node.args[0]).shape.numel() // max(k, 1)
+    return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
+                       output_read_elsewhere=read_elsewhere)
+
+
+UNMEASURED = ("no calibration for this device: generated GEMM/MLP kernels are chosen only on measured "
+              "evidence (python -m benchmarks.autotune, then option calibration=...)")
+
+
+def _legal(layer: LinearLayer, options, measured: bool) -> dict:
+    """Candidate -> None (the options allow it) or why not. The rewriting passes check the rest
+    (numerics, exact graph shapes) and fall back to the library GEMM when they refuse.
+
+    Without a calibration the roofline would rank a generated kernel by its ideal time, and
+    on the H100 those kernels measured far from ideal at the sizes where the roofline prefers
+    them; so they need a measurement to be chosen. cuBLAS and its bmm sit near the roofline."""
+    legal = {"library": None}
+    legal["gemm"] = ("gemm='off' or fuse=False" if not options.fuse or options.gemm == "off"
+                     else None if measured else UNMEASURED)
+    for levels in (1, 2):
+        name = f"strassen{levels}"
+        if options.strassen == "off":
+            legal[name] = "strassen='off' (the default: Strassen changes rounding; opt in with 'auto')"
+        elif levels > options.strassen_levels:
+            legal[name] = f"strassen_levels={options.strassen_levels}"
+        elif layer.m < STRASSEN_MIN_ROWS or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
+            legal[name] = (f"{layer.m} rows x {min(layer.k, layer.n)} features is below {STRASSEN_MIN_ROWS} x "
+                           f"{STRASSEN_MIN_WIDTH}, where Strassen's kernels were timed (smaller: measured slower)")
+        else:
+            legal[name] = None
+    return legal
+
+
+def _chains(gm) -> list:
+    """Lists of (linear node, epilogue op count) in chain order."""
+    nodes = [n for n in gm.graph.nodes if is_planned_linear(n)]
+    after = {}
+    for node in nodes:
+        prev, ops = previous_linear(node)
+        if prev is not None and prev not in after:
+            after[prev] = (node, ops)
+    starts = [n for n in nodes if n not in {v[0] for v in after.values()}]
+    chains = []
+    for start in starts:
+        chain, node = [], start
+        while node is not None:
+            nxt = after.get(node)
+            chain.append((node, nxt[1] if nxt else None))
+            node = nxt[0] if nxt else None
+        chains.append(chain)
+    return chains
+
+
+def _output_ops(node) -> int:
+    """Pointwise ops after the chain's last Linear that its epilogue would take (bias, act)."""
+    ops, x = 0, node
+    while len(x.users) == 1:
+        user = next(iter(x.users))
+        if _single_source(user) is not x:
+            break
+        ops, x = ops + 1, user
+    return ops
+
+
+def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    if options is None or all(mode != "auto" for mode in (options.strassen, options.gemm, options.fused_mlp)):
+        gm.meta["fxfuse_skipped"] = True
+        return gm
+    device = next((fxfuse_meta(n).get("device") for n in gm.graph.nodes if fxfuse_meta(n).get("device")), None)
+    name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
+    model = CostModel.load(options.calibration, device_name=name)
+    gm.meta["fxfuse_cost_model"] = model.description
+    measured = bool(model.tables)
+    plans_meta = gm.meta.setdefault("fxfuse_plans", [])
+    for chain in _chains(gm):
+        layers = []
+        for node, ops_after in chain:
+            ops = ops_after if ops_after is not None else _output_ops(node)
+            layers.append(_describe(node, ops, read_elsewhere=ops_after is None))
+        legal = [_legal(layer, options, measured) for layer in layers]
+
+        def mlp_legal(i, j, layers=layers):
+            if options.fused_mlp == "off" or not options.fuse:
+                return "fused_mlp='off'"
+            if not measured:
+                return UNMEASURED
+            widest = max(max(l.k, l.n) for l in layers[i:j + 1])
+            return None if widest <= MLP_MAX_WIDTH else f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
+
+        plans = plan_chain(model, layers, legal, mlp_legal)
+        for (node, _), layer, plan in zip(chain, layers, plans):
+            record = {
+                "node": node.name, "chain": chain[0][0].name,
+                "choice": plan.choice, "segment": plan.segment, "layer": layer,
+                "estimates": {c: e.us for c, e in plan.estimates.items()},
+                "source": {c: e.source for c, e in plan.estimates.items()},
+                "reasons": dict(plan.reasons),
+            }
+            fxfuse_meta(node)["plan"] = record
+            plans_meta.append(record)      # explain() reads it here: rewrites erase the Linear nodes
+    return gm
+
+
+def planned_choice(node) -> str | None:
+    """The cost model's choice for a Linear node, or None where no plan was made."""
+    plan = fxfuse_meta(node).get("plan")
+    return plan["choice"] if plan else None

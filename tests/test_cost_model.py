@@ -1,0 +1,280 @@
+"""The cost model (fxfuse/cost_model.py) on the CPU: estimates, chain decisions from synthetic
+calibrations, and the fallback to the roofline when a calibration file cannot be used.
+
+Synthetic tables are built from simple formulas at grid points, where the model returns the
+measurement exactly, so each test states plainly which candidate should win where."""
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from fxfuse.cost_model import (CALIBRATION_DIR, CANDIDATES, ENV_VAR, SCHEMA, CalibrationError, CalibrationWarning,
+                               CostModel, Estimate, LinearLayer, calibration_name, plan_chain, validate_calibration)
+
+M = [1, 16, 64, 256, 1024, 4096]
+H = [128, 256, 512, 1024, 2048, 4096, 8192]
+WIDTHS = [64, 128, 256, 512]
+F32 = torch.float32
+
+
+def lib_us(m, h):
+    """A cuBLAS-like layer: 2 us, then 40 TFLOP/s."""
+    return 2.0 + 2.0 * m * h * h / 40e12 * 1e6
+
+
+def grid(f, axes=("m", "h"), values=(M, H)):
+    return {axes[0]: list(values[0]), axes[1]: list(values[1]),
+            "us": [[f(a, b) for b in values[1]] for a in values[0]]}
+
+
+def calibration(**tables) -> dict:
+    """A valid calibration dict: library tables and a pointwise line by default, plus `tables`."""
+    base = {"linear": grid(lib_us), "linear_bias": grid(lib_us),
+            "pointwise": {"bytes": [1e3, 1e10], "us": [2.0, 2.0 + 1e10 / 2.5e12 * 1e6]}}
+    base.update(tables)
+    return {"schema": SCHEMA, "device": "Synthetic GPU", "torch": torch.__version__, "triton": None,
+            "cuda": None, "created": "now", "command": "test",
+            "ceilings": {"matmul_tflops": {"float32": 50.0}, "copy_gbps": 3000.0, "launch_us_graph": 1.0,
+                         "launch_us_eager": 8.0},
+            "tables": {name: {"float32": t} for name, t in base.items()}, "skipped": []}
+
+
+def chain(m, h, layers, **kw):
+    return [LinearLayer(m, h, h, F32, **kw) for _ in range(layers)]
+
+
+def everything_legal(layers, without=()):
+    return [{c: None for c in CANDIDATES if c != "mlp" and c not in without} for _ in layers]
+
+
+# ---------------------------------------------------------------------------- Estimate
+
+def test_estimates_add_up():
+    a = Estimate(1.5, flops=10, bytes=100, launches=1, source="calibration")
+    b = Estimate(2.0, flops=5, bytes=50, launches=2)
+    total = a + b
+    assert (total.us, total.flops, total.bytes, total.launches) == (3.5, 15, 150, 3)
+    assert total.source == "calibration+roofline"
+    assert sum([a, b]) == total and sum([a]) == a
+    assert "3.5 us" in str(total) and "3 launches" in str(total)
+
+
+# ---------------------------------------------------------------------------- roofline
+
+def test_roofline_is_monotone_and_near_the_ceilings():
+    model = CostModel.roofline()
+    for c in ("library", "gemm", "strassen1", "strassen2"):
+        times = [model.estimate(c, LinearLayer(m, 1024, 1024, F32)).us for m in M[1:]]   # m = 1: padded
+        assert times == sorted(times), (c, times)
+        times = [model.estimate(c, LinearLayer(256, 1024, n, F32)).us for n in H]
+        assert times == sorted(times), (c, times)
+    big = model.estimate("library", LinearLayer(4096, 8192, 8192, F32))
+    assert big.source == "roofline" and big.flops == 2 * 4096 * 8192 ** 2
+    assert 0.95 < big.us / (big.flops / 51.6e12 * 1e6) < 1.05      # FLOP-bound at the fp32 ceiling
+    tiny = model.estimate("gemm", LinearLayer(1, 64, 64, F32))
+    assert tiny.launches == 1 and tiny.us < 2.0                       # one launch from a CUDA graph
+    s2 = model.estimate("strassen2", LinearLayer(4096, 8192, 8192, F32))
+    assert s2.us < big.us and s2.launches == 3                        # 49/64 of the FLOPs + 2 kernels
+
+
+def test_roofline_alone_orders_the_narrow_mlp_and_the_wide_one():
+    model = CostModel.roofline()
+    for h, fused in ((128, True), (1024, False)):
+        layers = chain(1, h, 8)
+        plans = plan_chain(model, layers, everything_legal(layers), lambda i, j: None)
+        assert (plans[0].choice == "mlp") == fused, (h, plans[0].reasons)
+
+
+def test_eager_launches_cost_more_than_graph_replays():
+    layer = LinearLayer(1, 128, 128, F32, epilogue_ops=2)
+    graphed, eager = CostModel.roofline(), CostModel.roofline(cuda_graphs=False)
+    assert eager.estimate("library", layer).us > graphed.estimate("library", layer).us + 10
+
+
+# ---------------------------------------------------------------------------- decisions flip
+
+def test_strassen2_only_above_its_batch_and_size_thresholds():
+    cheap = grid(lambda m, h: lib_us(m, h) * (0.6 if h >= 4096 and m >= 1024 else 1.5))
+    model = CostModel.from_dict(calibration(bmm49=cheap))
+    for m in (256, 1024, 4096):
+        for h in (1024, 2048, 4096, 8192):
+            layers = chain(m, h, 4)
+            plans = plan_chain(model, layers, everything_legal(layers, without=("strassen1",)))
+            want = "strassen2" if h >= 4096 and m >= 1024 else "library"
+            assert [p.choice for p in plans] == [want] * 4, (m, h, plans[0].reasons)
+            if want == "strassen2":
+                assert plans[1].estimates["strassen2"].source == "calibration"
+
+
+def test_fused_mlp_only_for_narrow_widths():
+    mlp = grid(lambda m, w: 8 * lib_us(m, w) * (0.3 if w <= 256 else 3.0), ("m", "width"), (M, WIDTHS))
+    model = CostModel.from_dict(calibration(mlp={**mlp, "layers": 8}))
+    for w in (64, 128, 256, 512, 1024):
+        layers = chain(16, w, 8)
+        plans = plan_chain(model, layers, everything_legal(layers, without=("gemm",)), lambda i, j: None)
+        if w <= 256:
+            assert all(p.choice == "mlp" and p.segment == (0, 7) for p in plans), (w, plans[0].reasons)
+        else:
+            assert all(p.choice == "library" for p in plans), (w, plans[0].reasons)
+            assert plans[3].reasons["mlp"].startswith("est ")
+
+
+def strassen_boundary_model():
+    """library 100 us; strassen1 standalone 15 + 80 + 15 = 110 us, but two in a row share
+    one 5 us boundary kernel: 15 + 80 + 5 + 80 + 15 = 195 us < 200 us."""
+    const = {name: grid(lambda m, h, v=v: v) for name, v in (("linear", 100.0), ("linear_bias", 100.0),
+                                                             ("bmm7", 80.0), ("strassen1_prefix", 15.0),
+                                                             ("strassen1_suffix", 15.0), ("strassen1_fused", 5.0))}
+    const["pointwise"] = {"bytes": [1e3, 1e12], "us": [1.0, 1.0]}
+    return CostModel.from_dict(calibration(**const))
+
+
+def test_chain_beats_greedy_where_the_boundary_fuses():
+    model = strassen_boundary_model()
+    legal = [{"library": None, "strassen1": None}] * 2
+    one = plan_chain(model, chain(1024, 1024, 1), legal[:1])
+    assert one[0].choice == "library" and "est 110.0 us vs 100.0 us" in one[0].reasons["strassen1"]
+    layers = chain(1024, 1024, 2)
+    greedy = [min(("library", "strassen1"), key=lambda c: model.estimate(c, L).us) for L in layers]
+    plans = plan_chain(model, layers, legal)
+    assert greedy == ["library", "library"] and [p.choice for p in plans] == ["strassen1", "strassen1"]
+    assert plans[0].estimates["strassen1"].us == pytest.approx(100.0)   # prefix + bmm + shared boundary
+    assert plans[1].estimates["strassen1"].us == pytest.approx(95.0)    # no prefix: paid by layer 0
+    assert plans[0].chain_us["strassen1"] == pytest.approx(195.0)
+    assert plans[0].chain_us["library"] == pytest.approx(200.0)
+    assert "chain with library here 200.0 us vs 195.0 us" in plans[0].reasons["library"]
+    # a reader of y elsewhere makes the boundary kernel store it too: more bytes, more time
+    read = LinearLayer(1024, 1024, 1024, F32, output_read_elsewhere=True)
+    assert model.estimate("strassen1", read, None, "strassen1").bytes > plans[0].estimates["strassen1"].bytes
+
+
+def test_plan_total_is_the_sum_of_estimates_in_context():
+    model = CostModel.roofline()
+    layers = [LinearLayer(4096, 4096, 8192, F32), LinearLayer(4096, 8192, 8192, F32),
+              LinearLayer(4096, 8192, 4096, F32), LinearLayer(4096, 4096, 256, F32)]
+    plans = plan_chain(model, layers, everything_legal(layers))
+    names = [p.choice for p in plans]
+    total = sum(model.estimate(c, L, names[i - 1] if i else None, names[i + 1] if i + 1 < len(names) else None)
+                for i, (c, L) in enumerate(zip(names, layers)))
+    assert total.us == pytest.approx(min(p.chain_us[p.choice] for p in plans))
+    assert all(p.chain_us[p.choice] == pytest.approx(total.us) for p in plans)
+    assert all(t >= total.us - 1e-6 for p in plans for t in p.chain_us.values())
+
+
+def test_illegal_candidates_are_never_chosen_and_keep_their_reason():
+    model = CostModel.from_dict(calibration(bmm49=grid(lambda m, h: 0.1 * lib_us(m, h))))
+    layers = chain(4096, 8192, 3)
+    reason = "error 3e-3 over the tolerance 1e-4 on the example input"
+    legal = [{"library": None, "gemm": "dtype float64 has no fused GEMM kernel", "strassen2": reason}] * 3
+    plans = plan_chain(model, layers, legal, mlp_legal=lambda i, j: "width 8192 > 1024 does not fit on chip")
+    assert all(p.choice == "library" for p in plans)
+    assert plans[1].reasons["strassen2"] == reason and "strassen2" not in plans[1].estimates
+    assert plans[1].reasons["gemm"].startswith("dtype float64")
+    assert plans[1].reasons["strassen1"] == "not offered by the pass"
+    assert plans[1].reasons["mlp"] == "width 8192 > 1024 does not fit on chip"
+    assert set(plans[0].reasons) == set(CANDIDATES) - {"library"}
+    with pytest.raises(ValueError, match="no plan"):
+        plan_chain(model, layers[:1], [{"gemm": "no"}])
+
+
+def test_a_related_measurement_beats_extrapolating_into_another_regime():
+    """A Strassen kernel table measured only at large (bandwidth-bound, L2-hot) sizes says
+    nothing about a launch-bound tiny kernel: there the pointwise kernel measured at the same
+    bytes counts. A Triton GEMM past its grid extrapolates its own efficiency, not cuBLAS's."""
+    big = {"m": [1024, 4096], "h": [2048, 8192], "us": [[5.0, 30.0], [30.0, 120.0]]}
+    pointwise = {"bytes": [1e3, 1e6, 1e9], "us": [3.0, 3.5, 400.0]}
+    slow_gemm = grid(lambda m, h: 3 * lib_us(m, h), values=(M, H[:6]))          # measured up to h = 4096
+    model = CostModel.from_dict(calibration(strassen1_prefix=big, pointwise=pointwise, gemm_epilogue=slow_gemm))
+    assert model._head("strassen1", LinearLayer(16, 128, 128, F32), None).us == pytest.approx(3.0, rel=0.1)
+    assert model._head("strassen1", LinearLayer(1024, 2048, 2048, F32), None).us == pytest.approx(5.0)
+    assert model.estimate("gemm", LinearLayer(4096, 8192, 8192, F32)).us == pytest.approx(3 * lib_us(4096, 8192),
+                                                                                          rel=0.05)
+
+
+# ---------------------------------------------------------------------------- calibration files
+
+def write(tmp_path, data, name="calibration.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def load_warns(**kw):
+    """CostModel.load(**kw), asserting it fell back to the roofline with exactly one warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = CostModel.load(**kw)
+    ours = [w for w in caught if issubclass(w.category, CalibrationWarning)]
+    assert len(ours) == 1 and len(caught) == 1, [str(w.message) for w in caught]
+    assert model.tables == {} and model.description.startswith("roofline")
+    return str(ours[0].message)
+
+
+def test_missing_file_falls_back_with_one_warning(tmp_path):
+    assert "cannot read" in load_warns(path=tmp_path / "nope.json")
+
+
+def test_corrupt_files_fall_back_with_one_warning(tmp_path):
+    assert "JSONDecodeError" in load_warns(path=write(tmp_path, "{not json"))
+    bad = calibration()
+    bad["tables"]["linear"]["float32"]["us"] = [[1.0]]
+    assert "does not match the axes" in load_warns(path=write(tmp_path, bad, "shape.json"))
+    assert "schema" in load_warns(path=write(tmp_path, {**calibration(), "schema": 99}, "schema.json"))
+    assert "not a JSON object" in load_warns(path=write(tmp_path, [1, 2], "list.json"))
+    assert "missing key 'tables'" in load_warns(path=write(tmp_path, {"schema": 1, "device": "x", "ceilings": {}},
+                                                            "keys.json"))
+    with pytest.raises(CalibrationError):
+        CostModel.from_dict({**calibration(), "ceilings": {"matmul_tflops": {"float32": -1}}})
+
+
+def test_environment_variable_and_device_lookup(tmp_path, monkeypatch):
+    path = write(tmp_path, calibration())
+    monkeypatch.setenv(ENV_VAR, str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert CostModel.load().tables and "calibration.json" in CostModel.load().description
+        monkeypatch.delenv(ENV_VAR)
+        name = calibration_name("Synthetic GPU", "9.9.9+cu999", "1.0")
+        assert name == "synthetic-gpu__torch-9.9.9__triton-1.0.json"
+        write(tmp_path, calibration(), name)
+        assert "synthetic-gpu" in CostModel.load(device_name="Synthetic GPU", directory=tmp_path).description
+        assert CostModel.load(device_name="Other GPU", directory=tmp_path).tables == {}   # none: quietly roofline
+
+
+def test_unknown_tables_are_ignored_and_holes_interpolate_around():
+    data = calibration(future_table={"float32": {"anything": 1}})
+    data["tables"]["linear"]["float32"]["us"][2][3] = None       # a skipped cell
+    assert validate_calibration(data) == []
+    model = CostModel.from_dict(data)
+    est = model.estimate("library", LinearLayer(64, 1024, 1024, F32, epilogue_ops=0))
+    assert est.source == "calibration" and math.isfinite(est.us) and est.us > 0
+
+
+@pytest.mark.parametrize("path", sorted(CALIBRATION_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_calibration_is_valid_and_loads(path):
+    assert validate_calibration(json.loads(path.read_text())) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = CostModel.load(path)
+    for m, h in ((1, 128), (64, 1024), (4096, 8192)):
+        for c in CANDIDATES:
+            est = model.estimate(c, LinearLayer(m, h, h, F32))
+            assert math.isfinite(est.us) and est.us > 0
+        assert model.estimate("library", LinearLayer(m, h, h, F32)).source == "calibration"
+
+
+def test_autotune_writes_a_file_the_model_loads(tmp_path):
+    """The CPU smoke run of benchmarks.autotune (library sections only: no Triton needed)."""
+    from benchmarks import autotune
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--sections", "linear,bmm", "--m", "1,8", "--h", "64,128",
+            "--min-rep-ms", "1"]
+    assert autotune.main(argv) == 0
+    (path,) = tmp_path.glob("cpu__torch-*.json")
+    data = json.loads(path.read_text())
+    assert data["device"] == "cpu" and data["complete"] and {"linear", "bmm7", "bmm49"} <= set(data["tables"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = CostModel.load(path)
+    assert model.estimate("strassen1", LinearLayer(8, 128, 128, F32)).source.startswith("calibration")
