@@ -40,13 +40,31 @@ class IndentedBuffer:
         return "\n".join(self.lines) + "\n"
 
 
-def block_size(numel: int) -> int:
-    """Elements per program: 1024 fills a 4-warp program with 8 elements per thread."""
-    return max(16, min(1024, 1 << (max(numel, 1) - 1).bit_length()))
+def elements_per_thread(streams: int) -> int:
+    """Elements each thread handles, from how many tensors a kernel loads and stores per point.
+
+    Each stream keeps one register per element: a plain epilogue (a few streams) takes 8
+    elements per thread (wide, coalesced accesses), but Strassen's 49-way prefix/suffix
+    kernels at 8 would hold ~400 values per thread and spill. Measured on an H100: that
+    kernel moved 2.0 TB/s at 1024 elements per program against 3.0 TB/s for a plain one.
+    """
+    return 8 if streams <= 8 else 4 if streams <= 16 else 2 if streams <= 32 else 1
 
 
-def num_warps(block: int) -> int:
-    return max(1, min(4, block // 256))
+def block_size(numel: int, streams: int = 1) -> int:
+    """Elements per program: up to 4 warps x 32 threads x elements_per_thread(streams)."""
+    cap = 4 * 32 * elements_per_thread(streams)
+    return max(16, min(cap, 1 << (max(numel, 1) - 1).bit_length()))
+
+
+def num_warps(block: int, streams: int = 1) -> int:
+    return max(1, min(4, block // (32 * elements_per_thread(streams))))
+
+
+def streams(ir: KernelIR) -> int:
+    """Tensors a kernel reads or writes per point (loads of a broadcast scalar excluded)."""
+    loads = sum(1 for i in ir.instrs if i.op == "load" and any(i.param("index").strides))
+    return loads + len(ir.stores)
 
 
 def kernel_name(ir: KernelIR) -> str:

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.fx
 
-from .codegen import block_size, generate, num_warps
+from .codegen import block_size, generate, num_warps, streams
 from .ir import KernelIR
 from .kernel_cache import default_cache
 
@@ -38,6 +38,8 @@ class FusedKernel(torch.nn.Module):
         self.origin = origin              # the pass that built this kernel
         self.use_kernel = use_kernel
         self.source, self.kernel_name = generate(ir)
+        width = streams(ir)
+        self.launch_config = (block_size(ir.numel, width), num_warps(block_size(ir.numel, width), width))
         self._kernel = None
         self.launches = 0                 # kernel launches so far (tests assert the fast path ran)
         self.fallbacks = 0
@@ -65,10 +67,10 @@ class FusedKernel(torch.nn.Module):
         outs = [torch.empty(o.shape, dtype=o.dtype, device=device) if o.strides is None else
                 torch.empty_strided(o.shape, o.strides, dtype=o.dtype, device=device) for o in self.ir.outputs]
         numel = self.ir.numel
-        block = block_size(numel)
+        block, warps = self.launch_config
         grid = (triton_cdiv(numel, block),)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            self.compiled()[grid](*inputs, *outs, BLOCK=block, num_warps=num_warps(block))
+            self.compiled()[grid](*inputs, *outs, BLOCK=block, num_warps=warps)
         self.launches += 1
         return outs[0] if len(outs) == 1 else tuple(outs)
 
