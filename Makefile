@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 
 # CPU tests: generated kernels run under the Triton interpreter (tests/conftest.py sets it).
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -q
+	TRITON_INTERPRET=1 $(PY) -m pytest tests
 
 # The main job: optimize the seed network, check it against eager, print explain().
 demo: setup

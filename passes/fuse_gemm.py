@@ -21,7 +21,7 @@ from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_
 from fxfuse.mlp_kernel import Linear, Pointwise
 from fxfuse.tracing import fxfuse_meta
 
-from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta
+from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta, replace_region
 from .fuse_pointwise import _mutated_values
 from .plan_linears import planned_choice
 
@@ -141,28 +141,7 @@ def _note(node, text: str) -> None:
 
 
 def _replace(gm, region, module: EpilogueGemm, reason: str) -> None:
-    g = gm.graph
-    k = 0
-    while hasattr(gm, f"fused_gemm_{k}"):
-        k += 1
-    name = f"fused_gemm_{k}"
-    gm.add_submodule(name, module)
-    out = region.output
-    with g.inserting_before(out):
-        call = g.call_module(name, (region.x,))
-    call.meta["tensor_meta"] = out.meta["tensor_meta"]
     c = module.config
-    call.meta["fxfuse"] = {
-        "kind": "fused gemm", "members": [n.name for n in region.nodes],
-        "device": fxfuse_meta(out).get("device"),
-        "decision": (f"fused GEMM: Linear + {len(region.nodes) - 1} pointwise ops in one launch ({reason}; "
-                     f"tiles {c.block_m}x{c.block_n}x{c.block_k}, split-K {c.split_k}, {c.precision})"),
-    }
-    out.replace_all_uses_with(call)
-    consts = set()
-    for node in reversed(region.nodes):
-        consts.update(a for a in node.all_input_nodes if a.op == "get_attr")
-        g.erase_node(node)
-    for c_node in consts:
-        if not c_node.users:
-            g.erase_node(c_node)
+    replace_region(gm, region, module, "fused_gemm", "fused gemm",
+                   f"fused GEMM: Linear + {len(region.nodes) - 1} pointwise ops in one launch ({reason}; "
+                   f"tiles {c.block_m}x{c.block_n}x{c.block_k}, split-K {c.split_k}, {c.precision})")

@@ -328,26 +328,23 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     return gm
 
 
-def _replace(gm, region: _Region, module: FusedMLP, reason: str) -> None:
+def replace_region(gm, region: _Region, module, prefix: str, kind: str, decision: str):
+    """Put `module` (called on region.x) in place of the region's nodes; return the call node.
+
+    The region's output is its only value read outside it (trim), so its users move to the
+    call; the members and the constants only they read are erased. Shared by fuse_gemm."""
     g = gm.graph
     k = 0
-    while hasattr(gm, f"fused_mlp_{k}"):
+    while hasattr(gm, f"{prefix}_{k}"):
         k += 1
-    name = f"fused_mlp_{k}"
+    name = f"{prefix}_{k}"
     gm.add_submodule(name, module)
     out = region.output
     with g.inserting_before(out):
         call = g.call_module(name, (region.x,))
     call.meta["tensor_meta"] = out.meta["tensor_meta"]
-    layers = len(module.spec.linears)
-    cfg = module.config
-    form = "row-wise, 1 row" if cfg.rowwise else f"tl.dot {cfg.precision}, {cfg.block_m} rows"
-    call.meta["fxfuse"] = {
-        "kind": "fused mlp", "members": [n.name for n in region.nodes],
-        "device": fxfuse_meta(out).get("device"),
-        "decision": (f"fused MLP: {layers} Linear layer(s) + {len(region.nodes) - layers} pointwise ops "
-                     f"in one launch ({reason}; {form} per program)"),
-    }
+    call.meta["fxfuse"] = {"kind": kind, "members": [n.name for n in region.nodes],
+                           "device": fxfuse_meta(out).get("device"), "decision": decision}
     out.replace_all_uses_with(call)
     consts = set()
     for node in reversed(region.nodes):
@@ -356,3 +353,13 @@ def _replace(gm, region: _Region, module: FusedMLP, reason: str) -> None:
     for c in consts:
         if not c.users:
             g.erase_node(c)
+    return call
+
+
+def _replace(gm, region: _Region, module: FusedMLP, reason: str) -> None:
+    layers = len(module.spec.linears)
+    cfg = module.config
+    form = "row-wise, 1 row" if cfg.rowwise else f"tl.dot {cfg.precision}, {cfg.block_m} rows"
+    replace_region(gm, region, module, "fused_mlp", "fused mlp",
+                   f"fused MLP: {layers} Linear layer(s) + {len(region.nodes) - layers} pointwise ops "
+                   f"in one launch ({reason}; {form} per program)")
