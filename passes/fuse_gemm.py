@@ -122,7 +122,8 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if mode == "force":
             ok, reason = True, f"forced by gemm='force'; auto: {'yes' if ok else 'no'}, {reason}"
         if not ok:
-            _note(start, reason)
+            if choice is None:          # a plan's choice is already the node's decision line
+                _note(start, reason)
             continue
         module = EpilogueGemm(gspec, weights[0], vectors, _reference(gm, region), members, use_kernels, config)
         _replace(gm, region, module, reason)

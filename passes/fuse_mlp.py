@@ -311,7 +311,9 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 break
             for n in region.nodes:
                 if _linear_parts(n) is not None:
-                    fxfuse_meta(n)["decision"] = fxfuse_meta(n)["fused_mlp"] = f"not a fused MLP: {reason}"
+                    fxfuse_meta(n)["fused_mlp"] = f"not a fused MLP: {reason}"
+                    if planned_choice(n) is None:     # else the plan's own decision line says it
+                        fxfuse_meta(n)["decision"] = fxfuse_meta(n)["fused_mlp"]
             if not region.drop_last_linear():
                 break
         if not region.nodes or not ok:   # a chain starting at a later Linear may still qualify

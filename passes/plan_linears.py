@@ -169,6 +169,7 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
                 "reasons": dict(plan.reasons),
             }
             fxfuse_meta(node)["plan"] = record
+            fxfuse_meta(node)["decision"] = f"cost model: {plan.choice} (plan table below)"
             plans_meta.append(record)      # explain() reads it here: rewrites erase the Linear nodes
     return gm
 

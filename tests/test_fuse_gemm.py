@@ -94,7 +94,8 @@ def test_auto_explains_its_no():
     opt = fxfuse.optimize(model, torch.randn(3, 13), strict=True, fused_mlp="off")
     assert not gemms(opt) and len(library_linears(opt)) == 1
     (linear,) = library_linears(opt)
-    assert "the cost model chose library" in linear.meta["fxfuse"]["decision"]
+    assert linear.meta["fxfuse"]["decision"].startswith("cost model: library")
+    assert "no calibration for this device" in linear.meta["fxfuse"]["plan"]["reasons"]["gemm"]
 
 
 def test_bad_mode_is_a_clear_error():
