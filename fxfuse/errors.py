@@ -1,4 +1,5 @@
-"""The exceptions fxfuse raises. All derive from FxfuseError so one except clause catches them."""
+"""The exceptions fxfuse raises (all derive from FxfuseError, so one except clause catches them)
+and the category of its warnings."""
 
 
 class FxfuseError(Exception):
@@ -19,3 +20,7 @@ class GuardError(FxfuseError):
 
 class CodegenError(FxfuseError):
     """A fused group could not be turned into a kernel (names the node and the reason)."""
+
+
+class FxfuseWarning(UserWarning):
+    """Category of fxfuse's fallback warnings, so users can filter them."""

@@ -18,13 +18,11 @@ import warnings
 import torch
 import torch.fx
 
-from .errors import FxfuseError, GuardError
+from .errors import FxfuseError, FxfuseWarning, GuardError  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
 
 
-class FxfuseWarning(UserWarning):
-    """Category of fxfuse's fallback warnings, so users can filter them."""
 
 
 def signature(args) -> tuple:

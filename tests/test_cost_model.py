@@ -278,3 +278,28 @@ def test_autotune_writes_a_file_the_model_loads(tmp_path):
         warnings.simplefilter("error")
         model = CostModel.load(path)
     assert model.estimate("strassen1", LinearLayer(8, 128, 128, F32)).source.startswith("calibration")
+
+
+def test_optimize_with_a_missing_calibration_warns_once_and_still_optimizes(tmp_path):
+    import warnings
+
+    import torch.nn as nn
+
+    import fxfuse
+    from fxfuse.cost_model import CalibrationWarning
+
+    bad = tmp_path / "corrupt.json"
+    bad.write_text("{ not json")
+    model = nn.Sequential(nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 5)).eval()
+    x = torch.randn(3, 12)
+    for path in (str(tmp_path / "missing.json"), str(bad)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = fxfuse.optimize(model, x, calibration=path)
+        assert [w.category for w in caught] == [CalibrationWarning]
+        assert issubclass(CalibrationWarning, fxfuse.FxfuseWarning)
+        assert isinstance(opt, fxfuse.OptimizedModule)
+        gm = next(iter(opt.specializations.values())).gm
+        assert "roofline" in gm.meta["fxfuse_cost_model"]
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))

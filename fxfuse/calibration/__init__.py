@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import FxfuseWarning
+
 SCHEMA = 1
 ENV_VAR = "FXFUSE_CALIBRATION"
 CALIBRATION_DIR = Path(__file__).parent     # this folder: the shipped *.json files
@@ -25,7 +27,7 @@ TABLE_AXES = {"linear": GEMM_AXES, "linear_bias": GEMM_AXES, "gemm_epilogue": GE
               **{f"strassen{lv}_{part}": GEMM_AXES for lv in (1, 2) for part in ("prefix", "fused", "suffix")}}
 
 
-class CalibrationWarning(UserWarning):
+class CalibrationWarning(FxfuseWarning):
     """A calibration file was asked for but could not be used: estimates use the roofline."""
 
 
