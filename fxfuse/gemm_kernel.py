@@ -84,6 +84,8 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **overr
 def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | None:
     if spec.dtype not in GEMM_DTYPES:
         return f"dtype {spec.dtype} has no fused GEMM kernel"
+    if spec.k < 1 or spec.n < 1:
+        return f"empty weight [{spec.n}, {spec.k}]"
     if min(config.block_m, config.block_n, config.block_k) < 16:
         return "tl.dot takes blocks of at least 16"
     if config.split_k < 1 or config.split_k & (config.split_k - 1):

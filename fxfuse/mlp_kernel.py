@@ -154,6 +154,8 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
         return f"dtype {spec.dtype} has no fused MLP kernel"
     if not spec.linears:
         return "no Linear layer"
+    if min(spec.widths) < 1:
+        return "a width is 0 (empty weight)"
     if max(spec.widths) > MAX_WIDTH:
         return f"width {max(spec.widths)} > {MAX_WIDTH} does not fit on chip"
     if config.rowwise and config.block_m > 2:

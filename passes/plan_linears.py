@@ -15,6 +15,8 @@ pointwise ops only (bias, activation, scaling), read by nothing else. A residual
 reduction or a second reader ends the chain: the model then sees the layer as writing its
 output (`output_read_elsewhere`).
 """
+import operator
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -29,6 +31,7 @@ from fxfuse.tracing import fxfuse_meta
 # 125 us classical (the model said 113); batch 256, hidden 2048: 505 vs 470 us.
 STRASSEN_MIN_ROWS = 1024
 STRASSEN_MIN_WIDTH = 2048
+LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
 MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_kernel.why_not_kernel refuses wider)
 
 
@@ -36,11 +39,21 @@ def _tmeta(node):
     return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
 
 
+def is_bias_free_linear(node: torch.fx.Node) -> bool:
+    """F.linear(x, W) as normalize leaves it, or spelled with bias None (`F.linear(x, W, None)`:
+    a bias-free nn.Linear traced as the root module, or `bias=None` by keyword), or aten.linear
+    (torch.export graphs: normalize leaves a bias-free one as it is)."""
+    if node.op != "call_function" or node.target not in LINEAR_TARGETS or not 2 <= len(node.args) <= 3 \
+            or set(node.kwargs) - {"bias"}:
+        return False
+    return (node.args[2] if len(node.args) == 3 else node.kwargs.get("bias")) is None
+
+
 def is_planned_linear(node: torch.fx.Node) -> bool:
     """A bias-free F.linear (normalize split the bias) with a constant 2-D weight and shapes."""
-    if node.op != "call_function" or node.target is not F.linear or len(node.args) != 2 or node.kwargs:
+    if not is_bias_free_linear(node):
         return False
-    x, w = node.args
+    x, w = node.args[:2]
     return (isinstance(w, torch.fx.Node) and w.op == "get_attr" and hasattr(_tmeta(w), "shape")
             and len(_tmeta(w).shape) == 2 and hasattr(_tmeta(x), "shape") and hasattr(_tmeta(node), "shape"))
 
@@ -67,12 +80,21 @@ def previous_linear(node: torch.fx.Node):
     return None, 0
 
 
+def _has_bias(node) -> bool:
+    """Whether the Linear's first epilogue op is normalize's bias add (`y + b`, b a get_attr)."""
+    if len(node.users) != 1:
+        return False
+    user = next(iter(node.users))
+    return (user.op == "call_function" and user.target is operator.add and len(user.args) == 2
+            and user.args[0] is node and isinstance(user.args[1], torch.fx.Node) and user.args[1].op == "get_attr")
+
+
 def _describe(node, epilogue_ops: int, read_elsewhere: bool) -> LinearLayer:
     w = _tmeta(node.args[1])
     n, k = w.shape
     m = _tmeta(node.args[0]).shape.numel() // max(k, 1)
     return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
-                       output_read_elsewhere=read_elsewhere)
+                       output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node))
 
 
 UNMEASURED = ("no calibration for this device: generated GEMM/MLP kernels are chosen only on measured "

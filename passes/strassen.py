@@ -52,7 +52,7 @@ from fxfuse.tracing import fxfuse_meta
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
-from .plan_linears import planned_choice
+from .plan_linears import LINEAR_TARGETS, is_bias_free_linear, planned_choice
 
 MODES = ("off", "auto", "force")
 MAX_LEVELS = 3
@@ -102,9 +102,9 @@ class Layer:
 
 def why_not_strassen(node: torch.fx.Node, mutated: set) -> str | None:
     """None if `node` is a Linear this pass can rewrite, else the reason."""
-    if node.op != "call_function" or node.target is not F.linear or len(node.args) != 2 or node.kwargs:
+    if not is_bias_free_linear(node):
         return "not a bias-free F.linear"
-    x, w = node.args
+    x, w = node.args[:2]
     xm, wm, ym = _tmeta(x), _tmeta(w), _tmeta(node)
     if not (isinstance(w, torch.fx.Node) and w.op == "get_attr" and hasattr(wm, "shape") and len(wm.shape) == 2):
         return "weight is not a constant matrix"
@@ -507,7 +507,7 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     candidates = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not F.linear:
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS:
             continue
         reason = why_not_strassen(node, mutated)
         if reason is not None:
