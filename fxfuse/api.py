@@ -81,6 +81,12 @@ def _verify(model, gm, args) -> None:
     for k, (e, g) in enumerate(zip(expected, got)):
         problem = _mismatch(e, g, floor)
         if problem:
+            again = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
+            if any(_mismatch(a, b) for a, b in zip(expected, again)):
+                raise UnsupportedError(
+                    f"output {k} differs between two eager runs of the model on the same input: it is not "
+                    "deterministic (random ops in forward, such as F.dropout with its default "
+                    "training=True), so fxfuse can neither check nor reproduce it")
             raise FxfuseError(f"output {k}: {problem}; this is a bug in fxfuse, please report it with explain()")
 
 

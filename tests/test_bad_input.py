@@ -212,3 +212,15 @@ def test_keyword_arguments_are_accepted():
     opt = fxfuse.optimize(model, x, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(opt(input=x), model(input=x), rtol=1e-5, atol=1e-5)
+
+
+def test_nondeterministic_model_falls_back_with_a_clear_reason():
+    class RandomDropout(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x * 2, p=0.5)     # training=True by default: random
+
+    model = RandomDropout().eval()
+    with pytest.raises(fxfuse.UnsupportedError, match="not deterministic"):
+        fxfuse.optimize(model, torch.randn(64, 32), strict=True)
+    with pytest.warns(fxfuse.FxfuseWarning, match="not deterministic"):
+        assert fxfuse.optimize(model, torch.randn(64, 32)) is model
