@@ -4,6 +4,10 @@ from dataclasses import dataclass, fields, replace
 from .errors import FxfuseError
 
 
+MODES = ("off", "auto", "force")   # strassen, gemm, fused_mlp: never, where the cost model says, always
+MAX_STRASSEN_LEVELS = 3
+
+
 @dataclass(frozen=True)
 class Options:
     strict: bool = False
@@ -42,6 +46,11 @@ class Options:
         opts = cls(**kwargs)
         if opts.max_specializations < 1:
             raise FxfuseError("max_specializations must be at least 1")
+        for name in ("strassen", "gemm", "fused_mlp"):
+            if getattr(opts, name) not in MODES:
+                raise FxfuseError(f"option {name}={getattr(opts, name)!r}; expected one of {MODES}")
+        if not 1 <= opts.strassen_levels <= MAX_STRASSEN_LEVELS:
+            raise FxfuseError(f"strassen_levels must be 1..{MAX_STRASSEN_LEVELS}, got {opts.strassen_levels}")
         return opts
 
     def with_(self, **kwargs) -> "Options":

@@ -23,8 +23,6 @@ from .kernel import FusedKernel
 from .log import logger
 
 
-
-
 def signature(args) -> tuple:
     sig = []
     for a in args:

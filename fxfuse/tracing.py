@@ -26,6 +26,19 @@ def fxfuse_meta(node: torch.fx.Node) -> dict:
     return node.meta.setdefault("fxfuse", {})
 
 
+def tensor_meta(node):
+    """ShapeProp's TensorMetadata of a node (None for non-nodes and nodes without it)."""
+    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+def fetch_attr(gm: torch.nn.Module, target: str):
+    """The object a get_attr target ("layer.0.weight") names in gm."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class ShapePropagation(ShapeProp):
     """ShapeProp that also records non-tensor results (sizes, dims) under meta['fxfuse']['value']."""
 

@@ -15,7 +15,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 
@@ -72,10 +72,7 @@ def _constant(gm, node):
     if node is None:
         return None
     if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return fetch_attr(gm, node.target)
     raise LookupError
 
 

@@ -16,7 +16,6 @@ benchmarks), "off" skips the pass. The decision goes to node.meta["fxfuse"]["dec
 import torch
 import torch.fx
 
-from fxfuse.errors import FxfuseError
 from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm
 from fxfuse.mlp_kernel import Linear, Pointwise
 from fxfuse.tracing import fxfuse_meta
@@ -25,7 +24,6 @@ from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta, replac
 from .fuse_pointwise import _mutated_values
 from .plan_linears import planned_choice
 
-MODES = ("off", "auto", "force")
 
 
 def should_fuse_gemm(m: int, k: int, n: int, dtype: torch.dtype, allow_tf32: bool) -> tuple:
@@ -83,9 +81,7 @@ def _gemm_spec(spec, region):
 
 
 def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
-    mode = getattr(options, "gemm", "auto") if options is not None else "auto"
-    if mode not in MODES:
-        raise FxfuseError(f"option gemm={mode!r}; expected one of {MODES}")
+    mode = options.gemm if options is not None else "auto"    # (Options checked the value)
     if mode == "off" or (options is not None and not options.fuse):
         gm.meta["fxfuse_skipped"] = True
         return gm

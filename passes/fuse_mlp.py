@@ -26,15 +26,13 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxfuse.errors import FxfuseError
 from fxfuse.mlp_kernel import FusedMLP, KERNEL_DTYPES, Linear, MLPSpec, Pointwise, choose_config, why_not_kernel
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
 from .plan_linears import planned_choice
 
-MODES = ("off", "auto", "force")
 AUTO_MAX_WIDTH = 0       # measured: no width where the kernel beat library GEMMs yet (should_fuse_mlp)
 AUTO_MAX_ROWS = 0
 EXCLUDED_OPS = {torch.where, cast}   # bool conditions and dtype changes stay outside the chain
@@ -67,17 +65,6 @@ def _auto_choice(region, spec) -> tuple:
             return True, "the cost model chose one fused MLP kernel for these layers"
         return False, f"the cost model chose {', '.join(sorted(set(choices)))}"
     return should_fuse_mlp(region.batch, spec.widths, spec.dtype)
-
-
-def _tmeta(node):
-    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
-
-
-def _fetch(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)   # aten: torch.export graphs, no bias
@@ -275,9 +262,7 @@ def _reference(gm, region: _Region) -> torch.fx.GraphModule:
 
 
 def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
-    mode = getattr(options, "fused_mlp", "auto") if options is not None else "auto"
-    if mode not in MODES:
-        raise FxfuseError(f"option fused_mlp={mode!r}; expected one of {MODES}")
+    mode = options.fused_mlp if options is not None else "auto"    # (Options checked the value)
     if mode == "off" or (options is not None and not options.fuse):
         gm.meta["fxfuse_skipped"] = True
         return gm

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from fxfuse.cost_model import CostModel, LinearLayer, plan_chain
 from fxfuse.ops import POINTWISE, is_pointwise_target
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
 # Where Strassen's prefix/suffix kernels were calibrated (benchmarks/autotune.py) and where the
 # H100 measured it faster. Below, the model extrapolates them from the plain pointwise kernel
@@ -33,10 +33,6 @@ STRASSEN_MIN_ROWS = 1024
 STRASSEN_MIN_WIDTH = 2048
 LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
 MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_kernel.why_not_kernel refuses wider)
-
-
-def _tmeta(node):
-    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
 
 
 def is_bias_free_linear(node: torch.fx.Node) -> bool:
