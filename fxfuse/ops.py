@@ -4,7 +4,7 @@ After the normalize pass every pointwise op in a graph is a `call_function` whos
 key of POINTWISE, with its value operands (nodes or Python numbers) as positional args and
 its constant parameters as kwargs named in `PointwiseOp.params`. Everything downstream
 (fusion, lowering to the fused-kernel IR, code generation) reads this table, so adding an
-op is one entry here plus its spellings in passes/normalize.py.
+op is one entry here plus its spellings in passes/spellings.py.
 
 Expressions compute in fp32 (the kernel's compute type); helpers such as `_tanh` live in the
 prelude that codegen puts at the top of every generated module. They use only core `tl`

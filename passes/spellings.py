@@ -1,0 +1,185 @@
+"""The spelling tables of the normalize pass: every way PyTorch code can write an op, mapped to
+fxfuse's canonical form (functions, methods, in-place variants, nn modules, aten overloads).
+
+Kept apart from the pass so that adding an op's spellings is an edit to tables, not to the
+rewriting logic in passes/normalize.py.
+"""
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Spelling:
+    canonical: object                  # key of fxfuse.ops.POINTWISE
+    names: tuple                       # this spelling's parameter names, positional order
+    inplace: bool = False
+    fixed: dict = field(default_factory=dict)   # canonical params this spelling implies
+    rename: dict = field(default_factory=dict)  # this spelling's name -> canonical param name
+
+
+UNARY = {  # canonical target: function spellings (each also has methods `name` and `name_`)
+    torch.exp: [torch.exp],
+    torch.log: [torch.log], torch.sqrt: [torch.sqrt], torch.rsqrt: [torch.rsqrt],
+    torch.abs: [torch.abs, torch.absolute], torch.sin: [torch.sin], torch.cos: [torch.cos],
+    torch.erf: [torch.erf, torch.special.erf], torch.floor: [torch.floor], torch.ceil: [torch.ceil],
+    torch.expm1: [torch.expm1, torch.special.expm1], torch.log1p: [torch.log1p, torch.special.log1p],
+    torch.reciprocal: [torch.reciprocal], torch.relu: [torch.relu, F.relu],
+    torch.sigmoid: [torch.sigmoid, F.sigmoid, torch.special.expit], torch.tanh: [torch.tanh, F.tanh],
+    F.silu: [F.silu], F.mish: [F.mish], F.selu: [F.selu], F.hardsigmoid: [F.hardsigmoid],
+    F.hardswish: [F.hardswish], operator.neg: [operator.neg, torch.neg, torch.negative],
+}
+METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
+                torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
+                torch.floor: "floor", torch.ceil: "ceil", torch.expm1: "expm1",
+                torch.log1p: "log1p", torch.reciprocal: "reciprocal", torch.relu: "relu",
+                torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg"}
+BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, torch.subtract]),
+          operator.mul: ("mul", [torch.mul, torch.multiply]),
+          operator.truediv: ("div", [torch.div, torch.divide, torch.true_divide]),
+          operator.gt: ("gt", [torch.gt, torch.greater]), operator.lt: ("lt", [torch.lt, torch.less]),
+          operator.ge: ("ge", [torch.ge, torch.greater_equal]),
+          operator.le: ("le", [torch.le, torch.less_equal]), operator.eq: ("eq", [torch.eq]),
+          operator.ne: ("ne", [torch.ne, torch.not_equal]),
+          torch.maximum: ("maximum", [torch.maximum]), torch.minimum: ("minimum", [torch.minimum])}
+INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
+                     operator.imul: operator.mul, operator.itruediv: operator.truediv}
+ACTIVATION_PARAMS = {  # canonical: (F spelling, its parameter names after input, module class)
+    torch.relu: ((), nn.ReLU), torch.sigmoid: ((), nn.Sigmoid), torch.tanh: ((), nn.Tanh),
+    F.silu: ((), nn.SiLU), F.mish: ((), nn.Mish), F.selu: ((), nn.SELU),
+    F.hardsigmoid: ((), nn.Hardsigmoid), F.hardswish: ((), nn.Hardswish),
+    F.gelu: (("approximate",), nn.GELU), F.leaky_relu: (("negative_slope",), nn.LeakyReLU),
+    F.elu: (("alpha",), nn.ELU), F.softplus: (("beta", "threshold"), nn.Softplus),
+}
+
+
+def _build_function_spellings() -> dict:
+    table = {}
+    for canon, spellings in UNARY.items():
+        for fn in spellings:
+            table[fn] = Spelling(canon, ("input", "inplace"))
+        under = getattr(torch, f"{getattr(canon, '__name__', '')}_", None)
+        if under is not None and canon is not operator.neg:
+            table[under] = Spelling(canon, ("input",), inplace=True)
+    for canon, (_, spellings) in BINARY.items():
+        table[canon] = Spelling(canon, ("input", "other"))
+        for fn in spellings:
+            table[fn] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"))
+    for op, canon in INPLACE_OPERATORS.items():
+        table[op] = Spelling(canon, ("input", "other"), inplace=True)
+    for canon, (params, _) in ACTIVATION_PARAMS.items():
+        if canon in (F.gelu, F.leaky_relu, F.elu, F.softplus):
+            table[canon] = Spelling(canon, ("input",) + params + ("inplace",))
+    table[F.relu_] = Spelling(torch.relu, ("input",), inplace=True)
+    table[F.leaky_relu_] = Spelling(F.leaky_relu, ("input", "negative_slope"), inplace=True)
+    table[F.elu_] = Spelling(F.elu, ("input", "alpha"), inplace=True)
+    table[torch.pow] = Spelling(operator.pow, ("input", "exponent"))
+    table[operator.pow] = Spelling(operator.pow, ("input", "exponent"))
+    table[torch.square] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    clamp = ("input", "min", "max")
+    for fn in (torch.clamp, torch.clip):
+        table[fn] = Spelling(torch.clamp, clamp)
+    table[torch.clamp_] = Spelling(torch.clamp, clamp, inplace=True)
+    table[torch.clamp_min] = Spelling(torch.clamp, ("input", "min"))
+    table[torch.clamp_max] = Spelling(torch.clamp, ("input", "max"))
+    table[F.hardtanh] = Spelling(torch.clamp, ("input", "min_val", "max_val", "inplace"),
+                                 fixed={"min": -1.0, "max": 1.0},
+                                 rename={"min_val": "min", "max_val": "max"})
+    table[F.hardtanh_] = Spelling(torch.clamp, ("input", "min_val", "max_val"), inplace=True,
+                                  fixed={"min": -1.0, "max": 1.0},
+                                  rename={"min_val": "min", "max_val": "max"})
+    table[F.relu6] = Spelling(torch.clamp, ("input", "inplace"), fixed={"min": 0.0, "max": 6.0})
+    table[torch.where] = Spelling(torch.where, ("condition", "input", "other"))
+    table[torch.rsub] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
+    return table
+
+
+def _build_method_spellings() -> dict:
+    table = {}
+    for canon, name in METHOD_NAMES.items():
+        table[name] = Spelling(canon, ("input",))
+        table[name + "_"] = Spelling(canon, ("input",), inplace=True)
+    table["negative"] = Spelling(operator.neg, ("input",))
+    for canon, (name, _) in BINARY.items():
+        if name in ("maximum", "minimum"):
+            table[name] = Spelling(canon, ("input", "other"))
+            continue
+        table[name] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"))
+        table[name + "_"] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"), inplace=True)
+    for alias, name in (("subtract", "sub"), ("multiply", "mul"), ("divide", "div"), ("true_divide", "div")):
+        table[alias] = table[name]
+    table["pow"] = Spelling(operator.pow, ("input", "exponent"))
+    table["pow_"] = Spelling(operator.pow, ("input", "exponent"), inplace=True)
+    table["square"] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    for name in ("clamp", "clip"):
+        table[name] = Spelling(torch.clamp, ("input", "min", "max"))
+        table[name + "_"] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
+    table["clamp_min"] = Spelling(torch.clamp, ("input", "min"))
+    table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
+    table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
+    return table
+
+
+def _build_aten_spellings() -> dict:
+    """aten overloads that torch.export produces, mapped onto the same canonical ops."""
+    table = {}
+    for canon, name in METHOD_NAMES.items():
+        for overload in ("default",):
+            for suffix, inplace in (("", False), ("_", True)):
+                packet = getattr(aten, name + suffix, None)
+                if packet is not None and hasattr(packet, overload):
+                    table[getattr(packet, overload)] = Spelling(canon, ("input",), inplace=inplace)
+    for canon, (name, _) in BINARY.items():
+        for suffix, inplace in (("", False), ("_", True)):
+            packet = getattr(aten, name + suffix, None)
+            for overload in ("Tensor", "Scalar", "default"):
+                if packet is not None and hasattr(packet, overload):
+                    table[getattr(packet, overload)] = Spelling(
+                        canon, ("input", "other", "alpha", "rounding_mode"), inplace=inplace)
+    for canon, (params, _) in ACTIVATION_PARAMS.items():
+        name = getattr(canon, "__name__", "")
+        for suffix, inplace in (("", False), ("_", True)):
+            packet = getattr(aten, name + suffix, None)
+            if packet is not None and hasattr(packet, "default"):
+                table[packet.default] = Spelling(canon, ("input",) + params, inplace=inplace)
+    table[aten.hardtanh.default] = Spelling(
+        torch.clamp, ("input", "min_val", "max_val"), fixed={"min": -1.0, "max": 1.0},
+        rename={"min_val": "min", "max_val": "max"})
+    table[aten.hardtanh_.default] = Spelling(
+        torch.clamp, ("input", "min_val", "max_val"), inplace=True, fixed={"min": -1.0, "max": 1.0},
+        rename={"min_val": "min", "max_val": "max"})
+    table[aten.relu6.default] = Spelling(torch.clamp, ("input",), fixed={"min": 0.0, "max": 6.0})
+    table[aten.clamp.default] = Spelling(torch.clamp, ("input", "min", "max"))
+    table[aten.clamp_.default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
+    table[aten.clamp_min.default] = Spelling(torch.clamp, ("input", "min"))
+    table[aten.clamp_max.default] = Spelling(torch.clamp, ("input", "max"))
+    table[aten.square.default] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    for overload in (aten.rsub.Scalar, aten.rsub.Tensor):
+        table[overload] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
+    for overload in (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
+        table[overload] = Spelling(torch.where, ("condition", "input", "other"))
+    table[aten.pow.Tensor_Scalar] = Spelling(operator.pow, ("input", "exponent"))
+    table[aten.where.self] = Spelling(torch.where, ("condition", "input", "other"))
+    return table
+
+
+FUNCTION_SPELLINGS = _build_function_spellings()
+METHOD_SPELLINGS = _build_method_spellings()
+ATEN_SPELLINGS = _build_aten_spellings()
+CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                "double": torch.float64}
+DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                   nn.FeatureAlphaDropout, nn.Identity)
+DROPOUT_FUNCTIONS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2,
+                     F.alpha_dropout: 2, F.feature_alpha_dropout: 2}  # index of `training`
+SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
+SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
+ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+         operator.mod, operator.getitem, operator.neg, operator.pow}
+CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+EXPORT_ASSERTS = {p.default for p in (getattr(aten, "_assert_tensor_metadata", None),) if p is not None}
