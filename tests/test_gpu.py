@@ -195,3 +195,53 @@ def test_cost_model_plan_and_measured_explain():
     with torch.no_grad():
         fresh = torch.randn_like(x)
         assert rel_err(opt(fresh), model(fresh)) < 1e-5
+
+
+def _spec(opt):
+    return next(iter(opt.specializations.values()))
+
+
+def test_outputs_handed_out_without_clone_while_not_held():
+    """Dropped outputs are reused (no clone); any kept output, view or list of them is never
+    overwritten; once every graph copy's outputs are held the call clones."""
+    model = seed_network(96, 3).cuda()
+    xs = [torch.randn(5, 96, device="cuda") for _ in range(8)]
+    opt = fxfuse.optimize(model, xs[0], strict=True)
+    spec = _spec(opt)
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+        for x, w in zip(xs, want):            # the usual loop: the previous output is dropped
+            y = opt(x)
+            assert rel_err(y, w) < 1e-6
+        assert spec.cloned == 0 and spec.handed_out == len(xs) and len(spec.handout) <= 2
+        kept = [opt(x) for x in xs]           # all held: slots run out, later calls clone
+        view = opt(xs[0])[1:3]                # only a view of the output survives
+        again = [opt(x) for x in xs[1:4]]
+        torch.cuda.synchronize()
+        for k, w in zip(kept, want):
+            assert rel_err(k, w) < 1e-6
+        assert rel_err(view, want[0][1:3]) < 1e-6
+        for a, w in zip(again, want[1:4]):
+            assert rel_err(a, w) < 1e-6
+        assert spec.cloned > 0
+
+
+def test_handout_with_tuple_outputs_and_an_output_that_is_the_input():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(40, 24)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)), x
+
+    model = Two().cuda().eval()
+    xs = [torch.randn(7, 40, device="cuda") for _ in range(4)]
+    opt = fxfuse.optimize(model, xs[0], strict=True)
+    with torch.no_grad():
+        outs = [opt(x) for x in xs]
+        torch.cuda.synchronize()
+        for x, (y, same) in zip(xs, outs):
+            assert rel_err(y, model(x)[0]) < 1e-6
+            assert torch.equal(same, x)
+    assert "cloned" in _spec(opt).handout_note  # the input's buffer is never handed out
