@@ -19,6 +19,13 @@ resets the counter for the next launch, applies the epilogue and stores y. The w
 counters belong to the module, so one module must not run on two streams at once (a CUDA
 graph replays on one stream).
 
+Row-wise form (`GemmConfig.rowwise`, small batch): tl.dot needs 16 rows, so at batch 1 it
+computes 15 rows of padding, and fp32 "ieee" dot is FMA code anyway. The row-wise form keeps
+BLOCK_M = the batch rounded up to a power of two (<= 16), multiplies [BLOCK_M, 1, BLOCK_K]
+by [1, BLOCK_N, BLOCK_K] W tiles into an fp32 accumulator and reduces over K once at the end:
+a GEMV that reads W once over many programs (few output columns each), which is what a
+small-batch layer is bound by.
+
 Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was allowed;
 fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes in fp32.
 Only builtins of triton.language are used (tl.full, not tl.zeros), see mlp_kernel.
@@ -57,6 +64,32 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     precision: str = "ieee"
+    rowwise: bool = False    # broadcast-multiply-reduce product (small batch), else tl.dot
+
+
+ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
+ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator (64 registers at 4 warps)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << (max(x, 1) - 1).bit_length()
+
+
+def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
+    """Row-wise tiles: all K of a program's columns in BLOCK_K steps of <= 256; as few columns
+    per program as give every SM work (one program per column when N <= 132), so W is read
+    by many SMs at once; split-K where even that leaves SMs idle and K is long."""
+    block_m = _pow2_at_least(m)
+    block_k = min(256, max(16, _pow2_at_least(spec.k)))
+    block_k = min(block_k, max(16, ROWWISE_TILE_ELEMENTS // block_m))
+    block_n = max(1, min(ROWWISE_TILE_ELEMENTS // (block_m * block_k), 1 << max(0, (spec.n // SMS).bit_length() - 1)))
+    block_n = min(block_n, _pow2_at_least(spec.n))
+    programs = triton_cdiv(spec.n, block_n)
+    split = 1
+    while split < MAX_SPLIT_K and programs * split * 2 <= SMS and spec.k >= block_k * split * 2 * 2:
+        split *= 2
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3,
+                precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True)
 
 
 def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **override) -> GemmConfig:
@@ -67,6 +100,10 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **overr
     runs at least 4 K steps. `override` sets fields (for tests and the probe).
     """
     tensor_cores = spec.dtype != torch.float32 or allow_tf32
+    if m <= ROWWISE_MAX_BATCH and override.get("rowwise", True):
+        cfg = _rowwise_config(m, spec, allow_tf32)
+        cfg.update(override)
+        return GemmConfig(**cfg)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if (m <= 64 or not tensor_cores) else 128
     block_n = 64 if spec.n <= 64 or not tensor_cores else 128
     block_k = 64 if tensor_cores else 32
@@ -86,7 +123,10 @@ def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | Non
         return f"dtype {spec.dtype} has no fused GEMM kernel"
     if spec.k < 1 or spec.n < 1:
         return f"empty weight [{spec.n}, {spec.k}]"
-    if min(config.block_m, config.block_n, config.block_k) < 16:
+    blocks = (config.block_m, config.block_n, config.block_k)
+    if any(b < 1 or b & (b - 1) for b in blocks):
+        return f"block sizes {blocks} are not powers of two"
+    if not config.rowwise and min(blocks) < 16:
         return "tl.dot takes blocks of at least 16"
     if config.split_k < 1 or config.split_k & (config.split_k - 1):
         return "split_k must be a power of two"
@@ -126,20 +166,23 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
         buf.line("offs_k = tl.arange(0, BLOCK_K)")
         buf.line("m_ok = offs_m < M")
         buf.line(f"n_ok = offs_n < {spec.n}")
-        buf.line("x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm")
-        buf.line(f"w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
         k0 = "0"
         if c.split_k > 1:
             buf.line("pid_k = tl.program_id(2)")
             k0 = f"pid_k * {k_split}"
-        buf.line("acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)")
-        buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
-        with buf.indent():
-            buf.line(f"k = {k0} + kk + offs_k")
-            buf.line(f"k_ok = k < {spec.k}")
-            buf.line("a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)")
-            buf.line("b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)")
-            buf.line(f"acc = tl.dot(a, b, acc=acc{dot_kw})")
+        if c.rowwise:
+            _emit_rowwise_product(buf, spec, k0, k_split)
+        else:
+            buf.line("x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm")
+            buf.line(f"w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
+            buf.line("acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)")
+            buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
+            with buf.indent():
+                buf.line(f"k = {k0} + kk + offs_k")
+                buf.line(f"k_ok = k < {spec.k}")
+                buf.line("a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)")
+                buf.line("b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)")
+                buf.line(f"acc = tl.dot(a, b, acc=acc{dot_kw})")
         if c.split_k > 1:
             _emit_split_k_fixup(buf, c)
             with buf.indent():
@@ -147,6 +190,22 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
         else:
             _emit_epilogue_and_store(buf, spec, numels)
     return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
+
+
+def _emit_rowwise_product(buf, spec: GemmSpec, k0: str, k_split: int):
+    """acc [BLOCK_M, BLOCK_N] = x @ W.T over this program's K range, without tl.dot: products
+    of [BLOCK_M, 1, BLOCK_K] rows and [1, BLOCK_N, BLOCK_K] weight rows summed in fp32."""
+    buf.line("x_rows = (x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm)[:, :, None]        # [BM, 1, 1]")
+    buf.line(f"w_rows = (w_ptr + offs_n.to(tl.int64)[:, None] * {spec.k})[None, :, :]      # [1, BN, 1]")
+    buf.line("acc3 = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)")
+    buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
+    with buf.indent():
+        buf.line(f"k = ({k0} + kk + offs_k)[None, None, :]")
+        buf.line(f"k_ok = k < {spec.k}")
+        buf.line("a = tl.load(x_rows + k, mask=m_ok[:, None, None] & k_ok, other=0.0)")
+        buf.line("b = tl.load(w_rows + k, mask=n_ok[None, :, None] & k_ok, other=0.0)")
+        buf.line("acc3 += a.to(tl.float32) * b.to(tl.float32)")
+    buf.line("acc = tl.sum(acc3, axis=2)")
 
 
 def _emit_split_k_fixup(buf, c: GemmConfig):

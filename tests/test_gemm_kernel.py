@@ -54,8 +54,11 @@ def check(model, mod, x):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,k,n", [(1, 13, 7), (5, 37, 24), (37, 100, 130)])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype):
-    model, mod = layer(k, n, nn.ReLU, dtype, split_k=split_k, block_k=16)
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype, rowwise):
+    blocks = dict(block_m=8, block_n=32) if rowwise else {}   # batch 37: several row tiles
+    model, mod = layer(k, n, nn.ReLU, dtype, split_k=split_k, block_k=16, rowwise=rowwise, **blocks)
+    assert mod.config.rowwise == rowwise and ("tl.dot" in mod.source) != rowwise
     check(model, mod, torch.randn(m, k, dtype=dtype))
     if split_k > 1:
         assert int(mod.counters.abs().sum()) == 0        # reset for the next launch
@@ -86,14 +89,32 @@ def test_reference_when_kernels_are_off():
 
 def test_config_choice_splits_k_for_small_batch_only():
     spec = GemmSpec(1024, 1024, torch.float32)
-    small, large = choose_gemm_config(1, spec), choose_gemm_config(4096, spec)
+    small, large = choose_gemm_config(1, spec, rowwise=False), choose_gemm_config(4096, spec)
     assert small.split_k > 1 and large.split_k == 1
     assert choose_gemm_config(64, spec, allow_tf32=True).precision == "tf32"
     assert why_not_gemm(spec, small) is None
     assert "split_k" in why_not_gemm(spec, choose_gemm_config(1, spec, split_k=3))
+    assert "powers of two" in why_not_gemm(spec, choose_gemm_config(1, spec, block_n=3))
+
+
+@pytest.mark.parametrize("m,rowwise,block_m", [(1, True, 1), (3, True, 4), (16, True, 16), (17, False, 32)])
+def test_config_row_wise_for_small_batch(m, rowwise, block_m):
+    """Small batch: the GEMV form, batch rounded up to a power of two, W spread over >= 128
+    programs at width 1024; narrow layers get one column per program."""
+    spec = GemmSpec(1024, 1024, torch.float32)
+    cfg = choose_gemm_config(m, spec)
+    assert (cfg.rowwise, cfg.block_m) == (rowwise, block_m) and why_not_gemm(spec, cfg) is None
+    if rowwise:
+        assert -(-1024 // cfg.block_n) * cfg.split_k >= 128
+        assert cfg.block_m * cfg.block_n * cfg.block_k <= 8192
+    assert choose_gemm_config(1, GemmSpec(128, 128, torch.float32)).block_n == 1
+
+
+def test_config_checks():
+    spec = GemmSpec(1024, 1024, torch.float32)
     bad = GemmSpec(8, 8, torch.float32, (Pointwise(1, "relu", (("value", 2),)),), 1)
     assert "cannot see" in why_not_gemm(bad)
-    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32)[1].source
+    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32, m=64)[1].source
 
 
 @pytest.mark.cuda   # each case compiles its own kernel: kept few
