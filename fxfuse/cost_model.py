@@ -301,6 +301,12 @@ class CostModel:
         return cls.roofline(device_name, cuda_graphs)
 
     # -- components ----------------------------------------------------------------------
+    def measured(self, table: str, dtype) -> bool:
+        """Whether the calibration holds `table` for this dtype (or its same-rate sibling)."""
+        dt = DTYPE_NAMES.get(dtype, dtype)
+        per_dtype = self.tables.get(table, {})
+        return dt in per_dtype or SIBLING_DTYPE.get(dt) in per_dtype
+
     def _lookup(self, table: str, dtype_name: str, coords) -> tuple | None:
         per_dtype = self.tables.get(table, {})
         names = [dtype_name, SIBLING_DTYPE.get(dtype_name)] + (list(per_dtype) if table == "pointwise" else [])

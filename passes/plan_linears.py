@@ -93,11 +93,12 @@ def _describe(node, epilogue_ops: int, read_elsewhere: bool) -> LinearLayer:
                        output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node))
 
 
-UNMEASURED = ("no calibration for this device: generated GEMM/MLP kernels are chosen only on measured "
-              "evidence (python -m benchmarks.autotune, then option calibration=...)")
+def unmeasured(table: str) -> str:
+    return (f"the calibration has no '{table}' table for this dtype: generated GEMM/MLP kernels are chosen "
+            "only on measured evidence (python -m benchmarks.autotune, then option calibration=...)")
 
 
-def _legal(layer: LinearLayer, options, measured: bool) -> dict:
+def _legal(layer: LinearLayer, options, model) -> dict:
     """Candidate -> None (the options allow it) or why not. The rewriting passes check the rest
     (numerics, exact graph shapes) and fall back to the library GEMM when they refuse.
 
@@ -106,7 +107,7 @@ def _legal(layer: LinearLayer, options, measured: bool) -> dict:
     them; so they need a measurement to be chosen. cuBLAS and its bmm sit near the roofline."""
     legal = {"library": None}
     legal["gemm"] = ("gemm='off' or fuse=False" if not options.fuse or options.gemm == "off"
-                     else None if measured else UNMEASURED)
+                     else None if model.measured("gemm_epilogue", layer.dtype) else unmeasured("gemm_epilogue"))
     for levels in (1, 2):
         name = f"strassen{levels}"
         if options.strassen == "off":
@@ -160,20 +161,19 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
     name = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "cpu"
     model = CostModel.load(options.calibration, device_name=name)
     gm.meta["fxfuse_cost_model"] = model.description
-    measured = bool(model.tables)
     plans_meta = gm.meta.setdefault("fxfuse_plans", [])
     for chain in _chains(gm):
         layers = []
         for node, ops_after in chain:
             ops = ops_after if ops_after is not None else _output_ops(node)
             layers.append(_describe(node, ops, read_elsewhere=ops_after is None))
-        legal = [_legal(layer, options, measured) for layer in layers]
+        legal = [_legal(layer, options, model) for layer in layers]
 
         def mlp_legal(i, j, layers=layers):
             if options.fused_mlp == "off" or not options.fuse:
                 return "fused_mlp='off'"
-            if not measured:
-                return UNMEASURED
+            if not model.measured("mlp", layers[i].dtype):
+                return unmeasured("mlp")
             widest = max(max(l.k, l.n) for l in layers[i:j + 1])
             return None if widest <= MLP_MAX_WIDTH else f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
 

@@ -303,3 +303,26 @@ def test_optimize_with_a_missing_calibration_warns_once_and_still_optimizes(tmp_
         assert "roofline" in gm.meta["fxfuse_cost_model"]
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_calibration_without_a_kernels_table_never_picks_that_kernel(tmp_path):
+    """autotune --sections gemm writes a file with the GEMM table only: the fused MLP (which
+    the roofline would rank first at width 64) stays unchosen, with the reason; the GEMM,
+    measured fast here, is chosen."""
+    import torch.nn as nn
+
+    import fxfuse
+
+    gemm_only = calibration(gemm_epilogue=grid(lambda m, h: 0.5 * lib_us(m, h)))
+    path = write(tmp_path, gemm_only)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)]).eval()
+    x = torch.randn(3, 64)
+    opt = fxfuse.optimize(model, x, calibration=str(path))
+    gm = next(iter(opt.specializations.values())).gm
+    plans = gm.meta["fxfuse_plans"]
+    assert len(plans) == 4
+    assert all(p["choice"] == "gemm" for p in plans), [p["choice"] for p in plans]
+    assert all("no 'mlp' table" in p["reasons"]["mlp"] for p in plans)
+    assert fxfuse.stats(opt)["library_calls"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))

@@ -95,7 +95,7 @@ def test_auto_explains_its_no():
     assert not gemms(opt) and len(library_linears(opt)) == 1
     (linear,) = library_linears(opt)
     assert linear.meta["fxfuse"]["decision"].startswith("cost model: library")
-    assert "no calibration for this device" in linear.meta["fxfuse"]["plan"]["reasons"]["gemm"]
+    assert "no 'gemm_epilogue' table" in linear.meta["fxfuse"]["plan"]["reasons"]["gemm"]
 
 
 def test_bad_mode_is_a_clear_error():

@@ -98,7 +98,7 @@ def test_auto_default_declines_and_says_why():
     assert len(linears) == 8 and all("the cost model chose library" in n.meta["fxfuse"]["fused_mlp"]
                                      for n in linears)
     assert all(n.meta["fxfuse"]["plan"]["choice"] == "library" for n in linears)
-    assert "no calibration for this device" in linears[0].meta["fxfuse"]["plan"]["reasons"]["mlp"]
+    assert "no 'mlp' table" in linears[0].meta["fxfuse"]["plan"]["reasons"]["mlp"]
     assert "cost model: library" in fxfuse.explain(opt)
 
 
