@@ -11,13 +11,18 @@ buffers and the graph replays. The pool itself is the memory plan: during captur
 allocator reuses an intermediate's block once it is dead.
 
 Outputs (see OutputSlots): a tensor returned by one call must never be overwritten by the next,
-the classic failure of CUDA-graph runtimes. Cloning every output is safe but costs a launch
-and ~12 us of CPU per call on an H100 host, as much as the rest of a small model's call. So
-the graph is captured up to HANDOUT_SLOTS more times into the same memory pool, each copy
-writing its outputs to buffers of its own, and a call hands out the buffers of a copy whose
-previous outputs nobody holds any more (the storage's use count, which views also raise, is
-back to fxfuse's own references). Only when the caller still holds all of them does the call
-replay the first graph and clone, as before.
+the classic failure of CUDA-graph runtimes. Cloning every output is safe but costs ~12 us of CPU
+per call on an H100 host, as much as the rest of a small model's call. So the graph is captured
+up to HANDOUT_SLOTS more times, each copy ending with a copy of its outputs into buffers of its
+own, and a call hands out the buffers of a copy whose previous outputs nobody holds any more
+(the storage's use count, which views also raise, is back to fxfuse's own references). Only
+when the caller still holds all of them does the call replay the first graph and clone.
+
+The copies share the first graph's memory pool for their intermediates (dead between calls,
+and the graphs never run concurrently). The handed-out buffers are allocated outside the pool,
+before capture: a buffer inside it could be a block that another graph uses for an
+intermediate (free as far as the allocator knows, written at every replay of that graph). An
+earlier version handed out the graphs' own outputs and failed exactly so on the H100.
 """
 import inspect
 import time
@@ -59,16 +64,17 @@ HANDOUT_SLOTS = 2   # graph copies whose outputs are returned without a clone (p
 
 
 class OutputSlots:
-    """Outputs of one captured graph that may be handed to the caller without a copy.
+    """A graph copy and the buffers its outputs are copied into, handed to the caller without
+    a copy of their own.
 
     Free when no tensor outside fxfuse shares their storages: torch's use count of each
     storage is back to what it was right after capture (our own references). A returned
     tensor, a view of it, or a tensor made from its storage all raise the count.
     """
 
-    def __init__(self, graph, outputs):
+    def __init__(self, graph, buffers):
         self.graph = graph
-        self.leaves, self.tree = torch.utils._pytree.tree_flatten(outputs)
+        self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
         self._storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
         self._cdata = [s._cdata for s in self._storages]
@@ -78,7 +84,7 @@ class OutputSlots:
         return all(torch._C._storage_Use_Count(c) <= b for c, b in zip(self._cdata, self._baseline))
 
     def hand_out(self):
-        """The outputs as new tensors over the graph's buffers (their use counts mark them held)."""
+        """The outputs as new tensors over the buffers (their use counts mark them held)."""
         leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves]
         return torch.utils._pytree.tree_unflatten(leaves, self.tree)
 
@@ -139,18 +145,19 @@ class Specialization:
             self.cuda_graph_note = f"off: capture failed ({type(e).__name__}: {str(e)[:200]})"
             logger.info("CUDA graph capture failed, running without: %s", e)
             return
-        inputs = {s.untyped_storage().data_ptr() for s in self.static_in}
-        outputs = [t for t in torch.utils._pytree.tree_leaves(self.static_out) if isinstance(t, torch.Tensor)]
-        if any(t.untyped_storage().data_ptr() in inputs for t in outputs):
-            self.handout_note = "outputs cloned: an output shares memory with an input"
-        else:
-            self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
-            self.handout = []
+        self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
+        self.handout = []
 
-    def _capture_one(self, static_args, pool=None) -> tuple:
+    def _capture_one(self, static_args, pool=None, into=None) -> tuple:
+        """(graph, its outputs); with `into` (tensors like the outputs, in flattened order) the
+        graph ends by copying its outputs there."""
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
             out = self.gm(*static_args)
+            if into is not None:
+                produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                for dst, src in zip(into, produced, strict=True):
+                    dst.copy_(src)
         return graph, out
 
     def _free_slot(self):
@@ -161,7 +168,11 @@ class Specialization:
         if len(self.handout) >= HANDOUT_SLOTS:
             return None
         try:
-            slot = OutputSlots(*self._capture_one(self._with_static(self.const_args), pool=self.graph.pool()))
+            buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
+                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
+            into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
+            graph, _ = self._capture_one(self._with_static(self.const_args), pool=self.graph.pool(), into=into)
+            slot = OutputSlots(graph, buffers)
         except Exception as e:  # noqa: BLE001 -- an optimization: keep cloning from the first graph
             torch.cuda.synchronize()
             self.handout = None
