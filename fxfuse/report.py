@@ -130,7 +130,7 @@ def plan_table(gm) -> str:
 
 def _measured_line(spec, gm) -> str:
     """explain(measure=True): the specialization's CUDA-graph replay timed on the GPU next to
-    the sum of the chosen candidates' estimates (which leaves out the input copy and output clone)."""
+    the sum of the chosen candidates' estimates (which leaves out the input copy and the replay's host cost)."""
     if spec.graph is None:
         return f"# measured: not available ({spec.cuda_graph_note}; measure=True times CUDA-graph replays)"
     torch.cuda.synchronize()
