@@ -168,8 +168,9 @@ class Specialization:
         if len(self.handout) >= HANDOUT_SLOTS:
             return None
         try:
-            buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
-                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
+            with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
+                buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
+                    lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
             into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
             graph, _ = self._capture_one(self._with_static(self.const_args), pool=self.graph.pool(), into=into)
             slot = OutputSlots(graph, buffers)

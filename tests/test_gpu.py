@@ -269,3 +269,19 @@ def test_handout_buffers_never_share_memory_with_a_graph():
                 assert rel_err(y, w) < 1e-6
         spec = _spec(opt)
         assert spec.handed_out > 0 and spec.cloned > 0
+
+
+def test_handout_in_inference_mode_then_no_grad():
+    """Slots first captured inside torch.inference_mode() hand out plain tensors later under
+    no_grad, which the caller may modify in place, as eager's outputs."""
+    model = seed_network(64, 2).cuda()
+    xs = [torch.randn(4, 64, device="cuda") for _ in range(3)]
+    opt = fxfuse.optimize(model, xs[0], strict=True)
+    with torch.inference_mode():
+        first = opt(xs[0])
+    with torch.no_grad():
+        second = opt(xs[1])
+        second.add_(1.0)
+        assert rel_err(second, model(xs[1]) + 1.0) < 1e-6
+    assert rel_err(first, model(xs[0]).detach()) < 1e-6
+    assert _spec(opt).handed_out == 2
