@@ -12,7 +12,7 @@ import functools
 import torch
 
 
-def _time_us(fn, reps: int = 5, calls: int = 20) -> float:
+def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -> float:
     """GPU time per call of fn, replayed from a CUDA graph of `calls` back-to-back calls: what
     the call costs inside fxfuse's own graph. Timing eager calls instead measures the host's
     launch cost (~30 us per F.linear on the H100 host, above the GEMM itself at small sizes),
@@ -24,13 +24,21 @@ def _time_us(fn, reps: int = 5, calls: int = 20) -> float:
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    # a graph of ~target_us: 20 calls of a tiny GEMM, 1 of a large one (which takes ms, where
+    # optimize() must stay fast and the launch cost no longer matters)
+    calls = max(1, min(max_calls, int(target_us / max(start.elapsed_time(end) * 1e3, 1e-3))))
+    reps = reps if calls > 1 else 3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(reps):
         start.record()
