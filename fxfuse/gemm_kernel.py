@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import FusedKernel, kernels_available, triton_cdiv
+from .kernel import FusedKernel, kernels_available, pdl_available, triton_cdiv
 from .mlp_kernel import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
@@ -167,7 +167,7 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
     buf = IndentedBuffer()
     buf.line("@triton.jit")
     buf.line(f"def {name}(x_ptr, w_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, M, stride_xm, stride_om, "
-             "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):")
+             "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):")
     with buf.indent():
         buf.line(f"# y[M, {spec.n}] = epilogue(x[M, {spec.k}] @ W[{spec.n}, {spec.k}].T); split-K {c.split_k} "
                  f"({k_split} K elements per program); {c}")
@@ -187,14 +187,11 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
         else:
             buf.line("x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm")
             buf.line(f"w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
-            buf.line("acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)")
-            buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
-            with buf.indent():
-                buf.line(f"k = {k0} + kk + offs_k")
-                buf.line(f"k_ok = k < {spec.k}")
-                buf.line("a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)")
-                buf.line("b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)")
-                buf.line(f"acc = tl.dot(a, b, acc=acc{dot_kw})")
+            _emit_k_steps(buf, spec, k0, k_split,
+                          ["a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)"],
+                          "b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)",
+                          "acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)",
+                          f"acc = tl.dot(a, b, acc=acc{dot_kw})", "{}")
         if c.split_k > 1:
             _emit_split_k_fixup(buf, c)
             with buf.indent():
@@ -209,15 +206,40 @@ def _emit_rowwise_product(buf, spec: GemmSpec, k0: str, k_split: int):
     of [BLOCK_M, 1, BLOCK_K] rows and [1, BLOCK_N, BLOCK_K] weight rows summed in fp32."""
     buf.line("x_rows = (x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm)[:, :, None]        # [BM, 1, 1]")
     buf.line(f"w_rows = (w_ptr + offs_n.to(tl.int64)[:, None] * {spec.k})[None, :, :]      # [1, BN, 1]")
-    buf.line("acc3 = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)")
-    buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
-    with buf.indent():
-        buf.line(f"k = ({k0} + kk + offs_k)[None, None, :]")
-        buf.line(f"k_ok = k < {spec.k}")
-        buf.line("a = tl.load(x_rows + k, mask=m_ok[:, None, None] & k_ok, other=0.0)")
-        buf.line("b = tl.load(w_rows + k, mask=n_ok[None, :, None] & k_ok, other=0.0)")
-        buf.line("acc3 += a.to(tl.float32) * b.to(tl.float32)")
+    _emit_k_steps(buf, spec, k0, k_split, ["a = tl.load(x_rows + k, mask=m_ok[:, None, None] & k_ok, other=0.0)"],
+                  "b = tl.load(w_rows + k, mask=n_ok[None, :, None] & k_ok, other=0.0)",
+                  "acc3 = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)",
+                  "acc3 += a.to(tl.float32) * b.to(tl.float32)", "({})[None, None, :]")
     buf.line("acc = tl.sum(acc3, axis=2)")
+
+
+def _emit_k_steps(buf, spec: GemmSpec, k0: str, k_split: int, load_x: list, load_w: str, init: str,
+                  accumulate: str, k_shape: str):
+    """The K loop with its first step peeled: that step's W tile is loaded before gdc_wait
+    (weights are module constants that no kernel of the graph writes), everything that reads
+    the previous kernel's output or writes memory comes after it (USE_GDC: see
+    kernel.pdl_available). Summation order is that of the plain loop."""
+    def step(start: str):
+        buf.line("k = " + k_shape.format(f"{k0} + {start} + offs_k"))
+        buf.line(f"k_ok = k < {spec.k}")
+
+    buf.line(init)
+    step("0")
+    buf.line(load_w + "   # constant weights: read before waiting for the previous kernel")
+    buf.line("if USE_GDC:")
+    with buf.indent():
+        buf.line("tl.extra.cuda.gdc_wait()               # the previous kernel's writes are visible")
+        buf.line("tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights")
+    for line in load_x:
+        buf.line(line)
+    buf.line(accumulate)
+    buf.line(f"for kk in range(BLOCK_K, {k_split}, BLOCK_K):")
+    with buf.indent():
+        step("kk")
+        for line in load_x:
+            buf.line(line)
+        buf.line(load_w)
+        buf.line(accumulate)
 
 
 def _emit_split_k_fixup(buf, c: GemmConfig):
@@ -340,10 +362,11 @@ class EpilogueGemm(FusedKernel):
         if m:
             grid = (triton_cdiv(m, c.block_m), triton_cdiv(self.spec.n, c.block_n), c.split_k)
             ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
+            pdl = {"launch_pdl": True} if pdl_available(x.device) else {}
             with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
                 self.compiled()[grid](x2, self.weight, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
                                       out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                                      num_warps=c.num_warps, num_stages=c.num_stages)
+                                      USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl)
             self.launches += 1
         return out.view(lead + (self.spec.n,))
 

@@ -20,6 +20,28 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+PDL_ENABLED = os.environ.get("FXFUSE_PDL", "1") != "0"   # escape hatch; the benchmarks' A/B switch
+_pdl_devices: dict = {}
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer, compiled kernels only): a kernel
+    launched with it may start while the previous kernel of the stream finishes; it reads
+    its constant weights, then waits (gdc_wait) before touching anything that kernel wrote.
+    Saves the ~1 us gap between kernels in a CUDA graph and overlaps the weight reads."""
+    if not PDL_ENABLED or device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_devices:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            supported = "launch_pdl" in CUDAOptions.__dataclass_fields__
+        except Exception:  # noqa: BLE001 -- another backend or an older Triton: no PDL
+            supported = False
+        _pdl_devices[index] = supported and torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_devices[index]
+
+
 def kernels_available(device: torch.device) -> bool:
     """Generated kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
     if device.type == "cuda":

@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from .errors import FxfuseError, FxfuseWarning, GuardError  # noqa: F401  (FxfuseWarning re-exported)
+from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
 
@@ -72,8 +73,8 @@ class OutputSlots:
     tensor, a view of it, or a tensor made from its storage all raise the count.
     """
 
-    def __init__(self, graph, buffers):
-        self.graph = graph
+    def __init__(self, graph, buffers, inputs):
+        self.graph, self.inputs = graph, inputs
         self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
         self._storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
@@ -129,6 +130,9 @@ class Specialization:
             for s, a in zip(static_in, self._tensor_args(example_args)):
                 s.copy_(a)
             self.static_in = static_in
+            # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
+            self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
+            self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
             self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
             static_args = self._with_static(example_args)
             stream = torch.cuda.Stream()
@@ -137,7 +141,7 @@ class Specialization:
                 for _ in range(2):  # compiles kernels, creates library handles
                     self.gm(*static_args)
             torch.cuda.current_stream().wait_stream(stream)
-            self.graph, self.static_out = self._capture_one(static_args)
+            self.graph, self.static_out, self.inputs = self._capture_one(static_args)
             self.cuda_graph_note = "captured: one CUDA graph replay per call"
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
@@ -149,16 +153,19 @@ class Specialization:
         self.handout = []
 
     def _capture_one(self, static_args, pool=None, into=None) -> tuple:
-        """(graph, its outputs); with `into` (tensors like the outputs, in flattened order) the
-        graph ends by copying its outputs there."""
-        graph = torch.cuda.CUDAGraph()
+        """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
+        flattened order) the graph ends by copying its outputs there."""
+        graph = new_graph(bool(self.bound_in))
         with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+            for k, source in self.bound_in:
+                self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
             out = self.gm(*static_args)
             if into is not None:
                 produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
                 for dst, src in zip(into, produced, strict=True):
                     dst.copy_(src)
-        return graph, out
+        inputs = GraphInputs(graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
+        return graph, out, inputs
 
     def _free_slot(self):
         """A handout slot whose outputs nobody holds (captured on first need), or None."""
@@ -172,8 +179,8 @@ class Specialization:
                 buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
                     lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
             into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
-            graph, _ = self._capture_one(self._with_static(self.const_args), pool=self.graph.pool(), into=into)
-            slot = OutputSlots(graph, buffers)
+            graph, _, inputs = self._capture_one(self._with_static(self.const_args), pool=self.graph.pool(), into=into)
+            slot = OutputSlots(graph, buffers, inputs)
         except Exception as e:  # noqa: BLE001 -- an optimization: keep cloning from the first graph
             torch.cuda.synchronize()
             self.handout = None
@@ -188,14 +195,17 @@ class Specialization:
         if self.graph is None:
             with torch.no_grad():
                 return self.gm(*args)
-        for s, a in zip(self.static_in, self._tensor_args(args)):
-            s.copy_(a)
         slot = self._free_slot() if self.handout is not None else None
+        graph, inputs = (slot.graph, slot.inputs) if slot is not None else (self.graph, self.inputs)
+        if not inputs.load(self._tensor_args(args)):
+            self.graph, self.handout = None, None
+            self.cuda_graph_note = "off: a graph's input node could not be restored after a failed update"
+            with torch.no_grad():
+                return self.gm(*args)
+        graph.replay()
         if slot is not None:
-            slot.graph.replay()
             self.handed_out += 1
             return slot.hand_out()
-        self.graph.replay()
         self.cloned += 1
         return torch.utils._pytree.tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)

@@ -3,8 +3,8 @@
 torch.fx.symbolic_trace first (it keeps nn.Linear, nn.ReLU, ... as readable call_module
 nodes); when it cannot follow the model (Python control flow on tensor values or shapes)
 torch.export(strict=False) is tried, which specializes shapes and yields aten-level nodes
-that the normalize pass also understands. Shapes come only from ShapePropagation, stored the
-torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own
+that the normalize pass also understands. Shapes come only from ShapePropagation (ShapeProp
+without its fake-tensor machinery), stored the torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own
 meta so the normalize pass can fold them into constants.
 """
 import contextlib
@@ -15,7 +15,8 @@ import time
 
 import torch
 import torch.fx
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -39,16 +40,62 @@ def fetch_attr(gm: torch.nn.Module, target: str):
     return obj
 
 
-class ShapePropagation(ShapeProp):
-    """ShapeProp that also records non-tensor results (sizes, dims) under meta['fxfuse']['value']."""
+_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def _tensor_metadata(t: torch.Tensor) -> TensorMetadata:
+    """ShapeProp's TensorMetadata of a real tensor. Its own _extract_tensor_metadata checks
+    memory formats through torch._check, which imports symbolic_shapes and sympy."""
+    memory_format = None
+    if not t.is_sparse:
+        memory_format = next((f for f in _MEMORY_FORMATS
+                              if (f != torch.channels_last or t.dim() == 4)
+                              and (f != torch.channels_last_3d or t.dim() == 5)
+                              and t.is_contiguous(memory_format=f)), None)
+    qparams = {}
+    if t.is_quantized and t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        qparams = {"qscheme": t.qscheme(), "scale": t.q_scale(), "zero_point": t.q_zero_point()}
+    elif t.is_quantized:
+        qparams = {"qscheme": t.qscheme(), "scale": t.q_per_channel_scales().tolist(),
+                   "zero_point": t.q_per_channel_zero_points().tolist(), "axis": t.q_per_channel_axis()}
+    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride() if not t.is_sparse else (),
+                          memory_format, t.is_quantized, qparams)
+
+
+class ShapePropagation(torch.fx.Interpreter):
+    """torch.fx's ShapeProp on real example tensors (node.meta["tensor_meta"] and ["type"]),
+    plus non-tensor results (sizes, dims) under meta['fxfuse']['value'].
+
+    Not ShapeProp itself: its run_node imports torch.fx.experimental.symbolic_shapes and so
+    sympy (for fake-tensor modes fxfuse never uses), 0.3 s here and 2 s on the H100 host the
+    first time in a process; and it prints the failing node's traceback to stderr."""
 
     def run_node(self, n):
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as e:
+            raise RuntimeError(f"shape propagation failed at node {n.format_node()}") from e
+        found_tensor = False
+
+        def extract(obj):
+            nonlocal found_tensor
+            if isinstance(obj, torch.Tensor):
+                found_tensor = True
+                return _tensor_metadata(obj)
+            return obj
+
+        meta = map_aggregate(result, extract)
+        if found_tensor:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
         if isinstance(result, torch.Tensor):
             fxfuse_meta(n)["device"] = result.device
         elif _is_plain_value(result):
             fxfuse_meta(n)["value"] = result
         return result
+
+    def propagate(self, *args):
+        return self.run(*args)
 
 
 def _is_plain_value(v) -> bool:
@@ -73,8 +120,8 @@ def clone_args(args) -> tuple:
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
-    # ShapeProp prints the traceback of a failing node to stderr before raising; the error
-    # fxfuse raises (or warns with) carries the reason, so nothing is printed
+    # the model's own code may print while it runs; the error fxfuse raises (or warns with)
+    # carries the reason, so nothing is printed
     with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         ShapePropagation(gm).propagate(*clone_args(example_args))
 

@@ -26,6 +26,20 @@ def _meta(node):
     return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
 
 
+def broadcast_shapes(*shapes) -> tuple:
+    """torch.broadcast_shapes in plain Python (RuntimeError where shapes do not broadcast):
+    torch's goes through torch._refs, which imports sympy the first time in a process."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, size in enumerate(shape, start=ndim - len(shape)):
+            if size != 1:
+                if out[i] not in (1, size):
+                    raise RuntimeError(f"shapes {shapes} do not broadcast")
+                out[i] = size
+    return tuple(out)
+
+
 def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
     """None if node can join a fused kernel, else the reason (shown by explain)."""
     if node.op != "call_function" or not is_pointwise_target(node.target):
@@ -120,7 +134,7 @@ class Grouping:
 
     @staticmethod
     def iteration_shape(members) -> tuple:
-        return tuple(torch.broadcast_shapes(*[_meta(m).shape for m in members]))
+        return broadcast_shapes(*[tuple(_meta(m).shape) for m in members])
 
     def _shapes_ok(self, members) -> bool:
         try:

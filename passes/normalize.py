@@ -373,8 +373,19 @@ def _dtype_of(node):
 
 
 def _call_dtype(call):
-    """dtype of what a canonical call (target, args, kwargs) computes, from its operands' metadata
-    (run on meta tensors), or None if unknown."""
+    """dtype of what a canonical call (target, args, kwargs) computes, from its operands' metadata,
+    or None if unknown. Runs the call on one-element CPU tensors of the operands' dtypes and
+    ranks (type promotion depends on dtype and on 0-dim or not, never on sizes), and on meta
+    tensors of the full shapes where that fails: many meta kernels are Python refs that import
+    torch._dynamo on first use, seconds the first time in a process on the H100 host."""
+    for device in ("cpu", "meta"):
+        got = _dtype_on(call, device)
+        if got is not None:
+            return got
+    return None
+
+
+def _dtype_on(call, device: str):
     target, args, kwargs = call
 
     def fake(a):
@@ -383,7 +394,8 @@ def _call_dtype(call):
         meta = a.meta.get("tensor_meta")
         if not hasattr(meta, "dtype"):
             raise LookupError(a.name)
-        return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        shape = meta.shape if device == "meta" else [1] * len(meta.shape)
+        return torch.empty(shape, dtype=meta.dtype, device=device)
 
     try:
         if isinstance(target, tuple):                  # ("alpha", add/sub): x op other * alpha
