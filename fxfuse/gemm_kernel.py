@@ -183,15 +183,15 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
             buf.line("pid_k = tl.program_id(2)")
             k0 = f"pid_k * {k_split}"
         if c.rowwise:
-            _emit_rowwise_product(buf, spec, k0, k_split)
+            _emit_rowwise_product(buf, spec, c, k0, k_split)
         else:
             buf.line("x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm")
             buf.line(f"w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
-            _emit_k_steps(buf, spec, k0, k_split,
-                          ["a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)"],
-                          "b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)",
+            _emit_k_steps(buf, spec, c, k0, k_split,
+                          "{a} = tl.load(x_rows + {k}[None, :], mask=m_ok[:, None] & {ok}[None, :], other=0.0)",
+                          "{b} = tl.load(w_cols + {k}[:, None], mask={ok}[:, None] & n_ok[None, :], other=0.0)",
                           "acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)",
-                          f"acc = tl.dot(a, b, acc=acc{dot_kw})", "{}")
+                          f"acc = tl.dot({{a}}, {{b}}, acc=acc{dot_kw})", "{}")
         if c.split_k > 1:
             _emit_split_k_fixup(buf, c)
             with buf.indent():
@@ -201,45 +201,57 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
     return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
 
 
-def _emit_rowwise_product(buf, spec: GemmSpec, k0: str, k_split: int):
+def _emit_rowwise_product(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int):
     """acc [BLOCK_M, BLOCK_N] = x @ W.T over this program's K range, without tl.dot: products
     of [BLOCK_M, 1, BLOCK_K] rows and [1, BLOCK_N, BLOCK_K] weight rows summed in fp32."""
     buf.line("x_rows = (x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm)[:, :, None]        # [BM, 1, 1]")
     buf.line(f"w_rows = (w_ptr + offs_n.to(tl.int64)[:, None] * {spec.k})[None, :, :]      # [1, BN, 1]")
-    _emit_k_steps(buf, spec, k0, k_split, ["a = tl.load(x_rows + k, mask=m_ok[:, None, None] & k_ok, other=0.0)"],
-                  "b = tl.load(w_rows + k, mask=n_ok[None, :, None] & k_ok, other=0.0)",
+    _emit_k_steps(buf, spec, c, k0, k_split, "{a} = tl.load(x_rows + {k}, mask=m_ok[:, None, None] & {ok}, other=0.0)",
+                  "{b} = tl.load(w_rows + {k}, mask=n_ok[None, :, None] & {ok}, other=0.0)",
                   "acc3 = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)",
-                  "acc3 += a.to(tl.float32) * b.to(tl.float32)", "({})[None, None, :]")
+                  "acc3 += {a}.to(tl.float32) * {b}.to(tl.float32)", "({})[None, None, :]")
     buf.line("acc = tl.sum(acc3, axis=2)")
 
 
-def _emit_k_steps(buf, spec: GemmSpec, k0: str, k_split: int, load_x: list, load_w: str, init: str,
-                  accumulate: str, k_shape: str):
-    """The K loop with its first step peeled: that step's W tile is loaded before gdc_wait
-    (weights are module constants that no kernel of the graph writes), everything that reads
-    the previous kernel's output or writes memory comes after it (USE_GDC: see
-    kernel.pdl_available). Summation order is that of the plain loop."""
-    def step(start: str):
-        buf.line("k = " + k_shape.format(f"{k0} + {start} + offs_k"))
-        buf.line(f"k_ok = k < {spec.k}")
+PREFETCH_ELEMENTS = 4096   # W elements a row-wise program loads before gdc_wait (32 registers at 4 warps)
 
+
+def prefetch_steps(c: GemmConfig, k_split: int) -> int:
+    """K steps whose W tiles are loaded before gdc_wait: the whole slice where it fits the
+    budget (row-wise form, small batch: the layer's time is its weight read, which then
+    overlaps the previous layer), else the first step (tl.dot form: registers go to the tile)."""
+    if not c.rowwise:
+        return 1
+    return max(1, min(k_split // c.block_k, PREFETCH_ELEMENTS // (c.block_n * c.block_k)))
+
+
+def _emit_k_steps(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int, load_x: str, load_w: str,
+                  init: str, accumulate: str, k_shape: str):
+    """The K loop with its first prefetch_steps() steps unrolled in front: their W tiles are
+    loaded before gdc_wait (weights are module constants that no kernel of the graph writes);
+    everything that reads the previous kernel's output or writes memory comes after it
+    (USE_GDC: see kernel.pdl_available). `load_x`, `load_w` and `accumulate` are templates
+    over {a}, {b}, {k}, {ok}. Summation order is that of the plain loop."""
+    steps = prefetch_steps(c, k_split)
     buf.line(init)
-    step("0")
-    buf.line(load_w + "   # constant weights: read before waiting for the previous kernel")
+    for j in range(steps):
+        buf.line(f"k{j} = " + k_shape.format(f"{k0} + {j * c.block_k} + offs_k"))
+        buf.line(f"ok{j} = k{j} < {spec.k}")
+        buf.line(load_w.format(b=f"b{j}", k=f"k{j}", ok=f"ok{j}") + "   # constant weights: before the wait")
     buf.line("if USE_GDC:")
     with buf.indent():
         buf.line("tl.extra.cuda.gdc_wait()               # the previous kernel's writes are visible")
         buf.line("tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights")
-    for line in load_x:
-        buf.line(line)
-    buf.line(accumulate)
-    buf.line(f"for kk in range(BLOCK_K, {k_split}, BLOCK_K):")
+    for j in range(steps):
+        buf.line(load_x.format(a=f"a{j}", k=f"k{j}", ok=f"ok{j}"))
+        buf.line(accumulate.format(a=f"a{j}", b=f"b{j}"))
+    buf.line(f"for kk in range({steps * c.block_k}, {k_split}, BLOCK_K):")
     with buf.indent():
-        step("kk")
-        for line in load_x:
-            buf.line(line)
-        buf.line(load_w)
-        buf.line(accumulate)
+        buf.line("k = " + k_shape.format(f"{k0} + kk + offs_k"))
+        buf.line(f"k_ok = k < {spec.k}")
+        buf.line(load_x.format(a="a", k="k", ok="k_ok"))
+        buf.line(load_w.format(b="b", k="k", ok="k_ok"))
+        buf.line(accumulate.format(a="a", b="b"))
 
 
 def _emit_split_k_fixup(buf, c: GemmConfig):

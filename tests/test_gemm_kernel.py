@@ -65,6 +65,18 @@ def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype, rowwise):
         check(model, mod, torch.randn(m, k, dtype=dtype))  # and the next launch is right too
 
 
+@pytest.mark.parametrize("budget", [4096, 128, 1])
+def test_row_wise_weight_prefetch_steps(budget, monkeypatch):
+    """W tiles of the first steps are loaded before gdc_wait, the rest in the loop: every split
+    of the budget between the two gives the same result (K = 100: the last step is masked)."""
+    import fxfuse.gemm_kernel as gk
+    monkeypatch.setattr(gk, "PREFETCH_ELEMENTS", budget)
+    model, mod = layer(100, 12, nn.ReLU, torch.float32, m=3, block_n=4, block_k=16, split_k=2)
+    steps = gk.prefetch_steps(mod.config, 64)
+    assert steps == {4096: 4, 128: 2, 1: 1}[budget] and f"b{steps - 1} = tl.load" in mod.source
+    check(model, mod, torch.randn(3, 100))
+
+
 @pytest.mark.parametrize("act", list(ACT_OPS))
 def test_activations_padded_columns_masked(act):
     model, mod = layer(24, 13, act, torch.float32, split_k=2, block_k=16)   # sigmoid(0) != 0 past column 13
