@@ -234,17 +234,17 @@ def _emit_k_steps(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int, loa
     over {a}, {b}, {k}, {ok}. Summation order is that of the plain loop."""
     steps = prefetch_steps(c, k_split)
     buf.line(init)
-    for j in range(steps):
-        buf.line(f"k{j} = " + k_shape.format(f"{k0} + {j * c.block_k} + offs_k"))
-        buf.line(f"ok{j} = k{j} < {spec.k}")
-        buf.line(load_w.format(b=f"b{j}", k=f"k{j}", ok=f"ok{j}") + "   # constant weights: before the wait")
+    for j in range(steps):   # names of their own: the epilogue's vectors are k0, k1, ...
+        buf.line(f"k_pre{j} = " + k_shape.format(f"{k0} + {j * c.block_k} + offs_k"))
+        buf.line(f"ok_pre{j} = k_pre{j} < {spec.k}")
+        buf.line(load_w.format(b=f"w_pre{j}", k=f"k_pre{j}", ok=f"ok_pre{j}") + "   # constant weights: before the wait")
     buf.line("if USE_GDC:")
     with buf.indent():
         buf.line("tl.extra.cuda.gdc_wait()               # the previous kernel's writes are visible")
         buf.line("tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights")
     for j in range(steps):
-        buf.line(load_x.format(a=f"a{j}", k=f"k{j}", ok=f"ok{j}"))
-        buf.line(accumulate.format(a=f"a{j}", b=f"b{j}"))
+        buf.line(load_x.format(a=f"x_pre{j}", k=f"k_pre{j}", ok=f"ok_pre{j}"))
+        buf.line(accumulate.format(a=f"x_pre{j}", b=f"w_pre{j}"))
     buf.line(f"for kk in range({steps * c.block_k}, {k_split}, BLOCK_K):")
     with buf.indent():
         buf.line("k = " + k_shape.format(f"{k0} + kk + offs_k"))

@@ -73,8 +73,24 @@ def test_row_wise_weight_prefetch_steps(budget, monkeypatch):
     monkeypatch.setattr(gk, "PREFETCH_ELEMENTS", budget)
     model, mod = layer(100, 12, nn.ReLU, torch.float32, m=3, block_n=4, block_k=16, split_k=2)
     steps = gk.prefetch_steps(mod.config, 64)
-    assert steps == {4096: 4, 128: 2, 1: 1}[budget] and f"b{steps - 1} = tl.load" in mod.source
+    assert steps == {4096: 4, 128: 2, 1: 1}[budget] and f"w_pre{steps - 1} = tl.load" in mod.source
     check(model, mod, torch.randn(3, 100))
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_no_name_changes_type_inside_the_split_k_block(rowwise):
+    """Compiled Triton rejects a name that an `if` block redefines with another type (the
+    interpreter does not): inside the split-K fix-up only `acc` may be assigned again, and it
+    keeps its type. (The epilogue's vectors k0, k1 once clashed with the prefetched K offsets.)"""
+    import ast
+    _, mod = layer(100, 40, nn.GELU, torch.float32, m=20 if not rowwise else 3, split_k=2, block_k=16,
+                   rowwise=rowwise)
+    kernel = next(f for f in ast.parse(mod.source).body if isinstance(f, ast.FunctionDef) and f.name == mod.kernel_name)
+    names = lambda stmts: {t.id for s in stmts for n in ast.walk(s) if isinstance(n, ast.Assign)
+                           for t in n.targets if isinstance(t, ast.Name)}
+    fixup = next(s for s in kernel.body if isinstance(s, ast.If) and "count" in ast.unparse(s.test))
+    before = names(kernel.body[:kernel.body.index(fixup)])
+    assert names(fixup.body) & before == {"acc"}
 
 
 @pytest.mark.parametrize("act", list(ACT_OPS))
