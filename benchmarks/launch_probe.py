@@ -1,4 +1,4 @@
-"""Probe: what programmatic dependent launch and driver input copies save per call (A/B).
+"""Probe: what programmatic dependent launch, the weight prefetch and bound inputs save (A/B).
 
     python -m benchmarks.launch_probe                       # the issue-5 cells, 8 layers
     python -m benchmarks.launch_probe --cells 1x128,64x1024
@@ -7,7 +7,8 @@ For each cell (batch x hidden of the seed network) and each combination of the t
 one fxfuse build (defaults otherwise) timed like the benchmark (benchmarks.common.time_per_call:
 back-to-back calls on 4 rotating random inputs, CUDA events, median of 7), plus the replay of
 its CUDA graph alone (GPU time where the host keeps up) and eager captured by hand for scale.
-Switches: kernel.PDL_ENABLED (gdc_wait/launch_pdl in the epilogue GEMM) and
+Switches: kernel.PDL_ENABLED (gdc_wait/launch_pdl in the epilogue GEMM),
+gemm_kernel.PREFETCH_ELEMENTS (W read before the wait: 1 = the first K step only) and
 input_copy.BIND_INPUTS (the graph's memcpy node re-pointed at the input; off = tensor.copy_).
 """
 import argparse
@@ -15,6 +16,7 @@ import argparse
 import torch
 
 import fxfuse
+import fxfuse.gemm_kernel
 import fxfuse.input_copy
 import fxfuse.kernel
 
@@ -41,14 +43,16 @@ def hand_captured(model, x):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cells", default="1x128,16x128,16x512,1x1024,16x1024,64x1024,256x2048")
+    ap.add_argument("--cells", default="1x128,16x128,1x512,16x512,1x1024,16x1024,1x2048,16x2048,64x1024")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"launch probe: {args.layers} layers, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}; us per call (graph = its replay alone)")
-    print(f"{'cell':>10} {'eager+graph':>11} " + " ".join(f"{v:>22}" for v in
-          ("copy_ / no PDL", "bound / no PDL", "copy_ / PDL", "bound / PDL")))
+    variants = {"copy_, no PDL": (False, False, 1), "bound, no PDL": (False, True, 1),
+                "bound, PDL, step 1": (True, True, 1), "bound, PDL, slice": (True, True, 4096)}
+    print(f"{'cell':>10} {'eager+graph':>11} " + " ".join(f"{v:>22}" for v in variants))
+    defaults = (fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS, fxfuse.gemm_kernel.PREFETCH_ELEMENTS)
     for cell in args.cells.split(","):
         batch, hidden = (int(v) for v in cell.split("x"))
         torch.manual_seed(0)
@@ -57,18 +61,18 @@ def main(argv=None):
         with torch.no_grad():
             row = [time_per_call(hand_captured(model, inputs[0]), inputs).us]
             ref = model(inputs[1])
-            for pdl in (False, True):
-                for bind in (False, True):
-                    fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS = pdl, bind
-                    opt = fxfuse.optimize(model, inputs[0])
-                    spec = next(iter(opt.specializations.values()))
-                    err = ((opt(inputs[1]) - ref).norm() / ref.norm()).item()
-                    whole = time_per_call(opt, inputs).us
-                    replay = time_per_call(lambda _x: spec.graph.replay(), inputs).us if spec.graph else float("nan")
-                    row.append((whole, replay, err))
+            for pdl, bind, prefetch in variants.values():
+                fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS = pdl, bind
+                fxfuse.gemm_kernel.PREFETCH_ELEMENTS = prefetch
+                opt = fxfuse.optimize(model, inputs[0])
+                spec = next(iter(opt.specializations.values()))
+                err = ((opt(inputs[1]) - ref).norm() / ref.norm()).item()
+                whole = time_per_call(opt, inputs).us
+                replay = time_per_call(lambda _x: spec.graph.replay(), inputs).us if spec.graph else float("nan")
+                row.append((whole, replay, err))
         cells = " ".join(f"{w:8.1f} (graph {r:5.1f})  " for w, r, _ in row[1:])
         print(f"{cell:>10} {row[0]:11.1f} {cells}  max rel err {max(e for *_, e in row[1:]):.1e}", flush=True)
-    fxfuse.kernel.PDL_ENABLED = fxfuse.input_copy.BIND_INPUTS = True
+    fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS, fxfuse.gemm_kernel.PREFETCH_ELEMENTS = defaults
 
 
 if __name__ == "__main__":
