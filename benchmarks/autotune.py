@@ -51,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.cost_model import DTYPE_NAMES, SCHEMA, calibration_name, validate_calibration
+from fxfuse.library_choice import graph_of_calls
 
 from . import common
 
@@ -97,22 +98,7 @@ def per_call_us(fn, device, args) -> float:
     probe = [torch.empty(1, device=device)]
     if device.type != "cuda":
         return common.time_per_call(lambda _: fn(), probe, reps=args.reps, min_rep_s=args.min_rep_ms / 1e3).us
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):     # warm-up off the capture stream: compiles, lazy buffers
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    calls = max(1, min(64, int(GRAPH_TARGET_US / max(start.elapsed_time(end) * 1e3, 1.0))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):     # outputs die at once: the graph's pool reuses their memory
-        for _ in range(calls):
-            fn()
+    graph, calls = graph_of_calls(fn, GRAPH_TARGET_US, 64)
     t = common.time_per_call(lambda _: graph.replay(), probe, reps=args.reps, min_rep_s=args.min_rep_ms / 1e3)
     return t.us / calls
 

@@ -9,31 +9,12 @@
 The graph is a small chain of kernels; each way is checked for the right result.
 """
 import ctypes
-import time
 
 import torch
 
+from fxfuse.input_copy import CUDA_MEMCPY3D
 
-class CUDA_MEMCPY3D(ctypes.Structure):   # cuda.h
-    _fields_ = [(name, ctype) for side in ("src", "dst") for name, ctype in (
-        (f"{side}XInBytes", ctypes.c_size_t), (f"{side}Y", ctypes.c_size_t), (f"{side}Z", ctypes.c_size_t),
-        (f"{side}LOD", ctypes.c_size_t), (f"{side}MemoryType", ctypes.c_int), (f"{side}Host", ctypes.c_void_p),
-        (f"{side}Device", ctypes.c_uint64), (f"{side}Array", ctypes.c_void_p),
-        (f"reserved{0 if side == 'src' else 1}", ctypes.c_void_p), (f"{side}Pitch", ctypes.c_size_t),
-        (f"{side}Height", ctypes.c_size_t))] + [
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
-
-
-def cpu_us(fn, calls=3000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed * 1e6 / calls
+from .overhead_probe import cpu_us
 
 
 def main():

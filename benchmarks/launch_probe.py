@@ -22,36 +22,25 @@ import fxfuse.kernel
 
 from .common import make_inputs, time_per_call
 from .mlp import seed_mlp
-
-
-def hand_captured(model, x):
-    static = x.clone()
-    with torch.no_grad():
-        for _ in range(2):
-            model(static)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = model(static)
-
-    def call(inp):
-        static.copy_(inp)
-        graph.replay()
-        return out
-    return call
+from .tools import build_cudagraph
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="1x128,16x128,1x512,16x512,1x1024,16x1024,1x2048,16x2048,64x1024")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prefetch", type=lambda t: [int(v) for v in t.split(",")], default=[1, 4096],
+                    help="PREFETCH_ELEMENTS values to compare (1: the first K step only)")
+    ap.add_argument("--only-pdl", action="store_true", help="skip the two variants without PDL")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"launch probe: {args.layers} layers, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}; us per call (graph = its replay alone)")
-    variants = {"copy_, no PDL": (False, False, 1), "bound, no PDL": (False, True, 1),
-                "bound, PDL, step 1": (True, True, 1), "bound, PDL, slice": (True, True, 4096)}
-    print(f"{'cell':>10} {'eager+graph':>11} " + " ".join(f"{v:>22}" for v in variants))
+    variants = {"copy_, no PDL": (False, False, 1), "bound, no PDL": (False, True, 1)}
+    variants.update({f"bound, PDL, prefetch {n}": (True, True, n) for n in args.prefetch})
+    if args.only_pdl:
+        variants = {k: v for k, v in variants.items() if v[0]}
+    print(f"{'cell':>10} {'eager+graph':>11} " + " ".join(f"{v:>26}" for v in variants))
     defaults = (fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS, fxfuse.gemm_kernel.PREFETCH_ELEMENTS)
     for cell in args.cells.split(","):
         batch, hidden = (int(v) for v in cell.split("x"))
@@ -59,7 +48,7 @@ def main(argv=None):
         model = seed_mlp(args.layers, hidden).cuda().eval()
         inputs = make_inputs((batch, hidden), torch.float32, torch.device("cuda"))
         with torch.no_grad():
-            row = [time_per_call(hand_captured(model, inputs[0]), inputs).us]
+            row = [time_per_call(build_cudagraph(model, inputs[0]), inputs).us]
             ref = model(inputs[1])
             for pdl, bind, prefetch in variants.values():
                 fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS = pdl, bind
@@ -70,7 +59,7 @@ def main(argv=None):
                 whole = time_per_call(opt, inputs).us
                 replay = time_per_call(lambda _x: spec.graph.replay(), inputs).us if spec.graph else float("nan")
                 row.append((whole, replay, err))
-        cells = " ".join(f"{w:8.1f} (graph {r:5.1f})  " for w, r, _ in row[1:])
+        cells = " ".join(f"    {w:8.1f} (graph {r:5.1f})  " for w, r, _ in row[1:])
         print(f"{cell:>10} {row[0]:11.1f} {cells}  max rel err {max(e for *_, e in row[1:]):.1e}", flush=True)
     fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS, fxfuse.gemm_kernel.PREFETCH_ELEMENTS = defaults
 

@@ -219,10 +219,14 @@ PREFETCH_ELEMENTS = 4096   # W elements a row-wise program loads before gdc_wait
 def prefetch_steps(c: GemmConfig, k_split: int) -> int:
     """K steps whose W tiles are loaded before gdc_wait: the whole slice where it fits the
     budget (row-wise form, small batch: the layer's time is its weight read, which then
-    overlaps the previous layer), else the first step (tl.dot form: registers go to the tile)."""
+    overlaps the previous layer), else the first step (tl.dot form: registers go to the tile).
+    At batch 1 at most 2 steps. H100, 8 layers, GPU time of the graph (launch_probe):
+    16x1024 49.0 -> 29.0 us with the whole slice (8 steps), 16x512 24.0 -> 17.2, 1x512
+    14.5 -> 12.8, 1x2048 66.8 -> 64.9, but 1x1024 20.4 -> 23.7 with 4 steps (2 steps: 20.2)."""
     if not c.rowwise:
         return 1
-    return max(1, min(k_split // c.block_k, PREFETCH_ELEMENTS // (c.block_n * c.block_k)))
+    steps = min(k_split // c.block_k, PREFETCH_ELEMENTS // (c.block_n * c.block_k))
+    return max(1, min(steps, 2) if c.block_m == 1 else steps)
 
 
 def _emit_k_steps(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int, load_x: str, load_w: str,

@@ -12,15 +12,14 @@ import functools
 import torch
 
 
-def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -> float:
-    """GPU time per call of fn, replayed from a CUDA graph of `calls` back-to-back calls: what
-    the call costs inside fxfuse's own graph. Timing eager calls instead measures the host's
-    launch cost (~30 us per F.linear on the H100 host, above the GEMM itself at small sizes),
-    which made this choice a coin toss: at batch 64, width 1024 it once put the bias into the
-    GEMM, 2x slower on the GPU (31.0 vs 35.1 us "measured" eager)."""
+def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
+    """(CUDA graph, calls): `calls` back-to-back calls of fn captured in one graph, as many as
+    make ~target_us of GPU work (1 to max_calls). Warm-up runs off the capture stream
+    (compiles, cuBLAS handles, workspaces); outputs die at once, so the graph's pool reuses
+    their memory. The one way fxfuse and benchmarks/autotune.py time a call on the GPU."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up off the capture stream (cuBLAS handles, workspaces)
+    with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -29,16 +28,27 @@ def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -
     fn()
     end.record()
     end.synchronize()
-    # a graph of ~target_us: 20 calls of a tiny GEMM, 1 of a large one (which takes ms, where
-    # optimize() must stay fast and the launch cost no longer matters)
     calls = max(1, min(max_calls, int(target_us / max(start.elapsed_time(end) * 1e3, 1e-3))))
-    reps = reps if calls > 1 else 3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph, calls
+
+
+def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -> float:
+    """GPU time per call of fn, replayed from a CUDA graph of back-to-back calls: what the
+    call costs inside fxfuse's own graph. Timing eager calls instead measures the host's
+    launch cost (~30 us per F.linear on the H100 host, above the GEMM itself at small sizes),
+    which made this choice a coin toss: at batch 64, width 1024 it once put the bias into the
+    GEMM, 2x slower on the GPU (31.0 vs 35.1 us "measured" eager). A graph of ~target_us:
+    20 calls of a tiny GEMM, 1 of a large one (which takes ms, where optimize() must stay
+    fast and the launch cost no longer matters)."""
+    graph, calls = graph_of_calls(fn, target_us, max_calls)
+    reps = reps if calls > 1 else 3
     graph.replay()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(reps):
         start.record()

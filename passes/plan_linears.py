@@ -1,7 +1,7 @@
 """Plan every Linear with the cost model, for the whole chain at once.
 
 Legality lives in the passes that rewrite (strassen, fuse_mlp, fuse_gemm); profitability
-lives here, in one call to fxfuse.cost_model.plan_chain per chain of Linear layers. This pass
+lives here, in one call to fxfuse.chain_plan.plan_chain per chain of Linear layers. This pass
 only describes the graph as plain data (fxfuse.cost_model.LinearLayer), asks the model, and
 writes each Linear's plan to node.meta["fxfuse"]["plan"]; the rewriting passes, in their
 "auto" modes, follow it. Nothing here rewrites the graph.
@@ -21,7 +21,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxfuse.cost_model import CostModel, LinearLayer, plan_chain
+from fxfuse.chain_plan import plan_chain
+from fxfuse.cost_model import CostModel, LinearLayer
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 

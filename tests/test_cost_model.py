@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fxfuse.cost_model import (CALIBRATION_DIR, CANDIDATES, ENV_VAR, SCHEMA, CalibrationError, CalibrationWarning,
-                               CostModel, Estimate, LinearLayer, calibration_name, plan_chain, validate_calibration)
+                               CostModel, Estimate, LinearLayer, calibration_name, validate_calibration)
+from fxfuse.chain_plan import plan_chain
 
 M = [1, 16, 64, 256, 1024, 4096]
 H = [128, 256, 512, 1024, 2048, 4096, 8192]
