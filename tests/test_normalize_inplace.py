@@ -1,0 +1,271 @@
+"""The normalize pass on in-place ops, export-path graphs and dtypes: in-place ops keep eager
+semantics whether they become functional or stay as they are, graphs from torch.export
+become the same canonical nodes, and every normalized op keeps eager's dtype."""
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+from conftest import assert_fast_path, assert_matches_eager
+from fxfuse.ops import POINTWISE, cast
+from test_normalize import Fn2, _randomized_bn, calls, normalized, targets
+
+
+# ---- in-place ops: eager semantics hold whether they become functional or not ---------------
+
+class InplaceWithReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        y = self.fc(x)
+        z = y.relu_()
+        return y + z
+
+
+class InplaceOnView(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        v = y[:, :2]
+        v.relu_()
+        return y + 1
+
+
+class InplaceOnInput(nn.Module):
+    def forward(self, x):
+        x.relu_()
+        return x * 2
+
+
+class InplaceAfterView(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        v = y.view(-1)
+        y.sigmoid_()
+        return v - 1
+
+
+class InplaceChain(nn.Module):
+    def forward(self, x):
+        y = x + 1
+        a = y.mul_(3)
+        b = a.sigmoid_()
+        y.add_(x)
+        return a, b, y
+
+
+class InplaceOnParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        w = self.fc.weight
+        return F.linear(x, w.abs()) + w.sum()
+
+
+class InplaceKeywordWithReader(InplaceWithReader):
+    def forward(self, x):
+        y = self.fc(x)
+        z = F.relu(y, inplace=True)
+        return y + z
+
+
+class InplacePositionalOnView(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        F.hardtanh(y[:, :2], -0.5, 0.5, True)
+        F.leaky_relu(y[:, 3:], 0.1, True)
+        return y
+
+
+@pytest.mark.parametrize("cls", [InplaceWithReader, InplaceOnView, InplaceOnInput, InplaceAfterView,
+                                 InplaceChain, InplaceOnParameter, InplaceKeywordWithReader,
+                                 InplacePositionalOnView])
+def test_inplace_keeps_eager_semantics(cls):
+    model = cls().eval()
+    x = torch.randn(3, 5) if cls is not InplaceOnParameter else torch.randn(3, 4)
+    opt = fxfuse.optimize(model, x.clone(), strict=True)
+    assert_matches_eager(opt, model, x)
+    assert_matches_eager(opt, model, x)   # twice: nothing persistent was mutated
+
+
+def test_inplace_with_reader_becomes_functional():
+    gm = normalized(InplaceWithReader().eval(), torch.randn(3, 5))
+    assert "relu_" not in [n.target for n in gm.graph.nodes]
+    assert torch.relu in targets(gm)
+    assert not gm.meta["fxfuse_inplace_kept"]
+
+
+@pytest.mark.parametrize("cls", [InplaceOnView, InplaceOnInput, InplaceAfterView, InplacePositionalOnView])
+def test_inplace_on_view_or_input_is_kept(cls):
+    gm = normalized(cls().eval(), torch.randn(3, 5))
+    assert gm.meta["fxfuse_inplace_kept"], "an observable in-place op must stay in place"
+
+
+def test_functional_batch_norm_becomes_mul_add():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = _randomized_bn(nn.BatchNorm2d(3))
+
+        def forward(self, x):
+            b = self.bn
+            return F.batch_norm(x, b.running_mean, b.running_var, b.weight, b.bias, False, 0.1, b.eps).relu()
+
+    model = M().eval()
+    x = torch.randn(2, 3, 4, 4)
+    gm = normalized(model, x)
+    assert targets(gm) == [operator.mul, operator.add, torch.relu]
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert_matches_eager(opt, model, x)
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a shape: symbolic_trace fails, torch.export (aten-level) is used."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = _randomized_bn(nn.BatchNorm1d(6))
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            h = F.gelu(self.fc(x), approximate="tanh").clamp(-1, 1) * 2 + torch.sigmoid(x) - F.leaky_relu(x, 0.2)
+            h = torch.where(x > 0, h, -h) / 3 + F.relu6(x) + x ** 2 + F.hardtanh(x, -0.5, 0.5)
+            h = torch.rsub(h, 1.0) + torch.square(x) + torch.where(x < 0, x, 0.5)
+            return self.bn(F.silu(h).relu_())
+        return x
+
+
+def test_export_path_ops_become_canonical():
+    model = ShapeBranch().eval()
+    x = torch.randn(4, 6)
+    gm = normalized(model, x)
+    assert gm.meta["fxfuse_trace"]["tracer"].startswith("torch.export")
+    for n in calls(gm):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            continue
+        assert n.target is F.linear or n.target in POINTWISE, f"not canonical: {n.op} {n.target}"
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert_matches_eager(opt, model, x)
+    assert_fast_path(opt)
+
+
+class ExportCasts(nn.Module):
+    """Casts on the torch.export path arrive as aten.to.dtype, each behind an _assert_tensor_metadata."""
+
+    def forward(self, x, m):
+        if x.shape[0] > 1:
+            return m.float() * x + x.half().float(), (x * 2).to(torch.float16), x.float()
+        return x
+
+
+def test_export_path_casts_become_canonical():
+    model = ExportCasts().eval()
+    x, m = torch.randn(4, 6), torch.rand(4, 6) > 0.5
+    gm = normalized(model, x, m)
+    assert gm.meta["fxfuse_trace"]["tracer"].startswith("torch.export")
+    assert not [n for n in calls(gm) if n.op == "call_function" and n.target not in POINTWISE]
+    assert [n.args[1] for n in calls(gm) if n.target is cast] == [torch.float32, torch.float16, torch.float32,
+                                                                  torch.float16]
+    opt = fxfuse.optimize(model, (x, m), strict=True)
+    out = assert_matches_eager(opt, model, x, m, rtol=0, atol=0)
+    assert [o.dtype for o in out] == [torch.float32, torch.float16, torch.float32]
+    assert fxfuse.stats(opt)["fused_kernels"] == 1          # casts fuse with their neighbours
+    assert_fast_path(opt)
+
+
+class ScaleInputInPlace(nn.Module):
+    def forward(self, x):
+        x.mul_(2)                 # not idempotent: running it twice is visible
+        return x + 1
+
+
+def test_inplace_on_input_mutates_like_eager():
+    model = ScaleInputInPlace().eval()
+    x = torch.randn(3, 5)
+    keep = x.clone()
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert torch.equal(x, keep), "optimize must not modify the example input"
+    y = torch.randn(3, 5)
+    y0 = y.clone()
+    with torch.no_grad():
+        out = opt(y)
+    assert torch.equal(y, y0 * 2)             # the call mutates its argument, as eager does
+    torch.testing.assert_close(out, y0 * 2 + 1)
+
+
+# (id, forward(self, x, y)): ops whose functional form computes another dtype than eager's, or
+# that are not pointwise at all although their name is
+DTYPE_CASES = [
+    ("x.gt_", lambda s, x, y: (x * 1.5).gt_(0)),                     # in-place comparison stays float
+    ("x.lt_-then-add", lambda s, x, y: (x * 1.5).lt_(y) + 1),
+    ("fp16.add_(fp32)", lambda s, x, y: (x.half() * 2).add_(y)),    # in-place keeps fp16
+    ("fp16.mul_(fp32)-relu", lambda s, x, y: (x.half() * 2).mul_(y).relu()),
+    ("F.relu-inplace-kwarg-input", lambda s, x, y: F.relu(input=x * 2, inplace=True) + y),
+    ("int-clamp", lambda s, x, y: (x * 10).long().clamp(-3, 3)),      # int bounds keep an int result
+    ("int-clamp_min", lambda s, x, y: (x * 10).long().clamp_min(0) * 2),
+    ("where-one-arg", lambda s, x, y: torch.where(x > 0)[1] * 2),      # nonzero(), not pointwise
+]
+
+
+@pytest.mark.parametrize("fn", [c[1] for c in DTYPE_CASES], ids=[c[0] for c in DTYPE_CASES])
+def test_normalized_ops_keep_eager_dtypes(fn):
+    model = Fn2(fn).eval()
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    gm = normalized(model, x, y)
+    with torch.no_grad():
+        expected = model(x.clone(), y.clone())
+        got = gm(x.clone(), y.clone())
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    out = assert_matches_eager(opt, model, x, y, rtol=1e-3 if expected.dtype == torch.float16 else 1e-5)
+    assert out.dtype == expected.dtype
+
+
+# in-place ops normalize has no canonical form for: fusion must still see that they write
+def _masked_fill(s, x, y):
+    h = x * 2
+    h.masked_fill_(y > 0, 0.0)
+    return h + 1
+
+
+def _zero(s, x, y):
+    h = x * 2
+    h.zero_()
+    return h.sigmoid() + y
+
+
+def _copy(s, x, y):
+    h = x * 2
+    h.copy_(y)
+    return h - 1
+
+
+def _clamp_min_(s, x, y):
+    h = x * 2
+    h.clamp_min_(0.5)
+    return h * y
+
+
+def _div_floor_(s, x, y):
+    h = x * 2
+    h.div_(0.7, rounding_mode="floor")    # a known spelling with no canonical form
+    return h + 1
+
+
+@pytest.mark.parametrize("fn", [_masked_fill, _zero, _copy, _clamp_min_, _div_floor_],
+                         ids=["masked_fill_", "zero_", "copy_", "clamp_min_", "div_-floor"])
+def test_unknown_inplace_ops_are_kept_and_respected(fn):
+    model = Fn2(fn).eval()
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    gm = normalized(model, x, y)
+    assert gm.meta["fxfuse_inplace_kept"], "the mutation must be visible to fusion"
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    assert_matches_eager(opt, model, x, y)
