@@ -76,6 +76,9 @@ def bias_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
     with torch.no_grad():
         plain = _time_us(lambda: torch.nn.functional.linear(x, w))
         with_bias = _time_us(lambda: torch.nn.functional.linear(x, w, b))
-    if with_bias < 0.95 * plain:
+    # the faster spelling, ties (within 1%: timing noise) to the fused kernel. A 5% margin
+    # once kept `mm` at 1024 x 4096 -> 4096 where addmm measured 678 vs 697 us per layer:
+    # 8 layers 1-2% slower than eager, which uses addmm (mlp_20261123-044640).
+    if with_bias < 0.99 * plain:
         return True, f"bias in the library GEMM: measured {with_bias:.1f} us vs {plain:.1f} us without"
     return False, f"bias fused into the pointwise kernel: GEMM measured {plain:.1f} us vs {with_bias:.1f} us with bias"
