@@ -26,27 +26,31 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--strassen", default="auto")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-profile", action="store_true", help="time only (cProfile slows the build down)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = seed_mlp(args.layers, args.hidden).cuda().eval()
     x = torch.randn(args.batch, args.hidden, device="cuda")
     for attempt in ("first in process", "second"):
-        profiler = cProfile.Profile()
+        profiler = None if args.no_profile else cProfile.Profile()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        profiler.enable()
+        if profiler:
+            profiler.enable()
         opt = fxfuse.optimize(model, x, strassen=args.strassen)
         built = time.perf_counter()
         with torch.no_grad():
             opt(x)
         torch.cuda.synchronize()
-        profiler.disable()
+        if profiler:
+            profiler.disable()
         done = time.perf_counter()
         print(f"{attempt}: optimize {built - start:.2f} s, first call {done - built:.2f} s, "
               f"total {done - start:.2f} s", flush=True)
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
-        print(text.getvalue())
+        if profiler:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
+            print(text.getvalue())
         del opt
         torch.cuda.empty_cache()
     opt = fxfuse.optimize(model, x, strassen=args.strassen)
