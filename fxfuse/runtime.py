@@ -6,9 +6,11 @@ exactly that signature. A miss builds another one (up to options.max_specializat
 runs the original module with one warning, or raises GuardError under strict=True. A kernel
 built for other shapes never runs.
 
-On CUDA a specialization is captured once in a CUDA graph: inputs are copied into static
-buffers and the graph replays. The pool itself is the memory plan: during capture the caching
-allocator reuses an intermediate's block once it is dead.
+On CUDA a specialization is captured once in a CUDA graph whose inputs are static buffers, and
+each call replays it. A contiguous input gets there through a memcpy node at the start of the
+graph, re-pointed at the caller's tensor before the replay (input_copy.py: no host-side copy
+launch); any other input is copied with copy_. The pool itself is the memory plan: during
+capture the caching allocator reuses an intermediate's block once it is dead.
 
 Outputs (see OutputSlots): a tensor returned by one call must never be overwritten by the next,
 the classic failure of CUDA-graph runtimes. Cloning every output is safe but costs ~12 us of CPU
