@@ -78,13 +78,17 @@ def _pow2_at_least(x: int) -> int:
 def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     """Row-wise tiles. Columns per program: as few as still give every SM work (N / 132, at
     least 4 once there are several rows), so W is read by many SMs at once; K in steps of
-    <= 256 filling the accumulator budget; split-K where the columns leave SMs idle. Set from
-    benchmarks/gemm_probe.py on the H100: at batch 16, width 1024, 4 columns x 128 K per step
-    took 6.9 us, 16 x 32 took 13.4 us (cuBLAS with bias 7.9 us)."""
+    <= 256 (batch 1: 512) filling the accumulator budget; split-K where the columns leave SMs
+    idle. Set from benchmarks/gemm_probe.py on the H100: at batch 16, width 1024, 4 columns x
+    128 K per step took 6.9 us, 16 x 32 took 13.4 us (cuBLAS with bias 7.9 us). Batch 1 from
+    benchmarks/rowwise_probe.py (8 layers with PDL, GPU time): K steps of 512 instead of 256
+    took 17.0 vs 20.2 us at width 1024 and 62.9 vs 65.1 at 2048, the same at 128 and 512;
+    at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024)."""
     block_m = _pow2_at_least(m)
     block_n = max(min(4, block_m), 1 << max(0, (spec.n // SMS).bit_length() - 1))
     block_n = min(block_n, _pow2_at_least(spec.n), ROWWISE_TILE_ELEMENTS // (block_m * 16))
-    block_k = min(256, _pow2_at_least(spec.k), max(16, ROWWISE_TILE_ELEMENTS // (block_m * block_n)))
+    block_k = min(512 if block_m == 1 else 256, _pow2_at_least(spec.k),
+                  max(16, ROWWISE_TILE_ELEMENTS // (block_m * block_n)))
     programs = triton_cdiv(spec.n, block_n)
     split = 1
     while split < MAX_SPLIT_K and programs * split * 2 <= SMS and spec.k >= block_k * split * 2 * 2:

@@ -1,0 +1,80 @@
+"""Probe: row-wise GEMM tiles for small batch, timed as 8-layer chains with PDL (GPU time).
+
+    python -m benchmarks.rowwise_probe [--cells 1x1024,16x512]
+
+gemm_probe.py times one layer alone; with programmatic dependent launch a layer's weight read
+overlaps the previous layer, so tiles are compared here the way they run: the seed network,
+gemm="force", the CUDA graph's replay timed back to back (benchmarks.common.time_per_call).
+Each variant changes the chosen row-wise config (gemm_kernel._rowwise_config) by one field.
+"""
+import argparse
+
+import torch
+
+import fxfuse
+import fxfuse.gemm_kernel as gk
+
+from .common import make_inputs, time_per_call
+from .mlp import seed_mlp
+
+VARIANTS = {
+    "chosen": {},
+    "block_n x2": {"block_n": 2.0},
+    "block_n /2": {"block_n": 0.5},
+    "block_k x2": {"block_k": 2.0},
+    "block_k /2": {"block_k": 0.5},
+    "8 warps": {"num_warps": 8},
+    "2 warps": {"num_warps": 2},
+}
+
+
+def patched(change):
+    original = gk._rowwise_config
+
+    def config(m, spec, allow_tf32):
+        cfg = original(m, spec, allow_tf32)
+        for key, value in change.items():
+            cfg[key] = value if key == "num_warps" else max(1, int(cfg[key] * value))
+        return cfg
+    return original, config
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="1x128,1x512,1x1024,1x2048,16x512,16x1024")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"rowwise probe: {args.layers} layers, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}; GPU us per call of the graph (config of layer 0)")
+    print(f"{'cell':>8} " + " ".join(f"{v:>12}" for v in VARIANTS))
+    for cell in args.cells.split(","):
+        batch, hidden = (int(v) for v in cell.split("x"))
+        torch.manual_seed(0)
+        model = seed_mlp(args.layers, hidden).cuda().eval()
+        inputs = make_inputs((batch, hidden), torch.float32, torch.device("cuda"))
+        ref = model(inputs[1])
+        row, notes = [], []
+        for change in VARIANTS.values():
+            original, config = patched(change)
+            gk._rowwise_config = config
+            try:
+                with torch.no_grad():
+                    opt = fxfuse.optimize(model, inputs[0], gemm="force", fused_mlp="off")
+                    spec = next(iter(opt.specializations.values()))
+                    err = ((opt(inputs[1]) - ref).norm() / ref.norm()).item()
+                    assert err < 1e-5 and fxfuse.stats(opt)["fused_kernels"] == args.layers, (err, fxfuse.stats(opt))
+                    row.append(time_per_call(lambda _x: spec.graph.replay(), inputs).us)
+                    c = next(m for m in spec.gm.modules() if isinstance(m, gk.EpilogueGemm)).config
+                    notes.append(f"{c.block_n}x{c.block_k}/s{c.split_k}/w{c.num_warps}")
+            except Exception as e:  # noqa: BLE001 -- a probe: report and go on
+                row.append(float("nan"))
+                notes.append(type(e).__name__)
+            finally:
+                gk._rowwise_config = original
+        print(f"{cell:>8} " + " ".join(f"{us:12.1f}" for us in row), flush=True)
+        print(f"{'':>8} " + " ".join(f"{n:>12}" for n in notes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
