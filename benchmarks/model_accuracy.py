@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from fxfuse.cost_model import CostModel, LinearLayer, plan_chain
+from fxfuse.chain_plan import plan_chain
+from fxfuse.cost_model import CostModel, LinearLayer
 
 CANDIDATE_COLUMNS = {"fxfuse-lib": "library", "fxfuse-gemm": "gemm", "fxfuse-mlp": "mlp",
                      "fxfuse-s1": "strassen1", "fxfuse-s2": "strassen2"}

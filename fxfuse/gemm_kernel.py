@@ -349,6 +349,12 @@ class EpilogueGemm(FusedKernel):
         self._kernel = None
         self.launches = 0
         self.fallbacks = 0
+        # programmatic dependent launch: set by the runtime for a specialization it captures in
+        # a CUDA graph (and before the warm-up that compiles the kernel). Only there are the
+        # weights, read before gdc_wait, never written by the kernel just before: the graph
+        # writes no parameter (a model that mutates in place is not captured), and a user's
+        # update between calls precedes the whole graph launch.
+        self.use_pdl = False
 
     def _matches(self, inputs) -> bool:
         if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
@@ -382,7 +388,7 @@ class EpilogueGemm(FusedKernel):
         if m:
             grid = (triton_cdiv(m, c.block_m), triton_cdiv(self.spec.n, c.block_n), c.split_k)
             ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
-            pdl = {"launch_pdl": True} if pdl_available(x.device) else {}
+            pdl = {"launch_pdl": True} if self.use_pdl and pdl_available(x.device) else {}
             with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
                 self.compiled()[grid](x2, self.weight, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
                                       out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,

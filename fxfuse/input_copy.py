@@ -79,8 +79,8 @@ def new_graph(bindable: bool) -> torch.cuda.CUDAGraph:
 def _memcpy_nodes(graph, pairs) -> list | None:
     """[(node, params)] of the graph's memcpy nodes from each (source, static) pair, or None."""
     cuda = driver()
+    graph.instantiate()   # a failure here is a failed capture (the caller falls back), not a missing node
     try:
-        graph.instantiate()
         raw = ctypes.c_void_p(graph.raw_cuda_graph())
     except (AttributeError, RuntimeError) as e:
         logger.info("graph inputs are copied with copy_: no raw graph (%s)", e)
@@ -127,13 +127,23 @@ class GraphInputs:
         params.srcDevice = address
         return _driver.cuGraphExecMemcpyNodeSetParams(self.exec, node, ctypes.byref(params), self.context) == 0
 
+    @staticmethod
+    def _address(x: torch.Tensor, source: torch.Tensor) -> int:
+        """Where the node copies from: the caller's bytes, or, for a tensor whose conjugation or
+        negation is pending (x.conj() of a complex tensor: same bytes, a flag), `source` after
+        copy_ has applied it."""
+        if x.is_conj() or x.is_neg():
+            source.copy_(x)
+            return source.data_ptr()
+        return x.data_ptr()
+
     def load(self, tensors) -> bool:
         """False when the graph must not be replayed any more (its nodes could not be restored)."""
         for k, static in self.copied:
             static.copy_(tensors[k])
         if self.exec is not None:
-            if all(self._point(node, params, tensors[k].data_ptr())
-                   for (k, _), (node, params) in zip(self.bound, self.nodes)):
+            if all(self._point(node, params, self._address(tensors[k], source))
+                   for (k, source), (node, params) in zip(self.bound, self.nodes)):
                 self.node_updates += 1
                 return True
             logger.info("cuGraphExecMemcpyNodeSetParams failed: graph inputs are copied from now on")

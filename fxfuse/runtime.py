@@ -137,6 +137,7 @@ class Specialization:
             self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
             self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
             static_args = self._with_static(example_args)
+            self._set_pdl(True)     # before the warm-up: it compiles the kernels the graph launches
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
@@ -147,12 +148,20 @@ class Specialization:
             self.cuda_graph_note = "captured: one CUDA graph replay per call"
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
+            self._set_pdl(False)
             self.graph = None
             self.cuda_graph_note = f"off: capture failed ({type(e).__name__}: {str(e)[:200]})"
             logger.info("CUDA graph capture failed, running without: %s", e)
             return
         self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
         self.handout = []
+
+    def _set_pdl(self, on: bool) -> None:
+        """Programmatic dependent launch for the generated GEMMs only while they run inside
+        this specialization's CUDA graph (see EpilogueGemm.use_pdl)."""
+        for module in self.gm.modules():
+            if hasattr(module, "use_pdl"):
+                module.use_pdl = on
 
     def _capture_one(self, static_args, pool=None, into=None) -> tuple:
         """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in

@@ -46,8 +46,8 @@ _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_
 def _tensor_metadata(t: torch.Tensor) -> TensorMetadata:
     """ShapeProp's TensorMetadata of a real tensor. Its own _extract_tensor_metadata checks
     memory formats through torch._check, which imports symbolic_shapes and sympy."""
-    memory_format = None
-    if not t.is_sparse:
+    memory_format, strided = None, t.layout == torch.strided   # sparse COO/CSR/...: no strides
+    if strided:
         memory_format = next((f for f in _MEMORY_FORMATS
                               if (f != torch.channels_last or t.dim() == 4)
                               and (f != torch.channels_last_3d or t.dim() == 5)
@@ -58,7 +58,7 @@ def _tensor_metadata(t: torch.Tensor) -> TensorMetadata:
     elif t.is_quantized:
         qparams = {"qscheme": t.qscheme(), "scale": t.q_per_channel_scales().tolist(),
                    "zero_point": t.q_per_channel_zero_points().tolist(), "axis": t.q_per_channel_axis()}
-    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride() if not t.is_sparse else (),
+    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride() if strided else (),
                           memory_format, t.is_quantized, qparams)
 
 

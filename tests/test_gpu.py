@@ -312,10 +312,16 @@ def test_pdl_gemm_chains_match_eager(batch, width):
     from fxfuse.kernel import pdl_available
     if torch.cuda.get_device_capability()[0] >= 9:
         assert pdl_available(torch.device("cuda"))
+    from fxfuse.gemm_kernel import EpilogueGemm
     model = _SharedResidual(width).cuda().eval()
     x = torch.randn(batch, width, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True, gemm="force", fused_mlp="off")
     assert fxfuse.stats(opt)["fused_kernels"] >= 4
+    gemms = [m for m in next(iter(opt.specializations.values())).gm.modules() if isinstance(m, EpilogueGemm)]
+    assert gemms and all(m.use_pdl for m in gemms)              # inside the captured graph only
+    no_graph = fxfuse.optimize(model, x, strict=True, gemm="force", fused_mlp="off", cuda_graphs=False)
+    assert not any(m.use_pdl for m in next(iter(no_graph.specializations.values())).gm.modules()
+                   if isinstance(m, EpilogueGemm))
     with torch.no_grad():
         pairs = []
         for _ in range(4):
@@ -383,3 +389,19 @@ def test_two_inputs_one_bound_one_copied():
         for _ in range(4):
             fa, fb = torch.randn_like(a), torch.randn(8, 64, device="cuda").t()
             assert rel_err(opt(fa, fb), model(fa, fb)) < 1e-6
+
+
+def test_conjugated_complex_input_through_the_graph():
+    """z.conj() has the bytes of z and a flag; the memcpy node must not skip the conjugation."""
+    class Imag(nn.Module):
+        def forward(self, z):
+            return torch.relu(torch.imag(z * 2)) + torch.real(z)
+
+    model = Imag().eval()
+    z = torch.randn(4, 33, dtype=torch.complex64, device="cuda")
+    opt = fxfuse.optimize(model, z, strict=True)
+    with torch.no_grad():
+        for _ in range(2):
+            fresh = torch.randn_like(z)
+            assert torch.allclose(opt(fresh.conj()), model(fresh.conj()))
+            assert torch.allclose(opt(fresh), model(fresh))

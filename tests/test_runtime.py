@@ -189,3 +189,32 @@ def test_optimize_imports_neither_dynamo_nor_sympy():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_graph_inputs_resolve_a_pending_conjugation_before_the_node_reads(monkeypatch):
+    """x.conj() of a complex tensor is the same bytes with a flag: the memcpy node must read
+    the conjugated values, so such an input goes through `source` (copy_ resolves the flag)."""
+    import fxfuse.input_copy as ic
+    fake = _FakeDriver()
+    statics = {0: torch.empty(4, dtype=torch.complex64)}
+    bound = [(0, torch.zeros(4, dtype=torch.complex64))]
+    monkeypatch.setattr(ic, "_driver", fake)
+    monkeypatch.setattr(ic, "_memcpy_nodes", lambda graph, pairs: [(ic.ctypes.c_void_p(10), ic.CUDA_MEMCPY3D())])
+    inputs = ic.GraphInputs(_FakeGraph(), [], bound, statics)
+    z = torch.randn(4, dtype=torch.complex64)
+    assert inputs.load([z.conj()])
+    assert fake.sources[10] == bound[0][1].data_ptr() and torch.equal(bound[0][1], z.conj().resolve_conj())
+    assert inputs.load([z]) and fake.sources[10] == z.data_ptr()
+
+
+def test_sparse_intermediate_traces():
+    class ToSparseAndBack(nn.Module):
+        def forward(self, x):
+            return x.to_sparse_csr().to_dense() * 2 + 1
+
+    model, x = ToSparseAndBack().eval(), torch.randn(3, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # torch: "Sparse CSR tensor support is in beta state"
+        opt = fxfuse.optimize(model, x, strict=True)
+        fresh = torch.randn(3, 5)
+        assert torch.allclose(opt(fresh), model(fresh))
