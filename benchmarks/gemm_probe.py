@@ -5,7 +5,7 @@
 
 Why: `choose_gemm_config` holds the rules (row-wise up to batch 16, columns per program, split-K);
 this times the alternatives around them for one layer, relu(x @ W.T + b), fp32 with TF32 off,
-each in a CUDA graph of back-to-back calls (benchmarks.autotune.per_call_us), next to the
+each in a CUDA graph of back-to-back calls (benchmarks.autotune_cells.per_call_us), next to the
 library GEMM with its bias (F.linear) and what choose_gemm_config picks ("chosen").
 """
 import argparse
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks import common
-from benchmarks.autotune import per_call_us
+from benchmarks.autotune_cells import per_call_us
 
 VARIANTS = {   # label -> GemmConfig overrides; the row-wise ones get block_m from the batch
     "chosen": {},

@@ -16,7 +16,7 @@ def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
     """(CUDA graph, calls): `calls` back-to-back calls of fn captured in one graph, as many as
     make ~target_us of GPU work (1 to max_calls). Warm-up runs off the capture stream
     (compiles, cuBLAS handles, workspaces); outputs die at once, so the graph's pool reuses
-    their memory. The one way fxfuse and benchmarks/autotune.py time a call on the GPU."""
+    their memory. The one way fxfuse and benchmarks/autotune_cells.py time a call on the GPU."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
