@@ -400,6 +400,7 @@ def test_conjugated_complex_input_through_the_graph():
     model = Imag().eval()
     z = torch.randn(4, 33, dtype=torch.complex64, device="cuda")
     opt = fxfuse.optimize(model, z, strict=True)
+    assert [k for k, _ in next(iter(opt.specializations.values())).inputs.bound] == [0]   # the node path
     with torch.no_grad():
         for _ in range(2):
             fresh = torch.randn_like(z)

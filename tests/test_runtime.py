@@ -218,3 +218,4 @@ def test_sparse_intermediate_traces():
         opt = fxfuse.optimize(model, x, strict=True)
         fresh = torch.randn(3, 5)
         assert torch.allclose(opt(fresh), model(fresh))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["kernel_launches"] >= 1
