@@ -66,14 +66,16 @@ def can_bind(static: torch.Tensor) -> bool:
             and static.numel() * static.element_size() <= BIND_MAX_BYTES)
 
 
-def new_graph(bindable: bool) -> torch.cuda.CUDAGraph:
-    """A graph that keeps its cudaGraph_t (to find its nodes) where there is an input to bind."""
+def new_graph(bindable: bool) -> tuple:
+    """(graph, whether it keeps its cudaGraph_t): kept where there is an input to bind, so that
+    GraphInputs can find the memcpy nodes. Without keep_graph (an older torch) the inputs still
+    arrive, through `source` and the graph's own memcpy."""
     if bindable and driver() is not None:
         try:
-            return torch.cuda.CUDAGraph(keep_graph=True)
-        except TypeError:   # a torch without keep_graph
+            return torch.cuda.CUDAGraph(keep_graph=True), True
+        except TypeError:
             pass
-    return torch.cuda.CUDAGraph()
+    return torch.cuda.CUDAGraph(), False
 
 
 def _memcpy_nodes(graph, pairs) -> list | None:
@@ -110,11 +112,11 @@ class GraphInputs:
     [(position, source)]: inputs the graph copies from `source` with a memcpy node of its own.
     """
 
-    def __init__(self, graph, copied: list, bound: list, statics: dict):
+    def __init__(self, graph, keeps_graph: bool, copied: list, bound: list, statics: dict):
         self.copied, self.bound = copied, bound
         self.node_updates = self.copies = 0
         self.exec = self.nodes = None
-        if bound and driver() is not None:
+        if bound and keeps_graph and driver() is not None:
             self.nodes = _memcpy_nodes(graph, [(source, statics[k]) for k, source in bound])
             if self.nodes is not None:
                 context = ctypes.c_void_p()

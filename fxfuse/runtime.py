@@ -166,7 +166,7 @@ class Specialization:
     def _capture_one(self, static_args, pool=None, into=None) -> tuple:
         """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
         flattened order) the graph ends by copying its outputs there."""
-        graph = new_graph(bool(self.bound_in))
+        graph, keeps_graph = new_graph(bool(self.bound_in))
         with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
             for k, source in self.bound_in:
                 self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
@@ -175,7 +175,7 @@ class Specialization:
                 produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
                 for dst, src in zip(into, produced, strict=True):
                     dst.copy_(src)
-        inputs = GraphInputs(graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
+        inputs = GraphInputs(graph, keeps_graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
         return graph, out, inputs
 
     def _free_slot(self):

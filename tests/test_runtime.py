@@ -141,7 +141,7 @@ def _graph_inputs(fake, monkeypatch):
     nodes = [(ic.ctypes.c_void_p(10 + k), ic.CUDA_MEMCPY3D()) for k in range(2)]
     monkeypatch.setattr(ic, "_driver", fake)
     monkeypatch.setattr(ic, "_memcpy_nodes", lambda graph, pairs: nodes)
-    return ic.GraphInputs(_FakeGraph(), [], bound, statics), bound
+    return ic.GraphInputs(_FakeGraph(), True, [], bound, statics), bound
 
 
 def test_graph_inputs_repoint_memcpy_nodes_at_the_callers_tensors(monkeypatch):
@@ -200,7 +200,7 @@ def test_graph_inputs_resolve_a_pending_conjugation_before_the_node_reads(monkey
     bound = [(0, torch.zeros(4, dtype=torch.complex64))]
     monkeypatch.setattr(ic, "_driver", fake)
     monkeypatch.setattr(ic, "_memcpy_nodes", lambda graph, pairs: [(ic.ctypes.c_void_p(10), ic.CUDA_MEMCPY3D())])
-    inputs = ic.GraphInputs(_FakeGraph(), [], bound, statics)
+    inputs = ic.GraphInputs(_FakeGraph(), True, [], bound, statics)
     z = torch.randn(4, dtype=torch.complex64)
     assert inputs.load([z.conj()])
     assert fake.sources[10] == bound[0][1].data_ptr() and torch.equal(bound[0][1], z.conj().resolve_conj())
@@ -219,3 +219,16 @@ def test_sparse_intermediate_traces():
         fresh = torch.randn(3, 5)
         assert torch.allclose(opt(fresh), model(fresh))
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["kernel_launches"] >= 1
+
+
+def test_graph_inputs_without_a_kept_graph_copy_into_the_source(monkeypatch):
+    """A torch without keep_graph: the nodes cannot be found, so the input goes into `source`
+    and the graph's own memcpy carries it on; no driver call is made."""
+    import fxfuse.input_copy as ic
+    fake = _FakeDriver(fail_at={"all"})
+    monkeypatch.setattr(ic, "_driver", fake)
+    bound = [(0, torch.zeros(6))]
+    inputs = ic.GraphInputs(_FakeGraph(), False, [], bound, {0: torch.empty(6)})
+    x = torch.randn(6)
+    assert inputs.exec is None and "copied, then" in inputs.note
+    assert inputs.load([x]) and torch.equal(bound[0][1], x) and fake.calls == 0 and inputs.copies == 1
