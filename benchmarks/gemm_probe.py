@@ -41,7 +41,7 @@ def probe(m, h, label, override, args):
     spec = GemmSpec(h, h, torch.float32, (Pointwise(1, "add", (("value", 0), ("vector", 0))),
                                           Pointwise(2, "relu", (("value", 1),))), 2)
     override = dict(override)
-    if override.get("rowwise"):
+    if override.get("rowwise") and "block_m" not in override:   # block_m given: the sweep's row-wise tiles
         if m > 16:
             return None, "row-wise is for batch <= 16"
         override["block_m"] = 1 << (m - 1).bit_length()

@@ -68,7 +68,8 @@ class GemmConfig:
 
 
 ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
-ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator (64 registers at 4 warps)
+ROWWISE_FP32_MAX_BATCH = 64  # fp32 without TF32: tl.dot is FMA code as well, and the row-wise form wins up to here
+ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator per 4 warps (64 registers)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -83,30 +84,41 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     128 K per step took 6.9 us, 16 x 32 took 13.4 us (cuBLAS with bias 7.9 us). Batch 1 from
     benchmarks/rowwise_probe.py (8 layers with PDL, GPU time): K steps of 512 instead of 256
     took 17.0 vs 20.2 us at width 1024 and 62.9 vs 65.1 at 2048, the same at 128 and 512;
-    at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024)."""
-    block_m = _pow2_at_least(m)
+    at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024).
+
+    Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows, or 32
+    with 8 warps from 64 rows on, K in steps of <= 64 there. benchmarks/gemm_sweep.py, one
+    layer with bias and ReLU (tl.dot form as chosen before / row-wise / cuBLAS): batch 32,
+    width 1024: 13.7 / 6.8 / 15.7 us; batch 64, width 128: 5.8 / 2.4-2.8 / 14.8; width 512:
+    11.0 / 4.3 / 10.0; width 1024: 17.4 / 10.6 (32 rows, 8 warps; 16 rows: 13.6) / 25.6.
+    At width 2048 (batch 64) cuBLAS wins (36.9 us; row-wise 52.5, tl.dot 48.1): the cost
+    model's measured table sends such layers to the library."""
+    block_m = _pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64 else 32
+    warps = 4 if block_m <= 16 else 8
+    budget = ROWWISE_TILE_ELEMENTS * warps // 4
     block_n = max(min(4, block_m), 1 << max(0, (spec.n // SMS).bit_length() - 1))
-    block_n = min(block_n, _pow2_at_least(spec.n), ROWWISE_TILE_ELEMENTS // (block_m * 16))
-    block_k = min(512 if block_m == 1 else 256, _pow2_at_least(spec.k),
-                  max(16, ROWWISE_TILE_ELEMENTS // (block_m * block_n)))
+    block_n = min(block_n, _pow2_at_least(spec.n), budget // (block_m * 16))
+    block_k = min(512 if block_m == 1 else 256 if block_m <= 16 else 64, _pow2_at_least(spec.k),
+                  max(16, budget // (block_m * block_n)))
     programs = triton_cdiv(spec.n, block_n)
     split = 1
     while split < MAX_SPLIT_K and programs * split * 2 <= SMS and spec.k >= block_k * split * 2 * 2:
         split *= 2
-    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3,
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3,
                 precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True)
 
 
 def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **override) -> GemmConfig:
     """Tile sizes and split-K for a batch of m rows: one place, apart from correctness.
 
-    Up to ROWWISE_MAX_BATCH rows the row-wise form (_rowwise_config). Else rows per tile follow
+    Up to ROWWISE_MAX_BATCH rows (fp32 IEEE: ROWWISE_FP32_MAX_BATCH) the row-wise form
+    (_rowwise_config). Else rows per tile follow
     the batch (32..64, or 128 for tensor-core dtypes at large batch), 32 x 32 tiles for fp32
     layers too narrow to fill a quarter of the SMs with 64 x 64 (gemm_probe: batch 64, width
     128: 5.7 us vs 14.0 us), split-K by _split_k. `override` sets fields (tests, the probe).
     """
     tensor_cores = spec.dtype != torch.float32 or allow_tf32
-    if m <= ROWWISE_MAX_BATCH and override.get("rowwise", True):
+    if m <= (ROWWISE_MAX_BATCH if tensor_cores else ROWWISE_FP32_MAX_BATCH) and override.get("rowwise", True):
         cfg = _rowwise_config(m, spec, allow_tf32)
         cfg.update(override)
         return GemmConfig(**cfg)

@@ -327,3 +327,13 @@ def test_a_calibration_without_a_kernels_table_never_picks_that_kernel(tmp_path)
     assert fxfuse.stats(opt)["library_calls"] == 0
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_merge_calibration_rows():
+    """Re-measured rows replace those of the same m, new ones go in order, other axes must match."""
+    from benchmarks.merge_calibration import merge_rows
+    old = {"m": [1, 16, 64], "h": [128, 256], "us": [[1, 2], [3, 4], [5, 6]]}
+    merged = merge_rows(old, {"m": [32, 64], "h": [128, 256], "us": [[7, 8], [9, 10]]})
+    assert merged == {"m": [1, 16, 32, 64], "h": [128, 256], "us": [[1, 2], [3, 4], [7, 8], [9, 10]]}
+    with pytest.raises(ValueError, match="axes differ"):
+        merge_rows(old, {"m": [32], "h": [128], "us": [[7]]})

@@ -65,6 +65,16 @@ def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype, rowwise):
         check(model, mod, torch.randn(m, k, dtype=dtype))  # and the next launch is right too
 
 
+@pytest.mark.parametrize("m", [40, 64])
+def test_row_wise_chosen_past_16_rows(m):
+    """fp32 batches 17..64 take the row-wise form with 16 or 32 rows per program: several row
+    tiles, the last one partial at another batch."""
+    model, mod = layer(70, 45, nn.GELU, torch.float32, m=m)
+    assert mod.config.rowwise and mod.config.block_m == (16 if m < 64 else 32) and "tl.dot" not in mod.source
+    check(model, mod, torch.randn(m, 70))
+    check(model, mod, torch.randn(m + 9, 70))
+
+
 @pytest.mark.parametrize("budget", [4096, 128, 1])
 def test_row_wise_weight_prefetch_steps(budget, monkeypatch):
     """W tiles of the first steps are loaded before gdc_wait, the rest in the loop: every split
@@ -125,24 +135,29 @@ def test_config_choice_splits_k_for_small_batch_only():
     assert "powers of two" in why_not_gemm(spec, choose_gemm_config(1, spec, block_n=3))
 
 
-@pytest.mark.parametrize("m,rowwise,block_m", [(1, True, 1), (3, True, 4), (16, True, 16), (17, False, 32)])
-def test_config_row_wise_for_small_batch(m, rowwise, block_m):
-    """Small batch: the GEMV form, batch rounded up to a power of two, W spread over >= 128
-    programs at width 1024; narrow layers get one column per program."""
-    spec = GemmSpec(1024, 1024, torch.float32)
+@pytest.mark.parametrize("m,dtype,rowwise,block_m", [
+    (1, torch.float32, True, 1), (3, torch.float32, True, 4), (16, torch.float32, True, 16),
+    (17, torch.float32, True, 16), (64, torch.float32, True, 32), (65, torch.float32, False, 64),
+    (16, torch.float16, True, 16), (17, torch.float16, False, 32)])
+def test_config_row_wise_for_small_batch(m, dtype, rowwise, block_m):
+    """Small batch: the GEMV form, batch rounded up to a power of two (past 16 rows, fp32 IEEE
+    only: 16 or 32 rows per program), W spread over >= 128 programs at width 1024; narrow
+    layers get one column per program; tensor-core dtypes leave it past 16 rows."""
+    spec = GemmSpec(1024, 1024, dtype)
     cfg = choose_gemm_config(m, spec)
     assert (cfg.rowwise, cfg.block_m) == (rowwise, block_m) and why_not_gemm(spec, cfg) is None
     if rowwise:
         assert -(-1024 // cfg.block_n) * cfg.split_k >= 128
-        assert cfg.block_m * cfg.block_n * cfg.block_k <= 8192
+        assert cfg.block_m * cfg.block_n * cfg.block_k <= 2048 * cfg.num_warps
     assert choose_gemm_config(1, GemmSpec(128, 128, torch.float32)).block_n == 1
+    assert not choose_gemm_config(17, spec, allow_tf32=True).rowwise
 
 
 def test_config_checks():
     spec = GemmSpec(1024, 1024, torch.float32)
     bad = GemmSpec(8, 8, torch.float32, (Pointwise(1, "relu", (("value", 2),)),), 1)
     assert "cannot see" in why_not_gemm(bad)
-    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32, m=64)[1].source
+    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32, m=65)[1].source
 
 
 @pytest.mark.cuda   # each case compiles its own kernel: kept few

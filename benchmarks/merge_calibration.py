@@ -1,0 +1,64 @@
+"""Merge rows of a new autotune file into a shipped calibration table.
+
+    python -m benchmarks.merge_calibration NEW.json --into fxfuse/calibration/X.json \\
+        --table gemm_epilogue --dtype float32 --why "the row-wise rule now covers batch <= 64"
+
+Why: when one kernel's rules change, re-measuring the whole calibration costs minutes of GPU
+time for tables that did not move. `autotune --sections gemm --m 32,64` measures only the rows
+that changed; this puts them into the shipped table (a row of the same m is replaced, a new m
+is inserted in order), keeps every other row and table, records the merge under "updates",
+and checks the result with validate_calibration.
+"""
+import argparse
+import json
+import sys
+import time
+
+from fxfuse.calibration import validate_calibration
+
+
+def merge_rows(old: dict, new: dict, axis: str = "m") -> dict:
+    """old's table entry with new's rows (by the first axis) put in; the other axis must match
+    (a new row must give a value wherever the old table has one)."""
+    other = next(k for k in old if k not in (axis, "us"))
+    if new[other] != old[other]:
+        raise ValueError(f"the {other} axes differ: {new[other]} vs {old[other]}")
+    rows = dict(zip(old[axis], old["us"]))
+    rows.update(zip(new[axis], new["us"]))
+    keys = sorted(rows)
+    return {axis: keys, other: old[other], "us": [rows[k] for k in keys]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("new")
+    ap.add_argument("--into", required=True)
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--dtype", required=True, help="e.g. float32")
+    ap.add_argument("--why", required=True)
+    args = ap.parse_args(argv)
+    with open(args.new) as f:
+        new = json.load(f)
+    with open(args.into) as f:
+        shipped = json.load(f)
+    if (new["device"], new["torch"], new["triton"]) != (shipped["device"], shipped["torch"], shipped["triton"]):
+        print("device, torch or triton differ: not merged", file=sys.stderr)
+        return 1
+    entry = shipped["tables"][args.table][args.dtype]
+    shipped["tables"][args.table][args.dtype] = merge_rows(entry, new["tables"][args.table][args.dtype])
+    shipped.setdefault("updates", []).append({
+        "tables": [args.table], "dtype": args.dtype, "rows": new["tables"][args.table][args.dtype]["m"],
+        "created": new.get("created", time.strftime("%Y-%m-%d %H:%M:%S")), "command": new.get("command"),
+        "why": args.why})
+    problems = validate_calibration(shipped)
+    if problems:
+        print("not merged: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    with open(args.into, "w") as f:
+        json.dump(shipped, f, indent=1)
+    print(f"merged {args.table}/{args.dtype} rows {new['tables'][args.table][args.dtype]['m']} into {args.into}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
