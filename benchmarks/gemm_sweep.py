@@ -28,10 +28,10 @@ SMS = 132
 def candidates(m: int, h: int, rowwise_only: bool = False):
     """Overrides to try, ordered so that the likely ones come first."""
     out = []
-    for bm, bn, bk, split, warps in itertools.product([16, 32], [2, 4, 8, 16], [32, 64, 128, 256], [1, 2, 4, 8],
+    for bm, bn, bk, split, warps in itertools.product([16, 32, 64], [2, 4, 8, 16], [32, 64, 128, 256], [1, 2, 4, 8],
                                                       [4, 8]):
         programs = -(-m // bm) * -(-h // bn) * split   # row-wise form
-        if bm * bn * bk <= 2048 * warps and h >= split * bk and programs <= 32 * SMS and bm <= max(16, m // 2):
+        if bm * bn * bk <= 2048 * warps and h >= split * bk and programs <= 32 * SMS and bm <= max(16, m):
             score = abs(programs - 2 * SMS) / SMS / 4 + (bm != 16) * 0.2 + (warps != 4) * 0.3
             out.append((score, dict(rowwise=True, block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps)))
     if rowwise_only:

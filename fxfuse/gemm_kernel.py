@@ -86,15 +86,17 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     took 17.0 vs 20.2 us at width 1024 and 62.9 vs 65.1 at 2048, the same at 128 and 512;
     at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024).
 
-    Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows, or 32
-    with 8 warps from 64 rows on, K in steps of <= 64 there. benchmarks/gemm_sweep.py, one
-    layer with bias and ReLU (tl.dot form as chosen before / row-wise / cuBLAS): batch 32,
-    width 1024: 13.7 / 6.8 / 15.7 us; batch 64, width 128: 5.8 / 2.4-2.8 / 14.8; width 512:
-    11.0 / 4.3 / 10.0; width 1024: 17.4 / 10.6 (32 rows, 8 warps; 16 rows: 13.6) / 25.6.
-    At width 2048 (batch 64) cuBLAS wins (36.9 us; row-wise 52.5, tl.dot 48.1): the cost
-    model's measured table sends such layers to the library."""
-    block_m = _pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64 else 32
-    warps = 4 if block_m <= 16 else 8
+    Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows; at 64
+    rows 32 rows with 8 warps, or, from K = 1024 on, all 64 rows with 4 warps (W read once),
+    K in steps of <= 64 there. benchmarks/gemm_sweep.py, one layer with bias and ReLU (tl.dot
+    form as chosen before / row-wise / cuBLAS): batch 32, width 1024: 13.7 / 6.8 / 15.7 us;
+    batch 64, width 128: 5.8 / 2.3 / 14.4; width 512: 11.0 / 4.4 / 10.2; width 1024: 17.4 /
+    9.0 (64 rows x 4 columns x 32 K; 32 rows, 8 warps: 10.6; 16 rows: 11.9) / 24.8. At width
+    2048 (batch 64) cuBLAS wins (36.9 us; row-wise 52.5, tl.dot 48.1): the cost model's
+    measured table sends such layers to the library."""
+    block_m = (_pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64
+               else 64 if spec.k >= 1024 else 32)
+    warps = 8 if block_m == 32 else 4
     budget = ROWWISE_TILE_ELEMENTS * warps // 4
     block_n = max(min(4, block_m), 1 << max(0, (spec.n // SMS).bit_length() - 1))
     block_n = min(block_n, _pow2_at_least(spec.n), budget // (block_m * 16))

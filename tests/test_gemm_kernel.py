@@ -65,14 +65,14 @@ def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype, rowwise):
         check(model, mod, torch.randn(m, k, dtype=dtype))  # and the next launch is right too
 
 
-@pytest.mark.parametrize("m", [40, 64])
-def test_row_wise_chosen_past_16_rows(m):
-    """fp32 batches 17..64 take the row-wise form with 16 or 32 rows per program: several row
-    tiles, the last one partial at another batch."""
-    model, mod = layer(70, 45, nn.GELU, torch.float32, m=m)
-    assert mod.config.rowwise and mod.config.block_m == (16 if m < 64 else 32) and "tl.dot" not in mod.source
-    check(model, mod, torch.randn(m, 70))
-    check(model, mod, torch.randn(m + 9, 70))
+@pytest.mark.parametrize("m,k,n,block_m", [(40, 70, 45, 16), (64, 70, 45, 32), (64, 1024, 12, 64)])
+def test_row_wise_chosen_past_16_rows(m, k, n, block_m):
+    """fp32 batches 17..64 take the row-wise form with 16, 32 or 64 rows per program: several
+    row tiles, the last one partial at another batch."""
+    model, mod = layer(k, n, nn.GELU, torch.float32, m=m)
+    assert mod.config.rowwise and mod.config.block_m == block_m and "tl.dot" not in mod.source
+    check(model, mod, torch.randn(m, k))
+    check(model, mod, torch.randn(m + 9, k))
 
 
 @pytest.mark.parametrize("budget", [4096, 128, 1])
@@ -137,11 +137,11 @@ def test_config_choice_splits_k_for_small_batch_only():
 
 @pytest.mark.parametrize("m,dtype,rowwise,block_m", [
     (1, torch.float32, True, 1), (3, torch.float32, True, 4), (16, torch.float32, True, 16),
-    (17, torch.float32, True, 16), (64, torch.float32, True, 32), (65, torch.float32, False, 64),
+    (17, torch.float32, True, 16), (64, torch.float32, True, 64), (65, torch.float32, False, 64),
     (16, torch.float16, True, 16), (17, torch.float16, False, 32)])
 def test_config_row_wise_for_small_batch(m, dtype, rowwise, block_m):
     """Small batch: the GEMV form, batch rounded up to a power of two (past 16 rows, fp32 IEEE
-    only: 16 or 32 rows per program), W spread over >= 128 programs at width 1024; narrow
+    only: 16, 32 or 64 rows per program), W spread over >= 128 programs at width 1024; narrow
     layers get one column per program; tensor-core dtypes leave it past 16 rows."""
     spec = GemmSpec(1024, 1024, dtype)
     cfg = choose_gemm_config(m, spec)
