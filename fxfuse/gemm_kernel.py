@@ -68,7 +68,7 @@ class GemmConfig:
 
 
 ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
-ROWWISE_FP32_MAX_BATCH = 64  # fp32 without TF32: tl.dot is FMA code as well, and the row-wise form wins up to here
+ROWWISE_FP32_MAX_BATCH = 256  # fp32 without TF32: tl.dot is FMA code as well, and the row-wise form wins up to here
 ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator per 4 warps (64 registers)
 
 
@@ -86,23 +86,25 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     took 17.0 vs 20.2 us at width 1024 and 62.9 vs 65.1 at 2048, the same at 128 and 512;
     at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024).
 
-    Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows; at 64
-    rows 32 rows with 8 warps, or, from K = 1024 on, all 64 rows with 4 warps (W read once),
-    K in steps of <= 64 there. benchmarks/gemm_sweep.py, one layer with bias and ReLU (tl.dot
-    form as chosen before / row-wise / cuBLAS): batch 32, width 1024: 13.7 / 6.8 / 15.7 us;
-    batch 64, width 128: 5.8 / 2.3 / 14.4; width 512: 11.0 / 4.4 / 10.2; width 1024: 17.4 /
-    9.0 (64 rows x 4 columns x 32 K; 32 rows, 8 warps: 10.6; 16 rows: 11.9) / 24.8. At width
-    2048 (batch 64) cuBLAS wins (36.9 us; row-wise 52.5, tl.dot 48.1): the cost model's
-    measured table sends such layers to the library."""
+    Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows below
+    64; at 64 rows and K < 1024, 32 rows with 8 warps; else 64 rows with 4 warps (W read once
+    per 64 rows), 4 columns x 32 K. benchmarks/gemm_sweep.py, one layer with bias and ReLU
+    (tl.dot form as chosen before / row-wise / cuBLAS): batch 32, width 1024: 13.7 / 6.8 /
+    15.7 us; batch 64, width 128: 5.8 / 2.3 / 14.4; width 512: 11.0 / 4.4 / 10.2; width
+    1024: 17.4 / 9.0 (32 rows, 8 warps: 10.6; 16 rows: 11.9) / 24.8; batch 128, width 512:
+    10.9 / 5.6 / 20.0; width 1024: 26.4 / 16.3 / 31.2; batch 256, width 128: 6.2 / 2.8 / 5.3;
+    width 512: 16.1 / 10.2 / 11.7. Where cuBLAS wins (batch 64, width 2048: 36.9 us against
+    row-wise 52.5 and tl.dot 48.1; batch 256, width 1024: 29.6 against 37.7 and 35.3) the
+    cost model's measured table sends the layer to the library."""
     block_m = (_pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64
-               else 64 if spec.k >= 1024 else 32)
+               else 32 if m == 64 and spec.k < 1024 else 64)
     warps = 8 if block_m == 32 else 4
     budget = ROWWISE_TILE_ELEMENTS * warps // 4
     block_n = max(min(4, block_m), 1 << max(0, (spec.n // SMS).bit_length() - 1))
     block_n = min(block_n, _pow2_at_least(spec.n), budget // (block_m * 16))
     block_k = min(512 if block_m == 1 else 256 if block_m <= 16 else 64, _pow2_at_least(spec.k),
                   max(16, budget // (block_m * block_n)))
-    programs = triton_cdiv(spec.n, block_n)
+    programs = triton_cdiv(m, block_m) * triton_cdiv(spec.n, block_n)
     split = 1
     while split < MAX_SPLIT_K and programs * split * 2 <= SMS and spec.k >= block_k * split * 2 * 2:
         split *= 2

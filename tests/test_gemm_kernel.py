@@ -65,9 +65,10 @@ def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype, rowwise):
         check(model, mod, torch.randn(m, k, dtype=dtype))  # and the next launch is right too
 
 
-@pytest.mark.parametrize("m,k,n,block_m", [(40, 70, 45, 16), (64, 70, 45, 32), (64, 1024, 12, 64)])
+@pytest.mark.parametrize("m,k,n,block_m", [(40, 70, 45, 16), (64, 70, 45, 32), (64, 1024, 12, 64),
+                                            (150, 33, 20, 64)])
 def test_row_wise_chosen_past_16_rows(m, k, n, block_m):
-    """fp32 batches 17..64 take the row-wise form with 16, 32 or 64 rows per program: several
+    """fp32 batches 17..256 take the row-wise form with 16, 32 or 64 rows per program: several
     row tiles, the last one partial at another batch."""
     model, mod = layer(k, n, nn.GELU, torch.float32, m=m)
     assert mod.config.rowwise and mod.config.block_m == block_m and "tl.dot" not in mod.source
@@ -137,7 +138,8 @@ def test_config_choice_splits_k_for_small_batch_only():
 
 @pytest.mark.parametrize("m,dtype,rowwise,block_m", [
     (1, torch.float32, True, 1), (3, torch.float32, True, 4), (16, torch.float32, True, 16),
-    (17, torch.float32, True, 16), (64, torch.float32, True, 64), (65, torch.float32, False, 64),
+    (17, torch.float32, True, 16), (64, torch.float32, True, 64), (256, torch.float32, True, 64),
+    (257, torch.float32, False, 64),
     (16, torch.float16, True, 16), (17, torch.float16, False, 32)])
 def test_config_row_wise_for_small_batch(m, dtype, rowwise, block_m):
     """Small batch: the GEMV form, batch rounded up to a power of two (past 16 rows, fp32 IEEE
@@ -157,7 +159,7 @@ def test_config_checks():
     spec = GemmSpec(1024, 1024, torch.float32)
     bad = GemmSpec(8, 8, torch.float32, (Pointwise(1, "relu", (("value", 2),)),), 1)
     assert "cannot see" in why_not_gemm(bad)
-    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32, m=65)[1].source
+    assert 'input_precision="ieee"' in layer(24, 13, nn.ReLU, torch.float32, m=257)[1].source
 
 
 @pytest.mark.cuda   # each case compiles its own kernel: kept few
