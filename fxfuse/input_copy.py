@@ -126,8 +126,16 @@ class GraphInputs:
                      else "copied into static buffers" if not bound else "copied, then the graph's memcpy")
 
     def _point(self, node, params, address) -> bool:
-        params.srcDevice = address
-        return _driver.cuGraphExecMemcpyNodeSetParams(self.exec, node, ctypes.byref(params), self.context) == 0
+        """Re-point one node; `params` keeps what the node reads now, so a call with the tensor
+        of the previous call (a loop over one input buffer, or the caching allocator handing
+        back the same block) costs no driver call: the node reads its bytes at the replay."""
+        if params.srcDevice == address:
+            return True
+        old, params.srcDevice = params.srcDevice, address
+        if _driver.cuGraphExecMemcpyNodeSetParams(self.exec, node, ctypes.byref(params), self.context) == 0:
+            return True
+        params.srcDevice = old
+        return False
 
     @staticmethod
     def _address(x: torch.Tensor, source: torch.Tensor) -> int:
