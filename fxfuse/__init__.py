@@ -5,11 +5,11 @@
 """
 from . import log as _log  # noqa: F401  (installs the quiet-by-default logger)
 from .api import optimize, stats
-from .errors import CodegenError, FxfuseError, GuardError, TraceError, UnsupportedError
+from .errors import CodegenError, FxfuseError, GuardError, OptionError, TraceError, UnsupportedError
 from .options import Options
 from .report import explain
 from .runtime import FxfuseWarning, OptimizedModule
 
 __version__ = "0.1.0"
 __all__ = ["optimize", "explain", "stats", "Options", "OptimizedModule", "FxfuseError", "TraceError",
-           "GuardError", "UnsupportedError", "CodegenError", "FxfuseWarning"]
+           "GuardError", "UnsupportedError", "CodegenError", "OptionError", "FxfuseWarning"]

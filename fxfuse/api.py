@@ -5,15 +5,14 @@ warning that names the reason (or raises the FxfuseError under strict=True). Eac
 specialization is checked against the original module on the input it was built from; a
 mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 """
-import warnings
 
 import torch
 
-from .errors import FxfuseError, UnsupportedError
+from .errors import FxfuseError, UnsupportedError, warn
 from .kernel import interpreting, kernels_available
 from .log import logger
 from .options import Options
-from .runtime import FxfuseWarning, OptimizedModule
+from .runtime import OptimizedModule
 from .tracing import clone_args, trace
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
@@ -43,20 +42,20 @@ def build_graph(model, args: tuple, options: Options):
     """Trace, rewrite, and verify one specialization; returns the rewritten GraphModule."""
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
 
-    use_kernels = options.use_kernels
+    use_kernels, warning = options.use_kernels, None
     if use_kernels is None:
         devices = {a.device for a in args if isinstance(a, torch.Tensor)}
         use_kernels = bool(devices) and all(kernels_available(d) for d in devices)
         if not use_kernels and not interpreting() and devices and all(d.type == "cpu" for d in devices):
-            warnings.warn("fxfuse: no CUDA device, so fused groups run their torch reference "
-                          "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
-                          "The rewritten graph runs and explain() tells the story; speed needs a GPU.",
-                          FxfuseWarning, stacklevel=4)
+            warning = ("fxfuse: no CUDA device, so fused groups run their torch reference "
+                       "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
+                       "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
     with torch.no_grad():
         gm = trace(model, args)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         gm.meta["fxfuse_options"] = options
+        gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
             _verify(model, gm, args)
     return gm
@@ -123,10 +122,14 @@ def _desc(t) -> str:
 def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Module:
     """Return a module computing what `model` computes on inputs like `example_input`, faster.
 
-    Options (keyword arguments): see fxfuse.Options. Unknown options raise FxfuseError.
+    Options (keyword arguments): see fxfuse.Options. Unknown options and values out of range
+    raise OptionError (an FxfuseError and a ValueError).
     """
     opts = Options.from_kwargs(**options)
     args = _as_args(example_input)
+    if isinstance(model, OptimizedModule):   # optimize(optimize(m, x), x): build again from m
+        logger.info("optimize() got an OptimizedModule: optimizing its original module again")
+        model = model.original
     _check_model(model)
     try:
         return OptimizedModule(model, args, opts, build_graph)
@@ -136,7 +139,7 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
                 e.__traceback__)
         if opts.strict:
             raise e
-        warnings.warn(f"fxfuse: {e} -- returning the original module unchanged", FxfuseWarning, stacklevel=2)
+        warn(f"fxfuse: {e} -- returning the original module unchanged")
         return model
 
 
@@ -145,10 +148,10 @@ def stats(optimized) -> dict:
     if not isinstance(optimized, OptimizedModule):
         return {"optimized": False, "fused_kernels": 0, "library_calls": 0, "specializations": 0,
                 "kernel_launches": 0, "reference_fallbacks": 0}
-    spec = next(iter(optimized.specializations.values()))
     fused = library = 0
-    for node in spec.gm.graph.nodes:
-        kind = node_kind(spec.gm, node)
+    first = next(iter(optimized.specializations.values()), None)   # None after load_state_dict
+    for node in first.gm.graph.nodes if first is not None else ():
+        kind = node_kind(first.gm, node)
         fused += kind == "fused kernel"
         library += kind == "library call"
     kernels = list(optimized.fused_kernels())

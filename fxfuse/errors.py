@@ -1,5 +1,7 @@
 """The exceptions fxfuse raises (all derive from FxfuseError, so one except clause catches them)
 and the category of its warnings."""
+import sys
+import warnings
 
 
 class FxfuseError(Exception):
@@ -22,5 +24,25 @@ class CodegenError(FxfuseError):
     """A fused group could not be turned into a kernel (names the node and the reason)."""
 
 
+class OptionError(FxfuseError, ValueError):
+    """An option of fxfuse.optimize has a value outside its range (also a ValueError)."""
+
+
 class FxfuseWarning(UserWarning):
     """Category of fxfuse's fallback warnings, so users can filter them."""
+
+
+def _internal(frame) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return name == "fxfuse" or name.startswith("fxfuse.") or name == "torch.nn.modules.module"
+
+
+def warn(message: str) -> None:
+    """Warn with FxfuseWarning at the user's line: the first frame outside fxfuse and torch's
+    Module.__call__. A fixed stacklevel cannot do it (the same warning comes from optimize()
+    and from a call several frames deeper), and a file:line inside fxfuse or torch would also
+    make the default filter (once per location) merge or split warnings arbitrarily."""
+    frame, level = sys._getframe(1), 2     # stacklevel 2 is warn()'s caller
+    while frame is not None and _internal(frame):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, FxfuseWarning, stacklevel=level)

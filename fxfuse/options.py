@@ -1,7 +1,8 @@
 """Options of fxfuse.optimize, one frozen dataclass so a specialization can record what built it."""
+import math
 from dataclasses import dataclass, fields, replace
 
-from .errors import FxfuseError
+from .errors import OptionError
 
 
 MODES = ("off", "auto", "force")   # strassen, gemm, fused_mlp: never, where the cost model says, always
@@ -42,15 +43,19 @@ class Options:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise FxfuseError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+            raise OptionError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
         opts = cls(**kwargs)
         if opts.max_specializations < 1:
-            raise FxfuseError("max_specializations must be at least 1")
+            raise OptionError("max_specializations must be at least 1")
         for name in ("strassen", "gemm", "fused_mlp"):
             if getattr(opts, name) not in MODES:
-                raise FxfuseError(f"option {name}={getattr(opts, name)!r}; expected one of {MODES}")
+                raise OptionError(f"option {name}={getattr(opts, name)!r}; expected one of {MODES}")
         if not 1 <= opts.strassen_levels <= MAX_STRASSEN_LEVELS:
-            raise FxfuseError(f"strassen_levels must be 1..{MAX_STRASSEN_LEVELS}, got {opts.strassen_levels}")
+            raise OptionError(f"strassen_levels must be 1..{MAX_STRASSEN_LEVELS}, got {opts.strassen_levels}")
+        tol = opts.tolerance   # a negative or nan tolerance would silently reject (or accept) every layer
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
+                                or tol < 0):
+            raise OptionError(f"option tolerance={tol!r}: expected a finite number >= 0 (a relative error), or None")
         return opts
 
     def with_(self, **kwargs) -> "Options":

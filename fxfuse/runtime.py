@@ -25,15 +25,22 @@ and the graphs never run concurrently). The handed-out buffers are allocated out
 before capture: a buffer inside it could be a block that another graph uses for an
 intermediate (free as far as the allocator knows, written at every replay of that graph). An
 earlier version handed out the graphs' own outputs and failed exactly so on the H100.
+
+Weights: a specialization holds copies of some weights (BatchNorm folded into Linear/Conv,
+packed fused-MLP weights, Strassen's combined blocks), so new weights need a new build. A
+load_state_dict on the model (or on the OptimizedModule, whose state_dict is the original's)
+drops every specialization and the next call rebuilds; in-place edits of parameters
+(`w.data.mul_()`, an optimizer step) are not seen: call fxfuse.optimize again.
 """
 import inspect
 import time
-import warnings
+import weakref
+from collections import OrderedDict
 
 import torch
 import torch.fx
 
-from .errors import FxfuseError, FxfuseWarning, GuardError  # noqa: F401  (FxfuseWarning re-exported)
+from .errors import FxfuseError, FxfuseWarning, GuardError, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
@@ -222,31 +229,96 @@ class Specialization:
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
 
 
+class _RebuildOnLoad:
+    """load_state_dict post hook on every submodule of the original model: drops the
+    OptimizedModule's specializations, whose weight copies are stale after the load.
+
+    Holds only a weakref (the model must not keep the OptimizedModule alive), and pickles or
+    deep-copies as a no-op hook: torch.save(model) and copy.deepcopy(model) keep working, and
+    a copy of the model does not invalidate the OptimizedModule built from the original."""
+
+    def __init__(self, owner):
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, module, incompatible_keys) -> None:
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None:
+            owner.drop_specializations(f"load_state_dict on {type(module).__name__}")
+
+    def __getstate__(self):
+        return {"_owner": None}
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _without_specializations(module, state_dict, prefix, local_metadata) -> None:
+    """opt.state_dict() is the original's, under "original.": a specialization's tensors are
+    derived from it (and named per build), so they are neither saved nor expected on load."""
+    for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
+        del state_dict[key]
+
+
+def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
+    """opt.load_state_dict: drop the specializations before the children load (their keys
+    would be missing), and ignore specialization keys a state_dict of an older fxfuse holds."""
+    module.drop_specializations("load_state_dict")
+    for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
+        del state_dict[key]
+
+
 class OptimizedModule(torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
 
     def __init__(self, model: torch.nn.Module, example_args: tuple, options, build):
         super().__init__()
         self.original = model
+        self.training = model.training     # eval, like the model (forward() reads original.training)
         self.options = options
         self._build = build                # (model, args, options) -> GraphModule
         self.specializations: dict = {}
         self.misses: list = []
         self._warned: set = set()
+        self._built = 0                    # specialization_N names stay unique across rebuilds
         self.add_specialization(example_args)
+        hook = _RebuildOnLoad(self)
+        handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
+        weakref.finalize(self, _remove_hooks, handles)
+        self.register_state_dict_post_hook(_without_specializations)
+        self.register_load_state_dict_pre_hook(_load_drops_specializations)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
+                        "CUDA graphs. Save opt.original (or its state_dict()) and call fxfuse.optimize "
+                        "again after loading.")
 
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
         gm = self._build(self.original, args, self.options)
+        gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start))
         self.specializations[spec.signature] = spec
-        self.add_module(f"specialization_{len(self.specializations) - 1}", gm)
+        self.add_module(f"specialization_{self._built}", gm)
+        self._built += 1
+        if gm.meta.get("fxfuse_warning"):   # once per OptimizedModule, not per specialization
+            self._warn_once("no-cuda", gm.meta["fxfuse_warning"])
         return spec
+
+    def drop_specializations(self, reason: str) -> None:
+        """Forget every specialization (the next call builds one from the current weights)."""
+        if not self.specializations:
+            return
+        logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
+        self.specializations, self.misses = {}, []
+        # a new dict, not a deletion: opt.load_state_dict may be iterating over the old one
+        self._modules = OrderedDict((k, m) for k, m in self._modules.items() if not k.startswith("specialization_"))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, FxfuseWarning, stacklevel=3)
+            warn(message)
 
     def _needs_autograd(self, args) -> bool:
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
@@ -291,9 +363,11 @@ class OptimizedModule(torch.nn.Module):
         spec = self.specializations.get(sig)
         if spec is not None:
             return spec(args)
-        first = next(iter(self.specializations))
-        reason = describe_mismatch(first, sig)
-        self.misses.append(reason)
+        if not self.specializations:      # dropped by load_state_dict: build from the new weights
+            reason = "rebuilt after load_state_dict"
+        else:
+            reason = describe_mismatch(next(iter(self.specializations)), sig)
+            self.misses.append(reason)
         if len(self.specializations) >= self.options.max_specializations:
             if self.options.strict:
                 raise GuardError(f"{reason}; all {self.options.max_specializations} specializations "

@@ -12,6 +12,7 @@ import inspect
 import io
 import logging
 import time
+import warnings
 
 import torch
 import torch.fx
@@ -168,6 +169,10 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
         try:
             exported = _quiet_export(model, tuple(example_args))
             gm = exported.module()
+            # export's module() refuses train()/eval() (its graph has the mode baked in); so does
+            # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
+            for name in ("train", "eval"):
+                vars(gm).pop(name, None)
             how = "torch.export(strict=False)"
             propagate_shapes(gm, tensor_args)
         except Exception as export_error:  # noqa: BLE001
@@ -184,12 +189,14 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
 
 
 def _quiet_export(model, args):
-    """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure;
-    fxfuse prints nothing unless asked: its TraceError carries the reason."""
+    """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure,
+    and raises Python warnings about the model's internals (an LSTM's _flat_weights) that the
+    user cannot act on; fxfuse prints nothing unless asked: its TraceError carries the reason."""
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:  # it also prints a partial graph to stderr when it fails
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             return torch.export.export(model, args, strict=False)
     finally:
         logging.disable(previous)

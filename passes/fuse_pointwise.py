@@ -259,8 +259,7 @@ def build_fused_kernel(gm, members, use_kernels: bool):
                 args.append(b.load(inputs.index(a), IndexMap.broadcast(meta.shape, meta.stride, shape)))
             else:
                 args.append(b.const(a))
-        if op.returns_bool:
-            args = _round_operands(b, m, args)
+        args = _round_operands(b, m, args)
         params = dict(zip(op.params, m.args[op.nargs:]))
         params.update(m.kwargs)
         value[m] = b.op(op.name, args, **params)
@@ -277,17 +276,24 @@ def build_fused_kernel(gm, members, use_kernels: bool):
 
 
 def _round_operands(b: IRBuilder, node, args: list) -> list:
-    """Operands of a comparison rounded to the dtype eager compares in, when that is narrower than
-    the kernel's fp32: x_fp16 == 0.1 is true where x holds fp16(0.1), as in eager."""
-    dtype = comparison_dtype(node)
-    if dtype not in (torch.float16, torch.bfloat16):
+    """Operands rounded to the dtype eager computes in, when that is narrower than the kernel's
+    fp32. A comparison converts both operands to their common dtype: x_fp16 == 0.1 is true where
+    x holds fp16(0.1). Any other op converts tensor operands to its result dtype: x_fp16 + t,
+    with t a 0-dim fp32 tensor, adds t rounded to fp16. A Python number there stays as it is:
+    CUDA's kernels read it unrounded (CPU eager is not consistent about it, by op)."""
+    op = POINTWISE[node.target]
+    dtype = comparison_dtype(node) if op.returns_bool else _meta(node).dtype
+    if dtype not in (torch.float16, torch.bfloat16) or op.name == "cast":
         return args
     rounded = []
-    for a, v in zip(node.args[:2], args):
+    for k, (a, v) in enumerate(zip(node.args[:op.nargs], args)):
         if isinstance(a, torch.fx.Node):
-            rounded.append(b.op("cast", [v], dtype=dtype))
-        else:  # a number: round it here, Triton source cannot call .to() on a literal
-            rounded.append(b.const(torch.tensor(float(a), dtype=dtype).item()))
+            condition = node.target is torch.where and k == 0
+            if op.returns_bool or (_meta(a).dtype != dtype and not condition):
+                v = b.op("cast", [v], dtype=dtype)
+        elif op.returns_bool:  # a number: round it here, Triton source cannot call .to() on a literal
+            v = b.const(torch.tensor(float(a), dtype=dtype).item())
+        rounded.append(v)
     return rounded
 
 

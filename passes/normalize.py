@@ -91,8 +91,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             return ("alpha", canon), (x, other, alpha), {}
         return canon, (x, other), {}
     if canon is operator.pow:
-        e = params.pop("exponent")
-        return (canon, (x, float(e)), {}) if isinstance(e, (int, float)) and not params else None
+        e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one
+        return (canon, (x, e), {}) if isinstance(e, (int, float)) and not params else None
     if canon is torch.clamp:
         lo, hi = params.get("min"), params.get("max")
         if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):

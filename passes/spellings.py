@@ -80,7 +80,7 @@ def _build_function_spellings() -> dict:
     table[F.elu_] = Spelling(F.elu, ("input", "alpha"), inplace=True)
     table[torch.pow] = Spelling(operator.pow, ("input", "exponent"))
     table[operator.pow] = Spelling(operator.pow, ("input", "exponent"))
-    table[torch.square] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    table[torch.square] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
     clamp = ("input", "min", "max")
     for fn in (torch.clamp, torch.clip):
         table[fn] = Spelling(torch.clamp, clamp)
@@ -115,7 +115,7 @@ def _build_method_spellings() -> dict:
         table[alias] = table[name]
     table["pow"] = Spelling(operator.pow, ("input", "exponent"))
     table["pow_"] = Spelling(operator.pow, ("input", "exponent"), inplace=True)
-    table["square"] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    table["square"] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
     for name in ("clamp", "clip"):
         table[name] = Spelling(torch.clamp, ("input", "min", "max"))
         table[name + "_"] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
@@ -158,7 +158,7 @@ def _build_aten_spellings() -> dict:
     table[aten.clamp_.default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
     table[aten.clamp_min.default] = Spelling(torch.clamp, ("input", "min"))
     table[aten.clamp_max.default] = Spelling(torch.clamp, ("input", "max"))
-    table[aten.square.default] = Spelling(operator.pow, ("input",), fixed={"exponent": 2.0})
+    table[aten.square.default] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
     for overload in (aten.rsub.Scalar, aten.rsub.Tensor):
         table[overload] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
     for overload in (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):

@@ -34,7 +34,10 @@ product; a layer whose Strassen error exceeds the tolerance is retried with fewe
 otherwise stays classical. Everything lands in node.meta["fxfuse"] (explain() shows
 "decision"). Created nodes get tensor_meta here (from meta tensors), so the pipeline needs no
 shape re-propagation after this pass. fp32 stays IEEE: the bmm is torch's, so
-torch.backends.cuda.matmul.allow_tf32 decides, and the kernels add in fp32.
+torch.backends.cuda.matmul.allow_tf32 decides, and the kernels add in fp32. Inherent to the
+algorithm: the prefix adds row blocks (A11 + A22, ...), so a NaN or inf in one row of x
+reaches other rows of y, where the classical product keeps it in its own row (the decision
+says so; strassen="off" where such rows must stay isolated).
 
 This file decides which layers to rewrite; passes/strassen_rewrite.py builds the kernels.
 """
@@ -185,7 +188,8 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                            f"{padding}; "
                            f"error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e} "
                            f"(classical {rec['classical_error']:.1e}) on {rec['measured_on']}; "
-                           f"+{extra / 2 ** 20:.1f} MiB combined weights")
+                           f"+{extra / 2 ** 20:.1f} MiB combined weights; mixes rows: a NaN/inf in "
+                           "one input row reaches other output rows")
         accepted.append(layer)
     if accepted:
         _Rewriter(gm, accepted, order, mutated, use_kernels).run()

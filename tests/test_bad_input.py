@@ -79,9 +79,14 @@ def test_non_module_is_a_clear_error():
 
 
 @pytest.mark.parametrize("options,match", [({"max_specializations": 0}, "max_specializations"),
-                                           ({"no_such_option": 1}, "unknown option")])
+                                           ({"no_such_option": 1}, "unknown option"),
+                                           ({"tolerance": -1}, "tolerance=-1"),
+                                           ({"tolerance": float("nan")}, "tolerance=nan"),
+                                           ({"tolerance": float("inf")}, "tolerance=inf")])
 def test_bad_options(options, match):
     with pytest.raises(fxfuse.FxfuseError, match=match):
+        fxfuse.optimize(Pointwise().eval(), torch.randn(2), **options)
+    with pytest.raises(ValueError, match=match):          # an OptionError is both
         fxfuse.optimize(Pointwise().eval(), torch.randn(2), **options)
 
 

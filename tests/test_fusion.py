@@ -256,3 +256,28 @@ def test_inplace_op_does_not_block_unrelated_fusion():
     assert_matches_eager(opt, model, x)
     assert fxfuse.stats(opt)["fused_kernels"] == 1         # bias + gelu + mul after the matmul
     assert_fast_path(opt)
+
+
+class ZeroDimShift(nn.Module):
+    """fp16/bf16 activations and 0-dim fp32 buffers: the result dtype is the activations'."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b0", torch.tensor(0.3333333))
+        self.register_buffer("b1", torch.tensor(0.1234567))
+        self.register_buffer("n", torch.tensor(2049))          # an int64 0-dim tensor, not exact in fp16
+
+    def forward(self, x):
+        return torch.where(x > 0, (x + self.b0).relu() - self.b1, x + self.n)
+
+
+def test_zero_dim_fp32_operand_rounded_to_the_result_dtype():
+    """Eager converts a 0-dim fp32 (or int) tensor operand to the fp16 result dtype before adding;
+    the kernel rounds it likewise, so the result matches to the bit. (fp16 only: the interpreter
+    truncates fp32 -> bf16 where the GPU rounds to nearest.)"""
+    model = ZeroDimShift().eval()
+    x = (torch.randn(6, 33) * 3).half()
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert_matches_eager(opt, model, x, rtol=0, atol=0)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_fast_path(opt)

@@ -428,3 +428,18 @@ def test_shape_arithmetic_folds_to_constants():
     mul = [n for n in calls(gm) if n.target is operator.mul]
     assert len(mul) == 1 and mul[0].args[1] == 3
     torch.testing.assert_close(gm(x), model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_integer_exponent_keeps_the_dtype(dtype):
+    """x ** 2 and torch.square(x) on an int64 tensor are int64 in eager: the exponent stays an int."""
+    model = Fn2(lambda s, x, y: x ** 2 + torch.square(y) + x.pow(3)).eval()
+    x, y = (torch.randint(-5, 6, (3, 7)).to(dtype) for _ in range(2))
+    gm = normalized(model, x, y)
+    pows = [n for n in calls(gm) if n.target is operator.pow]
+    assert len(pows) == 3 and all(type(n.args[1]) is int for n in pows)
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    out = assert_matches_eager(opt, model, x, y)
+    assert out.dtype == dtype
+    if dtype.is_floating_point:      # integer results stay library ops
+        assert_fast_path(opt)

@@ -13,6 +13,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxfuse  # noqa: E402
+from conftest import assert_fast_path, assert_matches_eager  # noqa: E402
 from fxfuse.runtime import describe_mismatch, signature  # noqa: E402
 
 
@@ -151,6 +152,9 @@ def test_graph_inputs_repoint_memcpy_nodes_at_the_callers_tensors(monkeypatch):
     x, y = torch.randn(3, 5), torch.randn(4)
     assert inputs.load([x, y])
     assert fake.sources == {10: x.data_ptr(), 11: y.data_ptr()} and inputs.node_updates == 1
+    assert inputs.load([x, y]) and fake.calls == 2 and inputs.node_updates == 2   # same tensors: no driver call
+    z = torch.randn(4)
+    assert inputs.load([x, z]) and fake.calls == 3 and fake.sources[11] == z.data_ptr()
 
 
 def test_graph_inputs_failed_update_restores_the_sources_and_copies(monkeypatch):
@@ -232,3 +236,94 @@ def test_graph_inputs_without_a_kept_graph_copy_into_the_source(monkeypatch):
     x = torch.randn(6)
     assert inputs.exec is None and "copied, then" in inputs.note
     assert inputs.load([x]) and torch.equal(bound[0][1], x) and fake.calls == 0 and inputs.copies == 1
+
+
+# ---- the module's lifecycle: weights, mode, pickling, warnings --------------------------------
+
+def _bn_mlp():
+    bn = nn.BatchNorm1d(12)
+    bn.running_mean.normal_()
+    bn.running_var.uniform_(0.5, 2.0)
+    return nn.Sequential(nn.Linear(6, 12), bn, nn.ReLU(), nn.Linear(12, 5)).eval()
+
+
+def test_load_state_dict_drops_specializations_and_rebuilds():
+    """Folded BatchNorm holds copies of the weights: a load must not leave them stale."""
+    model, x = _bn_mlp(), torch.randn(4, 6)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        opt(torch.randn(2, 6))                      # a second specialization, dropped too
+    model.load_state_dict(_bn_mlp().state_dict())
+    assert not opt.specializations and not any(n.startswith("specialization_") for n, _ in opt.named_children())
+    assert_matches_eager(opt, model, x)
+    assert fxfuse.stats(opt)["specializations"] == 1 and not opt.misses
+    assert_fast_path(opt)
+    other = fxfuse.optimize(_bn_mlp(), x, strict=True)
+    assert all(k.startswith("original.") for k in other.state_dict())   # derived tensors are not state
+    opt.load_state_dict(other.state_dict())         # through the OptimizedModule itself
+    assert_matches_eager(opt, other.original, x)
+    assert fxfuse.stats(opt)["specializations"] == 1
+
+
+def test_load_state_dict_hook_keeps_model_picklable_and_opt_collectable():
+    import copy
+    import gc
+    import io
+    import weakref
+    model, x = _bn_mlp(), torch.randn(4, 6)
+    opt = fxfuse.optimize(model, x, strict=True)
+    torch.save(model, io.BytesIO())
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(_bn_mlp().state_dict())   # a copy's load leaves opt alone
+    assert len(opt.specializations) == 1
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None and not model[0]._load_state_dict_post_hooks
+
+
+def test_training_flag_follows_the_model_and_reoptimize_takes_the_original():
+    model = Residual().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 13), strict=True)
+    assert not any(m.training for m in opt.modules())
+    with torch.no_grad():
+        opt(torch.randn(5, 13))                     # a new specialization is in eval mode too
+    assert not any(m.training for m in opt.modules())
+    again = fxfuse.optimize(opt, torch.randn(3, 13), strict=True)
+    assert again.original is model
+    assert_matches_eager(again, model, torch.randn(3, 13))
+
+
+def test_pickling_is_a_clear_type_error():
+    import io
+    opt = fxfuse.optimize(Residual().eval(), torch.randn(3, 13), strict=True)
+    with pytest.raises(TypeError, match=r"opt\.original"):
+        torch.save(opt, io.BytesIO())
+
+
+def test_no_cuda_warning_once_at_the_users_line(monkeypatch):
+    import fxfuse.api as api
+    monkeypatch.setattr(api, "interpreting", lambda: False)
+    monkeypatch.setattr(api, "kernels_available", lambda device: False)
+    model = Residual().eval()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, torch.randn(3, 13))
+        for batch in (1, 2):                        # new specializations
+            opt(torch.randn(batch, 13))
+    assert fxfuse.stats(opt)["specializations"] == 3
+    assert len(caught) == 1 and "no CUDA device" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
+def test_export_traced_model_leaks_no_warning_and_switches_mode():
+    model = nn.LSTM(4, 4, batch_first=True).eval()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, torch.randn(2, 3, 4), strict=True)
+        x = torch.randn(1, 3, 4)                    # a second build through torch.export
+        torch.testing.assert_close(opt(x), model(x))
+    assert not caught, [str(w.message)[:80] for w in caught]
+    opt.train()
+    opt.eval()                                      # export's module() alone refuses train()/eval()
+    assert not any(m.training for m in opt.modules())
