@@ -24,7 +24,8 @@ computes 15 rows of padding, and fp32 "ieee" dot is FMA code anyway. The row-wis
 BLOCK_M = the batch rounded up to a power of two (<= 16), multiplies [BLOCK_M, 1, BLOCK_K]
 by [1, BLOCK_N, BLOCK_K] W tiles into an fp32 accumulator and reduces over K once at the end:
 a GEMV that reads W once over many programs (few output columns each), which is what a
-small-batch layer is bound by.
+small-batch layer is bound by. For fp32 IEEE it also serves batches up to 256 (16 to 64 rows
+per program): there tl.dot is FMA code too, and measured slower (_rowwise_config).
 
 Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was allowed;
 fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes in fp32.
