@@ -10,7 +10,9 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -27,11 +29,13 @@ def main(argv=None):
     ap.add_argument("--strassen", default="auto")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-profile", action="store_true", help="time only (cProfile slows the build down)")
+    ap.add_argument("--imports", action="store_true", help="list the modules the first build imports, by package")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = seed_mlp(args.layers, args.hidden).cuda().eval()
     x = torch.randn(args.batch, args.hidden, device="cuda")
     for attempt in ("first in process", "second"):
+        before = set(sys.modules)
         profiler = None if args.no_profile else cProfile.Profile()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -47,6 +51,10 @@ def main(argv=None):
         done = time.perf_counter()
         print(f"{attempt}: optimize {built - start:.2f} s, first call {done - built:.2f} s, "
               f"total {done - start:.2f} s", flush=True)
+        if args.imports:
+            new = sorted(set(sys.modules) - before)
+            by_package = Counter(".".join(name.split(".")[:2]) for name in new)
+            print(f"  {len(new)} modules imported: " + ", ".join(f"{k} {n}" for k, n in by_package.most_common(15)))
         if profiler:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)

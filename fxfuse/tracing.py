@@ -44,8 +44,8 @@ def fetch_attr(gm: torch.nn.Module, target: str):
 _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
-def _tensor_metadata(t: torch.Tensor) -> TensorMetadata:
-    """ShapeProp's TensorMetadata of a real tensor. Its own _extract_tensor_metadata checks
+def tensor_metadata(t: torch.Tensor) -> TensorMetadata:
+    """ShapeProp's TensorMetadata of a tensor (real or meta). Its own _extract_tensor_metadata checks
     memory formats through torch._check, which imports symbolic_shapes and sympy."""
     memory_format, strided = None, t.layout == torch.strided   # sparse COO/CSR/...: no strides
     if strided:
@@ -82,7 +82,7 @@ class ShapePropagation(torch.fx.Interpreter):
             nonlocal found_tensor
             if isinstance(obj, torch.Tensor):
                 found_tensor = True
-                return _tensor_metadata(obj)
+                return tensor_metadata(obj)
             return obj
 
         meta = map_aggregate(result, extract)

@@ -176,17 +176,20 @@ def test_graph_inputs_unrestorable_node_stops_the_graph(monkeypatch):
     assert not inputs.load([torch.randn(3, 5), torch.randn(4)])
 
 
-def test_optimize_imports_neither_dynamo_nor_sympy():
+@pytest.mark.parametrize("strassen", ["off", "force"])
+def test_optimize_imports_neither_dynamo_nor_sympy(strassen):
     """The first optimize in a process paid for torch._dynamo (meta kernels written as Python
-    refs) and sympy (ShapeProp, torch.broadcast_shapes): 5 of its 6.4 s at 4096 x 8192 on
-    the H100 host. None of them is needed for real example tensors."""
+    refs) and sympy (ShapeProp, torch.broadcast_shapes, meta bmm in the Strassen rewrite): 5
+    of its 6.4 s at 4096 x 8192 on the H100 host. None of them is needed for real example
+    tensors."""
     import subprocess
     import sys
     code = ("import sys, torch, fxfuse\n"
             "from fxfuse.demo import seed_network\n"
             "m = seed_network(32, 2).eval()\n"
-            "opt = fxfuse.optimize(m, torch.randn(3, 32), strict=True)\n"
+            f"opt = fxfuse.optimize(m, torch.randn(3, 32), strict=True, strassen='{strassen}')\n"
             "assert fxfuse.stats(opt)['fused_kernels'] > 0\n"
+            f"assert ('Strassen' in fxfuse.explain(opt)) == ('{strassen}' == 'force')\n"
             "print(sorted(k for k in ('torch._dynamo', 'sympy', 'torch.fx.experimental.symbolic_shapes') "
             "if k in sys.modules))\n")
     env = dict(os.environ, TRITON_INTERPRET="1")
