@@ -275,7 +275,6 @@ class OptimizedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, example_args: tuple, options, build):
         super().__init__()
         self.original = model
-        self.training = model.training     # eval, like the model (forward() reads original.training)
         self.options = options
         self._build = build                # (model, args, options) -> GraphModule
         self.specializations: dict = {}
@@ -288,6 +287,17 @@ class OptimizedModule(torch.nn.Module):
         weakref.finalize(self, _remove_hooks, handles)
         self.register_state_dict_post_hook(_without_specializations)
         self.register_load_state_dict_pre_hook(_load_drops_specializations)
+
+    @property
+    def training(self) -> bool:
+        """The original module's mode: forward() runs the optimized graphs only when it is in
+        eval mode, so opt.training says the same even after model.train() or model.eval()."""
+        original = self.__dict__.get("_modules", {}).get("original")
+        return original.training if original is not None else False
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass   # opt.train() / opt.eval() reach the original (and the specializations) as children
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "

@@ -292,6 +292,13 @@ def test_training_flag_follows_the_model_and_reoptimize_takes_the_original():
     with torch.no_grad():
         opt(torch.randn(5, 13))                     # a new specialization is in eval mode too
     assert not any(m.training for m in opt.modules())
+    model.train()                                   # opt.training reads the model's mode
+    assert opt.training
+    opt.eval()
+    assert not opt.training and not model.training
+    model.train()
+    opt.train(False)
+    assert not model.training and not opt.training
     again = fxfuse.optimize(opt, torch.randn(3, 13), strict=True)
     assert again.original is model
     assert_matches_eager(again, model, torch.randn(3, 13))
