@@ -229,3 +229,26 @@ def test_nondeterministic_model_falls_back_with_a_clear_reason():
         fxfuse.optimize(model, torch.randn(64, 32), strict=True)
     with pytest.warns(fxfuse.FxfuseWarning, match="not deterministic"):
         assert fxfuse.optimize(model, torch.randn(64, 32)) is model
+
+
+def test_verification_at_the_overflow_boundary():
+    """gelu(3e38): eager overflows to inf, the kernel stays at 3e38 (as float64 does). That is
+    rounding at the edge of the range, not a wrong answer; other inf differences still are."""
+    from fxfuse.api import _mismatch
+    inf = float("inf")
+    assert _mismatch(torch.tensor([inf, 1.0]), torch.tensor([3e38, 1.0])) is None
+    assert _mismatch(torch.tensor([-3e38, 1.0]), torch.tensor([-inf, 1.0])) is None
+    assert _mismatch(torch.tensor([inf, 2.0]), torch.tensor([inf, 2.0])) is None
+    assert "inf" in _mismatch(torch.tensor([inf, 1.0]), torch.tensor([5.0, 1.0]))
+    assert "inf" in _mismatch(torch.tensor([inf, 1.0]), torch.tensor([-inf, 1.0]))
+    assert "relative error" in _mismatch(torch.tensor([inf, 1.0]), torch.tensor([inf, 2.0]))
+
+    class Gelu(nn.Module):
+        def forward(self, x):
+            return F.gelu(x * 1.0)
+
+    x = torch.tensor([[1.0, -2.0, 3e38, 0.5], [88.0, -89.0, 7.0, -0.25]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxfuse.FxfuseWarning)
+        opt = fxfuse.optimize(Gelu().eval(), x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
