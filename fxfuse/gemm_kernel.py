@@ -105,10 +105,7 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     block_n = min(block_n, _pow2_at_least(spec.n), budget // (block_m * 16))
     block_k = min(512 if block_m == 1 else 256 if block_m <= 16 else 64, _pow2_at_least(spec.k),
                   max(16, budget // (block_m * block_n)))
-    programs = triton_cdiv(m, block_m) * triton_cdiv(spec.n, block_n)
-    split = 1
-    while split < MAX_SPLIT_K and programs * split * 2 <= SMS and spec.k >= block_k * split * 2 * 2:
-        split *= 2
+    _, split = _split_k(m, spec.n, spec.k, block_m, block_n, block_k)
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3,
                 precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True)
 

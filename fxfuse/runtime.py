@@ -265,8 +265,7 @@ def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
     """opt.load_state_dict: drop the specializations before the children load (their keys
     would be missing), and ignore specialization keys a state_dict of an older fxfuse holds."""
     module.drop_specializations("load_state_dict")
-    for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
-        del state_dict[key]
+    _without_specializations(module, state_dict, prefix, None)
 
 
 class OptimizedModule(torch.nn.Module):
