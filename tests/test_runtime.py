@@ -180,8 +180,8 @@ def test_graph_inputs_unrestorable_node_stops_the_graph(monkeypatch):
 def test_optimize_imports_neither_dynamo_nor_sympy(strassen):
     """The first optimize in a process paid for torch._dynamo (meta kernels written as Python
     refs) and sympy (ShapeProp, torch.broadcast_shapes, meta bmm in the Strassen rewrite): 5
-    of its 6.4 s at 4096 x 8192 on the H100 host. None of them is needed for real example
-    tensors."""
+    of its 6.4 s at 4096 x 8192 on the H100 host; networkx (fusion's convexity check) cost
+    ~0.2 s more. None of them is needed for real example tensors."""
     import subprocess
     import sys
     code = ("import sys, torch, fxfuse\n"
@@ -190,7 +190,7 @@ def test_optimize_imports_neither_dynamo_nor_sympy(strassen):
             f"opt = fxfuse.optimize(m, torch.randn(3, 32), strict=True, strassen='{strassen}')\n"
             "assert fxfuse.stats(opt)['fused_kernels'] > 0\n"
             f"assert ('Strassen' in fxfuse.explain(opt)) == ('{strassen}' == 'force')\n"
-            "print(sorted(k for k in ('torch._dynamo', 'sympy', 'torch.fx.experimental.symbolic_shapes') "
+            "print(sorted(k for k in ('torch._dynamo', 'sympy', 'torch.fx.experimental.symbolic_shapes', 'networkx') "
             "if k in sys.modules))\n")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
