@@ -9,6 +9,7 @@ N calls, median of 7), so the sum can be compared with the whole call.
 """
 import argparse
 import copy
+import ctypes
 import statistics
 import time
 
@@ -47,18 +48,75 @@ def cpu_us(fn, calls=2000) -> float:
     return elapsed * 1e6 / calls
 
 
+def host_us(fn, calls=400) -> float:
+    """Host time of one call started on an idle GPU (synchronized before each), median: the
+    CPU cost alone, which back-to-back loops cannot separate from GPU time they wait for."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
+
+
+def direct_launch(graph):
+    """cuGraphLaunch of the graph's executable on the current stream, through ctypes (what
+    torch's replay() does, less its bookkeeping), or None without the driver library."""
+    from fxfuse.input_copy import driver
+    lib = driver()
+    if lib is None:
+        return None
+    lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    exec_, dev = ctypes.c_void_p(graph.raw_cuda_graph_exec()), torch.cuda.current_device()
+    return lambda: lib.cuGraphLaunch(exec_, ctypes.c_void_p(torch._C._cuda_getCurrentRawStream(dev)))
+
+
+def host_rows(label, opt, spec, x):
+    """Host-only costs (idle GPU) of the parts of a call."""
+    flip, count = [x, x.clone() + 1], [0]
+
+    def other_input():
+        count[0] += 1
+        return flip[count[0] % 2]
+
+    rows = [(label, "host: whole call, same x", host_us(lambda: opt(x)), None),
+            (label, "host: whole call, 2 inputs", host_us(lambda: opt(other_input())), None)]
+    if spec.graph is not None:
+        rows.append((label, "host: graph.replay()", host_us(spec.graph.replay), None))
+        launch = direct_launch(spec.graph)
+        if launch is not None:
+            assert launch() == 0
+            rows.append((label, "host: cuGraphLaunch (ctypes)", host_us(launch), None))
+        rows.append((label, "host: inputs.load, 2 inputs", host_us(lambda: spec.inputs.load((other_input(),))), None))
+        slot = spec.handout[0] if spec.handout else None
+        if slot is not None:
+            rows.append((label, "host: slot.free()", host_us(slot.free), None))
+            rows.append((label, "host: slot.hand_out()", host_us(slot.hand_out), None))
+    rows.append((label, "host: signature", host_us(lambda: signature((x,))), None))
+    rows.append((label, "host: opt.original.training", host_us(lambda: opt.original.training), None))
+    ident = torch.nn.Identity()
+    rows.append((label, "host: Identity()(x), built once", host_us(lambda: ident(x)), None))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--host-only", action="store_true", help="only the idle-GPU host costs of the default plan")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = seed_mlp(args.layers, args.hidden).cuda().eval()
     x = torch.randn(args.batch, args.hidden, device="cuda")
     rows = []
     with torch.no_grad():
-        for label, opts in [("default", {}), ("fused mlp", dict(fused_mlp="force")),
+        if args.host_only:
+            opt = fxfuse.optimize(model, x, strict=True)
+            rows += host_rows("default", opt, next(iter(opt.specializations.values())), x)
+        for label, opts in [] if args.host_only else [("default", {}), ("fused mlp", dict(fused_mlp="force")),
                             ("gemm", dict(fused_mlp="off", gemm="force")), ("library", dict(fused_mlp="off", gemm="off"))]:
             opt = fxfuse.optimize(model, x, strict=True, **opts)
             spec = next(iter(opt.specializations.values()))
