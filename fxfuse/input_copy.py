@@ -46,6 +46,8 @@ def driver():
             lib = ctypes.CDLL("libcuda.so.1")
             lib.cuGraphExecMemcpyNodeSetParams.argtypes = [ctypes.c_void_p] * 4
             lib.cuGraphExecMemcpyNodeSetParams.restype = ctypes.c_int
+            lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]   # graph_launch.py
+            lib.cuGraphLaunch.restype = ctypes.c_int
             _driver = lib
         except (OSError, AttributeError) as e:
             logger.info("graph inputs are copied with copy_: no CUDA driver library (%s)", e)

@@ -180,6 +180,7 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
         if spec.graph is not None:
             out.append(f"# inputs: {spec.inputs.note}")
             out.append(f"# outputs: {spec.handout_note}")
+            out.append(f"# replay: {spec.launcher.note}")
         out.append(graph_as_python(gm))
         out.append("")
         out.append(node_table(gm))

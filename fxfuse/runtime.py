@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from .errors import FxfuseError, FxfuseWarning, GuardError, warn  # noqa: F401  (FxfuseWarning re-exported)
+from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
@@ -82,19 +83,25 @@ class OutputSlots:
     tensor, a view of it, or a tensor made from its storage all raise the count.
     """
 
-    def __init__(self, graph, buffers, inputs):
-        self.graph, self.inputs = graph, inputs
+    def __init__(self, launcher, buffers, inputs):
+        self.launcher, self.inputs = launcher, inputs
         self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
+        self.single = self.tree.is_leaf() and isinstance(buffers, torch.Tensor)   # the usual case: one tensor
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
-        self._storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
-        self._cdata = [s._cdata for s in self._storages]
-        self._baseline = [torch._C._storage_Use_Count(c) for c in self._cdata]
+        storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
+        self._storages = storages   # kept alive: the counts below are of these storages
+        self._counts = [(s._cdata, torch._C._storage_Use_Count(s._cdata)) for s in storages]
 
     def free(self) -> bool:
-        return all(torch._C._storage_Use_Count(c) <= b for c, b in zip(self._cdata, self._baseline))
+        for cdata, baseline in self._counts:
+            if torch._C._storage_Use_Count(cdata) > baseline:
+                return False
+        return True
 
     def hand_out(self):
         """The outputs as new tensors over the buffers (their use counts mark them held)."""
+        if self.single:
+            return self.leaves[0].detach()
         leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves]
         return torch.utils._pytree.tree_unflatten(leaves, self.tree)
 
@@ -145,13 +152,18 @@ class Specialization:
             self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
             static_args = self._with_static(example_args)
             self._set_pdl(True)     # before the warm-up: it compiles the kernels the graph launches
+            self.device_index = static_in[0].device.index if static_in else torch.cuda.current_device()
+            offset = generator_offset(self.device_index)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
                 for _ in range(2):  # compiles kernels, creates library handles
                     self.gm(*static_args)
             torch.cuda.current_stream().wait_stream(stream)
+            self.draws_random = offset is None or generator_offset(self.device_index) != offset \
+                or draws_random_numbers(self.gm)
             self.graph, self.static_out, self.inputs = self._capture_one(static_args)
+            self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
             self.cuda_graph_note = "captured: one CUDA graph replay per call"
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
@@ -198,7 +210,7 @@ class Specialization:
                     lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
             into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
             graph, _, inputs = self._capture_one(self._with_static(self.const_args), pool=self.graph.pool(), into=into)
-            slot = OutputSlots(graph, buffers, inputs)
+            slot = OutputSlots(GraphLauncher(graph, self.device_index, self.draws_random), buffers, inputs)
         except Exception as e:  # noqa: BLE001 -- an optimization: keep cloning from the first graph
             torch.cuda.synchronize()
             self.handout = None
@@ -214,13 +226,13 @@ class Specialization:
             with torch.no_grad():
                 return self.gm(*args)
         slot = self._free_slot() if self.handout is not None else None
-        graph, inputs = (slot.graph, slot.inputs) if slot is not None else (self.graph, self.inputs)
+        launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)
         if not inputs.load(self._tensor_args(args)):
             self.graph, self.handout = None, None
             self.cuda_graph_note = "off: a graph's input node could not be restored after a failed update"
             with torch.no_grad():
                 return self.gm(*args)
-        graph.replay()
+        launcher.replay()
         if slot is not None:
             self.handed_out += 1
             return slot.hand_out()
@@ -356,7 +368,7 @@ class OptimizedModule(torch.nn.Module):
                                 "positional parameters of forward(); running the original module")
                 return self.original(*args, **kwargs)
             args = positional
-        if self.original.training:  # opt.train() or model.train() after optimize (opt.train() reaches it)
+        if self._modules["original"].training:  # opt.train() or model.train() after optimize (reaches it)
             if self.options.strict:
                 raise GuardError("the module is in training mode; fxfuse's graphs are eval-mode graphs "
                                  "(Dropout removed, BatchNorm folded). Call .eval() to use them")

@@ -429,3 +429,42 @@ def test_half_precision_chains_round_like_eager_without_fma(dtype):
         fresh = tuple(torch.randn_like(a) * 3 for a in args)
         assert torch.equal(opt(*fresh), model(*fresh))
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+def test_replays_go_through_cuGraphLaunch_and_match_eager():
+    """graph_launch.py: a graph without random numbers is launched with cuGraphLaunch, slots too,
+    and calls with alternating inputs still match eager."""
+    model = seed_network(96, 4).cuda()
+    x1, x2 = torch.randn(5, 96, device="cuda"), torch.randn(5, 96, device="cuda")
+    opt = fxfuse.optimize(model, x1, strict=True)
+    spec = next(iter(opt.specializations.values()))
+    assert spec.launcher.note == "cuGraphLaunch" and not spec.draws_random
+    with torch.no_grad():
+        for x in (x1, x2, x1, x2):
+            assert rel_err(opt(x), model(x)) < 1e-5
+    launchers = [spec.launcher] + [slot.launcher for slot in spec.handout]
+    assert sum(l.direct for l in launchers) == 4 and sum(l.replays for l in launchers) == 0
+
+
+def test_graph_that_draws_random_numbers_keeps_torchs_replay():
+    """Random numbers in a graph: torch's replay moves the generator on (new numbers per replay);
+    a bare cuGraphLaunch would repeat them, which is why GraphLauncher leaves such graphs alone."""
+    from fxfuse.graph_launch import GraphLauncher, generator_offset
+    dev = torch.cuda.current_device()
+    before = generator_offset(dev)
+    static = torch.rand(1000, device="cuda")   # warm-up, as Specialization._capture runs one
+    assert generator_offset(dev) != before     # what _capture detects
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = torch.rand(1000, device="cuda")
+    launcher = GraphLauncher(graph, dev, draws_random=True)
+    launcher.replay()
+    first = static.clone()
+    launcher.replay()
+    assert not torch.equal(first, static) and launcher.direct == 0
+    direct = GraphLauncher(graph, dev, draws_random=False)
+    direct.replay()
+    again = static.clone()
+    direct.replay()
+    torch.cuda.synchronize()
+    assert direct.direct == 2 and torch.equal(again, static)   # the same numbers twice

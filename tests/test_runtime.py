@@ -337,3 +337,74 @@ def test_export_traced_model_leaks_no_warning_and_switches_mode():
     opt.train()
     opt.eval()                                      # export's module() alone refuses train()/eval()
     assert not any(m.training for m in opt.modules())
+
+
+# ---- graph replay through cuGraphLaunch (graph_launch.py), with a stand-in driver ---------------
+
+class _FakeLaunchDriver:
+    def __init__(self, status=0):
+        self.status, self.launches = status, []
+
+    def cuGraphLaunch(self, exe, stream):
+        self.launches.append((exe.value, stream.value))
+        return self.status
+
+
+class _ReplayCounter:
+    def __init__(self):
+        self.replays = 0
+
+    def raw_cuda_graph_exec(self):
+        return 77
+
+    def replay(self):
+        self.replays += 1
+
+
+def _launcher(monkeypatch, status=0, draws_random=False, device=0):
+    import fxfuse.graph_launch as gl
+    fake, graph = _FakeLaunchDriver(status), _ReplayCounter()
+    monkeypatch.setattr(gl, "driver", lambda: fake)
+    monkeypatch.setattr(gl, "_current_device", lambda: device)
+    monkeypatch.setattr(gl, "_current_stream", lambda d: 1234)
+    return gl.GraphLauncher(graph, 0, draws_random), fake, graph
+
+
+def test_graph_launcher_launches_directly_on_the_current_stream(monkeypatch):
+    launcher, fake, graph = _launcher(monkeypatch)
+    launcher.replay()
+    launcher.replay()
+    assert fake.launches == [(77, 1234)] * 2 and graph.replays == 0 and launcher.note == "cuGraphLaunch"
+
+
+def test_graph_launcher_error_falls_back_to_torch_for_good(monkeypatch):
+    launcher, fake, graph = _launcher(monkeypatch, status=400)
+    launcher.replay()
+    launcher.replay()
+    assert len(fake.launches) == 1 and graph.replays == 2 and "returned 400" in launcher.note
+
+
+@pytest.mark.parametrize("case", ["random", "other device"])
+def test_graph_launcher_leaves_random_graphs_and_other_devices_to_torch(monkeypatch, case):
+    """A graph that draws random numbers needs torch's replay prologue (new numbers per call);
+    another current device needs torch's device guard."""
+    launcher, fake, graph = _launcher(monkeypatch, draws_random=case == "random", device=0 if case == "random" else 1)
+    launcher.replay()
+    assert fake.launches == [] and graph.replays == 1
+
+
+@pytest.mark.parametrize("body, random", [
+    (lambda x: torch.relu(x) * 2, False),
+    (lambda x: x + torch.rand_like(x), True),
+    (lambda x: F.dropout(x, 0.5, True), True),
+    (lambda x: x + torch.randn(x.shape), True),
+    (lambda x: x + torch.empty_like(x).normal_(), True),
+], ids=["relu", "rand_like", "dropout", "randn", "normal_"])
+def test_random_ops_are_recognised(body, random):
+    from fxfuse.graph_launch import draws_random_numbers
+
+    class M(nn.Module):
+        def forward(self, x):
+            return body(x)
+    assert draws_random_numbers(torch.fx.symbolic_trace(M())) == random
+    assert draws_random_numbers(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1))))
