@@ -94,7 +94,6 @@ class KernelConfig:
     num_warps: int = 4
     max_tile: int = MAX_TILE
     precision: str = "ieee"  # fp32 tl.dot: "ieee" or "tf32"
-    prefetch: bool = False   # load layer i+1's weight tiles before layer i's products
 
 
 def tile_of(width: int, max_tile: int = MAX_TILE) -> tuple:
@@ -257,15 +256,8 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
             buf.line(f"c{t} = tl.arange(0, {t})")
         _emit_input(buf, spec, mt)
         loaded = set()
-        linears = spec.linears
-        prefetch = lambda linear: _emit_prefetch(buf, spec, linear, layout, numels, loaded, config)  # noqa: E731
-        if config.prefetch:
-            prefetch(linears[0])
         for step in spec.steps:
             if isinstance(step, Linear):
-                following = linears.index(step) + 1
-                if config.prefetch and following < len(linears):
-                    prefetch(linears[following])
                 _emit_linear(buf, spec, step, layout, config)
             else:
                 _emit_pointwise(buf, spec, step, layout, numels, loaded, mt)
@@ -287,33 +279,6 @@ def _emit_input(buf, spec, mt):
                  f"mask={mask}, other=0.0).to(tl.float32)")
 
 
-def _weight_tiles(spec, step, layout, config) -> list:
-    """[(name, load expression)] of one Linear's weight tiles, in the order its products read them."""
-    k, n = spec.widths[step.src], spec.widths[step.out]
-    (tk, nk), (tn, nn) = tile_of(k, config.max_tile), tile_of(n, config.max_tile)
-    base, tiles = layout.weight_offset[step.weight], []
-    for j in range(nn):
-        for kk in range(nk):
-            at = base + (j * nk + kk) * tk * tn
-            offsets = (f"c{tn}[:, None] * {tk} + c{tk}[None, :]" if config.rowwise   # [tn, tk]: rows of W
-                       else f"c{tk}[:, None] * {tn} + c{tn}[None, :]")                # [tk, tn], as tl.dot takes it
-            tiles.append((f"w{step.out}_{j}_{kk}", f"tl.load(w_ptr + {at} + {offsets})"))
-    return tiles
-
-
-def _emit_prefetch(buf, spec, linear, layout, numels, loaded, config):
-    """With config.prefetch: a layer's weight tiles, and the constants of the pointwise steps
-    after it, loaded a layer ahead of their use, so that they are in flight while the previous
-    layer computes (they depend on nothing the kernel writes)."""
-    buf.line(f"# prefetch: W{linear.weight} (read by v{linear.out}) and the constants after it")
-    for name, load in _weight_tiles(spec, linear, layout, config):
-        buf.line(f"{name} = {load}")
-    for step in spec.steps[linear.out:]:          # step k defines value k + 1
-        if isinstance(step, Linear):
-            break
-        _emit_vectors(buf, spec, step, layout, numels, loaded, config.max_tile)
-
-
 def _emit_linear(buf, spec, step, layout, config):
     k, n = spec.widths[step.src], spec.widths[step.out]
     (tk, nk), (tn, nn) = tile_of(k, config.max_tile), tile_of(n, config.max_tile)
@@ -332,26 +297,26 @@ def _emit_linear(buf, spec, step, layout, config):
             buf.line(f"a{step.out}_{kk} = {expr}")
             expr = f"a{step.out}_{kk}"
         operands.append(expr)
-    tiles = iter(_weight_tiles(spec, step, layout, config))
+    base = layout.weight_offset[step.weight]
     for j in range(nn):
         for kk in range(nk):
-            name, load = next(tiles)
-            if not config.prefetch:
-                buf.line(f"{name} = {load}")
-            w = name if spec.dtype == torch.float32 or not config.rowwise else f"{name}.to(tl.float32)"
+            at = base + (j * nk + kk) * tk * tn
             if config.rowwise:   # [tn, tk] tile: reduce along contiguous K
+                buf.line(f"w = tl.load(w_ptr + {at} + c{tn}[:, None] * {tk} + c{tk}[None, :])")
+                w = "w" if spec.dtype == torch.float32 else "w.to(tl.float32)"
                 prod = f"tl.sum({operands[kk]}[:, None, :] * {w}[None, :, :], axis=2)"
                 buf.line(f"acc = {prod}" if kk == 0 else f"acc = acc + {prod}")
             else:                # [tk, tn] tile, as tl.dot takes it
+                buf.line(f"w = tl.load(w_ptr + {at} + c{tk}[:, None] * {tn} + c{tn}[None, :])")
                 acc = "out_dtype=tl.float32" if kk == 0 else "acc=acc"
-                buf.line(f"acc = tl.dot({operands[kk]}, {w}, {acc}{dot_kw})")
+                buf.line(f"acc = tl.dot({operands[kk]}, w, {acc}{dot_kw})")
         buf.line(f"v{step.out}_{j} = acc")
 
 
-def _emit_vectors(buf, spec, step, layout, numels, loaded, mt):
-    """The constant vectors a pointwise step reads that are not loaded yet."""
+def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):
     t, n = tile_of(spec.widths[step.out], mt)
-    for kind, ref in step.operands:
+    op = BY_NAME[step.op]
+    for kind, ref in step.operands:        # constants: loaded once, where first needed
         if kind == "vector" and ref not in loaded:
             loaded.add(ref)
             at = layout.vector_offset[ref]
@@ -360,12 +325,6 @@ def _emit_vectors(buf, spec, step, layout, numels, loaded, mt):
             else:
                 for j in range(n):
                     buf.line(f"k{ref}_{j} = tl.load(v_ptr + {at} + {_cols(j, t)})[None, :]")
-
-
-def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):
-    t, n = tile_of(spec.widths[step.out], mt)
-    op = BY_NAME[step.op]
-    _emit_vectors(buf, spec, step, layout, numels, loaded, mt)   # constants: loaded once, where first needed
     for j in range(n):
         args = []
         for kind, ref in step.operands:

@@ -286,10 +286,8 @@ def relu_mlp_spec(layers, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("config", [KernelConfig(block_m=1, rowwise=True), KernelConfig(block_m=2, rowwise=True),
-                                    KernelConfig(block_m=16), KernelConfig(block_m=32, max_tile=16),
-                                    KernelConfig(block_m=1, rowwise=True, prefetch=True, max_tile=16),
-                                    KernelConfig(block_m=16, prefetch=True)],
-                         ids=["rows1", "rows2", "dot16", "dot32_tile16", "rows1_prefetch", "dot16_prefetch"])
+                                    KernelConfig(block_m=16), KernelConfig(block_m=32, max_tile=16)],
+                         ids=["rows1", "rows2", "dot16", "dot32_tile16"])
 def test_every_kernel_form(config, dtype):
     torch.manual_seed(0)
     model = mlp([24, 40, 13, 7], inplace=False).to(dtype)
@@ -302,9 +300,6 @@ def test_every_kernel_form(config, dtype):
         want = model(x)
     assert mod.launches == 1
     assert rel_err(got, ref) < TOL[dtype] + 2 * rel_err(want, ref)
-    if config.prefetch:   # the second layer's weights and bias are loaded before the first product
-        head = mod.source[:mod.source.index("acc = ")]
-        assert "w4_0_0 = tl.load(w_ptr" in head and "k1_0 = tl.load(v_ptr" in head
 
 
 def test_tiles_and_limits():
