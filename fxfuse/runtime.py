@@ -20,11 +20,18 @@ own, and a call hands out the buffers of a copy whose previous outputs nobody ho
 (the storage's use count, which views also raise, is back to fxfuse's own references). Only
 when the caller still holds all of them does the call replay the first graph and clone.
 
-The copies share the first graph's memory pool for their intermediates (dead between calls,
-and the graphs never run concurrently). The handed-out buffers are allocated outside the pool,
-before capture: a buffer inside it could be a block that another graph uses for an
-intermediate (free as far as the allocator knows, written at every replay of that graph). An
-earlier version handed out the graphs' own outputs and failed exactly so on the H100.
+Where the first graph's pool is small (OWN_POOL_MAX_BYTES), each copy gets a memory pool of
+its own and its outputs are handed out as they are: no other graph allocates from that pool,
+so nothing writes those blocks but the copy's own replay, which only runs while they are free.
+This saves the copy kernel at the end of every replay (1.2 us of GPU time per call at batch 1 /
+hidden 128 on the H100). A copy whose output is not memory of its own pool (the model returns
+an input or a weight as it is) falls back to the shared pool:
+the copies then share the first graph's pool for their intermediates (dead between calls, and
+the graphs never run concurrently) and end by copying their outputs into buffers allocated
+outside the pool before capture. Handing out blocks of a *shared* pool is what must not
+happen: such a block can be one that another graph uses for an intermediate (free as far as
+the allocator knows, written at every replay of that graph). An earlier version did that and
+failed exactly so on the H100.
 
 Weights: a specialization holds copies of some weights (BatchNorm folded into Linear/Conv,
 packed fused-MLP weights, Strassen's combined blocks), so new weights need a new build. A
@@ -72,6 +79,33 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
 
 
 HANDOUT_SLOTS = 2   # graph copies whose outputs are returned without a clone (ping-pong + one spare)
+OWN_POOL_MAX_BYTES = 64 << 20   # first graph's pool up to this: each copy gets a pool of its own
+
+
+def pool_segments(pool) -> list | None:
+    """[(address, size)] of the caching allocator's segments in a graph's memory pool, or None
+    where the allocator's snapshot does not say which pool a segment belongs to."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except (RuntimeError, AttributeError):
+        return None
+    found = []
+    for seg in segments:
+        if "segment_pool_id" not in seg:
+            return None
+        if tuple(seg["segment_pool_id"]) == tuple(pool):
+            found.append((seg["address"], seg["total_size"]))
+    return found
+
+
+def inside(segments: list, tensors) -> bool:
+    """Whether every tensor's storage lies in one of the segments."""
+    for t in tensors:
+        start = t.untyped_storage().data_ptr()
+        end = start + t.untyped_storage().nbytes()
+        if not any(a <= start and end <= a + size for a, size in segments):
+            return False
+    return True
 
 
 class OutputSlots:
@@ -164,6 +198,8 @@ class Specialization:
                 or draws_random_numbers(self.gm)
             self.graph, self.static_out, self.inputs = self._capture_one(static_args)
             self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
+            segments = pool_segments(self.graph.pool())
+            self.own_pool_slots = segments is not None and sum(size for _, size in segments) <= OWN_POOL_MAX_BYTES
             self.cuda_graph_note = "captured: one CUDA graph replay per call"
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
@@ -197,6 +233,29 @@ class Specialization:
         inputs = GraphInputs(graph, keeps_graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
         return graph, out, inputs
 
+    def _capture_slot(self) -> tuple:
+        """(graph, the buffers it hands out, its GraphInputs) of one more graph copy: with a pool
+        of its own whose outputs are handed out as they are, or on the shared pool, copying its
+        outputs into buffers outside it (module docstring)."""
+        static_args = self._with_static(self.const_args)
+        if self.own_pool_slots:
+            with torch.inference_mode(False):
+                graph, out, inputs = self._capture_one(static_args)
+            tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            segments = pool_segments(graph.pool())
+            if segments is not None and inside(segments, tensors):
+                self.handout_note = (f"outputs handed out from up to {HANDOUT_SLOTS} graph copies with memory "
+                                     "pools of their own while not held, else cloned")
+                return graph, out, inputs
+            self.own_pool_slots = False   # an output is an input or a constant: copy it out instead
+            del graph, out, inputs
+        with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
+            buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
+                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
+        into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
+        graph, _, inputs = self._capture_one(static_args, pool=self.graph.pool(), into=into)
+        return graph, buffers, inputs
+
     def _free_slot(self):
         """A handout slot whose outputs nobody holds (captured on first need), or None."""
         for slot in self.handout:
@@ -205,11 +264,7 @@ class Specialization:
         if len(self.handout) >= HANDOUT_SLOTS:
             return None
         try:
-            with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
-                buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
-                    lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
-            into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
-            graph, _, inputs = self._capture_one(self._with_static(self.const_args), pool=self.graph.pool(), into=into)
+            graph, buffers, inputs = self._capture_slot()
             slot = OutputSlots(GraphLauncher(graph, self.device_index, self.draws_random), buffers, inputs)
         except Exception as e:  # noqa: BLE001 -- an optimization: keep cloning from the first graph
             torch.cuda.synchronize()

@@ -216,6 +216,7 @@ def test_outputs_handed_out_without_clone_while_not_held():
             y = opt(x)
             assert rel_err(y, w) < 1e-6
         assert spec.cloned == 0 and spec.handed_out == len(xs) and len(spec.handout) <= 2
+        assert "pools of their own" in spec.handout_note   # small pools: outputs handed out, no copy kernel
         kept = [opt(x) for x in xs]           # all held: slots run out, later calls clone
         view = opt(xs[0])[1:3]                # only a view of the output survives
         again = [opt(x) for x in xs[1:4]]
@@ -248,6 +249,7 @@ def test_handout_with_tuple_outputs_and_an_output_that_is_the_input():
             assert torch.equal(same, x)
         assert all(same.data_ptr() != x.data_ptr() for x, (_, same) in zip(xs, outs))
     assert _spec(opt).handed_out > 0   # the static input buffer itself is never handed out: a copy is
+    assert not _spec(opt).own_pool_slots and "pools of their own" not in _spec(opt).handout_note
 
 
 def test_handout_buffers_never_share_memory_with_a_graph():

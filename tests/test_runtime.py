@@ -408,3 +408,15 @@ def test_random_ops_are_recognised(body, random):
             return body(x)
     assert draws_random_numbers(torch.fx.symbolic_trace(M())) == random
     assert draws_random_numbers(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1))))
+
+
+def test_own_pool_handout_only_for_outputs_inside_the_pool():
+    """runtime.inside: a graph copy's outputs are handed out as they are only when each lies in
+    that copy's own pool segments (not an input, a weight, or another pool's block)."""
+    from fxfuse.runtime import inside
+    t = torch.randn(64)
+    start, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    assert inside([(start, size)], [t, t[3:9]])
+    assert not inside([(start + 4, size)], [t])                  # starts inside, ends past the segment
+    assert not inside([(start, size)], [t, torch.randn(3)])     # another allocation: outside t's bytes
+    assert not inside([], [t])
