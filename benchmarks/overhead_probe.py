@@ -101,12 +101,50 @@ def host_rows(label, opt, spec, x):
     return rows
 
 
+def ab_rows(model, x, rounds=7):
+    """Same process, interleaved rounds: the whole call (two inputs in turn) with and without
+    the direct graph launch and the own-pool handout, and each variant's handout graph alone."""
+    import fxfuse.runtime as rt
+    xs = [x, x.clone() + 1]
+    variants = {}
+    for own_pool in (True, False):
+        for direct in (True, False):
+            saved = rt.OWN_POOL_MAX_BYTES
+            rt.OWN_POOL_MAX_BYTES = saved if own_pool else -1
+            try:
+                opt = fxfuse.optimize(model, x, strict=True)
+            finally:
+                rt.OWN_POOL_MAX_BYTES = saved
+            for k in range(6):
+                opt(xs[k % 2])
+            spec = next(iter(opt.specializations.values()))
+            if not direct:
+                for launcher in [spec.launcher] + [slot.launcher for slot in spec.handout]:
+                    launcher.launch = None
+            variants[f"{'own pool' if own_pool else 'copy out'}, {'cuGraphLaunch' if direct else 'torch replay'}"] = (opt, spec)
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (opt, _) in variants.items():
+            calls = [0]
+
+            def call(opt=opt):
+                calls[0] += 1
+                return opt(xs[calls[0] % 2])
+            times[name].append(per_call_us(call, reps=3))
+    rows = [("a/b", f"whole call: {name}", statistics.median(t), None) for name, t in times.items()]
+    for name, (_, spec) in variants.items():
+        if spec.handout:
+            rows.append(("a/b", f"handout graph alone: {name.split(',')[0]}", per_call_us(spec.handout[0].launcher.graph.replay), None))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--host-only", action="store_true", help="only the idle-GPU host costs of the default plan")
+    ap.add_argument("--ab", action="store_true", help="only the same-process A/B of direct launch and own-pool handout")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = seed_mlp(args.layers, args.hidden).cuda().eval()
@@ -116,7 +154,9 @@ def main(argv=None):
         if args.host_only:
             opt = fxfuse.optimize(model, x, strict=True)
             rows += host_rows("default", opt, next(iter(opt.specializations.values())), x)
-        for label, opts in [] if args.host_only else [("default", {}), ("fused mlp", dict(fused_mlp="force")),
+        if args.ab:
+            rows += ab_rows(model, x)
+        for label, opts in [] if args.host_only or args.ab else [("default", {}), ("fused mlp", dict(fused_mlp="force")),
                             ("gemm", dict(fused_mlp="off", gemm="force")), ("library", dict(fused_mlp="off", gemm="off"))]:
             opt = fxfuse.optimize(model, x, strict=True, **opts)
             spec = next(iter(opt.specializations.values()))
