@@ -101,7 +101,7 @@ def host_rows(label, opt, spec, x):
     return rows
 
 
-def ab_rows(model, x, rounds=7):
+def ab_rows(model, x, rounds=15):
     """Same process, interleaved rounds: the whole call (two inputs in turn) with and without
     the direct graph launch and the own-pool handout, and each variant's handout graph alone."""
     import fxfuse.runtime as rt
@@ -132,6 +132,10 @@ def ab_rows(model, x, rounds=7):
                 return opt(xs[calls[0] % 2])
             times[name].append(per_call_us(call, reps=3))
     rows = [("a/b", f"whole call: {name}", statistics.median(t), None) for name, t in times.items()]
+    rows += [("a/b", f"  min of rounds: {name}", min(t), None) for name, t in times.items()]
+    for name, (_, spec) in variants.items():
+        print(f"  {name}: handed out {spec.handed_out}, cloned {spec.cloned}, slots {len(spec.handout or [])}, "
+              f"{spec.handout_note}")
     for name, (_, spec) in variants.items():
         if spec.handout:
             rows.append(("a/b", f"handout graph alone: {name.split(',')[0]}", per_call_us(spec.handout[0].launcher.graph.replay), None))
