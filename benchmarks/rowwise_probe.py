@@ -25,6 +25,7 @@ VARIANTS = {
     "block_k /2": {"block_k": 0.5},
     "8 warps": {"num_warps": 8},
     "2 warps": {"num_warps": 2},
+    "n /4, k x2": {"block_n": 0.25, "block_k": 2.0},   # gemm_sweep's best single layer at 16 x 2048
 }
 
 
