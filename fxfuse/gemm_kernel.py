@@ -71,7 +71,7 @@ class GemmConfig:
 ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
 ROWWISE_FP32_MAX_BATCH = 256  # fp32 without TF32: tl.dot is FMA code as well, and the row-wise form wins up to here
 ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator per 4 warps (64 registers)
-ROWWISE_MAX_COLUMNS = 4       # columns per program up to 16 rows (see _rowwise_config)
+ROWWISE_MAX_COLUMNS = 4       # columns per program at batch 1, twice that up to 16 rows (_rowwise_config)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -86,10 +86,11 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     128 K per step took 6.9 us, 16 x 32 took 13.4 us (cuBLAS with bias 7.9 us). Batch 1 from
     benchmarks/rowwise_probe.py (8 layers with PDL, GPU time): K steps of 512 instead of 256
     took 17.0 vs 20.2 us at width 1024 and 62.9 vs 65.1 at 2048, the same at 128 and 512;
-    at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024). Up to 16 rows at most
-    ROWWISE_MAX_COLUMNS columns: at width 2048 the N / 132 rule gave 8, which left K steps of
-    64 at batch 16 (rowwise_probe, 8 layers: 177 us; 8 x 128: 117; 2 x 128: 128) and was
-    slower at batch 1 too (8 x 512: 62.7; 4 x 512: 57.8; 2 x 1024: 54.6).
+    at batch 16 they lose (20.5 vs 17.1 us at 512, 33.7 vs 29.1 at 1024). Up to 16 rows, at
+    most ROWWISE_MAX_COLUMNS columns at batch 1 and twice that with K steps of at least 128 at
+    batch 9-16 (rowwise_probe, 8 layers, GPU us): at width 2048 the N / 132 rule with the
+    register budget gave 8 x 64 at batch 16 (177; 8 x 128: 117, 4 x 128: 150) and 8 x 512 at
+    batch 1 (62.7; 4 x 512: 57.7); at 4096, batch 16: 8 x 128 423, 4 x 128 610.
 
     Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows below
     64; at 64 rows and K < 1024, 32 rows with 8 warps; else 64 rows with 4 warps (W read once
@@ -107,10 +108,12 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     budget = ROWWISE_TILE_ELEMENTS * warps // 4
     block_n = max(min(4, block_m), 1 << max(0, (spec.n // SMS).bit_length() - 1))
     if m <= ROWWISE_MAX_BATCH:
-        block_n = min(block_n, ROWWISE_MAX_COLUMNS)
+        block_n = min(block_n, ROWWISE_MAX_COLUMNS if block_m == 1 else 2 * ROWWISE_MAX_COLUMNS)
     block_n = min(block_n, _pow2_at_least(spec.n), budget // (block_m * 16))
     block_k = min(512 if block_m == 1 else 256 if block_m <= 16 else 64, _pow2_at_least(spec.k),
                   max(16, budget // (block_m * block_n)))
+    if m <= ROWWISE_MAX_BATCH and block_m == 16:
+        block_k = max(block_k, min(128, _pow2_at_least(spec.k)))   # 8 x 128 at width >= 2048 (probe)
     _, split = _split_k(m, spec.n, spec.k, block_m, block_n, block_k)
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=warps, num_stages=3,
                 precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True)

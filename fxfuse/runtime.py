@@ -87,7 +87,7 @@ def pool_segments(pool) -> list | None:
     where the allocator's snapshot does not say which pool a segment belongs to."""
     try:
         segments = torch.cuda.memory_snapshot()
-    except (RuntimeError, AttributeError):
+    except Exception:  # noqa: BLE001 -- unknown: the caller copies outputs out instead
         return None
     found = []
     for seg in segments:
@@ -99,8 +99,11 @@ def pool_segments(pool) -> list | None:
 
 
 def inside(segments: list, tensors) -> bool:
-    """Whether every tensor's storage lies in one of the segments."""
+    """Whether every tensor's storage lies in one of the segments (empty ones have no bytes to
+    overwrite and may have no address)."""
     for t in tensors:
+        if t.untyped_storage().nbytes() == 0:
+            continue
         start = t.untyped_storage().data_ptr()
         end = start + t.untyped_storage().nbytes()
         if not any(a <= start and end <= a + size for a, size in segments):
@@ -175,13 +178,14 @@ class Specialization:
             self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
             return
         try:
-            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                         for a in self._tensor_args(example_args)]
-            for s, a in zip(static_in, self._tensor_args(example_args)):
-                s.copy_(a)
+            with torch.inference_mode(False), torch.no_grad():   # plain tensors: later calls may run outside it
+                static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                             for a in self._tensor_args(example_args)]
+                for s, a in zip(static_in, self._tensor_args(example_args)):
+                    s.copy_(a)
+                # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
+                self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
             self.static_in = static_in
-            # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
-            self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
             self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
             self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
             static_args = self._with_static(example_args)
@@ -239,16 +243,20 @@ class Specialization:
         outputs into buffers outside it (module docstring)."""
         static_args = self._with_static(self.const_args)
         if self.own_pool_slots:
-            with torch.inference_mode(False):
-                graph, out, inputs = self._capture_one(static_args)
-            tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            segments = pool_segments(graph.pool())
-            if segments is not None and inside(segments, tensors):
-                self.handout_note = (f"outputs handed out from up to {HANDOUT_SLOTS} graph copies with memory "
-                                     "pools of their own while not held, else cloned")
-                return graph, out, inputs
-            self.own_pool_slots = False   # an output is an input or a constant: copy it out instead
-            del graph, out, inputs
+            try:
+                with torch.inference_mode(False):
+                    graph, out, inputs = self._capture_one(static_args)
+                tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                segments = pool_segments(graph.pool())
+                if segments is not None and inside(segments, tensors):
+                    self.handout_note = (f"outputs handed out from up to {HANDOUT_SLOTS} graph copies with "
+                                         "memory pools of their own while not held, else cloned")
+                    return graph, out, inputs
+                del graph, out, inputs    # an output is an input or a constant: copy it out instead
+            except Exception as e:  # noqa: BLE001 -- the shared-pool copies below are the safe way
+                torch.cuda.synchronize()
+                logger.info("own-pool handout capture failed, copying outputs instead: %s", e)
+            self.own_pool_slots = False
         with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
             buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
                 lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
@@ -283,7 +291,7 @@ class Specialization:
         slot = self._free_slot() if self.handout is not None else None
         launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)
         if not inputs.load(self._tensor_args(args)):
-            self.graph, self.handout = None, None
+            self.graph, self.handout, self.launcher, self.inputs = None, None, None, None   # frees the graphs
             self.cuda_graph_note = "off: a graph's input node could not be restored after a failed update"
             with torch.no_grad():
                 return self.gm(*args)

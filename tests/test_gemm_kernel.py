@@ -153,9 +153,10 @@ def test_config_row_wise_for_small_batch(m, dtype, rowwise, block_m):
         assert cfg.block_m * cfg.block_n * cfg.block_k <= 2048 * cfg.num_warps
     assert choose_gemm_config(1, GemmSpec(128, 128, torch.float32)).block_n == 1
     assert not choose_gemm_config(17, spec, allow_tf32=True).rowwise
-    for m, block_k in ((1, 512), (16, 128)):   # wide layers, up to 16 rows: 4 columns, long K steps (rowwise_probe)
-        wide = choose_gemm_config(m, GemmSpec(2048, 2048, torch.float32))
-        assert (wide.block_n, wide.block_k) == (4, block_k)
+    for m, n, tile in ((1, 2048, (4, 512)), (16, 2048, (8, 128)), (16, 4096, (8, 128)), (16, 1024, (4, 128)),
+                       (16, 512, (4, 128))):   # up to 16 rows: few columns, long K steps (rowwise_probe)
+        wide = choose_gemm_config(m, GemmSpec(n, n, torch.float32))
+        assert (wide.block_n, wide.block_k) == tile
 
 
 def test_config_checks():

@@ -291,6 +291,27 @@ def test_handout_in_inference_mode_then_no_grad():
     assert _spec(opt).handed_out == 2
 
 
+def test_built_in_inference_mode_then_called_outside_it():
+    """A specialization built inside torch.inference_mode() keeps plain static buffers: calls
+    under no_grad (contiguous or strided input) work, and the handout copies still hand out."""
+    model = seed_network(64, 2).cuda()
+    xs = [torch.randn(4, 64, device="cuda") for _ in range(3)]
+    with torch.inference_mode():
+        opt = fxfuse.optimize(model, xs[0], strict=True)
+        first = opt(xs[0])
+    with torch.no_grad():
+        for x in xs:
+            assert rel_err(opt(x), model(x)) < 1e-6
+    assert rel_err(first, model(xs[0]).detach()) < 1e-6
+    with torch.inference_mode():   # a strided input is copied into its static buffer with copy_
+        opt_strided = fxfuse.optimize(model, torch.randn(64, 4, device="cuda").t(), strict=True)
+    with torch.no_grad():
+        strided = torch.randn(64, 4, device="cuda").t()
+        assert rel_err(opt_strided(strided), model(strided)) < 1e-6
+    spec = _spec(opt)
+    assert spec.handout is not None and spec.handed_out >= 3 and "pools of their own" in spec.handout_note
+
+
 # ------------------------------------------------------------------ per-call host cost and PDL
 
 class _SharedResidual(nn.Module):

@@ -420,3 +420,4 @@ def test_own_pool_handout_only_for_outputs_inside_the_pool():
     assert not inside([(start + 4, size)], [t])                  # starts inside, ends past the segment
     assert not inside([(start, size)], [t, torch.randn(3)])     # another allocation: outside t's bytes
     assert not inside([], [t])
+    assert inside([(start, size)], [t, torch.empty(0)])           # no bytes: nothing to overwrite
