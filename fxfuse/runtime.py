@@ -40,6 +40,7 @@ drops every specialization and the next call rebuilds; in-place edits of paramet
 (`w.data.mul_()`, an optimizer step) are not seen: call fxfuse.optimize again.
 """
 import inspect
+import sys
 import time
 import weakref
 from collections import OrderedDict
@@ -127,11 +128,13 @@ class OutputSlots:
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
         storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
         self._storages = storages   # kept alive: the counts below are of these storages
-        self._counts = [(s._cdata, torch._C._storage_Use_Count(s._cdata)) for s in storages]
+        # tensors over a storage raise its use count; a caller keeping only y.untyped_storage()
+        # does not, but holds the one Python object torch keeps for it: its reference count
+        self._counts = [(s, s._cdata, torch._C._storage_Use_Count(s._cdata), sys.getrefcount(s)) for s in storages]
 
     def free(self) -> bool:
-        for cdata, baseline in self._counts:
-            if torch._C._storage_Use_Count(cdata) > baseline:
+        for storage, cdata, uses, refs in self._counts:
+            if torch._C._storage_Use_Count(cdata) > uses or sys.getrefcount(storage) > refs:
                 return False
         return True
 

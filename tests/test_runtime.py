@@ -421,3 +421,27 @@ def test_own_pool_handout_only_for_outputs_inside_the_pool():
     assert not inside([(start, size)], [t, torch.randn(3)])     # another allocation: outside t's bytes
     assert not inside([], [t])
     assert inside([(start, size)], [t, torch.empty(0)])           # no bytes: nothing to overwrite
+
+
+def test_output_slot_is_held_by_a_view_or_a_kept_storage():
+    """OutputSlots.free(): a handed-out tensor, a view of it, or only its storage object keeps
+    the slot from being replayed over it."""
+    from fxfuse.runtime import OutputSlots
+    slot = OutputSlots(None, torch.randn(4, 3), None)
+    assert slot.free()
+    y = slot.hand_out()
+    assert not slot.free()
+    v = y[1:]
+    del y
+    assert not slot.free()
+    s = v.untyped_storage()
+    del v
+    assert not slot.free()
+    del s
+    assert slot.free()
+    pair = OutputSlots(None, (torch.randn(2), [torch.randn(3)]), None)
+    a, (b,) = pair.hand_out()
+    del a
+    assert not pair.free()
+    del b
+    assert pair.free()
