@@ -80,7 +80,9 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
 
 
 HANDOUT_SLOTS = 2   # graph copies whose outputs are returned without a clone (ping-pong + one spare)
-OWN_POOL_MAX_BYTES = 64 << 20   # first graph's pool up to this: each copy gets a pool of its own
+OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
+# (small models, where the saved copy is a visible part of a call; at most 2 x 8 MiB more memory
+# per specialization; a pool with a tensor over 1 MiB has 20 MiB segments and keeps the copy)
 
 
 def pool_segments(pool) -> list | None:
