@@ -79,6 +79,15 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
     return "no difference"
 
 
+MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
+             torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU,
+             torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Softmax,
+             torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.Softplus, torch.nn.Identity,
+             torch.nn.Flatten, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.LayerNorm,
+             torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.AvgPool1d,
+             torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.Upsample}
+# ^ module types whose forward does not read self.training: forward() need not check their mode per call
+
 HANDOUT_SLOTS = 2   # graph copies whose outputs are returned without a clone (ping-pong + one spare)
 OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
 # (small models, where the saved copy is a visible part of a call; at most 2 x 8 MiB more memory
@@ -383,12 +392,36 @@ class OptimizedModule(torch.nn.Module):
                         "CUDA graphs. Save opt.original (or its state_dict()) and call fxfuse.optimize "
                         "again after loading.")
 
+    def _watch_state(self) -> None:
+        """What forward() checks per call besides the guards, kept short for the hot path: the
+        submodules whose mode may matter (all but the types below, whose forward ignores it)
+        and each buffer's version counter (BatchNorm statistics move in place when the original
+        runs in training mode, after which the folded copies are stale)."""
+        model = self.original
+        self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
+        self._buffer_versions = tuple((b, b._version) for b in model.buffers())
+
+    def _submodule_training(self) -> bool:
+        for m in self._mode_modules:
+            if m.training:
+                return True
+        return False
+
+    def _buffers_moved(self) -> bool:
+        for b, version in self._buffer_versions:
+            if b._version != version:
+                return True
+        return False
+
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
+        first = not self.specializations
         gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start))
         self.specializations[spec.signature] = spec
+        if first:
+            self._watch_state()   # after the build: its checks run the original once
         self.add_module(f"specialization_{self._built}", gm)
         self._built += 1
         if gm.meta.get("fxfuse_warning"):   # once per OptimizedModule, not per specialization
@@ -436,13 +469,15 @@ class OptimizedModule(torch.nn.Module):
                                 "positional parameters of forward(); running the original module")
                 return self.original(*args, **kwargs)
             args = positional
-        if self._modules["original"].training:  # opt.train() or model.train() after optimize (reaches it)
+        if self._modules["original"].training or self._submodule_training():  # .train() after optimize
             if self.options.strict:
                 raise GuardError("the module is in training mode; fxfuse's graphs are eval-mode graphs "
                                  "(Dropout removed, BatchNorm folded). Call .eval() to use them")
             self._warn_once("train", "fxfuse: the module is in training mode, so the original module runs "
                             "(the optimized graphs are eval-mode graphs). Call .eval() to use them.")
             return self.original(*args)
+        if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
+            self.drop_specializations("a buffer of the model changed in place since the build")
         if self._needs_autograd(args):
             self._warn_once("grad", "fxfuse runs inference only: this call would record autograd, so "
                             "the original module runs. Call under torch.no_grad() or "
@@ -452,8 +487,8 @@ class OptimizedModule(torch.nn.Module):
         spec = self.specializations.get(sig)
         if spec is not None:
             return spec(args)
-        if not self.specializations:      # dropped by load_state_dict: build from the new weights
-            reason = "rebuilt after load_state_dict"
+        if not self.specializations:      # dropped (load_state_dict, buffers moved): build from the new state
+            reason = "rebuilt from the model's current weights and buffers"
         else:
             reason = describe_mismatch(next(iter(self.specializations)), sig)
             self.misses.append(reason)
@@ -467,9 +502,12 @@ class OptimizedModule(torch.nn.Module):
             return self.original(*args)
         try:
             spec = self.add_specialization(args)
-        except FxfuseError as e:
+        except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too
+            if not isinstance(e, FxfuseError):
+                e = FxfuseError(f"internal error while building a specialization ({type(e).__name__}: {e})"
+                                ).with_traceback(e.__traceback__)
             if self.options.strict:
-                raise
+                raise e
             self._warn_once("build:" + reason, f"fxfuse: no specialization for a new input ({reason}): "
                             f"{e}; running the original module")
             return self.original(*args)
