@@ -195,12 +195,13 @@ def _sqrt(a):
 
 @triton.jit
 def _maximum(a, b):
-    return tl.where((a != a) | (a > b), a, b)  # nan propagates, as torch.maximum
+    return tl.where(a != a, a, tl.where(a > b, a, b))  # nan propagates, as torch.maximum; no `|`:
+    # the interpreter cannot or a 0-d (scalar-loaded) mask with a block mask
 
 
 @triton.jit
 def _minimum(a, b):
-    return tl.where((a != a) | (a < b), a, b)
+    return tl.where(a != a, a, tl.where(a < b, a, b))
 
 
 @triton.jit

@@ -195,8 +195,9 @@ class _Rewriter:
             for v, out in zip(stored, outputs):
                 if layer.Bp != layer.B:
                     out = self._call(torch.narrow, (out, 0, 0, layer.B))
-                if layer.Np != layer.N:
-                    out = self._call(torch.narrow, (out, 1, 0, layer.N))
+                if layer.Np != layer.N:   # columns of a padded buffer: copied out, so y is
+                    out = self._call(torch.narrow, (out, 1, 0, layer.N))   # contiguous as eager's
+                    out = self._call(torch.Tensor.contiguous, (out,))
                 if len(layer.out_shape) != 2:
                     out = self._call(torch.reshape, (out, tuple(layer.out_shape)))
                 v.replace_all_uses_with(out, delete_user_cb=lambda u: u not in inside)

@@ -133,6 +133,28 @@ def test_odd_prime_sizes_are_padded(levels):
     assert meta["padded"] == tuple(-(-n // s) * s for n in (7, 13, 11))
     assert meta["extra_weight_bytes"] == 7 ** levels * (meta["padded"][1] // s) * (meta["padded"][2] // s) * 4
     assert meta["error"] <= meta["tolerance"] and "padded 7x13x11" in meta["decision"]
+    with torch.no_grad():
+        assert opt(x).is_contiguous()   # narrowed from a padded buffer, then copied out
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_padded_output_is_contiguous_for_a_view_and_other_batches(levels):
+    """The fuzzer's case: Linear(9, 13) then .view(-1), which needs eager's contiguous y."""
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(9, 13, bias=False)
+
+        def forward(self, x):
+            return self.lin(x).view(-1)
+
+    model = Flat().eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 9), strassen="force", strassen_levels=levels, strict=True)
+    assert len(_bmm_nodes(opt)) == 1
+    with torch.no_grad():
+        for batch in (5, 3):
+            x = torch.randn(batch, 9)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("levels", [1, 2])

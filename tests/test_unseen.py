@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
-from conftest import NO_MLP, _clone, assert_fast_path, fresh_like, optimize_strict
+from conftest import NO_MLP, _clone, assert_fast_path, assert_matches_eager, fresh_like, optimize_strict
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -321,3 +321,25 @@ def test_respecializes_on_dtype_and_shape():
         with torch.no_grad():
             torch.testing.assert_close(opt(x, y), model(x, y), rtol=tol, atol=tol)
     assert fxfuse.stats(opt)["specializations"] == 4
+
+
+class _ScalarFirst(nn.Module):
+    """torch.maximum / minimum with a 0-d or one-element operand first (the fuzzer's case: the
+    kernel or-ed a scalar-loaded mask with a block mask, which the interpreter rejects)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.register_buffer("p", torch.randn(1))
+
+    def forward(self, x, y):
+        return self.op(y.sum(), x) * 2 + self.op(self.p, x)
+
+
+@pytest.mark.parametrize("op", [torch.maximum, torch.minimum], ids=["maximum", "minimum"])
+def test_maximum_minimum_with_a_scalar_first_operand(op):
+    model = _ScalarFirst(op).eval()
+    x, y = torch.randn(6, 3), torch.randn(5)
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    assert_matches_eager(opt, model, x, y)
+    assert_fast_path(opt)
