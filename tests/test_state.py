@@ -76,3 +76,26 @@ def test_internal_error_in_a_later_build_falls_back_with_one_warning(monkeypatch
     monkeypatch.setattr(strict, "_build", broken)
     with torch.no_grad(), pytest.raises(fxfuse.FxfuseError, match="internal error"):
         strict(y)
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x + self.count
+
+
+def test_forward_that_updates_a_buffer_falls_back_and_leaves_it_as_it_was():
+    """Tracing ran `count.add_(1)` once for real and baked its result into the graph: every
+    call would have returned x + 1 (and the model's count was already moved). Now: one warning,
+    the original module, and the buffer untouched by optimize."""
+    m, x = Counter().eval(), torch.randn(2, 3)
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's tensor 'count' in place"):
+        opt = fxfuse.optimize(m, x)
+    assert opt is m and torch.equal(m.count, torch.zeros(3))
+    with pytest.raises(fxfuse.UnsupportedError):
+        fxfuse.optimize(m, x, strict=True)
+    assert torch.equal(m.count, torch.zeros(3))
