@@ -1,5 +1,6 @@
 """Options of fxfuse.optimize, one frozen dataclass so a specialization can record what built it."""
 import math
+import os
 from dataclasses import dataclass, fields, replace
 
 from .errors import OptionError
@@ -45,6 +46,16 @@ class Options:
         if unknown:
             raise OptionError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
         opts = cls(**kwargs)
+        for name in ("strict", "fuse", "cuda_graphs", "verify"):
+            if not isinstance(getattr(opts, name), bool):
+                raise OptionError(f"option {name}={getattr(opts, name)!r}: expected True or False")
+        if opts.use_kernels is not None and not isinstance(opts.use_kernels, bool):
+            raise OptionError(f"option use_kernels={opts.use_kernels!r}: expected True, False or None")
+        for name in ("max_specializations", "strassen_levels"):
+            if isinstance(getattr(opts, name), bool) or not isinstance(getattr(opts, name), int):
+                raise OptionError(f"option {name}={getattr(opts, name)!r}: expected an integer")
+        if opts.calibration is not None and not isinstance(opts.calibration, (str, os.PathLike)):
+            raise OptionError(f"option calibration={opts.calibration!r}: expected a file path or None")
         if opts.max_specializations < 1:
             raise OptionError("max_specializations must be at least 1")
         for name in ("strassen", "gemm", "fused_mlp"):

@@ -82,7 +82,13 @@ def test_non_module_is_a_clear_error():
                                            ({"no_such_option": 1}, "unknown option"),
                                            ({"tolerance": -1}, "tolerance=-1"),
                                            ({"tolerance": float("nan")}, "tolerance=nan"),
-                                           ({"tolerance": float("inf")}, "tolerance=inf")])
+                                           ({"tolerance": float("inf")}, "tolerance=inf"),
+                                           ({"strict": "yes"}, "strict='yes'"),
+                                           ({"cuda_graphs": 1}, "cuda_graphs=1"),
+                                           ({"max_specializations": 1.5}, "max_specializations=1.5"),
+                                           ({"strassen_levels": True}, "strassen_levels=True"),
+                                           ({"use_kernels": "auto"}, "use_kernels='auto'"),
+                                           ({"calibration": 3}, "calibration=3")])
 def test_bad_options(options, match):
     with pytest.raises(fxfuse.FxfuseError, match=match):
         fxfuse.optimize(Pointwise().eval(), torch.randn(2), **options)
