@@ -11,6 +11,7 @@ import torch
 from .errors import FxfuseError, UnsupportedError, warn
 from .kernel import interpreting, kernels_available
 from .log import logger
+from .module_state import kept_state
 from .options import Options
 from .runtime import OptimizedModule
 from .tracing import clone_args, trace
@@ -51,35 +52,13 @@ def build_graph(model, args: tuple, options: Options):
                        "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
                        "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
-    with torch.no_grad():
-        gm = _trace_keeping_state(model, args)
+    with torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
+        gm = trace(model, args)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
             _verify(model, gm, args)
-    return gm
-
-
-def _trace_keeping_state(model, args):
-    """trace(), refusing a forward() that changes the module's own tensors in place (a counter
-    buffer, `self.w.add_(...)`): symbolic tracing runs such an update once on the real tensor
-    and the graph only keeps its result, so every call would return the same thing. The
-    buffers are put back as they were (parameters are not copied: too big; they are only
-    checked)."""
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    versions = {name: t._version for name, t in tensors.items()}
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    gm = trace(model, args)
-    changed = [name for name, t in tensors.items() if t._version != versions[name]]
-    if changed:
-        with torch.no_grad():
-            for name in changed:
-                if name in saved:
-                    tensors[name].copy_(saved[name])
-        raise UnsupportedError(f"forward() changes the module's tensor {changed[0]!r} in place (module "
-                               "state); fxfuse's graphs keep no state between calls")
     return gm
 
 

@@ -53,6 +53,7 @@ from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
+from .module_state import version
 
 
 def signature(args) -> tuple:
@@ -399,7 +400,7 @@ class OptimizedModule(torch.nn.Module):
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
-        self._buffer_versions = tuple((b, b._version) for b in model.buffers())
+        self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
 
     def _submodule_training(self) -> bool:
         for m in self._mode_modules:
@@ -456,6 +457,7 @@ class OptimizedModule(torch.nn.Module):
             bound = inspect.signature(self.original.forward).bind(*args, **kwargs)
         except TypeError:
             return None
+        bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
         return None if bound.kwargs else tuple(bound.args)
 
     def forward(self, *args, **kwargs):

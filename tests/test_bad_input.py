@@ -225,6 +225,22 @@ def test_keyword_arguments_are_accepted():
         torch.testing.assert_close(opt(input=x), model(input=x), rtol=1e-5, atol=1e-5)
 
 
+def test_keyword_argument_past_a_defaulted_parameter():
+    """opt(x, scale=3.0) for forward(x, y=None, scale=1.0): y takes its default (second fuzz round:
+    this ran the original with a warning that scale does not bind)."""
+    class Scaled(nn.Module):
+        def forward(self, x, y=None, scale=1.0):
+            return (x if y is None else x + y).relu() * scale
+
+    model, x = Scaled().eval(), torch.randn(4, 6)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(opt(x, scale=3.0), model(x, scale=3.0))
+        torch.testing.assert_close(opt(x), model(x))
+    assert len(opt.specializations) == 2
+
+
 def test_nondeterministic_model_falls_back_with_a_clear_reason():
     class RandomDropout(nn.Module):
         def forward(self, x):

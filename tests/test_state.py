@@ -93,9 +93,68 @@ def test_forward_that_updates_a_buffer_falls_back_and_leaves_it_as_it_was():
     call would have returned x + 1 (and the model's count was already moved). Now: one warning,
     the original module, and the buffer untouched by optimize."""
     m, x = Counter().eval(), torch.randn(2, 3)
-    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's tensor 'count' in place"):
+    with pytest.warns(fxfuse.FxfuseWarning, match=r"changes the module's state \(Counter.count\)"):
         opt = fxfuse.optimize(m, x)
     assert opt is m and torch.equal(m.count, torch.zeros(3))
     with pytest.raises(fxfuse.UnsupportedError):
         fxfuse.optimize(m, x, strict=True)
     assert torch.equal(m.count, torch.zeros(3))
+
+
+class KeepsLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.last = nn.Linear(4, 4), None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.last = y
+        return y.relu()
+
+
+class Reassigns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return x * self.count
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rm", torch.zeros(4))
+        self.register_buffer("rv", torch.ones(4))
+
+    def forward(self, x):
+        return torch.nn.functional.batch_norm(x, self.rm, self.rv, training=True, momentum=0.1)
+
+
+@pytest.mark.parametrize("make, what", [(KeepsLast, "KeepsLast.last"), (Reassigns, "Reassigns.count"),
+                                        (FunctionalBatchNorm, "FunctionalBatchNorm.rm")],
+                         ids=["attribute", "reassigned buffer", "running stats without a version bump"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_forward_with_module_state_is_refused_and_the_model_left_as_it_was(make, what, verify):
+    """Second fuzzing round: tracing stored a torch.fx Proxy in `self.last`; a reassigned buffer
+    gave x * 1 on every call; F.batch_norm(training=True) moved the buffers during the build."""
+    torch.manual_seed(0)
+    m, x = make().eval(), torch.randn(3, 4) + 2
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.warns(fxfuse.FxfuseWarning, match=f"changes the module's state \\({what}"):
+        opt = fxfuse.optimize(m, x, verify=verify)
+    assert opt is m
+    after = m.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not isinstance(getattr(m, "last", None), torch.fx.Proxy)
+
+
+def test_model_created_in_inference_mode_is_optimized():
+    """Its parameters and buffers are inference tensors, which have no version counter."""
+    with torch.inference_mode():
+        m = bn_model()
+        x = torch.randn(5, 6)
+        opt = fxfuse.optimize(m, x)
+        assert isinstance(opt, fxfuse.OptimizedModule) and fxfuse.stats(opt)["fused_kernels"] > 0
+        torch.testing.assert_close(opt(x), m(x))

@@ -1,0 +1,116 @@
+"""A build must leave the user's model as it found it, and must not optimize a forward() that
+keeps state in the module.
+
+Why: symbolic tracing runs forward() with proxies, so `self.last = y` stores a torch.fx Proxy
+in the model and `self.count = self.count + 1` stores one in its buffers; an in-place update
+(`self.count.add_(1)`) runs once on the real tensor and only its result reaches the graph.
+The build then runs the graph and the model (shape propagation, verification), which moves
+any state once more (`F.batch_norm(..., training=True)` on module buffers, even without
+bumping their version counters). A graph cannot keep such state between calls, so every
+call would return the same thing.
+
+`kept_state(model)` snapshots each submodule's attributes, buffers (by value), parameters
+and submodules before the build, puts everything back afterwards, and raises
+UnsupportedError naming what forward() changed. Parameters are compared by identity and
+version counter only (copying them would double the model's memory). Inference tensors
+(a model created under torch.inference_mode) have no version counter: they are compared
+by identity (and buffers by value).
+"""
+import contextlib
+
+import torch
+import torch.fx
+
+from .errors import UnsupportedError
+
+
+def version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _same_attr(a, b) -> bool:
+    """The same object, or an equal plain value (torch.export rebuilds some modules' bookkeeping
+    lists, e.g. LSTM's _flat_weights_names, with the same contents)."""
+    if a is b:
+        return True
+    if isinstance(a, (torch.Tensor, torch.fx.Proxy)) or isinstance(b, (torch.Tensor, torch.fx.Proxy)):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 -- values that cannot be compared count as changed
+        return False
+
+
+class _Snapshot:
+    def __init__(self, model: torch.nn.Module):
+        self.modules = []
+        for name, m in model.named_modules():
+            attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
+            buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
+            params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}
+            self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules)))
+
+    def restore(self) -> list:
+        """Put everything back; the names of what forward() had changed."""
+        changed = []
+        for name, m, attrs, buffers, params, modules in self.modules:
+            for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
+                if not k.startswith("_tensor_constant"):   # torch.fx's own: constants it put on the root
+                    changed.append(f"{name}.{k}")
+                del m.__dict__[k]
+            for k, v in attrs.items():
+                if k not in m.__dict__ or not _same_attr(m.__dict__[k], v):
+                    changed.append(f"{name}.{k}")
+                    m.__dict__[k] = v
+            for k, (b, saved) in buffers.items():
+                if m._buffers.get(k) is not b:
+                    changed.append(f"{name}.{k}")
+                    m._buffers[k] = b
+                if b is not None and not _same_value(b, saved):
+                    changed.append(f"{name}.{k}")
+                    with torch.no_grad(), torch.inference_mode(b.is_inference()):
+                        b.copy_(saved)
+            for k in [k for k in m._buffers if k not in buffers]:
+                changed.append(f"{name}.{k}")
+                del m._buffers[k]
+            for k, (p, v) in params.items():
+                if m._parameters.get(k) is not p or (p is not None and v is not None and version(p) != v):
+                    changed.append(f"{name}.{k}")
+                    m._parameters[k] = p
+            if dict(m._modules) != modules or any(m._modules[k] is not v for k, v in modules.items()):
+                changed.append(f"{name} (submodules)")
+                m._modules.clear()
+                m._modules.update(modules)
+        return list(dict.fromkeys(changed))
+
+
+@contextlib.contextmanager
+def kept_state(model: torch.nn.Module):
+    """Run a build; afterwards the model is as before, and a forward() that changed it is refused."""
+    snapshot = _Snapshot(model)
+    try:
+        yield
+    except Exception as e:   # the state, when changed, is the better reason (verification fails on it too)
+        changed = snapshot.restore()
+        if changed:
+            raise _refusal(changed) from e
+        raise
+    except BaseException:
+        snapshot.restore()
+        raise
+    changed = snapshot.restore()
+    if changed:
+        raise _refusal(changed)
+
+
+def _refusal(changed: list) -> UnsupportedError:
+    return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}); fxfuse's "
+                            "graphs keep no state between calls, so the original module runs")
