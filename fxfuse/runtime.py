@@ -481,6 +481,10 @@ class OptimizedModule(torch.nn.Module):
         if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
         if self._needs_autograd(args):
+            if self.options.strict:
+                raise GuardError("this call would record autograd (grad mode on and parameters or inputs "
+                                 "requiring grad); fxfuse runs inference only: call under torch.no_grad() "
+                                 "or torch.inference_mode()")
             self._warn_once("grad", "fxfuse runs inference only: this call would record autograd, so "
                             "the original module runs. Call under torch.no_grad() or "
                             "torch.inference_mode() to use the optimized graph.")

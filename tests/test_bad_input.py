@@ -159,6 +159,13 @@ def test_grad_enabled_call_runs_original_with_one_warning():
     assert fxfuse.stats(opt)["kernel_launches"] > launches
 
 
+def test_grad_enabled_call_under_strict_raises():
+    model = Residual().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 11), strict=True)
+    with pytest.raises(fxfuse.GuardError, match="autograd"):
+        opt(torch.randn(3, 11))
+
+
 def test_input_requiring_grad_runs_original():
     model = Pointwise().eval()
     opt = fxfuse.optimize(model, torch.randn(4, 4))
