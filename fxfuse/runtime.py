@@ -480,6 +480,11 @@ class OptimizedModule(torch.nn.Module):
             return self.original(*args)
         if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
+            self._buffer_rebuilds = getattr(self, "_buffer_rebuilds", 0) + 1
+            if self._buffer_rebuilds == 3:
+                self._warn_once("buffers", "fxfuse: buffers of the model keep changing in place between calls; "
+                                "each change rebuilds the optimized graph (folded and packed copies would be "
+                                "stale). Call the original module for such use.")
         if self._needs_autograd(args):
             if self.options.strict:
                 raise GuardError("this call would record autograd (grad mode on and parameters or inputs "

@@ -62,6 +62,17 @@ def test_buffers_moved_by_a_training_call_are_seen():
     assert fxfuse.stats(opt)["fused_kernels"] > 0
 
 
+def test_buffers_changing_every_call_warn_once_and_stay_right():
+    m, x = bn_model(), torch.randn(5, 6)
+    opt = fxfuse.optimize(m, x)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            m[1].running_var.mul_(1.5)
+            torch.testing.assert_close(opt(x), m(x))
+    assert sum("keep changing" in str(w.message) for w in record) == 1
+
+
 def test_internal_error_in_a_later_build_falls_back_with_one_warning(monkeypatch):
     m, x = bn_model(), torch.randn(5, 6)
     opt = fxfuse.optimize(m, x)
