@@ -104,7 +104,7 @@ def host_rows(label, opt, spec, x):
 def ab_rows(model, x, rounds=15):
     """Same process, interleaved rounds: the whole call (two inputs in turn) with and without
     the direct graph launch and the own-pool handout, and each variant's handout graph alone."""
-    import fxfuse.runtime as rt
+    import fxfuse.handout as rt
     xs = [x, x.clone() + 1]
     variants = {}
     for own_pool in (True, False):

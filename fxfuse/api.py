@@ -8,7 +8,7 @@ mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 
 import torch
 
-from .errors import FxfuseError, UnsupportedError, warn
+from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import interpreting, kernels_available
 from .log import logger
 from .module_state import kept_state
@@ -145,9 +145,7 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
     try:
         return OptimizedModule(model, args, opts, build_graph)
     except Exception as e:  # noqa: BLE001 -- the fallback policy covers internal errors too
-        if not isinstance(e, FxfuseError):
-            e = FxfuseError(f"internal error while optimizing ({type(e).__name__}: {e})").with_traceback(
-                e.__traceback__)
+        e = as_fxfuse_error(e, "optimizing")
         if opts.strict:
             raise e
         warn(f"fxfuse: {e} -- returning the original module unchanged")

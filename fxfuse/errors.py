@@ -28,6 +28,14 @@ class OptionError(FxfuseError, ValueError):
     """An option of fxfuse.optimize has a value outside its range (also a ValueError)."""
 
 
+def as_fxfuse_error(e: Exception, doing: str) -> FxfuseError:
+    """e itself, or an internal error (any other exception) wrapped with what was being done:
+    the fallback policy covers both, and strict=True raises the result."""
+    if isinstance(e, FxfuseError):
+        return e
+    return FxfuseError(f"internal error while {doing} ({type(e).__name__}: {e})").with_traceback(e.__traceback__)
+
+
 class FxfuseWarning(UserWarning):
     """Category of fxfuse's fallback warnings, so users can filter them."""
 

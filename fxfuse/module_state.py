@@ -24,6 +24,16 @@ import torch.fx
 from .errors import UnsupportedError
 
 
+MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
+             torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU,
+             torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Softmax,
+             torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.Softplus, torch.nn.Identity,
+             torch.nn.Flatten, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.LayerNorm,
+             torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.AvgPool1d,
+             torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.Upsample}
+# ^ module types whose forward does not read self.training: forward() need not check their mode per call
+
+
 def version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 

@@ -12,26 +12,8 @@ graph, re-pointed at the caller's tensor before the replay (input_copy.py: no ho
 launch); any other input is copied with copy_. The pool itself is the memory plan: during
 capture the caching allocator reuses an intermediate's block once it is dead.
 
-Outputs (see OutputSlots): a tensor returned by one call must never be overwritten by the next,
-the classic failure of CUDA-graph runtimes. Cloning every output is safe but costs ~12 us of CPU
-per call on an H100 host, as much as the rest of a small model's call. So the graph is captured
-up to HANDOUT_SLOTS more times, each copy ending with a copy of its outputs into buffers of its
-own, and a call hands out the buffers of a copy whose previous outputs nobody holds any more
-(the storage's use count, which views also raise, is back to fxfuse's own references). Only
-when the caller still holds all of them does the call replay the first graph and clone.
-
-Where the first graph's pool is small (OWN_POOL_MAX_BYTES), each copy gets a memory pool of
-its own and its outputs are handed out as they are: no other graph allocates from that pool,
-so nothing writes those blocks but the copy's own replay, which only runs while they are free.
-This saves the copy kernel at the end of every replay (1.2 us of GPU time per call at batch 1 /
-hidden 128 on the H100). A copy whose output is not memory of its own pool (the model returns
-an input or a weight as it is) falls back to the shared pool:
-the copies then share the first graph's pool for their intermediates (dead between calls, and
-the graphs never run concurrently) and end by copying their outputs into buffers allocated
-outside the pool before capture. Handing out blocks of a *shared* pool is what must not
-happen: such a block can be one that another graph uses for an intermediate (free as far as
-the allocator knows, written at every replay of that graph). An earlier version did that and
-failed exactly so on the H100.
+Outputs: a tensor returned by one call is never overwritten by the next; handout.py says how
+(graph copies whose outputs are handed out while nobody holds them, else a clone).
 
 Weights: a specialization holds copies of some weights (BatchNorm folded into Linear/Conv,
 packed fused-MLP weights, Strassen's combined blocks), so new weights need a new build. A
@@ -40,7 +22,6 @@ drops every specialization and the next call rebuilds; in-place edits of paramet
 (`w.data.mul_()`, an optimizer step) are not seen: call fxfuse.optimize again.
 """
 import inspect
-import sys
 import time
 import weakref
 from collections import OrderedDict
@@ -48,12 +29,13 @@ from collections import OrderedDict
 import torch
 import torch.fx
 
-from .errors import FxfuseError, FxfuseWarning, GuardError, warn  # noqa: F401  (FxfuseWarning re-exported)
+from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
+from .handout import HANDOUT_SLOTS, OutputSlots, inside, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
-from .module_state import version
+from .module_state import MODE_FREE, version
 
 
 def signature(args) -> tuple:
@@ -78,84 +60,6 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
                 if ev != gv:
                     return f"input {k}: {name} {gv} where the specialization has {ev}"
     return "no difference"
-
-
-MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
-             torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU,
-             torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.LeakyReLU, torch.nn.ELU, torch.nn.Softmax,
-             torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.Mish, torch.nn.Softplus, torch.nn.Identity,
-             torch.nn.Flatten, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.LayerNorm,
-             torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.AvgPool1d,
-             torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.Upsample}
-# ^ module types whose forward does not read self.training: forward() need not check their mode per call
-
-HANDOUT_SLOTS = 2   # graph copies whose outputs are returned without a clone (ping-pong + one spare)
-OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
-# (small models, where the saved copy is a visible part of a call; at most 2 x 8 MiB more memory
-# per specialization; a pool with a tensor over 1 MiB has 20 MiB segments and keeps the copy)
-
-
-def pool_segments(pool) -> list | None:
-    """[(address, size)] of the caching allocator's segments in a graph's memory pool, or None
-    where the allocator's snapshot does not say which pool a segment belongs to."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-    except Exception:  # noqa: BLE001 -- unknown: the caller copies outputs out instead
-        return None
-    found = []
-    for seg in segments:
-        if "segment_pool_id" not in seg:
-            return None
-        if tuple(seg["segment_pool_id"]) == tuple(pool):
-            found.append((seg["address"], seg["total_size"]))
-    return found
-
-
-def inside(segments: list, tensors) -> bool:
-    """Whether every tensor's storage lies in one of the segments (empty ones have no bytes to
-    overwrite and may have no address)."""
-    for t in tensors:
-        if t.untyped_storage().nbytes() == 0:
-            continue
-        start = t.untyped_storage().data_ptr()
-        end = start + t.untyped_storage().nbytes()
-        if not any(a <= start and end <= a + size for a, size in segments):
-            return False
-    return True
-
-
-class OutputSlots:
-    """A graph copy and the buffers its outputs are copied into, handed to the caller without
-    a copy of their own.
-
-    Free when no tensor outside fxfuse shares their storages: torch's use count of each
-    storage is back to what it was right after capture (our own references). A returned
-    tensor, a view of it, or a tensor made from its storage all raise the count.
-    """
-
-    def __init__(self, launcher, buffers, inputs):
-        self.launcher, self.inputs = launcher, inputs
-        self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
-        self.single = self.tree.is_leaf() and isinstance(buffers, torch.Tensor)   # the usual case: one tensor
-        tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
-        storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())
-        self._storages = storages   # kept alive: the counts below are of these storages
-        # tensors over a storage raise its use count; a caller keeping only y.untyped_storage()
-        # does not, but holds the one Python object torch keeps for it: its reference count
-        self._counts = [(s, s._cdata, torch._C._storage_Use_Count(s._cdata), sys.getrefcount(s)) for s in storages]
-
-    def free(self) -> bool:
-        for storage, cdata, uses, refs in self._counts:
-            if torch._C._storage_Use_Count(cdata) > uses or sys.getrefcount(storage) > refs:
-                return False
-        return True
-
-    def hand_out(self):
-        """The outputs as new tensors over the buffers (their use counts mark them held)."""
-        if self.single:
-            return self.leaves[0].detach()
-        leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves]
-        return torch.utils._pytree.tree_unflatten(leaves, self.tree)
 
 
 class Specialization:
@@ -217,8 +121,7 @@ class Specialization:
                 or draws_random_numbers(self.gm)
             self.graph, self.static_out, self.inputs = self._capture_one(static_args)
             self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
-            segments = pool_segments(self.graph.pool())
-            self.own_pool_slots = segments is not None and sum(size for _, size in segments) <= OWN_POOL_MAX_BYTES
+            self.own_pool_slots = own_pool_fits(self.graph.pool())
             self.cuda_graph_note = "captured: one CUDA graph replay per call"
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
@@ -370,6 +273,7 @@ class OptimizedModule(torch.nn.Module):
         self.misses: list = []
         self._warned: set = set()
         self._built = 0                    # specialization_N names stay unique across rebuilds
+        self._buffer_rebuilds = 0          # rebuilds because buffers moved (warned about at 3)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
@@ -409,8 +313,8 @@ class OptimizedModule(torch.nn.Module):
         return False
 
     def _buffers_moved(self) -> bool:
-        for b, version in self._buffer_versions:
-            if b._version != version:
+        for b, seen in self._buffer_versions:
+            if b._version != seen:
                 return True
         return False
 
@@ -471,7 +375,7 @@ class OptimizedModule(torch.nn.Module):
                                 "positional parameters of forward(); running the original module")
                 return self.original(*args, **kwargs)
             args = positional
-        if self._modules["original"].training or self._submodule_training():  # .train() after optimize
+        if self._modules["original"].training or self._mode_modules and self._submodule_training():
             if self.options.strict:
                 raise GuardError("the module is in training mode; fxfuse's graphs are eval-mode graphs "
                                  "(Dropout removed, BatchNorm folded). Call .eval() to use them")
@@ -480,7 +384,7 @@ class OptimizedModule(torch.nn.Module):
             return self.original(*args)
         if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
-            self._buffer_rebuilds = getattr(self, "_buffer_rebuilds", 0) + 1
+            self._buffer_rebuilds += 1
             if self._buffer_rebuilds == 3:
                 self._warn_once("buffers", "fxfuse: buffers of the model keep changing in place between calls; "
                                 "each change rebuilds the optimized graph (folded and packed copies would be "
@@ -514,9 +418,7 @@ class OptimizedModule(torch.nn.Module):
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too
-            if not isinstance(e, FxfuseError):
-                e = FxfuseError(f"internal error while building a specialization ({type(e).__name__}: {e})"
-                                ).with_traceback(e.__traceback__)
+            e = as_fxfuse_error(e, "building a specialization")
             if self.options.strict:
                 raise e
             self._warn_once("build:" + reason, f"fxfuse: no specialization for a new input ({reason}): "

@@ -411,9 +411,9 @@ def test_random_ops_are_recognised(body, random):
 
 
 def test_own_pool_handout_only_for_outputs_inside_the_pool():
-    """runtime.inside: a graph copy's outputs are handed out as they are only when each lies in
+    """handout.inside: a graph copy's outputs are handed out as they are only when each lies in
     that copy's own pool segments (not an input, a weight, or another pool's block)."""
-    from fxfuse.runtime import inside
+    from fxfuse.handout import inside
     t = torch.randn(64)
     start, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
     assert inside([(start, size)], [t, t[3:9]])
@@ -426,7 +426,7 @@ def test_own_pool_handout_only_for_outputs_inside_the_pool():
 def test_output_slot_is_held_by_a_view_or_a_kept_storage():
     """OutputSlots.free(): a handed-out tensor, a view of it, or only its storage object keeps
     the slot from being replayed over it."""
-    from fxfuse.runtime import OutputSlots
+    from fxfuse.handout import OutputSlots
     slot = OutputSlots(None, torch.randn(4, 3), None)
     assert slot.free()
     y = slot.hand_out()
