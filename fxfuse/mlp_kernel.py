@@ -94,7 +94,6 @@ class KernelConfig:
     num_warps: int = 4
     max_tile: int = MAX_TILE
     precision: str = "ieee"  # fp32 tl.dot: "ieee" or "tf32"
-    fence: str = "none"      # probe: "none", "barrier" or "loop" between Linear layers
 
 
 def tile_of(width: int, max_tile: int = MAX_TILE) -> tuple:
@@ -241,7 +240,7 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
     mt = config.max_tile
     layout = Layout(spec, numels, mt)
     buf = IndentedBuffer()
-    buf.line('@triton.jit(do_not_specialize=["M"])' if config.fence == "loop" else "@triton.jit")
+    buf.line("@triton.jit")
     buf.line(f"def {name}(x_ptr, out_ptr, w_ptr, v_ptr, M, stride_xm, stride_om, BLOCK_M: tl.constexpr):")
     with buf.indent():
         esize = torch.empty((), dtype=spec.dtype).element_size()
@@ -253,15 +252,13 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
         buf.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
         buf.line("row_ok = rows < M")
         buf.line("rows = rows.to(tl.int64)")
-        if config.fence == "loop":
-            buf.line("zero = tl.minimum(M, 1) - 1   # 0, unknown to the compiler")
         for t in sorted({tile_of(w, mt)[0] for w in spec.widths}):
             buf.line(f"c{t} = tl.arange(0, {t})")
         _emit_input(buf, spec, mt)
         loaded = set()
         for step in spec.steps:
             if isinstance(step, Linear):
-                _emit_fenced_linear(buf, spec, step, layout, config)
+                _emit_linear(buf, spec, step, layout, config)
             else:
                 _emit_pointwise(buf, spec, step, layout, numels, loaded, mt)
         _emit_store(buf, spec, mt)
@@ -282,21 +279,7 @@ def _emit_input(buf, spec, mt):
                  f"mask={mask}, other=0.0).to(tl.float32)")
 
 
-def _emit_fenced_linear(buf, spec, step, layout, config):
-    if config.fence == "barrier":
-        buf.line("tl.debug_barrier()")
-    if config.fence != "loop":
-        _emit_linear(buf, spec, step, layout, config)
-        return
-    tn, nn = tile_of(spec.widths[step.out], config.max_tile)
-    for j in range(nn):
-        buf.line(f"v{step.out}_{j} = tl.zeros((BLOCK_M, {tn}), dtype=tl.float32)")
-    buf.line(f"for base{step.out} in range(zero, zero + 1):   # loads stay in their layer")
-    with buf.indent():
-        _emit_linear(buf, spec, step, layout, config, base=f"base{step.out} + ")
-
-
-def _emit_linear(buf, spec, step, layout, config, base=""):
+def _emit_linear(buf, spec, step, layout, config):
     k, n = spec.widths[step.src], spec.widths[step.out]
     (tk, nk), (tn, nn) = tile_of(k, config.max_tile), tile_of(n, config.max_tile)
     buf.line(f"# v{step.out} = v{step.src} @ W{step.weight}.T: {k} -> {n} as {nk} x {nn} tiles of "
@@ -314,20 +297,20 @@ def _emit_linear(buf, spec, step, layout, config, base=""):
             buf.line(f"a{step.out}_{kk} = {expr}")
             expr = f"a{step.out}_{kk}"
         operands.append(expr)
-    at0, w_, acc_ = layout.weight_offset[step.weight], f"w{step.out}", f"acc{step.out}"   # names of their own: no loop-carried clash
+    base = layout.weight_offset[step.weight]
     for j in range(nn):
         for kk in range(nk):
-            at = at0 + (j * nk + kk) * tk * tn
+            at = base + (j * nk + kk) * tk * tn
             if config.rowwise:   # [tn, tk] tile: reduce along contiguous K
-                buf.line(f"{w_} = tl.load(w_ptr + {base}{at} + c{tn}[:, None] * {tk} + c{tk}[None, :])")
-                w = w_ if spec.dtype == torch.float32 else f"{w_}.to(tl.float32)"
+                buf.line(f"w = tl.load(w_ptr + {at} + c{tn}[:, None] * {tk} + c{tk}[None, :])")
+                w = "w" if spec.dtype == torch.float32 else "w.to(tl.float32)"
                 prod = f"tl.sum({operands[kk]}[:, None, :] * {w}[None, :, :], axis=2)"
-                buf.line(f"{acc_} = {prod}" if kk == 0 else f"{acc_} = {acc_} + {prod}")
+                buf.line(f"acc = {prod}" if kk == 0 else f"acc = acc + {prod}")
             else:                # [tk, tn] tile, as tl.dot takes it
-                buf.line(f"{w_} = tl.load(w_ptr + {base}{at} + c{tk}[:, None] * {tn} + c{tn}[None, :])")
-                acc = "out_dtype=tl.float32" if kk == 0 else f"acc={acc_}"
-                buf.line(f"{acc_} = tl.dot({operands[kk]}, {w_}, {acc}{dot_kw})")
-        buf.line(f"v{step.out}_{j} = {acc_}")
+                buf.line(f"w = tl.load(w_ptr + {at} + c{tk}[:, None] * {tn} + c{tn}[None, :])")
+                acc = "out_dtype=tl.float32" if kk == 0 else "acc=acc"
+                buf.line(f"acc = tl.dot({operands[kk]}, w, {acc}{dot_kw})")
+        buf.line(f"v{step.out}_{j} = acc")
 
 
 def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):

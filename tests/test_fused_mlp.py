@@ -286,10 +286,8 @@ def relu_mlp_spec(layers, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("config", [KernelConfig(block_m=1, rowwise=True), KernelConfig(block_m=2, rowwise=True),
-                                    KernelConfig(block_m=16), KernelConfig(block_m=32, max_tile=16),
-                                    KernelConfig(block_m=1, rowwise=True, fence="loop"),
-                                    KernelConfig(block_m=16, fence="loop"), KernelConfig(block_m=16, fence="barrier")],
-                         ids=["rows1", "rows2", "dot16", "dot32_tile16", "rows1_loop", "dot16_loop", "dot16_barrier"])
+                                    KernelConfig(block_m=16), KernelConfig(block_m=32, max_tile=16)],
+                         ids=["rows1", "rows2", "dot16", "dot32_tile16"])
 def test_every_kernel_form(config, dtype):
     torch.manual_seed(0)
     model = mlp([24, 40, 13, 7], inplace=False).to(dtype)
