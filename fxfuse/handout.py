@@ -26,9 +26,10 @@ import sys
 import torch
 
 
-HANDOUT_SLOTS = 2   # graph copies whose outputs are returned without a clone (ping-pong + one spare)
+HANDOUT_SLOTS = 4   # graph copies whose outputs are returned without a clone (runtime._slot_for:
+# a copy per recurring input address, so a loop over a few input buffers re-points no memcpy node)
 OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
-# (small models, where the saved copy is a visible part of a call; at most 2 x 8 MiB more memory
+# (small models, where the saved copy is a visible part of a call; at most 4 x 8 MiB more memory
 # per specialization; a pool with a tensor over 1 MiB has 20 MiB segments and keeps the copy)
 
 

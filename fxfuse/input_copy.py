@@ -116,7 +116,7 @@ class GraphInputs:
 
     def __init__(self, graph, keeps_graph: bool, copied: list, bound: list, statics: dict):
         self.copied, self.bound = copied, bound
-        self.node_updates = self.copies = 0
+        self.node_updates = self.copies = self.repoints = 0   # loads through the nodes, copies, driver updates
         self.exec = self.nodes = None
         if bound and keeps_graph and driver() is not None:
             self.nodes = _memcpy_nodes(graph, [(source, statics[k]) for k, source in bound])
@@ -135,6 +135,7 @@ class GraphInputs:
             return True
         old, params.srcDevice = params.srcDevice, address
         if _driver.cuGraphExecMemcpyNodeSetParams(self.exec, node, ctypes.byref(params), self.context) == 0:
+            self.repoints += 1
             return True
         params.srcDevice = old
         return False
@@ -148,6 +149,15 @@ class GraphInputs:
             source.copy_(x)
             return source.data_ptr()
         return x.data_ptr()
+
+    def reads(self, tensors) -> bool:
+        """Whether every memcpy node already reads these tensors' addresses (a load re-points none)."""
+        if self.exec is None:
+            return False
+        for (k, _), (_, params) in zip(self.bound, self.nodes):
+            if params.srcDevice != tensors[k].data_ptr():
+                return False
+        return True
 
     def load(self, tensors) -> bool:
         """False when the graph must not be replayed any more (its nodes could not be restored)."""
