@@ -64,6 +64,21 @@ def main():
             print(f"  slot.free():                                  {wall_us(slot.free, n):7.2f} us")
             print(f"  slot.hand_out():                              {wall_us(slot.hand_out, n):7.2f} us")
             print(f"  slot.inputs.load([x]), same x:                {wall_us(lambda: slot.inputs.load([xs[0]]), n):7.2f} us")
+        launchers = [sl.launcher for sl in spec.handout or []]
+        if launchers:
+            turn = {"i": 0}
+
+            def round_robin():
+                turn["i"] += 1
+                launchers[turn["i"] % len(launchers)].replay()
+            print(f"  {len(launchers)} slot launches in turn:                      {wall_us(round_robin, n):7.2f} us")
+        print(f"  whole call, same x:                           {wall_us(lambda: opt(xs[0]), n):7.2f} us")
+        from fxfuse.input_copy import GraphInputs
+        reads = GraphInputs.reads
+        GraphInputs.reads = lambda self, tensors: False      # A/B: no address affinity (slot 0, re-pointed)
+        print(f"  whole call, no address affinity:              {wall_us(call, n):7.2f} us")
+        GraphInputs.reads = reads
+        print(f"  whole call again (affinity):                  {wall_us(call, n):7.2f} us")
         print(f"  opt.forward minus __call__ (same x):          {wall_us(lambda: opt.forward(xs[0]), n):7.2f} us")
         print(f"  fxfuse.runtime.signature((x,)):               "
               f"{wall_us(lambda: fxfuse.runtime.signature((xs[0],)), n):7.2f} us")
