@@ -11,6 +11,7 @@ of the calls sorted by own time (C functions included, so driver calls show as c
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -33,13 +34,53 @@ def wall_us(fn, calls):
     return best
 
 
+def ab(cells, rounds, calls):
+    """Interleaved rounds: whole calls with and without address affinity, and the slot graphs
+    launched in turn vs one of them alone (GPU cost of switching graph executables)."""
+    from fxfuse.input_copy import GraphInputs
+    reads = GraphInputs.reads
+    for batch, hidden in cells:
+        model = seed_model(hidden)
+        xs = [torch.randn(batch, hidden, device="cuda") for _ in range(4)]
+        opt = fxfuse.optimize(model, xs[0])
+        spec = next(iter(opt.specializations.values()))
+        state = {"i": 0}
+
+        def call():
+            state["i"] += 1
+            return opt(xs[state["i"] & 3])
+
+        def in_turn():
+            state["i"] += 1
+            spec.handout[state["i"] & 3].launcher.replay()
+        rows = {"affinity": [], "no affinity": [], "4 graphs in turn": [], "1 graph alone": []}
+        with torch.no_grad():
+            for _ in range(20):
+                call()
+            for _ in range(rounds):
+                GraphInputs.reads = reads
+                rows["affinity"].append(wall_us(call, calls))
+                GraphInputs.reads = lambda self, tensors: False
+                rows["no affinity"].append(wall_us(call, calls))
+                GraphInputs.reads = reads
+                rows["4 graphs in turn"].append(wall_us(in_turn, calls))
+                rows["1 graph alone"].append(wall_us(spec.handout[0].launcher.replay, calls))
+        print(f"{batch}x{hidden} (slots {len(spec.handout)}): " + ", ".join(
+            f"{k} {statistics.median(v):.2f}" for k, v in rows.items()) + " us (median of rounds)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ab", default="", help="cells BxH,... : interleaved A/B rounds only")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--calls", type=int, default=20000)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if a.ab:
+        print(f"host profile A/B, {torch.cuda.get_device_name()}, torch {torch.__version__}; min of 5 blocks per round")
+        ab([tuple(map(int, c.split("x"))) for c in a.ab.split(",")], rounds=7, calls=2000)
+        return
     model = seed_model(a.hidden)
     xs = [torch.randn(a.batch, a.hidden, device="cuda") for _ in range(4)]
     opt = fxfuse.optimize(model, xs[0])
