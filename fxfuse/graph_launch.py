@@ -47,6 +47,10 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):   # the C functions themselves: one Python frame less per call
+    _current_device, _current_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+
+
 def generator_offset(device_index: int) -> int | None:
     try:
         return torch.cuda.default_generators[device_index].get_offset()
@@ -74,7 +78,7 @@ class GraphLauncher:
 
     def replay(self) -> None:
         if self.launch is not None and _current_device() == self.device:
-            status = self.launch(self.exec, ctypes.c_void_p(_current_stream(self.device)))
+            status = self.launch(self.exec, _current_stream(self.device))   # argtypes: ints pass as pointers
             if status == 0:
                 self.direct += 1
                 return

@@ -25,9 +25,14 @@ import sys
 
 import torch
 
+from .graph_launch import GraphLauncher
+from .log import logger
+
 
 HANDOUT_SLOTS = 4   # graph copies whose outputs are returned without a clone (runtime._slot_for:
 # a copy per recurring input address, so a loop over a few input buffers re-points no memcpy node)
+AFFINITY_MAX_GPU_US = 20.0   # graphs of less GPU time settle inputs on copies by address: below it
+# a call is bound by the host (~20 us per call on the H100 host), which the saved update shortens
 OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
 # (small models, where the saved copy is a visible part of a call; at most 4 x 8 MiB more memory
 # per specialization; a pool with a tensor over 1 MiB has 20 MiB segments and keeps the copy)
@@ -80,6 +85,7 @@ class OutputSlots:
 
     def __init__(self, launcher, buffers, inputs):
         self.launcher, self.inputs = launcher, inputs
+        self.key = None   # the address its first memcpy node reads (runtime's slot_at index)
         self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
         self.single = self.tree.is_leaf() and isinstance(buffers, torch.Tensor)   # the usual case: one tensor
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
@@ -101,3 +107,85 @@ class OutputSlots:
             return self.leaves[0].detach()
         leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.leaves]
         return torch.utils._pytree.tree_unflatten(leaves, self.tree)
+
+
+class SlotChoice:
+    """The part of runtime.Specialization that picks the graph copy (OutputSlots) for a call.
+
+    It uses the specialization's graph, inputs, handout, slot_at, draws_random, device_index
+    and _capture_slot()."""
+
+    def _choose_affinity(self) -> None:
+        """Whether calls settle on graph copies by input address (_slot_for). It saves the node
+        update, host time, but launching different graph copies in turn costs GPU time (2-3 us
+        per call at hidden 1024 on the H100, nothing at 128: host_ab_20261123.txt), so only
+        where the host is the bound: a graph of little GPU time, timed here once."""
+        bound = self.inputs.exec is not None
+        self.affinity, self.replay_us = bound, None
+        if not bound or self.draws_random:   # no memcpy nodes; or a replay would move the generator
+            return
+        try:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.graph.replay()
+            start.record()
+            for _ in range(5):
+                self.graph.replay()
+            end.record()
+            end.synchronize()
+        except RuntimeError as e:
+            logger.info("timing the graph failed, no address affinity: %s", e)
+            self.affinity = False
+            return
+        self.replay_us = start.elapsed_time(end) * 200
+        self.affinity = self.replay_us < AFFINITY_MAX_GPU_US
+
+    def affinity_note(self) -> str:
+        if self.handout is None or self.inputs.exec is None:
+            return ""
+        if self.replay_us is None:
+            return "; graph copies by input address (graph not timed: it draws random numbers)"
+        side = "<" if self.affinity else ">="
+        return (f"; {'' if self.affinity else 'no '}graph copies by input address (graph {self.replay_us:.1f} us "
+                f"of GPU time {side} {AFFINITY_MAX_GPU_US:g})")
+
+    def _slot_for(self, tensors):
+        """(slot, settled): a handout slot whose outputs nobody holds (or None), and whether its
+        memcpy nodes already read these tensors. With affinity, preferably such a slot (found by
+        the first tensor's address), which saves the node update (2.6 us of host time on the H100 host, as much as the launch): a
+        loop's inputs usually come back to a few addresses (the caching allocator hands a freed
+        block to the next input), so each settles on a graph copy of its own, and a new copy is
+        captured (up to HANDOUT_SLOTS) while every free one reads elsewhere."""
+        if self.affinity:
+            slot = self.slot_at.get(tensors[self.inputs.bound[0][0]].data_ptr())
+            if slot is not None and slot.free() and slot.inputs.reads(tensors):
+                return slot, True
+        return self._free_slot(), False
+
+    def _free_slot(self):
+        """The first free slot, or a new one while every free one reads elsewhere (affinity) or
+        none is free; None when all HANDOUT_SLOTS are held."""
+        spare = None
+        for slot in self.handout:
+            if slot.free():
+                spare = slot
+                break
+        if len(self.handout) >= HANDOUT_SLOTS or (spare is not None and not self.affinity):
+            return spare
+        try:
+            graph, buffers, inputs = self._capture_slot()
+            slot = OutputSlots(GraphLauncher(graph, self.device_index, self.draws_random), buffers, inputs)
+        except Exception as e:  # noqa: BLE001 -- an optimization: keep cloning from the first graph
+            torch.cuda.synchronize()
+            self.handout = None
+            self.handout_note = f"outputs cloned: capturing a graph copy failed ({type(e).__name__}: {str(e)[:200]})"
+            logger.info("handout capture failed, cloning outputs: %s", e)
+            return None
+        self.handout.append(slot)
+        return slot
+
+    def _settle(self, slot, tensors) -> None:
+        """Index the slot by the address its first memcpy node now reads."""
+        key = tensors[self.inputs.bound[0][0]].data_ptr()
+        if self.slot_at.get(slot.key) is slot:
+            del self.slot_at[slot.key]
+        slot.key, self.slot_at[key] = key, slot

@@ -164,10 +164,13 @@ class GraphInputs:
         for k, static in self.copied:
             static.copy_(tensors[k])
         if self.exec is not None:
-            if all(self._point(node, params, self._address(tensors[k], source))
-                   for (k, source), (node, params) in zip(self.bound, self.nodes)):
-                self.node_updates += 1
+            self.node_updates += 1
+            for (k, source), (node, params) in zip(self.bound, self.nodes):
+                if not self._point(node, params, self._address(tensors[k], source)):
+                    break
+            else:
                 return True
+            self.node_updates -= 1
             logger.info("cuGraphExecMemcpyNodeSetParams failed: graph inputs are copied from now on")
             restored = all(self._point(node, params, source.data_ptr())
                            for (_, source), (node, params) in zip(self.bound, self.nodes))

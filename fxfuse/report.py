@@ -178,7 +178,7 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
             out.append(f"# constructed by {p['pass']} ({p['ms']:.1f} ms, {p['nodes']} nodes{extra})")
         out.append(f"# CUDA graph: {spec.cuda_graph_note}")
         if spec.graph is not None:
-            out.append(f"# inputs: {spec.inputs.note}")
+            out.append(f"# inputs: {spec.inputs.note}{spec.affinity_note()}")
             out.append(f"# outputs: {spec.handout_note}")
             out.append(f"# replay: {spec.launcher.note}")
         out.append(graph_as_python(gm))

@@ -31,7 +31,7 @@ import torch.fx
 
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
-from .handout import HANDOUT_SLOTS, OutputSlots, inside, own_pool_fits, pool_segments
+from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
@@ -70,7 +70,7 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
     return "no difference"
 
 
-class Specialization:
+class Specialization(SlotChoice):
     """One rewritten graph for one input signature, run directly or through a CUDA graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float):
@@ -140,7 +140,8 @@ class Specialization:
             logger.info("CUDA graph capture failed, running without: %s", e)
             return
         self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
-        self.handout = []
+        self.handout, self.slot_at = [], {}
+        self._choose_affinity()
 
     def _set_pdl(self, on: bool) -> None:
         """Programmatic dependent launch for the generated GEMMs only while they run inside
@@ -191,41 +192,13 @@ class Specialization:
         graph, _, inputs = self._capture_one(static_args, pool=self.graph.pool(), into=into)
         return graph, buffers, inputs
 
-    def _slot_for(self, tensors):
-        """A handout slot whose outputs nobody holds, or None. Preferred: one whose memcpy nodes
-        already read these tensors' addresses, which saves the node update (2.6 us of host time
-        on the H100 host, as much as the launch): a loop's inputs usually come back to a few
-        addresses (the caching allocator hands a freed block to the next input), so each of
-        them settles on a graph copy of its own. A new copy is captured (up to HANDOUT_SLOTS)
-        when every free one reads elsewhere, or when none is free."""
-        spare = None
-        for slot in self.handout:
-            if slot.free():
-                if slot.inputs.reads(tensors):
-                    return slot
-                if spare is None:
-                    spare = slot
-        if len(self.handout) >= HANDOUT_SLOTS or (spare is not None and self.inputs.exec is None):
-            return spare        # without memcpy nodes an address costs nothing: no new copy
-        try:
-            graph, buffers, inputs = self._capture_slot()
-            slot = OutputSlots(GraphLauncher(graph, self.device_index, self.draws_random), buffers, inputs)
-        except Exception as e:  # noqa: BLE001 -- an optimization: keep cloning from the first graph
-            torch.cuda.synchronize()
-            self.handout = None
-            self.handout_note = f"outputs cloned: capturing a graph copy failed ({type(e).__name__}: {str(e)[:200]})"
-            logger.info("handout capture failed, cloning outputs: %s", e)
-            return None
-        self.handout.append(slot)
-        return slot
-
     def __call__(self, args):
         self.calls += 1
         if self.graph is None:
             with torch.no_grad():
                 return self.gm(*args)
         tensors = args if self.all_tensors else [args[k] for k in self.tensor_positions]
-        slot = self._slot_for(tensors) if self.handout is not None else None
+        slot, settled = self._slot_for(tensors) if self.handout is not None else (None, True)
         launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)
         if not inputs.load(tensors):
             self.graph, self.handout, self.launcher, self.inputs = None, None, None, None   # frees the graphs
@@ -234,6 +207,8 @@ class Specialization:
                 return self.gm(*args)
         launcher.replay()
         if slot is not None:
+            if not settled and self.affinity:
+                self._settle(slot, tensors)
             self.handed_out += 1
             return slot.hand_out()
         self.cloned += 1

@@ -243,8 +243,25 @@ def test_recurring_input_addresses_settle_on_graph_copies_of_their_own():
         repoints = sum(slot.inputs.repoints for slot in spec.handout)
         for x in xs * 3:
             assert rel_err(opt(x), model(x)) < 1e-6
-    assert len(spec.handout) == len(xs) and spec.cloned == 0
+    assert len(spec.handout) == len(xs) and spec.cloned == 0 and spec.affinity
     assert sum(slot.inputs.repoints for slot in spec.handout) == repoints
+    assert "graph copies by input address" in fxfuse.explain(opt)
+
+
+def test_gpu_bound_graphs_keep_one_graph_copy(monkeypatch):
+    """Where the graph's GPU time is over AFFINITY_MAX_GPU_US (here: a threshold of 0), calls
+    re-point the first free copy instead of launching different copies in turn."""
+    import fxfuse.handout
+    monkeypatch.setattr(fxfuse.handout, "AFFINITY_MAX_GPU_US", 0.0)
+    model = seed_network(64, 2).cuda()
+    xs = [torch.randn(3, 64, device="cuda") for _ in range(3)]
+    opt = fxfuse.optimize(model, xs[0], strict=True)
+    spec = _spec(opt)
+    with torch.no_grad():
+        for x in xs * 3:
+            assert rel_err(opt(x), model(x)) < 1e-6
+    assert not spec.affinity and len(spec.handout) == 1 and spec.handout[0].inputs.repoints >= 8
+    assert "no graph copies by input address" in fxfuse.explain(opt)
 
 
 def test_handout_with_tuple_outputs_and_an_output_that_is_the_input():

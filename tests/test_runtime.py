@@ -346,7 +346,7 @@ class _FakeLaunchDriver:
         self.status, self.launches = status, []
 
     def cuGraphLaunch(self, exe, stream):
-        self.launches.append((exe.value, stream.value))
+        self.launches.append((exe.value, getattr(stream, "value", stream)))   # the real one has argtypes
         return self.status
 
 
