@@ -34,21 +34,27 @@ def wall_us(fn, calls):
     return best
 
 
+def built(batch, hidden):
+    """(opt, its specialization, call() with 4 inputs in turn, call's counter) for the seed network."""
+    model = seed_model(hidden)
+    xs = [torch.randn(batch, hidden, device="cuda") for _ in range(4)]
+    opt = fxfuse.optimize(model, xs[0])
+    state = {"i": 0}
+
+    def call():
+        state["i"] += 1
+        return opt(xs[state["i"] & 3])
+    call.inputs = xs
+    return opt, next(iter(opt.specializations.values())), call, state
+
+
 def ab(cells, rounds, calls):
     """Interleaved rounds: whole calls with and without address affinity, and the slot graphs
     launched in turn vs one of them alone (GPU cost of switching graph executables)."""
     from fxfuse.input_copy import GraphInputs
     reads = GraphInputs.reads
     for batch, hidden in cells:
-        model = seed_model(hidden)
-        xs = [torch.randn(batch, hidden, device="cuda") for _ in range(4)]
-        opt = fxfuse.optimize(model, xs[0])
-        spec = next(iter(opt.specializations.values()))
-        state = {"i": 0}
-
-        def call():
-            state["i"] += 1
-            return opt(xs[state["i"] & 3])
+        opt, spec, call, state = built(batch, hidden)
 
         def in_turn():
             state["i"] += 1
@@ -81,16 +87,8 @@ def main():
         print(f"host profile A/B, {torch.cuda.get_device_name()}, torch {torch.__version__}; min of 5 blocks per round")
         ab([tuple(map(int, c.split("x"))) for c in a.ab.split(",")], rounds=7, calls=2000)
         return
-    model = seed_model(a.hidden)
-    xs = [torch.randn(a.batch, a.hidden, device="cuda") for _ in range(4)]
-    opt = fxfuse.optimize(model, xs[0])
-    spec = next(iter(opt.specializations.values()))
-    state = {"i": 0}
-
-    def call():
-        state["i"] += 1
-        return opt(xs[state["i"] & 3])
-
+    opt, spec, call, _ = built(a.batch, a.hidden)
+    xs = call.inputs
     print(f"host profile: 8 x Linear({a.hidden}) batch {a.batch}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     with torch.no_grad():
         for _ in range(20):
