@@ -86,6 +86,7 @@ class OutputSlots:
     def __init__(self, launcher, buffers, inputs):
         self.launcher, self.inputs = launcher, inputs
         self.key = None   # the address its first memcpy node reads (runtime's slot_at index)
+        self.settled = -1   # the call that last indexed it there
         self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
         self.single = self.tree.is_leaf() and isinstance(buffers, torch.Tensor)   # the usual case: one tensor
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
@@ -162,13 +163,15 @@ class SlotChoice:
         return self._free_slot(), False
 
     def _free_slot(self):
-        """The first free slot, or a new one while every free one reads elsewhere (affinity) or
-        none is free; None when all HANDOUT_SLOTS are held."""
+        """A free slot (with affinity the least recently settled one, so that a loop moving to
+        new input buffers settles again), or a new one while every free one reads elsewhere
+        (affinity) or none is free; None when all HANDOUT_SLOTS are held."""
         spare = None
         for slot in self.handout:
-            if slot.free():
-                spare = slot
-                break
+            if slot.free() and (spare is None or slot.settled < spare.settled):
+                spare = slot     # the least recently settled: a new set of addresses settles too
+                if not self.affinity:
+                    break
         if len(self.handout) >= HANDOUT_SLOTS or (spare is not None and not self.affinity):
             return spare
         try:
@@ -189,3 +192,4 @@ class SlotChoice:
         if self.slot_at.get(slot.key) is slot:
             del self.slot_at[slot.key]
         slot.key, self.slot_at[key] = key, slot
+        slot.settled = self.calls

@@ -245,6 +245,14 @@ def test_recurring_input_addresses_settle_on_graph_copies_of_their_own():
             assert rel_err(opt(x), model(x)) < 1e-6
     assert len(spec.handout) == len(xs) and spec.cloned == 0 and spec.affinity
     assert sum(slot.inputs.repoints for slot in spec.handout) == repoints
+    fresh = [torch.randn(3, 64, device="cuda") for _ in range(HANDOUT_SLOTS)]   # the loop moves on
+    with torch.no_grad():
+        for x in fresh * 2:
+            assert rel_err(opt(x), model(x)) < 1e-6
+        repoints = sum(slot.inputs.repoints for slot in spec.handout)
+        for x in fresh * 2:
+            assert rel_err(opt(x), model(x)) < 1e-6
+    assert sum(slot.inputs.repoints for slot in spec.handout) == repoints, "did not settle on the new buffers"
     assert "graph copies by input address" in fxfuse.explain(opt)
 
 
