@@ -51,8 +51,6 @@ def built(batch, hidden):
 def ab(cells, rounds, calls):
     """Interleaved rounds: whole calls with and without address affinity, and the slot graphs
     launched in turn vs one of them alone (GPU cost of switching graph executables)."""
-    from fxfuse.input_copy import GraphInputs
-    reads = GraphInputs.reads
     for batch, hidden in cells:
         opt, spec, call, state = built(batch, hidden)
 
@@ -63,15 +61,16 @@ def ab(cells, rounds, calls):
         with torch.no_grad():
             for _ in range(20):
                 call()
+            chosen = spec.affinity
             for _ in range(rounds):
-                GraphInputs.reads = reads
+                spec.affinity = True
                 rows["affinity"].append(wall_us(call, calls))
-                GraphInputs.reads = lambda self, tensors: False
+                spec.affinity = False          # the first free copy, re-pointed per call
                 rows["no affinity"].append(wall_us(call, calls))
-                GraphInputs.reads = reads
+                spec.affinity = chosen
                 rows["4 graphs in turn"].append(wall_us(in_turn, calls))
                 rows["1 graph alone"].append(wall_us(spec.handout[0].launcher.replay, calls))
-        print(f"{batch}x{hidden} (slots {len(spec.handout)}): " + ", ".join(
+        print(f"{batch}x{hidden} (slots {len(spec.handout)}, chosen: {'affinity' if chosen else 'none'}): " + ", ".join(
             f"{k} {statistics.median(v):.2f}" for k, v in rows.items()) + " us (median of rounds)", flush=True)
 
 
