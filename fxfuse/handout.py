@@ -31,8 +31,10 @@ from .log import logger
 
 HANDOUT_SLOTS = 4   # graph copies whose outputs are returned without a clone (runtime._slot_for:
 # a copy per recurring input address, so a loop over a few input buffers re-points no memcpy node)
-AFFINITY_MAX_GPU_US = 20.0   # graphs of less GPU time settle inputs on copies by address: below it
-# a call is bound by the host (~20 us per call on the H100 host), which the saved update shortens
+AFFINITY_MAX_GPU_US = 16.0   # graphs of less GPU time settle inputs on copies by address. Launching
+# copies in turn cost 1.9-3.3 us of GPU per call at hidden 1024 (graphs of 16.5-17.3 us) and <= 0.4 us up
+# to hidden 512 (host_ab_20261123.txt); whether the saved update (host time) outweighs that depends on the
+# host: on the H100 machine's fast host 1x1024 ran 17.7 us without and 19.2 with, on a slow one 23.4 and 19.6
 OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
 # (small models, where the saved copy is a visible part of a call; at most 4 x 8 MiB more memory
 # per specialization; a pool with a tensor over 1 MiB has 20 MiB segments and keeps the copy)
@@ -120,7 +122,7 @@ class SlotChoice:
         """Whether calls settle on graph copies by input address (_slot_for). It saves the node
         update, host time, but launching different graph copies in turn costs GPU time (2-3 us
         per call at hidden 1024 on the H100, nothing at 128: host_ab_20261123.txt), so only
-        where the host is the bound: a graph of little GPU time, timed here once."""
+        for a graph of little GPU time (timed here once), where the host is the likely bound."""
         bound = self.inputs.exec is not None
         self.affinity, self.replay_us = bound, None
         if not bound or self.draws_random:   # no memcpy nodes; or a replay would move the generator
