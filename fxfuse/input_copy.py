@@ -150,15 +150,6 @@ class GraphInputs:
             return source.data_ptr()
         return x.data_ptr()
 
-    def reads(self, tensors) -> bool:
-        """Whether every memcpy node already reads these tensors' addresses (a load re-points none)."""
-        if self.exec is None:
-            return False
-        for (k, _), (_, params) in zip(self.bound, self.nodes):
-            if params.srcDevice != tensors[k].data_ptr():
-                return False
-        return True
-
     def load(self, tensors) -> bool:
         """False when the graph must not be replayed any more (its nodes could not be restored)."""
         for k, static in self.copied:
