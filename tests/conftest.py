@@ -50,6 +50,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
+@pytest.fixture
+def ieee_fp32():
+    """fp32 matmuls in IEEE precision (TF32 off) for the test, as the GPU tests compare at 1e-6."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def relative_error(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
