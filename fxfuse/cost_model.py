@@ -242,6 +242,9 @@ class Table:
 
 # ---------------------------------------------------------------------------- the model
 
+_WARNED: set = set()   # calibration problems already warned about (CostModel.load)
+
+
 class CostModel:
     """Estimates candidates from ceilings and (optionally) calibration tables. Immutable."""
 
@@ -296,7 +299,9 @@ class CostModel:
                 return cls.from_dict(got, desc, cuda_graphs)
             except Exception as e:  # noqa: BLE001 - a bad file must never break optimize()
                 got = f"cannot use {path}: {type(e).__name__}: {e}"
-        warnings.warn(f"fxfuse: {got}; cost estimates fall back to the roofline", CalibrationWarning, stacklevel=2)
+        if got not in _WARNED:   # once per problem and process: every build (specialization) loads again
+            _WARNED.add(got)
+            warnings.warn(f"fxfuse: {got}; cost estimates fall back to the roofline", CalibrationWarning, stacklevel=2)
         return cls.roofline(device_name, cuda_graphs)
 
     # -- components ----------------------------------------------------------------------

@@ -31,7 +31,6 @@ Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was all
 fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes in fp32.
 Only builtins of triton.language are used (tl.full, not tl.zeros), see mlp_kernel.
 """
-import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import FusedKernel, kernels_available, pdl_available, triton_cdiv
+from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, triton_cdiv
 from .mlp_kernel import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
@@ -412,7 +411,7 @@ class EpilogueGemm(FusedKernel):
             grid = (triton_cdiv(m, c.block_m), triton_cdiv(self.spec.n, c.block_n), c.split_k)
             ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
             pdl = {"launch_pdl": True} if self.use_pdl and pdl_available(x.device) else {}
-            with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+            with launch_context(x.device):
                 self.compiled()[grid](x2, self.weight, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
                                       out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                                       USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl)

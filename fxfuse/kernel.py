@@ -5,7 +5,6 @@ the group's original (canonical) torch ops. forward() launches the kernel when i
 inputs are exactly what the kernel was built for; otherwise it runs the reference, so a
 kernel never sees shapes, strides or dtypes it was not generated for.
 """
-import contextlib
 import os
 
 import torch
@@ -22,6 +21,17 @@ def interpreting() -> bool:
 
 PDL_ENABLED = os.environ.get("FXFUSE_PDL", "1") != "0"   # escape hatch; the benchmarks' A/B switch
 _pdl_devices: dict = {}
+
+
+def launch_context(device: torch.device):
+    """Around a kernel launch: the kernel's device on CUDA. Under the interpreter (CPU), numpy
+    quiet: the kernel evaluates its expression on masked-out lanes too (loaded as 0), where
+    x ** 5 or 1 / x divide by zero, and numpy would warn on every call although no stored value
+    is affected."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    import numpy   # the interpreter's own dependency
+    return numpy.errstate(all="ignore")
 
 
 def pdl_available(device: torch.device) -> bool:
@@ -93,7 +103,7 @@ class FusedKernel(torch.nn.Module):
         grid = (triton_cdiv(numel, block),)
         # no FMA contraction: eager rounds x * y to fp16 before adding z, and an fma across the
         # kernel's cast would not (1 ulp off on the H100); in fp32 eager does not contract either
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with launch_context(device):
             self.compiled()[grid](*inputs, *outs, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
         self.launches += 1
         return outs[0] if len(outs) == 1 else tuple(outs)

@@ -40,7 +40,6 @@ time. Of triton.language's jit-defined helpers only tl.sum is used (tl.reduce wi
 function of our own is ~60x slower under the interpreter): like every generated kernel, this
 one runs under the interpreter only if TRITON_INTERPRET=1 was set before triton was imported.
 """
-import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -48,7 +47,7 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import FusedKernel, kernels_available, triton_cdiv
+from .kernel import FusedKernel, kernels_available, launch_context, triton_cdiv
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
 MAX_WIDTH = 1024             # widest value a kernel may hold
@@ -398,7 +397,7 @@ class FusedMLP(FusedKernel):
         out = torch.empty((m, self.out_width), dtype=self.spec.dtype, device=x.device)
         if m:
             bm = self.config.block_m
-            with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+            with launch_context(x.device):
                 self.compiled()[(triton_cdiv(m, bm),)](
                     x2, out, self.packed_weights, self.packed_vectors, m, x2.stride(0), out.stride(0),
                     BLOCK_M=bm, num_warps=self.config.num_warps)

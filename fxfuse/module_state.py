@@ -124,3 +124,30 @@ def kept_state(model: torch.nn.Module):
 def _refusal(changed: list) -> UnsupportedError:
     return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}); fxfuse's "
                             "graphs keep no state between calls, so the original module runs")
+
+
+def forward_hook_owner(model: torch.nn.Module) -> str | None:
+    """Where a forward (pre-)hook would run in eager but not in a traced graph, or None.
+
+    Tracing calls each submodule's forward() directly, so hooks on the submodules (and on the
+    model itself, and global module hooks, which eager runs for every submodule) would silently
+    not run: a hook that edits an output would give another answer."""
+    from torch.nn.modules import module as nn_module
+    if getattr(nn_module, "_global_forward_hooks", None) or getattr(nn_module, "_global_forward_pre_hooks", None):
+        return "a global module forward hook (torch.nn.modules.module.register_module_forward_hook)"
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"{name or type(model).__name__} has a forward {'hook' if m._forward_hooks else 'pre-hook'}"
+    return None
+
+
+def share_memory(args) -> bool:
+    """Whether two tensor arguments share storage (opt(x, x), or two views of one tensor)."""
+    seen = set()
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.numel():
+            address = a.untyped_storage().data_ptr()
+            if address in seen:
+                return True
+            seen.add(address)
+    return False

@@ -56,6 +56,8 @@ class Options:
                 raise OptionError(f"option {name}={getattr(opts, name)!r}: expected an integer")
         if opts.calibration is not None and not isinstance(opts.calibration, (str, os.PathLike)):
             raise OptionError(f"option calibration={opts.calibration!r}: expected a file path or None")
+        if opts.calibration is not None and not str(opts.calibration).strip():
+            raise OptionError("option calibration='': expected a file path, or None for the default")
         if opts.max_specializations < 1:
             raise OptionError("max_specializations must be at least 1")
         for name in ("strassen", "gemm", "fused_mlp"):

@@ -193,6 +193,9 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
             for mod in gm.modules():
                 if isinstance(mod, FusedKernel):
                     out.append(f"\n# ---- {mod.kernel_name} ({', '.join(mod.members)})\n{mod.source}")
-    if optimized.misses:
-        out.append(f"\nguard misses: {len(optimized.misses)} (last: {optimized.misses[-1]})")
+    if optimized.miss_count:
+        out.append(f"\nguard misses: {optimized.miss_count} (last: {optimized.last_miss})")
+    if optimized.original_calls:
+        reasons = ", ".join(f"{k} {n}" for k, n in optimized.original_calls.most_common())
+        out.append(f"calls that ran the original module: {sum(optimized.original_calls.values())} ({reasons})")
     return "\n".join(out)

@@ -24,7 +24,7 @@ drops every specialization and the next call rebuilds; in-place edits of paramet
 import inspect
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 import torch.fx
@@ -35,7 +35,9 @@ from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segm
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
-from .module_state import MODE_FREE, version
+from torch.utils.hooks import RemovableHandle
+
+from .module_state import MODE_FREE, forward_hook_owner, share_memory, version
 
 try:   # the global hook dicts nn.Module.__call__ checks (filled in place, never rebound)
     from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks,
@@ -216,6 +218,16 @@ class Specialization(SlotChoice):
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
 
 
+MAX_MISSES_KEPT = 32
+
+
+def _same_default(value, default) -> bool:
+    """A keyword-only argument the traced graph assumed: its default itself, or an equal number,
+    string, bool or None (z=1.0 where the default is 1.0)."""
+    return value is default or (type(value) is type(default) and isinstance(value, (int, float, str, type(None)))
+                                and value == default)
+
+
 class _RebuildOnLoad:
     """load_state_dict post hook on every submodule of the original model: drops the
     OptimizedModule's specializations, whose weight copies are stale after the load.
@@ -264,10 +276,15 @@ class OptimizedModule(torch.nn.Module):
         self.options = options
         self._build = build                # (model, args, options) -> GraphModule
         self.specializations: dict = {}
-        self.misses: list = []
+        self.misses: list = []             # the first MAX_MISSES_KEPT guard misses (explain shows the count)
+        self.miss_count, self.last_miss = 0, None
+        self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
+        self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._warned: set = set()
         self._built = 0                    # specialization_N names stay unique across rebuilds
         self._buffer_rebuilds = 0          # rebuilds because buffers moved (warned about at 3)
+        self._hook_ids_seen, self._hooked = -1, None   # see _hook_added
+        self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
@@ -306,6 +323,14 @@ class OptimizedModule(torch.nn.Module):
                 return True
         return False
 
+    def _hook_added(self) -> str | None:
+        """Where a forward hook sits on the original (forward_hook_owner), else None. Any new hook
+        anywhere bumps torch's handle counter, so forward() searches the modules again only then
+        (or while a hook is there, to see it go): one integer compare per call otherwise."""
+        self._hook_ids_seen = RemovableHandle.next_id
+        self._hooked = forward_hook_owner(self.original)
+        return self._hooked
+
     def _buffers_moved(self) -> bool:
         for b, seen in self._buffer_versions:
             if b._version != seen:
@@ -318,6 +343,7 @@ class OptimizedModule(torch.nn.Module):
         gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start))
+        self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
@@ -327,12 +353,18 @@ class OptimizedModule(torch.nn.Module):
             self._warn_once("no-cuda", gm.meta["fxfuse_warning"])
         return spec
 
+    def _apply(self, fn, *args, **kwargs):
+        """opt.half(), opt.to(device): the specializations hold weight copies (and CUDA graphs the
+        addresses) of the old dtype and device; the next call builds from the converted original."""
+        self.drop_specializations("the module was converted (.to(), .half(), .cuda(), ...)")
+        return super()._apply(fn, *args, **kwargs)
+
     def drop_specializations(self, reason: str) -> None:
         """Forget every specialization (the next call builds one from the current weights)."""
         if not self.specializations:
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
-        self.specializations, self.misses = {}, []
+        self.specializations, self.misses, self._failed_builds = {}, [], {}
         # a new dict, not a deletion: opt.load_state_dict may be iterating over the old one
         self._modules = OrderedDict((k, m) for k, m in self._modules.items() if not k.startswith("specialization_"))
 
@@ -356,7 +388,10 @@ class OptimizedModule(torch.nn.Module):
         except TypeError:
             return None
         bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
-        return None if bound.kwargs else tuple(bound.args)
+        params = bound.signature.parameters
+        if not all(_same_default(value, params[name].default) for name, value in bound.kwargs.items()):
+            return None           # a keyword-only parameter given a value the traced graph does not have
+        return tuple(bound.args)  # keyword-only parameters at their defaults, as traced
 
     def __call__(self, *args, **kwargs):
         """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
@@ -373,21 +408,21 @@ class OptimizedModule(torch.nn.Module):
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = self._positional(args, kwargs)
             if positional is None:
-                if self.options.strict:
-                    raise GuardError(f"keyword arguments {sorted(kwargs)} do not bind to positional "
-                                     f"parameters of {type(self.original).__name__}.forward")
-                self._warn_once("kwargs", f"fxfuse: keyword arguments {sorted(kwargs)} do not bind to "
-                                "positional parameters of forward(); running the original module")
-                return self.original(*args, **kwargs)
+                return self._run_original(f"kwargs:{sorted(kwargs)}", f"arguments ({len(args)} positional, keyword "
+                                          f"arguments {sorted(kwargs)}) do not bind to positional parameters of "
+                                          f"{type(self.original).__name__}.forward (or set a keyword-only one to "
+                                          "a value other than its default)", args, kwargs)
             args = positional
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
-            if self.options.strict:
-                raise GuardError("the module is in training mode; fxfuse's graphs are eval-mode graphs "
-                                 "(Dropout removed, BatchNorm folded). Call .eval() to use them")
-            self._warn_once("train", "fxfuse: the module is in training mode, so the original module runs "
-                            "(the optimized graphs are eval-mode graphs). Call .eval() to use them.")
-            return self.original(*args)
-        if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
+            return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
+                                      "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
+        hooks_may_have_changed = RemovableHandle.next_id != self._hook_ids_seen or self._hooked
+        if hooks_may_have_changed and self._hook_added():
+            return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
+        if self._writes_in_place and share_memory(args):
+            return self._run_original("aliased", "two inputs share memory and the graph writes one in place "
+                                      "(fusion assumed distinct inputs)", args)
+        if self.specializations and self._buffer_versions and self._buffers_moved():   # BatchNorm statistics
             self.drop_specializations("a buffer of the model changed in place since the build")
             self._buffer_rebuilds += 1
             if self._buffer_rebuilds == 3:
@@ -395,42 +430,45 @@ class OptimizedModule(torch.nn.Module):
                                 "each change rebuilds the optimized graph (folded and packed copies would be "
                                 "stale). Call the original module for such use.")
         if torch.is_grad_enabled() and self._needs_autograd(args):
-            if self.options.strict:
-                raise GuardError("this call would record autograd (grad mode on and parameters or inputs "
-                                 "requiring grad); fxfuse runs inference only: call under torch.no_grad() "
-                                 "or torch.inference_mode()")
-            self._warn_once("grad", "fxfuse runs inference only: this call would record autograd, so "
-                            "the original module runs. Call under torch.no_grad() or "
-                            "torch.inference_mode() to use the optimized graph.")
-            return self.original(*args)
+            return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
+                                      "inputs requiring grad); fxfuse runs inference only: call under "
+                                      "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
         sig = signature(args)
         spec = self.specializations.get(sig)
         if spec is not None:
             return spec(args)
+        if sig in self._failed_builds:
+            return self._run_original("build", self._failed_builds[sig], args)
         if not self.specializations:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
             reason = describe_mismatch(next(iter(self.specializations)), sig)
-            self.misses.append(reason)
+            self.miss_count, self.last_miss = self.miss_count + 1, reason
+            if len(self.misses) < MAX_MISSES_KEPT:
+                self.misses.append(reason)
         if len(self.specializations) >= self.options.max_specializations:
-            if self.options.strict:
-                raise GuardError(f"{reason}; all {self.options.max_specializations} specializations "
-                                 "are in use (option max_specializations)")
-            self._warn_once("full", f"fxfuse: {reason}; max_specializations="
-                            f"{self.options.max_specializations} reached, running the original module "
-                            "for inputs like this")
-            return self.original(*args)
+            return self._run_original("full", f"{reason}; all {self.options.max_specializations} specializations "
+                                      "are in use (option max_specializations)", args)
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too
             e = as_fxfuse_error(e, "building a specialization")
             if self.options.strict:
                 raise e
-            self._warn_once("build:" + reason, f"fxfuse: no specialization for a new input ({reason}): "
-                            f"{e}; running the original module")
-            return self.original(*args)
+            if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
+                self._failed_builds[sig] = f"no specialization for a new input ({reason}): {e}"
+            return self._run_original("build", f"no specialization for a new input ({reason}): {e}", args)
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         return spec(args)
+
+    def _run_original(self, key: str, reason: str, args, kwargs=None):
+        """This call runs the original module: GuardError under strict=True, else one warning per
+        kind of reason (`key`), and a count explain() shows."""
+        if self.options.strict:
+            raise GuardError(reason)
+        self._warn_once(key, f"fxfuse: {reason}; running the original module")
+        self.original_calls[key.split(":")[0]] += 1
+        return self.original(*args, **(kwargs or {}))
 
     def fused_kernels(self):
         for spec in self.specializations.values():

@@ -137,10 +137,14 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
                 f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
                 "plain values (numbers, None, tuples of them) as arguments. Pass the tensors as separate "
                 "arguments (a wrapper module whose forward(x, y) calls the model with [x, y] does it)")
-    params = list(inspect.signature(model.forward).parameters)
+    signature = inspect.signature(model.forward).parameters
+    params = list(signature)
     if len(params) < len(example_args):
         raise TraceError("non-tensor example arguments need a forward() with named parameters")
     concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
+    for name in params[len(example_args):]:   # left out: their defaults, as the call binds them
+        if signature[name].default is not inspect.Parameter.empty:
+            concrete[name] = signature[name].default
     tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
     return concrete, tensors
 
