@@ -162,7 +162,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     start = time.perf_counter()
     concrete, tensor_args = _split_concrete(model, example_args)
     try:
-        gm = torch.fx.symbolic_trace(model, concrete_args=concrete)
+        gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
@@ -190,6 +190,16 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}}
     return gm
+
+
+def _quiet_symbolic_trace(model, concrete):
+    """symbolic_trace, printing nothing: a print() in forward() would print its proxies
+    ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
+    internals (a pruned Linear's get_attr of a recomputed weight) would come on top of the one
+    warning fxfuse gives when it falls back."""
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
+        return torch.fx.symbolic_trace(model, concrete_args=concrete)
 
 
 def _quiet_export(model, args):

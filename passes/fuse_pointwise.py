@@ -63,7 +63,8 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
             if m.dtype in UNSUPPORTED_INPUT_DTYPES:
                 return f"operand {a.name} has dtype {m.dtype}"
             if a in mutated:
-                return f"operand {a.name} is mutated in place elsewhere in the graph"
+                return (f"operand {a.name} may alias a value an in-place op writes (kept unfused so the write "
+                        "stays in order)")
         elif not isinstance(a, SCALAR_TYPES):
             return f"operand {a!r} is neither a tensor nor a number"
     if node.target is torch.where and _meta(node.args[0]) is not None and _meta(node.args[0]).dtype != torch.bool:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.utils.prune
 
 import fxfuse
 from fxfuse.runtime import OptimizedModule
@@ -256,3 +257,27 @@ def test_calibration_problem_warns_once_per_process(tmp_path):
     assert len(caught) == 1 and "missing.json" in str(caught[0].message)
     with pytest.raises(fxfuse.OptionError):
         fxfuse.optimize(seed(), torch.randn(5, 13), calibration="")
+
+
+class Prints(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(13, 12)
+
+    def forward(self, x):
+        h = self.lin(x)
+        print("hello", h)
+        return h.relu()
+
+
+def test_tracing_prints_nothing_and_pruning_warns_once(capsys):
+    """symbolic_trace printed forward()'s print of a proxy ('Proxy(lin)'); a pruned Linear gave a
+    raw torch.fx UserWarning on top of fxfuse's fallback warning."""
+    opt = fxfuse.optimize(Prints().eval(), torch.randn(5, 13), strict=True)
+    assert "Proxy" not in capsys.readouterr().out and fxfuse.stats(opt)["fused_kernels"] >= 1
+    model = seed()
+    torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fxfuse.optimize(model, torch.randn(5, 13)) is model
+    assert len(caught) == 1 and "pre-hook" in str(caught[0].message), [str(w.message) for w in caught]
