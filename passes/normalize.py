@@ -107,7 +107,10 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
 
 
 FRESH_FUNCTIONS = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
-                   torch.mm, torch.bmm, torch.addmm}
+                   torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.softmax, F.softmax,
+                   torch.log_softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.cat, torch.stack,
+                   F.scaled_dot_product_attention}
+FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone"}
 
 
 def _produces_fresh_tensor(node) -> bool:
@@ -123,7 +126,8 @@ def _reads_without_alias(gm, user) -> bool:
         return True
     if user.op == "call_function" and (_produces_fresh_tensor(user) or user.target in FUNCTION_SPELLINGS):
         return True
-    if user.op == "call_method" and (user.target in METHOD_SPELLINGS or user.target in SHAPE_METHODS):
+    if user.op == "call_method" and (user.target in METHOD_SPELLINGS or user.target in SHAPE_METHODS
+                                     or user.target in FRESH_METHODS):
         return True
     if user.op == "call_module":
         mod = gm.get_submodule(user.target)
@@ -281,6 +285,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 _replace(g, node, cast, (src, dtype), {})
             continue
         row = spelling_of(gm, node)
+        if row is None and _functional_twin(gm, node, order):
+            continue
         if row is None:
             if _mutates(gm, node):   # x.masked_fill_(m, 0), x.zero_(), x[i] = v: fusion must see the write
                 fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
@@ -349,6 +355,32 @@ def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:
 
 INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
                              operator.ipow, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+# in-place methods whose out-of-place twin returns the same dtype and shape as self
+FUNCTIONAL_TWINS = {"masked_fill_", "masked_scatter_", "index_fill_", "index_add_", "index_copy_", "scatter_",
+                    "scatter_add_", "scatter_reduce_", "tril_", "triu_", "nan_to_num_"}
+
+
+def _functional_twin(gm, node, order) -> bool:
+    """`scores.masked_fill_(mask, v)` on a fresh tensor (a matmul's result) that nothing else
+    reads as is: the out-of-place `masked_fill`, and later readers of `scores` read its result.
+    Kept in place, the write would make everything that may alias `scores` unfusible."""
+    if node.op != "call_method" or node.target not in FUNCTIONAL_TWINS or not node.args:
+        return False
+    base = node.args[0]
+    if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)
+            and all(u is node or _reads_without_alias(gm, u) for u in base.users)):
+        return False
+    with gm.graph.inserting_after(node):
+        new = gm.graph.call_method(node.target[:-1], node.args, dict(node.kwargs))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for user in list(base.users):
+        if user is not new and order.get(user, -1) > order[node]:
+            user.replace_input_with(base, new)
+    return True
 
 
 def _mutates(gm, node) -> bool:

@@ -260,12 +260,44 @@ def _div_floor_(s, x, y):
     return h + 1
 
 
-@pytest.mark.parametrize("fn", [_masked_fill, _zero, _copy, _clamp_min_, _div_floor_],
-                         ids=["masked_fill_", "zero_", "copy_", "clamp_min_", "div_-floor"])
+def _masked_fill_view(s, x, y):
+    h = (x * 2).t()                       # a view: the write must stay in place
+    h.masked_fill_(y.t() > 0, 0.0)
+    return h + 1
+
+
+@pytest.mark.parametrize("fn", [_masked_fill_view, _zero, _copy, _clamp_min_, _div_floor_],
+                         ids=["masked_fill_-view", "zero_", "copy_", "clamp_min_", "div_-floor"])
 def test_unknown_inplace_ops_are_kept_and_respected(fn):
     model = Fn2(fn).eval()
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     gm = normalized(model, x, y)
     assert gm.meta["fxfuse_inplace_kept"], "the mutation must be visible to fusion"
     opt = fxfuse.optimize(model, (x, y), strict=True)
+    assert_matches_eager(opt, model, x, y)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        h = F.gelu(self.q(x))
+        scores = h @ h.transpose(-1, -2)
+        scores.masked_fill_(mask, -1e4)        # on a fresh matmul result: out of place is the same
+        return torch.relu(self.o(torch.softmax(scores, -1) @ h)) * 2 + x
+
+
+@pytest.mark.parametrize("fn", [_masked_fill, None], ids=["pointwise-base", "attention"])
+def test_masked_fill_on_a_fresh_tensor_becomes_functional(fn):
+    """A masked_fill_ kept in place made everything that might alias it unfusible: one
+    masked_fill_ in an attention block left the whole block without a fused kernel."""
+    model = (Fn2(fn) if fn else Attention()).eval()
+    x = torch.randn(4, 6) if fn else torch.randn(2, 5, 16)
+    y = torch.randn(4, 6) if fn else torch.rand(2, 5, 5) > 0.5
+    gm = normalized(model, x, y)
+    assert not gm.meta["fxfuse_inplace_kept"] and any(n.target == "masked_fill" for n in gm.graph.nodes)
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= (1 if fn else 2)
     assert_matches_eager(opt, model, x, y)
