@@ -93,20 +93,58 @@ def _compares_wide_integers(node) -> bool:
     return any(_meta(a).dtype not in EXACT_IN_FP32 for a in node.args[:2] if isinstance(a, torch.fx.Node))
 
 
-def _mutated_values(gm) -> set:
-    """Values (and the nodes they are views of) that an in-place op kept by normalize writes."""
+def _kept_writes(gm) -> list:
+    """The in-place ops normalize kept (on an input, a parameter, a view: no functional form)."""
     kept = set(gm.meta.get("fxfuse_inplace_kept", []))
-    out = set()
-    for node in gm.graph.nodes:
-        if node.name in kept:
-            stack = [a for a in node.all_input_nodes]
-            while stack:
-                n = stack.pop()
-                if n not in out:
-                    out.add(n)
-                    stack.extend(n.all_input_nodes)
-                    stack.extend(n.users)
+    return [n for n in gm.graph.nodes if n.name in kept]
+
+
+def _may_alias(gm, node, kept) -> bool:
+    """Whether node's result may share storage with one of its inputs (a view, an in-place op,
+    an op nothing says is fresh)."""
+    from .normalize import _reads_without_alias   # normalize imports this module's users: late
+    return node in kept or node.op in ("call_function", "call_method", "call_module") \
+        and not _reads_without_alias(gm, node)
+
+
+def _aliases(gm, write, kept) -> set:
+    """Nodes whose value may share storage with what `write` writes: the written operand, the
+    op's own result, and, transitively, what those are views of and what is a view of them."""
+    first = write.args[0] if write.args and isinstance(write.args[0], torch.fx.Node) else None
+    out, stack = {write}, [first] if first is not None else list(write.all_input_nodes)
+    stack += [u for u in write.users if _may_alias(gm, u, kept)]
+    while stack:
+        n = stack.pop()
+        if n in out:
+            continue
+        out.add(n)
+        if _may_alias(gm, n, kept):
+            stack.extend(n.all_input_nodes)
+        stack.extend(u for u in n.users if _may_alias(gm, u, kept))
     return out
+
+
+def _mutated_values(gm) -> set:
+    """Values an in-place op kept by normalize may write (see _aliases): an op reading one of
+    them must not join a fused kernel, which would move the read across the write."""
+    kept = set(_kept_writes(gm))
+    return set().union(*(_aliases(gm, w, kept) for w in kept)) if kept else set()
+
+
+def write_order_edges(gm) -> list:
+    """(before, after) pairs that keep every op touching a written value on its side of the
+    write: the graph's data edges do not order a read of x before `x.mul_(2)` (or after it)."""
+    kept = set(_kept_writes(gm))
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    edges = []
+    for write in kept:
+        alias = _aliases(gm, write, kept)
+        for n in gm.graph.nodes:
+            touches = (n in alias and n.op not in ("placeholder", "get_attr")) or any(
+                a in alias for a in n.all_input_nodes)
+            if n is not write and touches:
+                edges.append((n, write) if order[n] < order[write] else (write, n))
+    return edges
 
 
 class Grouping:
@@ -220,6 +258,9 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         elif node.op == "call_function" and is_pointwise_target(node.target):
             fxfuse_meta(node)["decision"] = f"not fused: {reason}"
     grouping = Grouping(g, fusible)
+    for before, after in write_order_edges(gm):
+        grouping.succ[before].add(after)
+        grouping.pred[after].add(before)
     order = {n: k for k, n in enumerate(g.nodes)}
     for node in g.nodes:                      # producer -> consumer
         if node in fusible:
