@@ -225,7 +225,7 @@ def _same_default(value, default) -> bool:
     """A keyword-only argument the traced graph assumed: its default itself, or an equal number,
     string, bool or None (z=1.0 where the default is 1.0)."""
     return value is default or (type(value) is type(default) and isinstance(value, (int, float, str, type(None)))
-                                and value == default)
+                                and repr(value) == repr(default))   # repr: -0.0 is not 0.0
 
 
 class _RebuildOnLoad:
@@ -283,7 +283,8 @@ class OptimizedModule(torch.nn.Module):
         self._warned: set = set()
         self._built = 0                    # specialization_N names stay unique across rebuilds
         self._buffer_rebuilds = 0          # rebuilds because buffers moved (warned about at 3)
-        self._hook_ids_seen, self._hooked = -1, None   # see _hook_added
+        self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
+        self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
@@ -316,6 +317,8 @@ class OptimizedModule(torch.nn.Module):
         model = self.original
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
         self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
+        self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
+            + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
 
     def _submodule_training(self) -> bool:
         for m in self._mode_modules:
@@ -327,8 +330,12 @@ class OptimizedModule(torch.nn.Module):
         """Where a forward hook sits on the original (forward_hook_owner), else None. Any new hook
         anywhere bumps torch's handle counter, so forward() searches the modules again only then
         (or while a hook is there, to see it go): one integer compare per call otherwise."""
-        self._hook_ids_seen = RemovableHandle.next_id
-        self._hooked = forward_hook_owner(self.original)
+        now = RemovableHandle.next_id
+        self._hooked = forward_hook_owner(self.original) if any(self._hook_dicts) else None
+        # settled after two scans at the same count (register_forward_hook counts before it
+        # inserts: a call in between must not settle on "no hook"); never while a hook is there
+        self._hook_ids_seen = now if now == self._hook_ids_scanned and not self._hooked else -1
+        self._hook_ids_scanned = now
         return self._hooked
 
     def _buffers_moved(self) -> bool:
@@ -355,16 +362,24 @@ class OptimizedModule(torch.nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         """opt.half(), opt.to(device): the specializations hold weight copies (and CUDA graphs the
-        addresses) of the old dtype and device; the next call builds from the converted original."""
-        self.drop_specializations("the module was converted (.to(), .half(), .cuda(), ...)")
-        return super()._apply(fn, *args, **kwargs)
+        addresses) of the old dtype and device; the next call builds from the converted original.
+        A conversion that changes nothing (opt.float() of an fp32 model) keeps them."""
+        def tensors():
+            return [(t.data_ptr(), t.dtype, t.device) for t in (*self.original.parameters(), *self.original.buffers())]
+        before = tensors()
+        out = super()._apply(fn, *args, **kwargs)
+        if tensors() != before:
+            self.drop_specializations("the module was converted (.to(), .half(), .cuda(), ...)")
+        return out
 
     def drop_specializations(self, reason: str) -> None:
         """Forget every specialization (the next call builds one from the current weights)."""
+        self._failed_builds = {}   # the state changed: a build that failed may work now
         if not self.specializations:
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
-        self.specializations, self.misses, self._failed_builds = {}, [], {}
+        self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
+        self._buffer_versions = ()   # watched again from the next build (_watch_state)
         # a new dict, not a deletion: opt.load_state_dict may be iterating over the old one
         self._modules = OrderedDict((k, m) for k, m in self._modules.items() if not k.startswith("specialization_"))
 
@@ -389,7 +404,8 @@ class OptimizedModule(torch.nn.Module):
             return None
         bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
         params = bound.signature.parameters
-        if not all(_same_default(value, params[name].default) for name, value in bound.kwargs.items()):
+        if not all(name in params and _same_default(value, params[name].default)
+                   for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
             return None           # a keyword-only parameter given a value the traced graph does not have
         return tuple(bound.args)  # keyword-only parameters at their defaults, as traced
 
@@ -416,13 +432,12 @@ class OptimizedModule(torch.nn.Module):
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
                                       "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
-        hooks_may_have_changed = RemovableHandle.next_id != self._hook_ids_seen or self._hooked
-        if hooks_may_have_changed and self._hook_added():
+        if RemovableHandle.next_id != self._hook_ids_seen and self._hook_added():
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
         if self._writes_in_place and share_memory(args):
             return self._run_original("aliased", "two inputs share memory and the graph writes one in place "
                                       "(fusion assumed distinct inputs)", args)
-        if self.specializations and self._buffer_versions and self._buffers_moved():   # BatchNorm statistics
+        if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
             self._buffer_rebuilds += 1
             if self._buffer_rebuilds == 3:
@@ -438,7 +453,7 @@ class OptimizedModule(torch.nn.Module):
         if spec is not None:
             return spec(args)
         if sig in self._failed_builds:
-            return self._run_original("build", self._failed_builds[sig], args)
+            return self._run_original("build:" + self._failed_builds[sig], self._failed_builds[sig], args)
         if not self.specializations:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
@@ -457,7 +472,8 @@ class OptimizedModule(torch.nn.Module):
                 raise e
             if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
                 self._failed_builds[sig] = f"no specialization for a new input ({reason}): {e}"
-            return self._run_original("build", f"no specialization for a new input ({reason}): {e}", args)
+            message = f"no specialization for a new input ({reason}): {e}"
+            return self._run_original("build:" + message, message, args)
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         return spec(args)
 

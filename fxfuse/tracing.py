@@ -143,8 +143,9 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
         raise TraceError("non-tensor example arguments need a forward() with named parameters")
     concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
     for name in params[len(example_args):]:   # left out: their defaults, as the call binds them
-        if signature[name].default is not inspect.Parameter.empty:
-            concrete[name] = signature[name].default
+        default = signature[name].default    # numbers, strings, None (a tuple would break fx's codegen)
+        if default is None or isinstance(default, (bool, int, float, str)):
+            concrete[name] = default
     tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
     return concrete, tensors
 

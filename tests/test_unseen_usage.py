@@ -281,3 +281,67 @@ def test_tracing_prints_nothing_and_pruning_warns_once(capsys):
         warnings.simplefilter("always")
         assert fxfuse.optimize(model, torch.randn(5, 13)) is model
     assert len(caught) == 1 and "pre-hook" in str(caught[0].message), [str(w.message) for w in caught]
+
+
+def test_float64_excuse_needs_a_finite_modest_eager_error():
+    """Review: with eager overflowing (inf error) or cancelling to 50% error, '4x eager's error'
+    accepted a graph returning zeros."""
+    from fxfuse.api import _as_accurate_as_eager
+
+    class Exp(nn.Module):
+        def forward(self, x):
+            return torch.exp(x)
+
+    class Cancel(nn.Module):
+        def forward(self, x):
+            return (x + 1e4) - 1e4
+    x = torch.tensor([89.0, 1.0, 2.0])
+    assert not _as_accurate_as_eager(Exp(), (x,), 0, Exp()(x), torch.zeros(3))
+    small = torch.randn(50) * 1e-3
+    assert not _as_accurate_as_eager(Cancel(), (small,), 0, Cancel()(small), torch.zeros(50))
+    model = Cancels().eval()
+    h = torch.randn(5, 13)
+    assert _as_accurate_as_eager(model, (h,), 0, model(h), model.double()(h.double()).float())
+
+
+class VarKeywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, *, eps=0.0, **options):
+        y = self.lin(x).relu()
+        return (y * 2 if options.get("double") else y) / (eps if eps else 1.0)
+
+
+def test_var_keywords_and_negative_zero_keywords_run_the_original():
+    """Review: opt(x, double=True) raised KeyError (a **kwargs entry looked up as a parameter);
+    opt(x, eps=-0.0) bound to the graph traced with eps=0.0 (-0.0 == 0.0)."""
+    model = VarKeywords().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 8))
+    x = torch.randn(2, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(x, double=True), model(x, double=True))
+        torch.testing.assert_close(opt(x, eps=-0.0), model(x, eps=-0.0))
+        torch.testing.assert_close(opt(x, eps=0.0), model(x, eps=0.0), rtol=1e-5, atol=1e-5)
+    assert opt.original_calls["kwargs"] == 2
+
+
+def test_failed_build_is_forgotten_when_the_state_changes_and_noop_conversions_keep_the_graphs():
+    """Review: opt.half(), a call of the old dtype (fails, as eager), opt.float(): every later
+    call ran the original (the failed build was remembered across the conversion). And
+    opt.float() of an fp32 model rebuilt everything."""
+    model = seed()
+    x = torch.randn(5, 13)
+    opt = fxfuse.optimize(model, x)
+    opt.float()
+    assert fxfuse.stats(opt)["specializations"] == 1           # nothing changed, nothing dropped
+    opt.half()
+    with torch.no_grad(), warnings.catch_warnings(record=True), pytest.raises(RuntimeError):
+        warnings.simplefilter("always")
+        opt(x)                                                  # fp32 input, fp16 weights: eager raises too
+    opt.float()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    assert fxfuse.stats(opt)["specializations"] == 1 and fxfuse.stats(opt)["kernel_launches"] > 0
