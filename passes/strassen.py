@@ -41,6 +41,8 @@ says so; strassen="off" where such rows must stay isolated).
 
 This file decides which layers to rewrite; passes/strassen_rewrite.py builds the kernels.
 """
+import math
+
 import torch
 import torch.fx
 
@@ -171,9 +173,13 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         rec = layer.record
         if not layer.levels:
             worst = min(rec["errors_by_levels"].values())
-            fxfuse_meta(layer.node).update({"strassen": False, **rec, "decision": (
-                f"classical: Strassen error {worst:.1e} on {rec['measured_on']} exceeds tolerance "
-                f"{rec['tolerance']:.1e} (classical {rec['classical_error']:.1e})")})
+            if not math.isfinite(rec["classical_error"]):   # NaN/inf in the input: no measure of rounding
+                decision = (f"classical: the error cannot be measured on {rec['measured_on']} (it holds NaN "
+                            "or inf, and Strassen would spread them to other rows)")
+            else:
+                decision = (f"classical: Strassen error {worst:.1e} on {rec['measured_on']} exceeds tolerance "
+                            f"{rec['tolerance']:.1e} (classical {rec['classical_error']:.1e})")
+            fxfuse_meta(layer.node).update({"strassen": False, **rec, "decision": decision})
             continue
         extra = layer.right.numel() * layer.right.element_size()
         padding = ("no padding" if (layer.Bp, layer.Kp, layer.Np) == (layer.B, layer.K, layer.N) else

@@ -345,3 +345,13 @@ def test_explain_reports_strassen():
     opt = _optimize(model, torch.randn(8, 12), 1)
     text = fxfuse.explain(opt)
     assert "Strassen 1 level(s)" in text and "combined weights" in text and "Strassen suffix of" in text
+
+
+def test_example_with_nan_keeps_layers_classical_and_says_why():
+    """A NaN in the example made every measured error NaN: Strassen was off with a decision
+    reading 'error nan exceeds tolerance nan' (fuzzing round)."""
+    model = torch.nn.Sequential(torch.nn.Linear(17, 33), torch.nn.SiLU(), torch.nn.Linear(33, 9)).eval()
+    x = torch.randn(5, 17)
+    x[1, 3] = float("nan")
+    opt = fxfuse.optimize(model, x, strassen="force")
+    assert "the error cannot be measured" in fxfuse.explain(opt)
