@@ -77,20 +77,26 @@ def time_graph(fn, x):
     return per_call_us(replay), out
 
 
-def cell(batch, h, deadline):
+def default_plan(batch, h):
+    """(model, its Linears, x, float64 reference, GPU us and error of fxfuse's default plan's
+    whole graph): the row every probe variant is compared with."""
     model = seed(h)
     layers = [m for m in model if isinstance(m, torch.nn.Linear)]
     x = torch.randn(batch, h, device="cuda")
     with torch.no_grad():
         y64 = model.double()(x.double())
         model.float()
-    rows = []
     opt = fxfuse.optimize(model, x)
     spec = next(iter(opt.specializations.values()))
     us = per_call_us(spec.launcher.replay) if spec.graph is not None else float("nan")
     with torch.no_grad():
         err = max_rel_err(opt(x), y64)
-    rows.append((f"{batch}x{h}", "default plan (whole graph)", "", "", us, err))
+    return model, layers, x, y64, us, err
+
+
+def cell(batch, h, deadline):
+    model, layers, x, y64, us, err = default_plan(batch, h)
+    rows = [(f"{batch}x{h}", "default plan (whole graph)", "", "", us, err)]
     ref = torch.fx.symbolic_trace(model)
     for name, cfg in variants(batch):
         if time.time() > deadline:

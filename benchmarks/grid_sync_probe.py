@@ -22,10 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-import fxfuse
+from benchmarks.fused_form_probe import LAYERS, default_plan
 from benchmarks.mlp_probe import graphed, max_rel_err, per_call_us
-
-LAYERS = 8
 MAX_POLLS = 1 << 22
 
 
@@ -75,27 +73,9 @@ def grid_sync_mlp(x_ptr, w_ptr, b_ptr, h_ptr, out_ptr, bar_ptr, M,
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-def seed(h):
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(LAYERS):
-        mods += [torch.nn.Linear(h, h), torch.nn.ReLU()]
-    return torch.nn.Sequential(*mods).eval().cuda()
-
-
 def cell(batch, h, deadline, sms):
-    model = seed(h)
-    layers = [m for m in model if isinstance(m, torch.nn.Linear)]
-    x = torch.randn(batch, h, device="cuda")
-    with torch.no_grad():
-        y64 = model.double()(x.double())
-        model.float()
-    rows = []
-    opt = fxfuse.optimize(model, x)
-    spec = next(iter(opt.specializations.values()))
-    us = per_call_us(spec.launcher.replay) if spec.graph is not None else float("nan")
-    with torch.no_grad():
-        rows.append((f"{batch}x{h}", "default plan (whole graph)", "", us, max_rel_err(opt(x), y64)))
+    _, layers, x, y64, us, err = default_plan(batch, h)
+    rows = [(f"{batch}x{h}", "default plan (whole graph)", "", us, err)]
     w = torch.stack([l.weight.detach() for l in layers]).contiguous()
     b = torch.stack([l.bias.detach() for l in layers]).contiguous()
     hbuf = torch.empty(2, batch, h, device="cuda")
