@@ -16,7 +16,7 @@ import torch.fx
 from fxfuse.ir import IndexMap, IRBuilder
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 SCALAR_TYPES = (int, float, bool)
 UNSUPPORTED_INPUT_DTYPES = (torch.float64, torch.complex64, torch.complex128)
@@ -107,11 +107,31 @@ def _may_alias(gm, node, kept) -> bool:
         and not _reads_without_alias(gm, node)
 
 
-def _aliases(gm, write, kept) -> set:
-    """Nodes whose value may share storage with what `write` writes: the written operand, the
-    op's own result, and, transitively, what those are views of and what is a view of them."""
-    first = write.args[0] if write.args and isinstance(write.args[0], torch.fx.Node) else None
-    out, stack = {write}, [first] if first is not None else list(write.all_input_nodes)
+def _attribute_groups(gm) -> dict:
+    """get_attr node -> every get_attr node over the same storage: each read of `self.c` traces
+    to a node of its own (and a tied weight has two names), and a write through one is a write
+    into all."""
+    groups = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            try:
+                value = fetch_attr(gm, n.target)
+            except AttributeError:
+                value = None
+            key = value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else n.target
+            groups.setdefault(key, []).append(n)
+    return {n: nodes for nodes in groups.values() for n in nodes}
+
+
+def _aliases(gm, write, kept, attributes=None) -> set:
+    """Nodes whose value may share storage with what `write` writes: the written operand (and
+    an `out=` tensor), the op's own result, and, transitively, what those are views of, what is
+    a view of them, and other reads of the same attribute."""
+    attributes = _attribute_groups(gm) if attributes is None else attributes
+    written = [write.args[0]] if write.args else []
+    written += [write.kwargs["out"]] if "out" in write.kwargs else []
+    written = [w for w in written if isinstance(w, torch.fx.Node)]
+    out, stack = {write}, written or list(write.all_input_nodes)
     stack += [u for u in write.users if _may_alias(gm, u, kept)]
     while stack:
         n = stack.pop()
@@ -121,6 +141,7 @@ def _aliases(gm, write, kept) -> set:
         if _may_alias(gm, n, kept):
             stack.extend(n.all_input_nodes)
         stack.extend(u for u in n.users if _may_alias(gm, u, kept))
+        stack.extend(attributes.get(n, ()))
     return out
 
 
@@ -128,7 +149,8 @@ def _mutated_values(gm) -> set:
     """Values an in-place op kept by normalize may write (see _aliases): an op reading one of
     them must not join a fused kernel, which would move the read across the write."""
     kept = set(_kept_writes(gm))
-    return set().union(*(_aliases(gm, w, kept) for w in kept)) if kept else set()
+    attributes = _attribute_groups(gm) if kept else {}
+    return set().union(*(_aliases(gm, w, kept, attributes) for w in kept)) if kept else set()
 
 
 def write_order_edges(gm) -> list:
@@ -137,8 +159,9 @@ def write_order_edges(gm) -> list:
     kept = set(_kept_writes(gm))
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     edges = []
+    attributes = _attribute_groups(gm) if kept else {}
     for write in kept:
-        alias = _aliases(gm, write, kept)
+        alias = _aliases(gm, write, kept, attributes)
         for n in gm.graph.nodes:
             touches = (n in alias and n.op not in ("placeholder", "get_attr")) or any(
                 a in alias for a in n.all_input_nodes)

@@ -115,7 +115,7 @@ FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone"}
 
 def _produces_fresh_tensor(node) -> bool:
     """True if node's output is a new tensor that no view or parameter shares."""
-    return node.op == "call_function" and (
+    return node.op == "call_function" and "out" not in node.kwargs and (   # out=: the result IS `out`
         (is_pointwise_target(node.target) and node.target is not cast)
         or node.target in FRESH_FUNCTIONS)
 
