@@ -297,7 +297,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         call = canonical_call(row, node)
         if call is None:
-            if row.inplace or _inplace_flag(row, node):   # x.div_(y, rounding_mode="floor")
+            if row.inplace or _inplace_flag(row, node) or "out" in node.kwargs:   # x.div_(y, rounding_mode="floor")
                 fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
                 kept_inplace.append(node)
             continue
@@ -392,6 +392,9 @@ def _mutates(gm, node) -> bool:
     if node.op != "call_function":
         return False
     if node.target is operator.setitem or "out" in node.kwargs:
+        return True
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_"):   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x)
         return True
     if node.target in INPLACE_OPERATORS_UNKNOWN:
         return bool(node.args) and _is_tensor_node(node.args[0])

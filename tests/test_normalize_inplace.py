@@ -404,3 +404,31 @@ def test_writes_through_out_and_attributes_keep_reads_in_order(case):
             torch.testing.assert_close(opt(*opt_args), model(*eager_args), rtol=1e-5, atol=1e-5)
         for got, expected in zip(opt_args, eager_args):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class FunctionWrites(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, a, b, y):
+        if self.kind == "neg_":
+            torch.neg_(a)
+        elif self.kind == "threshold_":
+            F.threshold_(a, 0.1, 0.0)
+        else:
+            torch.add(a, b, out=y)
+        return y.relu() + a * 2
+
+
+@pytest.mark.parametrize("kind", ["neg_", "threshold_", "add-out"])
+def test_function_form_writes_are_writes(kind):
+    """torch.neg_(x), F.threshold_(x, ...) and torch.add(a, b, out=y) were not seen as writes:
+    verify caught the lost write and the model fell back, blaming `x += 1`."""
+    model = FunctionWrites(kind).eval()
+    opt = fxfuse.optimize(model, [torch.randn(3, 4) for _ in range(3)], strict=True)
+    args = [torch.randn(3, 4) for _ in range(3)]
+    eager_args, opt_args = [a.clone() for a in args], [a.clone() for a in args]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*opt_args), model(*eager_args))
+    torch.testing.assert_close(opt_args, eager_args)
