@@ -369,6 +369,8 @@ def _functional_twin(gm, node, order) -> bool:
     if node.op != "call_method" or node.target not in FUNCTIONAL_TWINS or not node.args:
         return False
     base = node.args[0]
+    if base in node.args[1:] or base in node.kwargs.values():   # sc.masked_scatter_(m, sc): reads what it writes
+        return False
     if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)
             and all(u is node or _reads_without_alias(gm, u) for u in base.users)):
         return False
