@@ -23,6 +23,14 @@ import torch.fx
 
 from .errors import UnsupportedError
 
+try:   # the global hook dicts nn.Module.__call__ checks (filled in place, never rebound)
+    from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks,
+                                         _global_forward_hooks, _global_forward_pre_hooks)
+    GLOBAL_HOOKS = (_global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks,
+                    _global_forward_pre_hooks)
+except ImportError:   # another torch: runtime always takes the full nn.Module.__call__
+    GLOBAL_HOOKS = None
+
 
 MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
              torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU,
@@ -132,8 +140,7 @@ def forward_hook_owner(model: torch.nn.Module) -> str | None:
     Tracing calls each submodule's forward() directly, so hooks on the submodules (and on the
     model itself, and global module hooks, which eager runs for every submodule) would silently
     not run: a hook that edits an output would give another answer."""
-    from torch.nn.modules import module as nn_module
-    if getattr(nn_module, "_global_forward_hooks", None) or getattr(nn_module, "_global_forward_pre_hooks", None):
+    if GLOBAL_HOOKS is not None and any(GLOBAL_HOOKS[2:]):
         return "a global module forward hook (torch.nn.modules.module.register_module_forward_hook)"
     for name, m in model.named_modules():
         if m._forward_hooks or m._forward_pre_hooks:

@@ -28,6 +28,7 @@ from collections import Counter, OrderedDict
 
 import torch
 import torch.fx
+from torch.utils.hooks import RemovableHandle
 
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
@@ -35,17 +36,7 @@ from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segm
 from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
-from torch.utils.hooks import RemovableHandle
-
-from .module_state import MODE_FREE, forward_hook_owner, share_memory, version
-
-try:   # the global hook dicts nn.Module.__call__ checks (filled in place, never rebound)
-    from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks,
-                                         _global_forward_hooks, _global_forward_pre_hooks)
-    GLOBAL_HOOKS = (_global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks,
-                    _global_forward_pre_hooks)
-except ImportError:   # another torch: always the full nn.Module.__call__
-    GLOBAL_HOOKS = None
+from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
 
 
 def signature(args) -> tuple:
@@ -470,9 +461,9 @@ class OptimizedModule(torch.nn.Module):
             e = as_fxfuse_error(e, "building a specialization")
             if self.options.strict:
                 raise e
-            if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
-                self._failed_builds[sig] = f"no specialization for a new input ({reason}): {e}"
             message = f"no specialization for a new input ({reason}): {e}"
+            if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
+                self._failed_builds[sig] = message
             return self._run_original("build:" + message, message, args)
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         return spec(args)

@@ -18,6 +18,8 @@ from fxfuse.kernel import FusedKernel
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
+from .normalize import _reads_without_alias
+
 SCALAR_TYPES = (int, float, bool)
 UNSUPPORTED_INPUT_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 
@@ -102,7 +104,6 @@ def _kept_writes(gm) -> list:
 def _may_alias(gm, node, kept) -> bool:
     """Whether node's result may share storage with one of its inputs (a view, an in-place op,
     an op nothing says is fresh)."""
-    from .normalize import _reads_without_alias   # normalize imports this module's users: late
     return node in kept or node.op in ("call_function", "call_method", "call_module") \
         and not _reads_without_alias(gm, node)
 
@@ -123,11 +124,10 @@ def _attribute_groups(gm) -> dict:
     return {n: nodes for nodes in groups.values() for n in nodes}
 
 
-def _aliases(gm, write, kept, attributes=None) -> set:
+def _aliases(gm, write, kept, attributes) -> set:
     """Nodes whose value may share storage with what `write` writes: the written operand (and
     an `out=` tensor), the op's own result, and, transitively, what those are views of, what is
-    a view of them, and other reads of the same attribute."""
-    attributes = _attribute_groups(gm) if attributes is None else attributes
+    a view of them, and other reads of the same attribute (`attributes`: _attribute_groups)."""
     written = [write.args[0]] if write.args else []
     written += [write.kwargs["out"]] if "out" in write.kwargs else []
     written = [w for w in written if isinstance(w, torch.fx.Node)]
@@ -145,23 +145,26 @@ def _aliases(gm, write, kept, attributes=None) -> set:
     return out
 
 
-def _mutated_values(gm) -> set:
+def write_aliases(gm) -> dict:
+    """Each in-place op kept by normalize -> the values it may write (_aliases)."""
+    kept = set(_kept_writes(gm))
+    attributes = _attribute_groups(gm) if kept else {}
+    return {w: _aliases(gm, w, kept, attributes) for w in kept}
+
+
+def _mutated_values(gm, writes: dict | None = None) -> set:
     """Values an in-place op kept by normalize may write (see _aliases): an op reading one of
     them must not join a fused kernel, which would move the read across the write."""
-    kept = set(_kept_writes(gm))
-    attributes = _attribute_groups(gm) if kept else {}
-    return set().union(*(_aliases(gm, w, kept, attributes) for w in kept)) if kept else set()
+    writes = write_aliases(gm) if writes is None else writes
+    return set().union(*writes.values())
 
 
-def write_order_edges(gm) -> list:
+def write_order_edges(gm, writes: dict) -> list:
     """(before, after) pairs that keep every op touching a written value on its side of the
     write: the graph's data edges do not order a read of x before `x.mul_(2)` (or after it)."""
-    kept = set(_kept_writes(gm))
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     edges = []
-    attributes = _attribute_groups(gm) if kept else {}
-    for write in kept:
-        alias = _aliases(gm, write, kept, attributes)
+    for write, alias in writes.items():
         for n in gm.graph.nodes:
             touches = (n in alias and n.op not in ("placeholder", "get_attr")) or any(
                 a in alias for a in n.all_input_nodes)
@@ -272,7 +275,8 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         return gm
     use_kernels = True if options is None or options.use_kernels is None else options.use_kernels
     g = gm.graph
-    mutated = _mutated_values(gm)
+    writes = write_aliases(gm)
+    mutated = _mutated_values(gm, writes)
     fusible = set()
     for node in g.nodes:
         reason = why_not_fusible(node, mutated)
@@ -281,7 +285,7 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         elif node.op == "call_function" and is_pointwise_target(node.target):
             fxfuse_meta(node)["decision"] = f"not fused: {reason}"
     grouping = Grouping(g, fusible)
-    for before, after in write_order_edges(gm):
+    for before, after in write_order_edges(gm, writes):
         grouping.succ[before].add(after)
         grouping.pred[after].add(before)
     order = {n: k for k, n in enumerate(g.nodes)}

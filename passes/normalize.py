@@ -319,9 +319,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 new.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
                 back.meta = dict(new.meta)
                 new = back
-            for user in list(base.users):
-                if user is not new and order.get(user, -1) > order[node]:
-                    user.replace_input_with(base, new)
+            _later_readers_read(base, new, node, order)
         else:
             _replace(g, node, *call)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
@@ -379,10 +377,16 @@ def _functional_twin(gm, node, order) -> bool:
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+    _later_readers_read(base, new, node, order)
+    return True
+
+
+def _later_readers_read(base, new, node, order) -> None:
+    """After an in-place `node` on `base` became the functional `new`: readers of `base` that
+    came after the write read `new`."""
     for user in list(base.users):
         if user is not new and order.get(user, -1) > order[node]:
             user.replace_input_with(base, new)
-    return True
 
 
 def _mutates(gm, node) -> bool:
