@@ -18,7 +18,8 @@ us: calls queued back to back, CUDA events, one synchronization per repetition, 
   err                  max |y - y64| / max |y64| against the model run in float64
   floor                max(weights / 3.0 TB/s, FLOPs / 51.6 TFLOP/s, 1.2 us): DESIGN.md's ceilings
 A width the kernel cannot hold (> 1024) is not fused even under "force": the note says why.
-The sweep (narrow widths, where "auto" fuses) gives kernel+graph / eager+graph: < 1 pays.
+The sweep (narrow widths) gives kernel+graph / plan graph (GPU time of the fused kernel over that of
+fxfuse's per-layer plan, fused_mlp="off"): < 1 pays. `--sweep 1x64:rows,256x64:dot,...` picks cells.
 
 Cells run in a child process, a fresh one after a cell that hangs (an unrolled kernel of a
 wide chain can compile for a long time) or crashes; a deadline keeps the whole run short, and
@@ -193,6 +194,10 @@ def sweep_cell(batch, h, form="auto"):
         with torch.no_grad():
             y64 = copy.deepcopy(model).double()(x.double())
             row["eager+graph"] = per_call_us(graphed(model, x)[0])
+            off = measure_fxfuse(model, x, y64, "off", row, kernel_alone=False)
+            spec = next(iter(off.specializations.values())) if off is not None else None
+            if spec is not None and spec.graph is not None:   # the per-layer plan's GPU time
+                row["plan graph"] = per_call_us(spec.launcher.replay)
             measure_fxfuse(model, x, y64, "force", row, kernel_alone=True)
     finally:
         mlp_kernel.ROWWISE_MAX_BATCH = saved
@@ -301,13 +306,14 @@ def print_sweep(rows):
         if "error" in r:
             table.append([r["hidden"], r["batch"]] + [""] * 6 + [r["error"]])
             continue
-        k, eg = r.get("kernel+graph"), r["eager+graph"]
+        k, eg, plan = r.get("kernel+graph"), r["eager+graph"], r.get("plan graph")
         note = r.get("note") or ("" if check_ok(r) else "CHECK FAILED")
-        table.append([r["hidden"], r["batch"], fmt(eg), fmt(k), fmt(r.get("force")),
+        table.append([r["hidden"], r["batch"], fmt(eg), fmt(plan), fmt(k), fmt(r.get("off")), fmt(r.get("force")),
                       f"{r.get('form', '-')} ({r.get('asked')})",
-                      fmt(k / eg, 2) if k else "-", fmt(r.get("force_build_s")), note])
-    print(tabulate(table, headers=["hidden", "batch", "eager+graph", "kernel+graph", "force", "form (asked)",
-                                   "kernel / eager+graph", "build s", "note"], tablefmt="github"), flush=True)
+                      fmt(k / plan, 2) if k and plan else "-", fmt(r.get("force_build_s")), note])
+    print(tabulate(table, headers=["hidden", "batch", "eager+graph", "plan graph", "kernel+graph", "off", "force",
+                                   "form (asked)", "kernel / plan graph", "build s", "note"], tablefmt="github"),
+          flush=True)
 
 
 def main():
@@ -315,6 +321,9 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="main table only")
     ap.add_argument("--budget", type=float, default=180, help="seconds for the whole probe")
     ap.add_argument("--cell-timeout", type=float, default=60, help="seconds per cell, compile included")
+    ap.add_argument("--sweep", help="sweep cells instead of the default ones: BATCHxHIDDEN:FORM,... "
+                    "(FORM auto, rows or dot); with --no-main, the sweep alone")
+    ap.add_argument("--no-main", action="store_true", help="skip the main table")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -327,14 +336,19 @@ def main():
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"{LAYERS} x (Linear(h, h) + ReLU), fp32, TF32 off; us per call, median of 5", flush=True)
     deadline = time.time() + args.budget
-    results = {"main": run_cells("main", CHEAP_CELLS, args.cell_timeout, deadline)}
+    sweep = SWEEP_CELLS
+    if args.sweep:
+        sweep = [(int(c.split("x")[0]), int(c.split("x")[1].split(":")[0]), (c.split(":") + ["auto"])[1])
+                 for c in args.sweep.split(",")]
+    results = {"main": [] if args.no_main else run_cells("main", CHEAP_CELLS, args.cell_timeout, deadline)}
     if not args.no_sweep:
-        results["sweep"] = run_cells("sweep", SWEEP_CELLS, args.cell_timeout, deadline)
-    results["main"] += run_cells("main", WIDE_CELLS, args.cell_timeout, deadline)
-    print("\n## fused MLP (fused_mlp='force') vs 'off' vs eager vs eager in a CUDA graph")
-    print_main(results["main"])
+        results["sweep"] = run_cells("sweep", sweep, args.cell_timeout, deadline)
+    if not args.no_main:
+        results["main"] += run_cells("main", WIDE_CELLS, args.cell_timeout, deadline)
+        print("\n## fused MLP (fused_mlp='force') vs 'off' vs eager vs eager in a CUDA graph")
+        print_main(results["main"])
     if not args.no_sweep:
-        print("\n## narrow widths: the fused kernel in a CUDA graph vs eager in a CUDA graph (< 1 pays)")
+        print("\n## narrow widths: the fused kernel in a CUDA graph vs the per-layer plan's graph (< 1 pays)")
         print_sweep(results["sweep"])
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "mlp_probe.json"), "w") as f:

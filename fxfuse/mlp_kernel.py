@@ -18,9 +18,20 @@ generation time into one tile product per (K tile, N tile), and each pointwise o
 by tile. The source is generated per chain and loaded through the kernel cache.
 
 Two forms of the tile product (`KernelConfig.rowwise`): tl.dot needs 16 rows, so at batch 1
-it would compute 15 rows of padding; the row-wise form (BLOCK_M = 1, one program per row)
-multiplies a row tile by a weight tile and reduces over K, doing only the real row's work.
-Every program streams all weights, so both forms pay while the weights are small.
+it would compute 15 rows of padding; the row-wise form (one program per row) holds each value
+as 1-D tiles and computes a Linear as GEMV tile products (multiply a weight tile by the
+activation broadcast along one axis, sum over the other), doing only the real row's work.
+Every program streams all weights through its SM, so it pays only while they are small.
+Two things decide its speed (benchmarks/gemv_chain_probe.py, H100, 8 x Linear(64) at batch 1:
+4.7 us against 12.5 us for the per-layer plan; the earlier row-wise form took 30-51 us at
+width 128 against the plan's 11.3):
+  - no layout conversion between layers: a sum over axis 1 leaves the result in the layout a
+    broadcast along axis 1 needs, and a sum over axis 0 the one along axis 0. So the weight
+    tiles alternate with the chain: a Linear whose input came out of a sum over axis 0 (or is
+    x) reads [N, K] tiles and sums over axis 1; one whose input came out of a sum over axis 1
+    reads [K, N] tiles (W.T) and sums over axis 0 (`Layout.transposed`);
+  - the next Linear's weight tiles are loaded before this one's products where both fit the
+    register budget (PREFETCH_ELEMENTS per thread), so the weight stream overlaps the math.
 
 Padding: weights are zero-padded to whole tiles and packed tile by tile in the order the kernel
 reads them (`pack`), once at optimize time; constant vectors are padded with zeros. Padded
@@ -54,7 +65,9 @@ MAX_WIDTH = 1024             # widest value a kernel may hold
 MAX_TILE = 64                # lanes per column tile (128 past 512 lanes: at most 8 x 8 products)
 MAX_DOTS = 1024              # unrolled tile products per kernel (tensor-core forms)
 MAX_FMA_PER_THREAD = 1 << 17  # unrolled FMAs per thread (FMA forms): bounds code size
-ROWWISE_MAX_BATCH = 32       # provisional: batch up to which one program per row wins (probe)
+ROWWISE_MAX_BATCH = 512      # batch up to which one program per row wins (choose_config)
+ROWWISE_MAX_TILE = 128       # lanes per column tile of the row-wise form: fewer, larger GEMV tiles
+PREFETCH_ELEMENTS = 64       # weight elements per thread of two Linears' tiles held at once (row-wise)
 SMS = 132                    # H100 SXM; only used to judge when larger row tiles still fill the GPU
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -118,10 +131,19 @@ def _padded_kn(spec: MLPSpec, max_tile: int) -> list:
 def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **override) -> KernelConfig:
     """The kernel configuration for a batch: one place, kept apart from correctness.
 
-    Row-wise up to ROWWISE_MAX_BATCH rows; else tl.dot with 16 rows per program, or 32/64
-    where the batch still gives every SM two programs and a value stays ~32 registers per
-    thread (BLOCK_M * width <= 1024 * num_warps); row-wise also where tl.dot's unrolled code
-    would exceed the budget (why_not_kernel). `override` sets fields (for the probe).
+    Row-wise up to ROWWISE_MAX_BATCH rows, with tiles of up to ROWWISE_MAX_TILE lanes; else
+    tl.dot with 16 rows per program, or 32/64 where the batch still gives every SM two programs
+    and a value stays ~32 registers per thread (BLOCK_M * width <= 1024 * num_warps); row-wise
+    also where tl.dot's unrolled code would exceed the budget (why_not_kernel). `override`
+    sets fields (for the probe).
+
+    Measured (H100, 8 x (Linear(w, w), ReLU) fp32, GPU us of the kernel in a CUDA graph against
+    the per-layer plan's graph; mlp_probe sweeps, mlp_probe_20261124.txt): width 64, row-wise
+    5.1 us at batch 1-64, 6.2 at 256 and 9.0 at 512 (plan 11-15, 32), tl.dot 11.1 at 256, 11.3
+    at 512 and 11.6 at 1024 (row-wise 16.4, plan 41); width 128, row-wise in 128-lane tiles
+    10.1-10.7 us at batch 1-64 and 15.3 at 256 (plan 11.2-13.3, 17.2; in 64-lane tiles 19.5 at
+    batch 1), tl.dot 429 us at 64 and 256 rows (fp32 FMA code: the cost model's table keeps it
+    from being chosen).
     """
     widest = max(spec.widths)
     warps = 4 if widest <= 128 else 8
@@ -134,11 +156,12 @@ def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **overrid
             if batch >= 2 * SMS * bm and bm * widest <= 1024 * warps:
                 block_m = bm
                 break
-    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, max_tile=MAX_TILE, precision=precision)
+    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, precision=precision,
+               max_tile=ROWWISE_MAX_TILE if rowwise else MAX_TILE)
     cfg.update(override)
     config = KernelConfig(**cfg)
     if not forced and why_not_kernel(spec, config) and not why_not_kernel(spec, rows := KernelConfig(
-            block_m=1, rowwise=True, num_warps=warps, precision=precision)):
+            block_m=1, rowwise=True, num_warps=warps, precision=precision, max_tile=ROWWISE_MAX_TILE)):
         return rows   # 16x fewer unrolled FMAs than tl.dot's 16 rows: fits where tl.dot does not
     return config
 
@@ -157,8 +180,8 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
         return "a width is 0 (empty weight)"
     if max(spec.widths) > MAX_WIDTH:
         return f"width {max(spec.widths)} > {MAX_WIDTH} does not fit on chip"
-    if config.rowwise and config.block_m > 2:
-        return "the row-wise form takes 1 or 2 rows per program"
+    if config.rowwise and config.block_m != 1:
+        return "the row-wise form takes 1 row per program"
     if not config.rowwise and config.block_m < 16:
         return "tl.dot takes at least 16 rows per program"
     fma_form = config.rowwise or (spec.dtype == torch.float32 and config.precision == "ieee")
@@ -171,15 +194,32 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
     return None
 
 
-class Layout:
-    """Element offsets of every weight block and constant vector in the two packed buffers.
-    Code generation and packing both read it, so they cannot disagree."""
+def value_axes(spec: MLPSpec) -> dict:
+    """Row-wise form: the axis of a 2-D weight tile each value runs along (module docstring).
+    x runs along axis 1 (broadcast as v[None, :]); a Linear sums over its input's axis, so its
+    result runs along the other one; a pointwise result along its first value operand's."""
+    axis = {0: 1}
+    for s in spec.steps:
+        if isinstance(s, Linear):
+            axis[s.out] = 1 - axis[s.src]
+        else:
+            axis[s.out] = next((axis[ref] for kind, ref in s.operands if kind == "value"), 1)
+    return axis
 
-    def __init__(self, spec: MLPSpec, numels: tuple, max_tile: int = MAX_TILE):
+
+class Layout:
+    """Element offsets of every weight block (by the value id its Linear defines) and constant
+    vector in the two packed buffers, and which Linears read transposed [K, N] tiles. Code
+    generation and packing both read it, so they cannot disagree."""
+
+    def __init__(self, spec: MLPSpec, numels: tuple, max_tile: int = MAX_TILE, rowwise: bool = False):
         self.weight_offset, self.vector_offset = {}, {}
+        axis = value_axes(spec)
+        # tl.dot takes [K, N] tiles; the row-wise form [N, K] where its input runs along axis 1
+        self.transposed = {s.out for s in spec.linears if not rowwise or axis[s.src] == 0}
         at = 0
         for s, (k, n, _) in zip(spec.linears, _padded_kn(spec, max_tile)):
-            self.weight_offset[s.weight] = at
+            self.weight_offset[s.out] = at
             at += k * n
         self.weight_numel = max(at, 1)
         self.vector_size = [1] * len(numels)   # 1 for a scalar, else whole tiles of its consumer
@@ -200,8 +240,8 @@ def pack(spec: MLPSpec, weights: list, vectors: list, layout: Layout, config: Ke
     """(packed weights in spec.dtype, packed constants in fp32), padded with zeros.
 
     Weight tiles are stored in the order the kernel reads them, [N tile][K tile], each one
-    contiguous: [T_k, T_n] (W.T, as tl.dot takes it) or, for the row-wise form, [T_n, T_k]
-    (rows of W, so the reduction runs along contiguous K, as in a GEMV)."""
+    contiguous: [T_k, T_n] (W.T: as tl.dot takes it, and for row-wise Linears in
+    layout.transposed) or [T_n, T_k] (rows of W: the other row-wise Linears)."""
     device, mt = weights[0].device, config.max_tile
     wbuf = torch.zeros(layout.weight_numel, dtype=spec.dtype, device=device)
     for s in spec.linears:
@@ -210,11 +250,11 @@ def pack(spec: MLPSpec, weights: list, vectors: list, layout: Layout, config: Ke
         n, k = w.shape
         wp = torch.zeros(nn * tn, nk * tk, dtype=spec.dtype, device=device)
         wp[:n, :k] = w.to(device=device, dtype=spec.dtype)
-        if config.rowwise:
-            tiles = wp.reshape(nn, tn, nk, tk).permute(0, 2, 1, 3).reshape(-1)
-        else:
+        if s.out in layout.transposed:
             tiles = wp.reshape(nn, tn, nk, tk).permute(0, 2, 3, 1).reshape(-1)
-        at = layout.weight_offset[s.weight]
+        else:
+            tiles = wp.reshape(nn, tn, nk, tk).permute(0, 2, 1, 3).reshape(-1)
+        at = layout.weight_offset[s.out]
         wbuf[at:at + tiles.numel()] = tiles
     vbuf = torch.zeros(layout.vector_numel, dtype=torch.float32, device=device)
     for k, v in enumerate(vectors):
@@ -233,11 +273,13 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
     """(source, kernel name) of one Triton kernel computing the whole chain.
 
     Arguments of the kernel: x [M, K0] (row stride stride_xm, unit column stride), out
-    [M, N] (row stride stride_om), the packed weights and constants, M, and BLOCK_M.
+    [M, N] (row stride stride_om), the packed weights and constants, M, and BLOCK_M. The
+    row-wise form runs one program per row (grid M); values are 1-D tiles there, [BLOCK_M, T]
+    tiles in the tl.dot form.
     """
     name = kernel_name(spec, config)
     mt = config.max_tile
-    layout = Layout(spec, numels, mt)
+    layout = Layout(spec, numels, mt, config.rowwise)
     buf = IndentedBuffer()
     buf.line("@triton.jit")
     buf.line(f"def {name}(x_ptr, out_ptr, w_ptr, v_ptr, M, stride_xm, stride_om, BLOCK_M: tl.constexpr):")
@@ -245,75 +287,133 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
         esize = torch.empty((), dtype=spec.dtype).element_size()
         widths = " -> ".join(str(spec.widths[s.out]) for s in spec.linears)
         buf.line(f"# {len(spec.linears)} Linear layers, widths {spec.widths[0]} -> {widths}; "
-                 f"{'row-wise products' if config.rowwise else 'tl.dot'}, {config}")
+                 f"{'row-wise GEMV products' if config.rowwise else 'tl.dot'}, {config}")
         buf.line(f"# per program: reads BLOCK_M rows of x and all {layout.weight_numel * esize} bytes "
                  "of packed weights; activations stay in registers; writes BLOCK_M rows")
-        buf.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
-        buf.line("row_ok = rows < M")
-        buf.line("rows = rows.to(tl.int64)")
+        if config.rowwise:
+            buf.line("row = tl.program_id(0).to(tl.int64)   # one program per row: the grid is M")
+        else:
+            buf.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
+            buf.line("row_ok = rows < M")
+            buf.line("rows = rows.to(tl.int64)")
         for t in sorted({tile_of(w, mt)[0] for w in spec.widths}):
             buf.line(f"c{t} = tl.arange(0, {t})")
-        _emit_input(buf, spec, mt)
+        ahead = _preloaded(spec, config)
+        if spec.linears[0].out in ahead:
+            _emit_weight_loads(buf, spec, spec.linears[0], layout, config, "   # before x: the weight stream starts")
+        _emit_input(buf, spec, config)
         loaded = set()
+        linears = spec.linears
         for step in spec.steps:
             if isinstance(step, Linear):
-                _emit_linear(buf, spec, step, layout, config)
+                k = linears.index(step)
+                if k + 1 < len(linears) and linears[k + 1].out in ahead:
+                    _emit_weight_loads(buf, spec, linears[k + 1], layout, config, "   # next Linear's, ahead")
+                _emit_linear(buf, spec, step, layout, config, step.out in ahead)
             else:
-                _emit_pointwise(buf, spec, step, layout, numels, loaded, mt)
-        _emit_store(buf, spec, mt)
+                _emit_pointwise(buf, spec, step, layout, numels, loaded, config)
+        _emit_store(buf, spec, config)
     return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
+
+
+def _tile_elements(spec: MLPSpec, step: Linear, max_tile: int) -> int:
+    (tk, nk), (tn, nn) = tile_of(spec.widths[step.src], max_tile), tile_of(spec.widths[step.out], max_tile)
+    return tk * nk * tn * nn
+
+
+def _preloaded(spec: MLPSpec, config: KernelConfig) -> set:
+    """Row-wise form: the Linears (by value id) whose weight tiles are loaded ahead, before the
+    previous Linear's products (the first one's before x): where its tiles and the previous
+    one's together stay within PREFETCH_ELEMENTS per thread. gemv_chain_probe (H100, 8 layers
+    fp32, 4 warps): width 64, 32 + 32 elements per thread, 4.7 us ahead vs 7.2 us not; width
+    128, 128 + 128, spills: 11.3 vs 10.3 us."""
+    if not config.rowwise:
+        return set()
+    threads = 32 * config.num_warps
+    sizes = [_tile_elements(spec, s, config.max_tile) for s in spec.linears]
+    ahead = {spec.linears[0].out} if sizes[0] <= PREFETCH_ELEMENTS * threads else set()
+    for k in range(1, len(sizes)):
+        if sizes[k - 1] + sizes[k] <= PREFETCH_ELEMENTS * threads:
+            ahead.add(spec.linears[k].out)
+    return ahead
 
 
 def _cols(j: int, t: int) -> str:
     return f"({j * t} + c{t})" if j else f"c{t}"
 
 
-def _emit_input(buf, spec, mt):
+def _along_row(config: KernelConfig, expr: str) -> str:
+    """A per-column vector as the value tiles hold it: 1-D (row-wise) or [1, T] (tl.dot form)."""
+    return expr if config.rowwise else f"{expr}[None, :]"
+
+
+def _emit_input(buf, spec, config):
     k0 = spec.widths[0]
-    t, n = tile_of(k0, mt)
+    t, n = tile_of(k0, config.max_tile)
     buf.line(f"# input: {k0} columns as {n} tile(s) of {t}")
     for j in range(n):
-        mask = "row_ok[:, None]" + (f" & ({_cols(j, t)} < {k0})[None, :]" if (j + 1) * t > k0 else "")
+        partial = (j + 1) * t > k0
+        if config.rowwise:
+            mask = f", mask={_cols(j, t)} < {k0}, other=0.0" if partial else ""
+            buf.line(f"v0_{j} = tl.load(x_ptr + row * stride_xm + {_cols(j, t)}{mask}).to(tl.float32)")
+            continue
+        mask = "row_ok[:, None]" + (f" & ({_cols(j, t)} < {k0})[None, :]" if partial else "")
         buf.line(f"v0_{j} = tl.load(x_ptr + rows[:, None] * stride_xm + {_cols(j, t)}[None, :], "
                  f"mask={mask}, other=0.0).to(tl.float32)")
 
 
-def _emit_linear(buf, spec, step, layout, config):
+def _weight_tile(spec, step, layout, config, j: int, kk: int) -> str:
+    """The load of weight tile (N tile j, K tile kk): [tk, tn] if the Linear is in
+    layout.transposed, else [tn, tk]."""
+    (tk, nk), (tn, _) = tile_of(spec.widths[step.src], config.max_tile), tile_of(spec.widths[step.out], config.max_tile)
+    at = layout.weight_offset[step.out] + (j * nk + kk) * tk * tn
+    rows, cols = (tk, tn) if step.out in layout.transposed else (tn, tk)
+    return f"tl.load(w_ptr + {at} + c{rows}[:, None] * {cols} + c{cols}[None, :])"
+
+
+def _emit_weight_loads(buf, spec, step, layout, config, comment=""):
+    (_, nk), (_, nn) = tile_of(spec.widths[step.src], config.max_tile), tile_of(spec.widths[step.out], config.max_tile)
+    for j in range(nn):
+        for kk in range(nk):
+            buf.line(f"w{step.out}_{j}_{kk} = {_weight_tile(spec, step, layout, config, j, kk)}{comment}")
+
+
+def _emit_linear(buf, spec, step, layout, config, preloaded=False):
     k, n = spec.widths[step.src], spec.widths[step.out]
     (tk, nk), (tn, nn) = tile_of(k, config.max_tile), tile_of(n, config.max_tile)
-    buf.line(f"# v{step.out} = v{step.src} @ W{step.weight}.T: {k} -> {n} as {nk} x {nn} tiles of "
-             f"[{tk}, {tn}] (weights at element {layout.weight_offset[step.weight]})")
+    buf.line(f"# v{step.out} = v{step.src} @ W.T: {k} -> {n} as {nk} x {nn} tiles of "
+             f"[{tk}, {tn}] (weights at element {layout.weight_offset[step.out]})")
     to_dot = spec.dtype != torch.float32 and not config.rowwise
     dot_kw = f", input_precision=\"{config.precision}\"" if spec.dtype == torch.float32 else ""
     operands = []
     for kk in range(nk):
         expr = f"v{step.src}_{kk}"
         if (kk + 1) * tk > k and step.src != 0:   # padded lanes may hold f(0) != 0 or nan
-            expr = f"tl.where(({_cols(kk, tk)} < {k})[None, :], {expr}, 0.0)"
+            expr = f"tl.where({_along_row(config, f'({_cols(kk, tk)} < {k})')}, {expr}, 0.0)"
         if to_dot:
             expr = f"{expr}.to({TRITON_DTYPE[spec.dtype]})"
         if expr != f"v{step.src}_{kk}":
             buf.line(f"a{step.out}_{kk} = {expr}")
             expr = f"a{step.out}_{kk}"
         operands.append(expr)
-    base = layout.weight_offset[step.weight]
     for j in range(nn):
         for kk in range(nk):
-            at = base + (j * nk + kk) * tk * tn
-            if config.rowwise:   # [tn, tk] tile: reduce along contiguous K
-                buf.line(f"w = tl.load(w_ptr + {at} + c{tn}[:, None] * {tk} + c{tk}[None, :])")
-                w = "w" if spec.dtype == torch.float32 else "w.to(tl.float32)"
-                prod = f"tl.sum({operands[kk]}[:, None, :] * {w}[None, :, :], axis=2)"
+            w = f"w{step.out}_{j}_{kk}"
+            if not preloaded:
+                buf.line(f"{w} = {_weight_tile(spec, step, layout, config, j, kk)}")
+            if config.rowwise:   # GEMV: sum over the axis the input runs along (module docstring)
+                w = w if spec.dtype == torch.float32 else f"{w}.to(tl.float32)"
+                prod = (f"tl.sum({w} * {operands[kk]}[:, None], axis=0)" if step.out in layout.transposed
+                        else f"tl.sum({w} * {operands[kk]}[None, :], axis=1)")
                 buf.line(f"acc = {prod}" if kk == 0 else f"acc = acc + {prod}")
             else:                # [tk, tn] tile, as tl.dot takes it
-                buf.line(f"w = tl.load(w_ptr + {at} + c{tk}[:, None] * {tn} + c{tn}[None, :])")
                 acc = "out_dtype=tl.float32" if kk == 0 else "acc=acc"
-                buf.line(f"acc = tl.dot({operands[kk]}, w, {acc}{dot_kw})")
+                buf.line(f"acc = tl.dot({operands[kk]}, {w}, {acc}{dot_kw})")
         buf.line(f"v{step.out}_{j} = acc")
 
 
-def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):
-    t, n = tile_of(spec.widths[step.out], mt)
+def _emit_pointwise(buf, spec, step, layout, numels, loaded, config):
+    t, n = tile_of(spec.widths[step.out], config.max_tile)
     op = BY_NAME[step.op]
     for kind, ref in step.operands:        # constants: loaded once, where first needed
         if kind == "vector" and ref not in loaded:
@@ -323,7 +423,7 @@ def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):
                 buf.line(f"k{ref} = tl.load(v_ptr + {at})")
             else:
                 for j in range(n):
-                    buf.line(f"k{ref}_{j} = tl.load(v_ptr + {at} + {_cols(j, t)})[None, :]")
+                    buf.line(f"k{ref}_{j} = {_along_row(config, f'tl.load(v_ptr + {at} + {_cols(j, t)})')}")
     for j in range(n):
         args = []
         for kind, ref in step.operands:
@@ -336,13 +436,18 @@ def _emit_pointwise(buf, spec, step, layout, numels, loaded, mt):
         buf.line(f"v{step.out}_{j} = {op.expr(*args, **dict(step.params))}")
 
 
-def _emit_store(buf, spec, mt):
+def _emit_store(buf, spec, config):
     w = spec.widths[spec.output]
-    t, n = tile_of(w, mt)
+    t, n = tile_of(w, config.max_tile)
     for j in range(n):
-        mask = "row_ok[:, None]" + (f" & ({_cols(j, t)} < {w})[None, :]" if (j + 1) * t > w else "")
-        buf.line(f"tl.store(out_ptr + rows[:, None] * stride_om + {_cols(j, t)}[None, :], "
-                 f"v{spec.output}_{j}.to({TRITON_DTYPE[spec.dtype]}), mask={mask})")
+        partial = (j + 1) * t > w
+        value = f"v{spec.output}_{j}.to({TRITON_DTYPE[spec.dtype]})"
+        if config.rowwise:
+            mask = f", mask={_cols(j, t)} < {w}" if partial else ""
+            buf.line(f"tl.store(out_ptr + row * stride_om + {_cols(j, t)}, {value}{mask})")
+            continue
+        mask = "row_ok[:, None]" + (f" & ({_cols(j, t)} < {w})[None, :]" if partial else "")
+        buf.line(f"tl.store(out_ptr + rows[:, None] * stride_om + {_cols(j, t)}[None, :], {value}, mask={mask})")
 
 
 class FusedMLP(FusedKernel):
@@ -369,7 +474,7 @@ class FusedMLP(FusedKernel):
         self.out_width = spec.widths[spec.output]
         numels = tuple(v.numel() for v in vectors)
         self.source, self.kernel_name = generate_mlp(spec, numels, config)
-        wbuf, vbuf = pack(spec, weights, vectors, Layout(spec, numels, config.max_tile), config)
+        wbuf, vbuf = pack(spec, weights, vectors, Layout(spec, numels, config.max_tile, config.rowwise), config)
         self.register_buffer("packed_weights", wbuf, persistent=False)
         self.register_buffer("packed_vectors", vbuf, persistent=False)
         self.input_meta = ((None, None, spec.dtype),)

@@ -121,9 +121,20 @@ def test_irregular_sizes(batch, widths, dtype):
 
 
 def test_wide_tiles_and_leading_dims():
-    # 100 -> 130 -> 40: 2 x 3 and 3 x 1 tile products of 64 lanes; x is 3-D (rows flattened)
-    check(mlp([100, 130, 40]), (2, 3, 100))
-    check(mlp([100, 130, 40]), (2, 20, 100))   # 40 rows: the tl.dot form
+    # 100 -> 130 -> 40: row-wise, 1 x 2 and 2 x 1 GEMV tiles of 128 lanes (the second Linear
+    # reads transposed tiles); x is 3-D (rows flattened)
+    opt = check(mlp([100, 130, 40]), (2, 3, 100))
+    assert fused_modules(opt)[0].config.rowwise
+    opt = check(mlp([100, 130, 40]), (2, 300, 100))   # 600 rows: the tl.dot form, 64-lane tiles
+    assert not fused_modules(opt)[0].config.rowwise
+
+
+def test_row_wise_residual_across_tiles():
+    # width 150: two 128-lane tiles per value; the residual adds values that come out of sums
+    # over different axes (module docstring of mlp_kernel), and x is read again at the end
+    opt = check(ResidualChain(150).eval(), (3, 150))
+    (mod,) = fused_modules(opt)
+    assert mod.config.rowwise and len(mod.spec.linears) == 3
 
 
 @pytest.mark.parametrize("act", [nn.Sigmoid, nn.GELU, nn.Tanh, nn.SiLU, nn.LeakyReLU, nn.ELU,
@@ -285,9 +296,9 @@ def relu_mlp_spec(layers, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [KernelConfig(block_m=1, rowwise=True), KernelConfig(block_m=2, rowwise=True),
+@pytest.mark.parametrize("config", [KernelConfig(block_m=1, rowwise=True), KernelConfig(block_m=1, rowwise=True, num_warps=1),
                                     KernelConfig(block_m=16), KernelConfig(block_m=32, max_tile=16)],
-                         ids=["rows1", "rows2", "dot16", "dot32_tile16"])
+                         ids=["rows", "rows_w1", "dot16", "dot32_tile16"])
 def test_every_kernel_form(config, dtype):
     torch.manual_seed(0)
     model = mlp([24, 40, 13, 7], inplace=False).to(dtype)
