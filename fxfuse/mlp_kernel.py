@@ -498,27 +498,16 @@ class FusedMLP(FusedKernel):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[1] > 1 and x2.stride(1) != 1:
             x2 = x2.contiguous()
-        out = torch.empty((x2.shape[0], self.out_width), dtype=self.spec.dtype, device=x.device)
-        if x2.shape[0]:
-            self._launch(x2, out)
+        m = x2.shape[0]
+        out = torch.empty((m, self.out_width), dtype=self.spec.dtype, device=x.device)
+        if m:
+            bm = self.config.block_m
+            with launch_context(x.device):
+                self.compiled()[(triton_cdiv(m, bm),)](
+                    x2, out, self.packed_weights, self.packed_vectors, m, x2.stride(0), out.stride(0),
+                    BLOCK_M=bm, num_warps=self.config.num_warps)
+            self.launches += 1
         return out.view(lead + (self.out_width,))
-
-    def _launch(self, x2, out) -> tuple:
-        """Launch on x2 [M, K] (unit column stride) into out [M, N]; (compiled kernel or None
-        under the interpreter, 3-D grid, the kernel's arguments in order)."""
-        bm = self.config.block_m
-        grid = (triton_cdiv(x2.shape[0], bm), 1, 1)
-        args = (x2, out, self.packed_weights, self.packed_vectors, x2.shape[0], x2.stride(0), out.stride(0), bm)
-        with launch_context(x2.device):
-            kernel = self.compiled()[grid](*args, num_warps=self.config.num_warps)
-        self.launches += 1
-        return kernel, grid, args
-
-    def launch_plan(self, x) -> tuple:
-        """_launch's answer for a launch on x (contiguous, non-empty): what direct_launch.py
-        replays without this module's Python."""
-        x2 = x.view(-1, x.shape[-1])
-        return self._launch(x2, torch.empty((x2.shape[0], self.out_width), dtype=self.spec.dtype, device=x.device))
 
     def extra_repr(self) -> str:
         widths = [self.spec.widths[0]] + [self.spec.widths[s.out] for s in self.spec.linears]

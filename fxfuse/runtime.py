@@ -31,7 +31,6 @@ import torch.fx
 from torch.utils.hooks import RemovableHandle
 
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
-from .direct_launch import DirectLaunch, single_kernel
 from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
 from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
@@ -80,15 +79,8 @@ class Specialization(SlotChoice):
         self.handout_note = "outputs returned directly (no CUDA graph)"
         self.calls = self.handed_out = self.cloned = 0
         devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
-        on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
-        self.direct, why = DirectLaunch.build(gm, example_args) if on_cuda else (None, "")
-        if self.direct is not None:
-            self.cuda_graph_note = ("not needed: the graph is one fused MLP kernel, launched directly (it reads "
-                                    "the input in place; each call's output is a fresh tensor)")
-        elif options.cuda_graphs and on_cuda:
+        if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
             self._capture(example_args)
-            if why and single_kernel(gm) is not None:
-                self.cuda_graph_note += f" (no direct launch: {why})"
         elif not options.cuda_graphs:
             self.cuda_graph_note = "off (cuda_graphs=False)"
 
@@ -195,10 +187,6 @@ class Specialization(SlotChoice):
 
     def __call__(self, args):
         self.calls += 1
-        if self.direct is not None:
-            out = self.direct(args[0])
-            if out is not None:
-                return out
         if self.graph is None:
             with torch.no_grad():
                 return self.gm(*args)

@@ -176,8 +176,7 @@ def test_cost_model_plan_and_measured_explain():
     gm = next(iter(opt.specializations.values())).gm
     assert len(gm.meta["fxfuse_plans"]) == 8
     text = fxfuse.explain(opt, measure=True)
-    assert "cost model:" in text and "# measured:" in text
-    assert "us per graph replay" in text or "us per direct launch" in text   # one fused MLP: launched directly
+    assert "cost model:" in text and "# measured:" in text and "us per graph replay" in text
     with torch.no_grad():
         fresh = torch.randn_like(x)
         assert rel_err(opt(fresh), model(fresh)) < 1e-5

@@ -13,8 +13,6 @@ from fxfuse.demo import seed_network
 from fxfuse.handout import HANDOUT_SLOTS
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
-GRAPH = dict(fused_mlp="off")   # narrow seed networks would become one directly launched kernel
-# (test_direct_launch.py); these tests are about the CUDA-graph runtime, so they keep several kernels
 
 
 def _spec(opt):
@@ -26,7 +24,7 @@ def test_outputs_handed_out_without_clone_while_not_held():
     overwritten; once every graph copy's outputs are held the call clones."""
     model = seed_network(96, 3).cuda()
     xs = [torch.randn(5, 96, device="cuda") for _ in range(8)]
-    opt = fxfuse.optimize(model, xs[0], strict=True, **GRAPH)
+    opt = fxfuse.optimize(model, xs[0], strict=True)
     spec = _spec(opt)
     with torch.no_grad():
         want = [model(x) for x in xs]
@@ -51,7 +49,7 @@ def _small_model_and_three_inputs():
     """(model, inputs, opt, its specialization): a graph of a few us, three input buffers."""
     model = seed_network(64, 2).cuda()
     xs = [torch.randn(3, 64, device="cuda") for _ in range(3)]
-    opt = fxfuse.optimize(model, xs[0], strict=True, **GRAPH)
+    opt = fxfuse.optimize(model, xs[0], strict=True)
     return model, xs, opt, _spec(opt)
 
 
@@ -102,7 +100,7 @@ def test_handout_with_tuple_outputs_and_an_output_that_is_the_input():
 
     model = Two().cuda().eval()
     xs = [torch.randn(7, 40, device="cuda") for _ in range(4)]
-    opt = fxfuse.optimize(model, xs[0], strict=True, **GRAPH)
+    opt = fxfuse.optimize(model, xs[0], strict=True)
     with torch.no_grad():
         outs = [opt(x) for x in xs]
         torch.cuda.synchronize()
@@ -121,7 +119,7 @@ def test_handout_buffers_never_share_memory_with_a_graph():
     for width in (96, 256, 1024):
         model = seed_network(width, 4).cuda()
         xs = [torch.randn(3, width, device="cuda") for _ in range(6)]
-        opt = fxfuse.optimize(model, xs[0], strict=True, **GRAPH)
+        opt = fxfuse.optimize(model, xs[0], strict=True)
         with torch.no_grad():
             want = [model(x) for x in xs]
             held = []
@@ -142,7 +140,7 @@ def test_handout_in_inference_mode_then_no_grad():
     no_grad, which the caller may modify in place, as eager's outputs."""
     model = seed_network(64, 2).cuda()
     xs = [torch.randn(4, 64, device="cuda") for _ in range(3)]
-    opt = fxfuse.optimize(model, xs[0], strict=True, **GRAPH)
+    opt = fxfuse.optimize(model, xs[0], strict=True)
     with torch.inference_mode():
         first = opt(xs[0])
     with torch.no_grad():
@@ -159,14 +157,14 @@ def test_built_in_inference_mode_then_called_outside_it():
     model = seed_network(64, 2).cuda()
     xs = [torch.randn(4, 64, device="cuda") for _ in range(3)]
     with torch.inference_mode():
-        opt = fxfuse.optimize(model, xs[0], strict=True, **GRAPH)
+        opt = fxfuse.optimize(model, xs[0], strict=True)
         first = opt(xs[0])
     with torch.no_grad():
         for x in xs:
             assert rel_err(opt(x), model(x)) < 1e-6
     assert rel_err(first, model(xs[0]).detach()) < 1e-6
     with torch.inference_mode():   # a strided input is copied into its static buffer with copy_
-        opt_strided = fxfuse.optimize(model, torch.randn(64, 4, device="cuda").t(), strict=True, **GRAPH)
+        opt_strided = fxfuse.optimize(model, torch.randn(64, 4, device="cuda").t(), strict=True)
     with torch.no_grad():
         strided = torch.randn(64, 4, device="cuda").t()
         assert rel_err(opt_strided(strided), model(strided)) < 1e-6
@@ -227,7 +225,7 @@ def test_inputs_come_in_through_the_graphs_memcpy_node():
     results: the update applies to the launch that follows it."""
     model = seed_network(128, 2).cuda()
     x = torch.randn(4, 128, device="cuda")
-    opt = fxfuse.optimize(model, x, strict=True, **GRAPH)
+    opt = fxfuse.optimize(model, x, strict=True)
     spec = next(iter(opt.specializations.values()))
     assert "no host copy" in spec.inputs.note and "no host copy" in fxfuse.explain(opt)
     with torch.no_grad():
@@ -250,7 +248,7 @@ def test_inputs_come_in_through_the_graphs_memcpy_node():
         side.synchronize()
         assert rel_err(got, want) < 1e-6
         xt = torch.randn(128, 4, device="cuda").t()        # strides (1, 4): guarded, copied by copy_
-        opt_t = fxfuse.optimize(model, xt, strict=True, **GRAPH)
+        opt_t = fxfuse.optimize(model, xt, strict=True)
         spec_t = next(iter(opt_t.specializations.values()))
         assert spec_t.inputs.copied and not spec_t.inputs.bound
         for _ in range(3):
@@ -321,7 +319,7 @@ def test_replays_go_through_cuGraphLaunch_and_match_eager():
     and calls with alternating inputs still match eager."""
     model = seed_network(96, 4).cuda()
     x1, x2 = torch.randn(5, 96, device="cuda"), torch.randn(5, 96, device="cuda")
-    opt = fxfuse.optimize(model, x1, strict=True, **GRAPH)
+    opt = fxfuse.optimize(model, x1, strict=True)
     spec = next(iter(opt.specializations.values()))
     assert spec.launcher.note == "cuGraphLaunch" and not spec.draws_random
     with torch.no_grad():
