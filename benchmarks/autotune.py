@@ -61,7 +61,8 @@ CPU = dict(m=(1, 16, 64), h=(64, 128), bmm_min_h=64, gemm_max_h=128, rows=(1, 16
            widths=(32,), strassen_m=(64,), strassen_h=(64,))
 PLAN = [("linear", "fp32"), ("bmm", "fp32"), ("pointwise", "fp32"), ("gemm", "fp32"), ("strassen", "fp32"),
         ("linear", "bf16"), ("bmm", "bf16"), ("pointwise", "bf16"), ("gemm", "bf16"),
-        ("linear", "fp16"), ("bmm", "fp16"), ("mlp", "fp32")]     # the fused MLP compiles longest: last
+        ("linear", "fp16"), ("bmm", "fp16"), ("mlp", "fp32"), ("mlp", "bf16"), ("mlp", "fp16")]
+# the fused MLP compiles longest: last
 CHILD_MARK = "@@autotune-cell "
 
 

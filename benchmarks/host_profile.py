@@ -111,11 +111,9 @@ def main():
                 launchers[turn["i"] % len(launchers)].replay()
             print(f"  {len(launchers)} slot launches in turn:                      {wall_us(round_robin, n):7.2f} us")
         print(f"  whole call, same x:                           {wall_us(lambda: opt(xs[0]), n):7.2f} us")
-        from fxfuse.input_copy import GraphInputs
-        reads = GraphInputs.reads
-        GraphInputs.reads = lambda self, tensors: False      # A/B: no address affinity (slot 0, re-pointed)
+        affinity, spec.affinity = spec.affinity, False       # A/B: the runtime's own switch
         print(f"  whole call, no address affinity:              {wall_us(call, n):7.2f} us")
-        GraphInputs.reads = reads
+        spec.affinity = affinity
         print(f"  whole call again (affinity):                  {wall_us(call, n):7.2f} us")
         print(f"  opt.forward minus __call__ (same x):          {wall_us(lambda: opt.forward(xs[0]), n):7.2f} us")
         print(f"  fxfuse.runtime.signature((x,)):               "

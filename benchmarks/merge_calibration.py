@@ -26,7 +26,8 @@ def merge_rows(old: dict, new: dict, axis: str = "m") -> dict:
     rows = dict(zip(old[axis], old["us"]))
     rows.update(zip(new[axis], new["us"]))
     keys = sorted(rows)
-    return {axis: keys, other: old[other], "us": [rows[k] for k in keys]}
+    extra = {k: v for k, v in old.items() if k not in (axis, other, "us")}   # e.g. the fused MLP's "layers"
+    return {axis: keys, other: old[other], "us": [rows[k] for k in keys], **extra}
 
 
 def main(argv=None) -> int:
@@ -44,8 +45,8 @@ def main(argv=None) -> int:
     if (new["device"], new["torch"], new["triton"]) != (shipped["device"], shipped["torch"], shipped["triton"]):
         print("device, torch or triton differ: not merged", file=sys.stderr)
         return 1
-    entry = shipped["tables"][args.table][args.dtype]
-    shipped["tables"][args.table][args.dtype] = merge_rows(entry, new["tables"][args.table][args.dtype])
+    table, rows = shipped["tables"].setdefault(args.table, {}), new["tables"][args.table][args.dtype]
+    table[args.dtype] = merge_rows(table[args.dtype], rows) if args.dtype in table else rows   # a new dtype: whole
     shipped.setdefault("updates", []).append({
         "tables": [args.table], "dtype": args.dtype, "rows": new["tables"][args.table][args.dtype]["m"],
         "created": new.get("created", time.strftime("%Y-%m-%d %H:%M:%S")), "command": new.get("command"),

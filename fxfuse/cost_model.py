@@ -39,7 +39,7 @@ import torch
 
 # Calibration files (schema, names, reading, validating) live in fxfuse.calibration; these
 # names are re-exported here so `from fxfuse.cost_model import ...` keeps working.
-from fxfuse.mlp_kernel import ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX
+from fxfuse.mlp_kernel import ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX, ROWWISE_TC_MAX_BATCH as MLP_ROWWISE_TC_MAX
 from fxfuse.calibration import (CALIBRATION_DIR, DTYPE_NAMES, ENV_VAR, GEMM_AXES, SCHEMA,  # noqa: F401
                                 TABLE_AXES, CalibrationError, CalibrationWarning, _grid_problems, _positive,
                                 _read_file, _shipped_file, calibration_name, device_slug, validate_calibration)
@@ -164,10 +164,11 @@ def strassen_kernel_work(part, level, m, k, n, elt, stores_y=False) -> Work:
 
 def mlp_work(m, dims, elt, sms) -> Work:
     """One kernel for Linear layers of (k, n) dims: weights read once from HBM, but every
-    program streams all of them through its own SM (one program per row up to 32 rows, then
-    per 16 rows), and few programs leave most SMs idle."""
+    program streams all of them through its own SM (one program per row up to MLP_ROWWISE_MAX
+    rows in fp32, MLP_ROWWISE_TC_MAX in fp16/bf16, then per 16 rows), and few programs leave
+    most SMs idle."""
     weights = sum(k * n + n for k, n in dims)
-    programs = m if m <= MLP_ROWWISE_MAX else -(-m // MLP_BLOCK_M)
+    programs = m if m <= (MLP_ROWWISE_MAX if elt == 4 else MLP_ROWWISE_TC_MAX) else -(-m // MLP_BLOCK_M)
     return Work(2.0 * m * sum(k * n for k, n in dims), elt * (weights + m * dims[0][0] + m * dims[-1][1]), 1,
                 triton=True, rate_fraction=min(1.0, programs / sms),
                 sm_bytes=-(-programs // sms) * weights * elt)

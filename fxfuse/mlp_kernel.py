@@ -65,7 +65,8 @@ MAX_WIDTH = 1024             # widest value a kernel may hold
 MAX_TILE = 64                # lanes per column tile (128 past 512 lanes: at most 8 x 8 products)
 MAX_DOTS = 1024              # unrolled tile products per kernel (tensor-core forms)
 MAX_FMA_PER_THREAD = 1 << 17  # unrolled FMAs per thread (FMA forms): bounds code size
-ROWWISE_MAX_BATCH = 512      # batch up to which one program per row wins (choose_config)
+ROWWISE_MAX_BATCH = 512      # batch up to which one program per row wins (choose_config), fp32 IEEE
+ROWWISE_TC_MAX_BATCH = 16    # the same where tl.dot runs on tensor cores (fp16, bf16, fp32 with TF32)
 ROWWISE_MAX_TILE = 128       # lanes per column tile of the row-wise form: fewer, larger GEMV tiles
 PREFETCH_ELEMENTS = 64       # weight elements per thread of two Linears' tiles held at once (row-wise)
 SMS = 132                    # H100 SXM; only used to judge when larger row tiles still fill the GPU
@@ -131,7 +132,8 @@ def _padded_kn(spec: MLPSpec, max_tile: int) -> list:
 def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **override) -> KernelConfig:
     """The kernel configuration for a batch: one place, kept apart from correctness.
 
-    Row-wise up to ROWWISE_MAX_BATCH rows, with tiles of up to ROWWISE_MAX_TILE lanes; else
+    Row-wise up to ROWWISE_MAX_BATCH rows (ROWWISE_TC_MAX_BATCH where tl.dot has tensor cores),
+    with tiles of up to ROWWISE_MAX_TILE lanes; else
     tl.dot with 16 rows per program, or 32/64 where the batch still gives every SM two programs
     and a value stays ~32 registers per thread (BLOCK_M * width <= 1024 * num_warps); row-wise
     also where tl.dot's unrolled code would exceed the budget (why_not_kernel). `override`
@@ -143,13 +145,16 @@ def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **overrid
     at 512 and 11.6 at 1024 (row-wise 16.4, plan 41); width 128, row-wise in 128-lane tiles
     10.1-10.7 us at batch 1-64 and 15.3 at 256 (plan 11.2-13.3, 17.2; in 64-lane tiles 19.5 at
     batch 1), tl.dot 429 us at 64 and 256 rows (fp32 FMA code: the cost model's table keeps it
-    from being chosen).
+    from being chosen). On tensor cores (bf16, autotune mlp section) tl.dot is as fast at 1024
+    rows as row-wise at 64 (width 128: 12.1 vs 11.4 us; 256: 36.5 vs 35.8) and 1.2-1.6x faster
+    at 256 rows, so there row-wise serves up to ROWWISE_TC_MAX_BATCH rows only.
     """
     widest = max(spec.widths)
     warps = 4 if widest <= 128 else 8
     precision = "tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee"
     forced, override = bool(override), dict(override)
-    rowwise = override.pop("rowwise", batch <= ROWWISE_MAX_BATCH)
+    tensor_cores = spec.dtype != torch.float32 or precision == "tf32"
+    rowwise = override.pop("rowwise", batch <= (ROWWISE_TC_MAX_BATCH if tensor_cores else ROWWISE_MAX_BATCH))
     block_m = 1 if rowwise else 16
     if not rowwise:
         for bm in (64, 32):

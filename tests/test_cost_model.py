@@ -337,3 +337,5 @@ def test_merge_calibration_rows():
     assert merged == {"m": [1, 16, 32, 64], "h": [128, 256], "us": [[1, 2], [3, 4], [7, 8], [9, 10]]}
     with pytest.raises(ValueError, match="axes differ"):
         merge_rows(old, {"m": [32], "h": [128], "us": [[7]]})
+    mlp = {"m": [1, 16], "width": [64], "us": [[1], [2]], "layers": 8}   # keys beside the axes stay
+    assert merge_rows(mlp, {"m": [16], "width": [64], "us": [[3]], "layers": 8})["layers"] == 8
