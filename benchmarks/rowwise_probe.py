@@ -26,6 +26,9 @@ VARIANTS = {
     "8 warps": {"num_warps": 8},
     "2 warps": {"num_warps": 2},
     "n /4, k x2": {"block_n": 0.25, "block_k": 2.0},   # gemm_sweep's best single layer at 16 x 2048
+    "m /2, 4 warps": {"block_m": 0.5, "num_warps": 4},  # past 16 rows: fewer rows per program
+    "m /2, n x2, w4": {"block_m": 0.5, "block_n": 2.0, "num_warps": 4},   # gemm_sweep's best at 64 x 512
+    "m x2": {"block_m": 2.0},
 }
 
 
@@ -43,12 +46,14 @@ def patched(change):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="1x128,1x512,1x1024,1x2048,16x512,16x1024")
+    ap.add_argument("--variants", help="comma list of variant names (default all)")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"rowwise probe: {args.layers} layers, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}; GPU us per call of the graph (config of layer 0)")
-    print(f"{'cell':>8} " + " ".join(f"{v:>12}" for v in VARIANTS))
+    variants = {k: VARIANTS[k] for k in args.variants.split(",")} if args.variants else VARIANTS
+    print(f"{'cell':>8} " + " ".join(f"{v:>14}" for v in variants))
     for cell in args.cells.split(","):
         batch, hidden = (int(v) for v in cell.split("x"))
         torch.manual_seed(0)
@@ -56,7 +61,7 @@ def main(argv=None):
         inputs = make_inputs((batch, hidden), torch.float32, torch.device("cuda"))
         ref = model(inputs[1])
         row, notes = [], []
-        for change in VARIANTS.values():
+        for change in variants.values():
             original, config = patched(change)
             gk._rowwise_config = config
             try:
@@ -67,14 +72,14 @@ def main(argv=None):
                     assert err < 1e-5 and fxfuse.stats(opt)["fused_kernels"] == args.layers, (err, fxfuse.stats(opt))
                     row.append(time_per_call(lambda _x: spec.graph.replay(), inputs).us)
                     c = next(m for m in spec.gm.modules() if isinstance(m, gk.EpilogueGemm)).config
-                    notes.append(f"{c.block_n}x{c.block_k}/s{c.split_k}/w{c.num_warps}")
+                    notes.append(f"{c.block_m}x{c.block_n}x{c.block_k}/s{c.split_k}/w{c.num_warps}")
             except Exception as e:  # noqa: BLE001 -- a probe: report and go on
                 row.append(float("nan"))
                 notes.append(type(e).__name__)
             finally:
                 gk._rowwise_config = original
-        print(f"{cell:>8} " + " ".join(f"{us:12.1f}" for us in row), flush=True)
-        print(f"{'':>8} " + " ".join(f"{n:>12}" for n in notes), flush=True)
+        print(f"{cell:>8} " + " ".join(f"{us:14.1f}" for us in row), flush=True)
+        print(f"{'':>8} " + " ".join(f"{n:>14}" for n in notes), flush=True)
 
 
 if __name__ == "__main__":

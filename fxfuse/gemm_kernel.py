@@ -92,8 +92,10 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     batch 1 (62.7; 4 x 512: 57.7); at 4096, batch 16: 8 x 128 423, 4 x 128 610.
 
     Past 16 rows (fp32 IEEE only, up to ROWWISE_FP32_MAX_BATCH) programs take 16 rows below
-    64; at 64 rows and K < 1024, 32 rows with 8 warps; else 64 rows with 4 warps (W read once
-    per 64 rows), 4 columns x 32 K. benchmarks/gemm_sweep.py, one layer with bias and ReLU
+    64; at 64 rows and K < 1024, 32 rows with 8 warps, and 8 columns where that still leaves
+    SMS / 2 programs (rowwise_probe_20261124.txt, 8 layers 64 x 512: 27.3 us vs 34.9 with 4
+    columns; fewer rows per program 28.4, K steps of 128 29.3); else 64 rows with 4 warps (W
+    read once per 64 rows), 4 columns x 32 K. benchmarks/gemm_sweep.py, one layer with bias and ReLU
     (tl.dot form as chosen before / row-wise / cuBLAS): batch 32, width 1024: 13.7 / 6.8 /
     15.7 us; batch 64, width 128: 5.8 / 2.3 / 14.4; width 512: 11.0 / 4.4 / 10.2; width
     1024: 17.4 / 9.0 (32 rows, 8 warps: 10.6; 16 rows: 11.9) / 24.8; batch 128, width 512:
@@ -108,6 +110,8 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     block_n = max(min(4, block_m), 1 << max(0, (spec.n // SMS).bit_length() - 1))
     if m <= ROWWISE_MAX_BATCH:
         block_n = min(block_n, ROWWISE_MAX_COLUMNS if block_m == 1 else 2 * ROWWISE_MAX_COLUMNS)
+    elif block_m == 32 and triton_cdiv(m, 32) * triton_cdiv(spec.n, 2 * block_n) >= SMS // 2:
+        block_n *= 2   # each program reads x's rows once per column block: fewer x reads (64 x 512)
     block_n = min(block_n, _pow2_at_least(spec.n), budget // (block_m * 16))
     block_k = min(512 if block_m == 1 else 256 if block_m <= 16 else 64, _pow2_at_least(spec.k),
                   max(16, budget // (block_m * block_n)))
