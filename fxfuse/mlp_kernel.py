@@ -307,13 +307,12 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
         if spec.linears[0].out in ahead:
             _emit_weight_loads(buf, spec, spec.linears[0], layout, config, "   # before x: the weight stream starts")
         _emit_input(buf, spec, config)
-        loaded = set()
-        linears = spec.linears
+        loaded, later = set(), spec.linears[1:] + [None]   # later[k]: the Linear after the k-th
         for step in spec.steps:
             if isinstance(step, Linear):
-                k = linears.index(step)
-                if k + 1 < len(linears) and linears[k + 1].out in ahead:
-                    _emit_weight_loads(buf, spec, linears[k + 1], layout, config, "   # next Linear's, ahead")
+                after = later.pop(0)
+                if after is not None and after.out in ahead:
+                    _emit_weight_loads(buf, spec, after, layout, config, "   # next Linear's, ahead")
                 _emit_linear(buf, spec, step, layout, config, step.out in ahead)
             else:
                 _emit_pointwise(buf, spec, step, layout, numels, loaded, config)
