@@ -4,7 +4,7 @@
     python -m benchmarks.mlp_probe --no-sweep      # main table only
     OUT=dir python -m benchmarks.mlp_probe         # also writes dir/mlp_probe.json
 
-Why: `should_fuse_mlp` (passes/fuse_mlp.py) and `choose_config` (fxfuse/mlp_kernel.py) carry
+Why: `should_fuse_mlp` (passes/fuse_mlp.py) and `choose_config` (fxfuse/mlp_spec.py) carry
 provisional constants (fuse while every width <= 256; one program per row up to batch 32).
 This measures the fused kernel against what it replaces, so they can be set from data.
 
@@ -183,13 +183,13 @@ def sweep_cell(batch, h, form="auto"):
     """Narrow widths: fused kernel (in a graph) vs eager in a graph, in the form auto picks
     or, to find the crossover, in the other one (through choose_config's threshold)."""
     import torch
-    from fxfuse import mlp_kernel
+    from fxfuse import mlp_spec
     model = seed_model(h)
     torch.manual_seed(batch)
     x = torch.randn(batch, h, device="cuda")
     row = {"batch": batch, "hidden": h, "asked": form}
-    saved = mlp_kernel.ROWWISE_MAX_BATCH
-    mlp_kernel.ROWWISE_MAX_BATCH = {"auto": saved, "rows": 1 << 40, "dot": 0}[form]
+    saved = mlp_spec.ROWWISE_MAX_BATCH
+    mlp_spec.ROWWISE_MAX_BATCH = {"auto": saved, "rows": 1 << 40, "dot": 0}[form]
     try:
         with torch.no_grad():
             y64 = copy.deepcopy(model).double()(x.double())
@@ -200,7 +200,7 @@ def sweep_cell(batch, h, form="auto"):
                 row["plan graph"] = per_call_us(spec.launcher.replay)
             measure_fxfuse(model, x, y64, "force", row, kernel_alone=True)
     finally:
-        mlp_kernel.ROWWISE_MAX_BATCH = saved
+        mlp_spec.ROWWISE_MAX_BATCH = saved
     return row
 
 

@@ -39,14 +39,14 @@ import torch
 
 # Calibration files (schema, names, reading, validating) live in fxfuse.calibration; these
 # names are re-exported here so `from fxfuse.cost_model import ...` keeps working.
-from fxfuse.mlp_kernel import ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX, ROWWISE_TC_MAX_BATCH as MLP_ROWWISE_TC_MAX
+from fxfuse.mlp_spec import ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX, ROWWISE_TC_MAX_BATCH as MLP_ROWWISE_TC_MAX
 from fxfuse.calibration import (CALIBRATION_DIR, DTYPE_NAMES, ENV_VAR, GEMM_AXES, SCHEMA,  # noqa: F401
                                 TABLE_AXES, CalibrationError, CalibrationWarning, _grid_problems, _positive,
                                 _read_file, _shipped_file, calibration_name, device_slug, validate_calibration)
 
 CANDIDATES = ("library", "gemm", "strassen1", "strassen2", "mlp")
 SIBLING_DTYPE = {"float16": "bfloat16", "bfloat16": "float16"}   # same tensor-core rate and size
-MLP_BLOCK_M = 16        # mlp_kernel.choose_config: one program per row up to MLP_ROWWISE_MAX rows, then 16
+MLP_BLOCK_M = 16        # mlp_spec.choose_config: one program per row up to MLP_ROWWISE_MAX rows, then 16
 logger = logging.getLogger("fxfuse.cost_model")
 
 

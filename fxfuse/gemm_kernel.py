@@ -8,7 +8,7 @@ splitting K over several programs puts more SMs to work when [M, N] has few outp
 Kernel: a classical tiled GEMM (pid -> an output tile [BLOCK_M, BLOCK_N] and a K slice ->
 loop over BLOCK_K steps, fp32 accumulate, pipelined loads), then the epilogue on the tile:
 pointwise steps of fxfuse.ops over the product, numbers and constant vectors (bias [N]),
-described exactly like a fused MLP's epilogue (mlp_kernel.Pointwise; value 0 is x @ W.T).
+described exactly like a fused MLP's epilogue (mlp_spec.Pointwise; value 0 is x @ W.T).
 W is read in place ([N, K], as nn.Linear stores it): no copy of the weights.
 
 Split-K without a second kernel ("serial split-K", CUTLASS's semaphore): each of SPLIT_K
@@ -39,7 +39,7 @@ import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
 from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, triton_cdiv
-from .mlp_kernel import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
+from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
 GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -14,7 +14,7 @@ every intermediate value must have all its readers inside, because none of them 
 written to memory. When the answer is no, the chain is retried without its last Linear (a
 narrow body before a wide head still fuses), and later Linears start chains of their own.
 
-Legality lives here and in mlp_kernel.why_not_kernel; profitability in `should_fuse_mlp`, the
+Legality lives here and in mlp_spec.why_not_kernel; profitability in `should_fuse_mlp`, the
 one place the choice is made (options.fused_mlp: "auto" asks it, "force" fuses every legal
 chain, "off" skips the pass). The reason lands in node.meta["fxfuse"]["decision"] of the new
 call_module node, where explain() shows it; when it says no, in "decision" and "fused_mlp" of

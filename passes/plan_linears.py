@@ -33,7 +33,7 @@ from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 STRASSEN_MIN_ROWS = 1024
 STRASSEN_MIN_WIDTH = 2048
 LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
-MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_kernel.why_not_kernel refuses wider)
+MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_spec.why_not_kernel refuses wider)
 
 
 def is_bias_free_linear(node: torch.fx.Node) -> bool:
