@@ -112,9 +112,12 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     scale = ref.norm() + 1e-30
     err_e, err_g = ((e.double() - ref).norm() / scale).item(), ((g.double() - ref).norm() / scale).item()
     logger.info("verify: output %d off eager, against float64 %.2e (eager %.2e)", k, err_g, err_e)
-    # only a modest eager error excuses the graph: (x + 1e4) - 1e4 in fp32 is 50% off already,
+    # a graph within its dtype's tolerance of float64 is right whatever eager's error (an fp16
+    # chain where eager is 1.2% off and the fused kernel, accumulating in fp32, 0.02%); beyond
+    # that only a modest eager error excuses it: (x + 1e4) - 1e4 in fp32 is 50% off already,
     # and a graph returning zeros must not pass as "4x that"
-    return err_e < 0.01 and err_g <= max(4 * err_e, VERIFY_TOLERANCE.get(e.dtype, 1e-4))
+    tolerance = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
+    return err_g <= tolerance or (err_e < 0.01 and err_g <= 4 * err_e)
 
 
 def _loosest_tolerance(gm) -> float:
