@@ -142,8 +142,15 @@ class _Region:
 
     def grow(self, start, order: dict) -> None:
         """Visit users of region values in graph order (a heap), so a node is decided after
-        every node before it that could have joined."""
-        heap, seen = [(order[start], start)], {start}
+        every node before it that could have joined. Later readers of x are seeds too: in
+        fc3(relu(fc1(x)) + fc2(x)) the second Linear reads x, not a region value. Nodes before
+        start (an absorbed prefix) stay; a second call, after absorb_prefix moved x, finds the
+        readers of the new x (a residual `+ x` around a prefix op)."""
+        self.nodes = [n for n in self.nodes if order[n] < order[start]]
+        self.inside = set(self.nodes)
+        seeds = [start] + [u for u in self.x.users if u in order and order[u] > order[start]]
+        heap, seen = [(order[n], n) for n in seeds], set(seeds)
+        heapq.heapify(heap)
         while heap:
             _, node = heapq.heappop(heap)
             if node is not start and not self.joins(node):
@@ -155,25 +162,28 @@ class _Region:
                     seen.add(u)
                     heapq.heappush(heap, (order[u], u))
 
-    def absorb_prefix(self) -> None:
+    def absorb_prefix(self) -> bool:
         """Pull in pointwise ops that only feed the chain's input, such as the bias add and
-        activation after a Linear left to the library: they run in the kernel's first tiles."""
+        activation after a Linear left to the library: they run in the kernel's first tiles.
+        True if x moved."""
+        moved = False
         while True:
             p = self.x
             if p.op != "call_function" or not is_pointwise_target(p.target) or p.target in EXCLUDED_OPS \
                     or POINTWISE[p.target].returns_bool or len(p.users) != 1 or not self._value_ok(p) \
                     or why_not_fusible(p, self.mutated) is not None:
-                return
+                return moved
             width = _tmeta(p).shape[-1]
             operands = p.args[:POINTWISE[p.target].nargs]
             sources = [a for a in operands if isinstance(a, torch.fx.Node) and _constant(self.gm, a, width) is None]
             if len(sources) != 1 or any(a is sources[0] for a in operands if a is not sources[0]) \
                     or _tmeta(sources[0]) is None or tuple(_tmeta(sources[0]).shape) != tuple(_tmeta(p).shape) \
                     or _tmeta(sources[0]).dtype != self.dtype or sources[0] in self.mutated:
-                return
+                return moved
             self.nodes.insert(0, p)
             self.inside.add(p)
             self.x = sources[0]
+            moved = True
 
     def drop_last_linear(self) -> bool:
         """Cut the chain before its last Linear (after a "no"); False if one Linear is left."""
@@ -185,15 +195,20 @@ class _Region:
         return True
 
     def trim(self) -> None:
-        """Keep the longest prefix (in graph order) whose only value read outside it is its last."""
-        for k in range(len(self.nodes), 0, -1):
-            prefix = set(self.nodes[:k])
-            outs = [n for n in self.nodes[:k] if any(u not in prefix for u in n.users)]
-            if outs == [self.nodes[k - 1]]:
-                self.nodes = self.nodes[:k]
-                self.inside = prefix
-                return
-        self.nodes, self.inside = [], set()
+        """Keep the largest part that ends in one value, its only one read outside: some node
+        o and the region nodes it depends on. A branch that leaves the region elsewhere (a
+        second head on x, a value also returned) is dropped, not the chain after it."""
+        best = []
+        for o in reversed(self.nodes):
+            keep, todo = {o}, [o]
+            while todo:
+                for a in todo.pop().all_input_nodes:
+                    if a in self.inside and a not in keep:
+                        keep.add(a)
+                        todo.append(a)
+            if len(keep) > len(best) and all(u in keep for n in keep if n is not o for u in n.users):
+                best = [n for n in self.nodes if n in keep]
+        self.nodes, self.inside = best, set(best)
 
     @property
     def output(self):
@@ -281,7 +296,8 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if not region.joins(start):
             continue
         region.grow(start, order)
-        region.absorb_prefix()
+        if region.absorb_prefix():
+            region.grow(start, order)
         while True:          # on a "no", retry without the last Linear (a narrow head may fit)
             region.trim()
             if not region.nodes:

@@ -109,7 +109,14 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
 FRESH_FUNCTIONS = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
                    torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.softmax, F.softmax,
                    torch.log_softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.cat, torch.stack,
-                   F.scaled_dot_product_attention}
+                   F.scaled_dot_product_attention,
+                   # their aten forms, as torch.export graphs spell them (a bias-free Linear there
+                   # is aten.linear.default, and `relu_` after it was kept unfused)
+                   aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+                   aten.matmul.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                   aten.convolution.default, aten.softmax.int, aten._softmax.default,
+                   aten.log_softmax.int, aten._log_softmax.default, aten.layer_norm.default,
+                   aten.group_norm.default, aten.cat.default, aten.stack.default, aten.clone.default}
 FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone"}
 
 

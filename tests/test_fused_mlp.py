@@ -172,6 +172,62 @@ def test_residual_inside_chain():
     assert len(mod.spec.linears) == 3
 
 
+
+class BranchOnInput(nn.Module):
+    """A second Linear reads the chain's input x again (fuzz: three launches, not one)."""
+
+    def __init__(self, n=13):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(n, 20), nn.Linear(n, 20), nn.Linear(20, 6)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc1(x)) + self.fc2(x))
+
+
+class PrefixThenResidual(nn.Module):
+    """A pointwise op before the first Linear and the original x added back at the end (fuzz:
+    the prefix moved the chain's input after the residual had been refused)."""
+
+    def __init__(self, n=13):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(n, 24), nn.Linear(24, n)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x * 0.5 + 1.0))) + x
+
+
+class SecondHeadOnInput(nn.Module):
+    """A Linear on x whose result leaves the model on its own: the chain is still one region."""
+
+    def __init__(self, n=13):
+        super().__init__()
+        self.head = nn.Linear(n, 3)
+        self.chain = mlp([n, 24, 24, 5])
+
+    def forward(self, x):
+        return self.head(x), self.chain(x)
+
+
+@pytest.mark.parametrize("rows", [1, 19])      # row-wise form, tl.dot form
+def test_branches_reading_the_input_join_the_chain(rows):
+    opt = check(BranchOnInput().eval(), (rows, 13))
+    (mod,) = fused_modules(opt)
+    assert len(mod.spec.linears) == 3 and fxfuse.stats(opt)["library_calls"] == 0
+    opt = check(PrefixThenResidual().eval(), (rows, 13))
+    (mod,) = fused_modules(opt)
+    first, last = mod.spec.steps[0], mod.spec.steps[-1]          # x * 0.5 ... + x, both on x itself
+    assert len(mod.spec.linears) == 2 and first.op == "mul" and last.op == "add" and ("value", 0) in last.operands
+
+
+def test_a_second_head_on_the_input_does_not_cut_the_chain():
+    model = SecondHeadOnInput().eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 13), fused_mlp="force", strict=True)
+    assert sorted(len(m.spec.linears) for m in fused_modules(opt)) == [3]
+    x = torch.randn(5, 13)
+    with torch.no_grad():
+        for g, w in zip(opt(x), model(x)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
 class ScaledChain(nn.Module):
     """Division by a constant vector: padded lanes compute 0 / 0 = nan, which must stay out."""
 

@@ -156,6 +156,34 @@ def test_export_path_ops_become_canonical():
     assert_fast_path(opt)
 
 
+
+class ExportBiasFree(nn.Module):
+    """torch.export spells a bias-free Linear aten.linear.default; an in-place relu after it was
+    kept as "an in-place op on a view" (fuzz), which left the chain unfused."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 20, bias=False), nn.Linear(20, 7)
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            return self.b(F.relu(self.a(x), inplace=True))
+        return x
+
+
+def test_export_path_inplace_after_a_bias_free_linear_is_canonical():
+    model = ExportBiasFree().eval()
+    x = torch.randn(5, 12)
+    gm = normalized(model, x)
+    assert gm.meta["fxfuse_trace"]["tracer"].startswith("torch.export")
+    assert torch.relu in targets(gm) and not gm.meta["fxfuse_inplace_kept"]
+    opt = fxfuse.optimize(model, x, strict=True, fused_mlp="force")
+    assert_matches_eager(opt, model, x)
+    from fxfuse.mlp_kernel import FusedMLP
+    (gm,) = [spec.gm for spec in opt.specializations.values()]
+    fused = [m for m in gm.modules() if isinstance(m, FusedMLP)]
+    assert len(fused) == 1 and len(fused[0].spec.linears) == 2        # both Linears and the relu, one launch
+
 class ExportCasts(nn.Module):
     """Casts on the torch.export path arrive as aten.to.dtype, each behind an _assert_tensor_metadata."""
 
