@@ -17,6 +17,7 @@ import argparse
 import copy
 import gc
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -333,9 +334,11 @@ def environment(bench, device, args):
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
         triton_version = None
+    # the device tool's copy of the tree carries stale git metadata: the caller can name the commit
+    commit = os.environ.get("FXFUSE_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5, cwd=Path(__file__).parent).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True, timeout=5, cwd=Path(__file__).parent).stdout.strip()
     except Exception:  # noqa: BLE001
         commit = ""
     return {

@@ -404,3 +404,21 @@ def test_gpu_seed_mlp_is_one_launch(batch, hidden, dtype):
         assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,dtype", [(1, F32), (19, F32), (300, F32), (1, F16), (40, BF16)])
+def test_gpu_branches_and_residuals_in_one_launch(rows, dtype):
+    """Chains whose values mix the row-wise form's two layouts (x + h with h out of an odd
+    number of Linears) and read x twice: Triton converts the layouts; the answer must not move."""
+    for model in (ResidualChain(), BranchOnInput(), PrefixThenResidual()):
+        torch.manual_seed(0)
+        model = model.eval().to(device="cuda", dtype=dtype)
+        x = torch.randn(rows, 13, device="cuda", dtype=dtype)
+        opt = fxfuse.optimize(model, x, strict=True, fused_mlp="force")
+        assert len(fused_modules(opt)) == 1 and fxfuse.stats(opt)["library_calls"] == 0, type(model).__name__
+        x = torch.randn(rows, 13, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            got, want = opt(x), model(x)
+            ref = copy.deepcopy(model).double()(x.double())
+        assert rel_err(got, ref) < TOL[dtype] + 2 * rel_err(want, ref), type(model).__name__
