@@ -59,7 +59,20 @@ def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -
     return best
 
 
+def _operands(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(*shape, device=device, dtype=dtype, generator=gen) for shape in ((batch, k), (n, k), (n,)))
+
+
 @functools.lru_cache(maxsize=512)
+def _gemm_times(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device, allow_tf32: bool) -> tuple:
+    """(us of F.linear(x, W), us of F.linear(x, W, b)) on this GPU. allow_tf32 is part of the
+    key: it changes cuBLAS's kernels (the caller's current setting is what runs)."""
+    x, w, b = _operands(batch, k, n, dtype, device)
+    with torch.no_grad():
+        return _time_us(lambda: torch.nn.functional.linear(x, w)), _time_us(lambda: torch.nn.functional.linear(x, w, b))
+
+
 def bias_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
                          allow_tf32: bool) -> tuple:
     """(True, reason) if F.linear(x, W, b) beats F.linear(x, W) for this shape on this GPU.
@@ -69,16 +82,38 @@ def bias_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
     """
     if device.type != "cuda":
         return False, "bias fused into the pointwise kernel (no GPU to measure on)"
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(batch, k, device=device, dtype=dtype, generator=gen)
-    w = torch.randn(n, k, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(n, device=device, dtype=dtype, generator=gen)
-    with torch.no_grad():
-        plain = _time_us(lambda: torch.nn.functional.linear(x, w))
-        with_bias = _time_us(lambda: torch.nn.functional.linear(x, w, b))
+    plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
     # the faster spelling, ties (within 1%: timing noise) to the fused kernel. A 5% margin
     # once kept `mm` at 1024 x 4096 -> 4096 where addmm measured 678 vs 697 us per layer:
     # 8 layers 1-2% slower than eager, which uses addmm (mlp_20261123-044640).
     if with_bias < 0.99 * plain:
         return True, f"bias in the library GEMM: measured {with_bias:.1f} us vs {plain:.1f} us without"
     return False, f"bias fused into the pointwise kernel: GEMM measured {plain:.1f} us vs {with_bias:.1f} us with bias"
+
+
+@functools.lru_cache(maxsize=512)
+def relu_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                         allow_tf32: bool) -> tuple:
+    """(True, reason) if one cuBLASLt call with bias and ReLU in its epilogue
+    (torch._addmm_activation) beats the faster GEMM spelling followed by a ReLU kernel, for a
+    Linear + bias + ReLU whose ReLU fuses with nothing else (the seed network's layers).
+
+    What it saves is a kernel over the output: at 4096 x 4096 per layer a pass over 64 MB
+    (~45 us of ~2.7 ms), at small sizes a launch; what it may cost is cuBLASLt's choice of GEMM
+    kernel, which differs from cuBLAS's (the issue's numbers: 232 us at batch 64 / hidden
+    1024 for 8 layers against 138 us for compile's). Measured, as bias_in_library_gemm is."""
+    if device.type != "cuda":
+        return False, "ReLU in the pointwise kernel (no GPU to measure on)"
+    plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
+    x, w, b = _operands(batch, k, n, dtype, device)
+    wt = w.t()
+    with torch.no_grad():
+        # GEMM + one kernel over its output, as fxfuse runs it (there the bias joins the ReLU's kernel)
+        bias = (b,) if with_bias < 0.99 * plain else ()
+        separate = _time_us(lambda: torch.relu(torch.nn.functional.linear(x, w, *bias)))
+        fused = _time_us(lambda: torch._addmm_activation(b, x, wt))
+    if fused < 0.99 * separate:
+        return True, (f"bias and ReLU in the library GEMM's epilogue (cuBLASLt): measured {fused:.1f} us vs "
+                      f"{separate:.1f} us for GEMM + ReLU kernel")
+    return False, (f"ReLU in the pointwise kernel: GEMM + ReLU measured {separate:.1f} us vs {fused:.1f} us "
+                   "with it in cuBLASLt's epilogue")

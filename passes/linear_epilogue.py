@@ -1,10 +1,14 @@
-"""Where a Linear's bias is added: in the library GEMM's epilogue, or in the fused kernel.
+"""Where a Linear's bias (and a ReLU after it) is applied: in the library GEMM's epilogue, or in
+the fused kernel.
 
 normalize splits every Linear into `F.linear(x, W)` plus a pointwise bias add, so fusion can
 absorb the bias into the activation's kernel. On the GPU the library's kernel choice for the
 two spellings differs a lot with shape (fxfuse/library_choice.py measures it), so for each
 such pair this pass measures once per shape and, where the GEMM with bias wins, puts the
-bias back into the library call. The decision and its numbers go to explain().
+bias back into the library call. Where a ReLU that fuses with nothing else follows the bias,
+a third spelling is measured too: one cuBLASLt call with bias and ReLU in its epilogue
+(`linear_relu`), which saves the kernel over the output. The decision and its numbers go to
+explain().
 """
 import operator
 
@@ -12,8 +16,30 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxfuse.library_choice import bias_in_library_gemm
+from fxfuse.library_choice import bias_in_library_gemm, relu_in_library_gemm
+from fxfuse.ops import is_pointwise_target
 from fxfuse.tracing import fxfuse_meta
+
+LIBRARY_EPILOGUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def linear_relu(x, weight, bias):
+    """relu(F.linear(x, weight, bias)) as ONE cuBLASLt call, bias and ReLU in its epilogue."""
+    out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _lone_relu(add):
+    """The ReLU that is the bias add's only reader, where no pointwise op reads it (so taking
+    it into the GEMM leaves no kernel behind); else None."""
+    if len(add.users) != 1:
+        return None
+    relu = next(iter(add.users))
+    if relu.op != "call_function" or relu.target is not torch.relu or relu.args != (add,) or relu.kwargs:
+        return None
+    if any(u.op == "call_function" and is_pointwise_target(u.target) for u in relu.users):
+        return None
+    return relu
 
 
 def _linear_bias_pairs(gm):
@@ -38,8 +64,21 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         n = meta.shape[-1]
         batch = meta.shape.numel() // max(n, 1)
         k = linear.args[1].meta["tensor_meta"].shape[-1]
-        use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device,
-                                                   torch.backends.cuda.matmul.allow_tf32)
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        relu = _lone_relu(add) if meta.dtype in LIBRARY_EPILOGUE_DTYPES and batch > 0 else None
+        if relu is not None:
+            fused, reason = relu_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
+            if fused:
+                with gm.graph.inserting_before(relu):
+                    new = gm.graph.call_function(linear_relu, (linear.args[0], linear.args[1], add.args[1]))
+                new.meta = dict(relu.meta)
+                new.meta["fxfuse"] = {"decision": reason, "device": device}
+                relu.replace_all_uses_with(new)
+                for node in (relu, add, linear):
+                    gm.graph.erase_node(node)
+                changed = True
+                continue
+        use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
         if not use_library:   # keep what earlier passes decided about this Linear (fuse_gemm's "no")
             earlier = fxfuse_meta(linear).get("decision")
             fxfuse_meta(linear)["decision"] = f"{earlier}; {reason}" if earlier else reason

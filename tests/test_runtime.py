@@ -103,6 +103,33 @@ def test_bias_moved_into_library_gemm_when_measured_faster(monkeypatch):
     assert "bias in the library GEMM" in fxfuse.explain(opt)
 
 
+
+def test_relu_moved_into_library_gemm_when_measured_faster(monkeypatch):
+    """A Linear + bias + ReLU whose ReLU fuses with nothing else becomes one cuBLASLt call
+    (linear_relu) where measured faster; a ReLU that feeds another pointwise op stays a kernel."""
+    import fxfuse.passes.linear_epilogue as pass_module
+
+    monkeypatch.setattr(pass_module, "relu_in_library_gemm", lambda *a: (True, "bias and ReLU in the library GEMM's epilogue: test"))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(11, 9), nn.Linear(9, 7), nn.Linear(7, 5)
+
+        def forward(self, x):
+            h = torch.relu(self.b(F.relu(self.a(x))))     # both ReLUs read only by a Linear
+            return torch.relu(self.c(h)) * 2               # this ReLU feeds a multiply: kept in a kernel
+
+    model = Net().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 3, 11), strict=True, fused_mlp="off", gemm="off")
+    gm = next(iter(opt.specializations.values())).gm
+    assert [n.target for n in gm.graph.nodes].count(pass_module.linear_relu) == 2
+    assert fxfuse.stats(opt)["fused_kernels"] == 1      # c's bias, ReLU and the multiply
+    with torch.no_grad():
+        x = torch.randn(2, 3, 11)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    assert "ReLU in the library GEMM's epilogue" in fxfuse.explain(opt)
+
 def test_quiet_by_default(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
