@@ -116,8 +116,8 @@ def main():
         spec.affinity = affinity
         print(f"  whole call again (affinity):                  {wall_us(call, n):7.2f} us")
         print(f"  opt.forward minus __call__ (same x):          {wall_us(lambda: opt.forward(xs[0]), n):7.2f} us")
-        print(f"  fxfuse.runtime.signature((x,)):               "
-              f"{wall_us(lambda: fxfuse.runtime.signature((xs[0],)), n):7.2f} us")
+        print(f"  fxfuse.specialization.signature((x,)):               "
+              f"{wall_us(lambda: fxfuse.specialization.signature((xs[0],)), n):7.2f} us")
         print(f"  empty nn.Module call:                         "
               f"{wall_us(lambda m=torch.nn.Identity(): m(xs[0]), n):7.2f} us")
         repoints = sum(s.inputs.repoints for s in spec.handout or [])

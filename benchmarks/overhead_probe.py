@@ -16,7 +16,7 @@ import time
 import torch
 
 import fxfuse
-from fxfuse.runtime import signature
+from fxfuse.specialization import signature
 
 from .mlp import seed_mlp
 

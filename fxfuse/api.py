@@ -90,6 +90,11 @@ def _verify(model, gm, args) -> None:
                     "deterministic (random ops in forward, such as F.dropout with its default "
                     "training=True), so fxfuse can neither check nor reproduce it")
             if not _as_accurate_as_eager(model, args, k, e, g):
+                if _eager_overflows(e, g):
+                    raise UnsupportedError(
+                        f"output {k}: eager overflows to inf or NaN on the example input where the rewritten "
+                        "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
+                        "the rewrite on it: optimize with an example input whose eager result is finite")
                 raise FxfuseError(f"output {k}: {problem}; this is a bug in fxfuse, please report it with explain()")
 
 
@@ -118,6 +123,15 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     # and a graph returning zeros must not pass as "4x that"
     tolerance = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
     return err_g <= tolerance or (err_e < 0.01 and err_g <= 4 * err_e)
+
+
+def _eager_overflows(e, g) -> bool:
+    """Eager's output has inf or NaN where the graph's is finite, and not the reverse."""
+    if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.is_floating_point()
+            and e.shape == g.shape):
+        return False
+    bad_e, bad_g = ~torch.isfinite(e), ~torch.isfinite(g)
+    return bool(bad_e.any()) and not bool((bad_g & ~bad_e).any())
 
 
 def _loosest_tolerance(gm) -> float:

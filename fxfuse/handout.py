@@ -113,7 +113,7 @@ class OutputSlots:
 
 
 class SlotChoice:
-    """The part of runtime.Specialization that picks the graph copy (OutputSlots) for a call.
+    """The part of specialization.Specialization that picks the graph copy (OutputSlots) for a call.
 
     It uses the specialization's graph, inputs, handout, slot_at, draws_random, device_index
     and _capture_slot()."""

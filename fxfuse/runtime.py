@@ -18,9 +18,15 @@ Outputs: a tensor returned by one call is never overwritten by the next; handout
 Weights: a specialization holds copies of some weights (BatchNorm folded into Linear/Conv,
 packed fused-MLP weights, Strassen's combined blocks), so new weights need a new build. A
 load_state_dict on the model (or on the OptimizedModule, whose state_dict is the original's)
-drops every specialization and the next call rebuilds; in-place edits of parameters
-(`w.data.mul_()`, an optimizer step) are not seen: call fxfuse.optimize again.
+drops every specialization and the next call rebuilds, and so does a buffer changed in place
+or, after any torch.optim step, a parameter; other in-place edits of parameters (`w.mul_()`
+under no_grad, `w.data.mul_()`) are not seen: call fxfuse.optimize again.
+
+Calls that run the original module instead, with one warning (GuardError under strict=True):
+training mode, a forward hook, autocast, torch.jit.trace, grad-recording calls, inputs
+aliasing each other where the graph writes in place, and specializations used up.
 """
+import contextlib
 import inspect
 import time
 import weakref
@@ -28,185 +34,36 @@ from collections import Counter, OrderedDict
 
 import torch
 import torch.fx
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
-from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
-from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segments
-from .input_copy import GraphInputs, can_bind, new_graph
 from .kernel import FusedKernel
 from .log import logger
 from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
+from .specialization import Specialization, describe_mismatch, signature  # noqa: F401  (signature re-exported)
 
 
-def signature(args) -> tuple:
-    sig = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.dtype, a.device, tuple(a.stride()), a.requires_grad))
-        else:
-            sig.append(("const", type(a).__name__, repr(a)))
-    return tuple(sig)
+OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
 
 
-def describe_mismatch(expected: tuple, got: tuple) -> str:
-    if len(expected) != len(got):
-        return f"expected {len(expected)} inputs, got {len(got)}"
-    fields = ("shape", "dtype", "device", "stride", "requires_grad")
-    for k, (e, g) in enumerate(zip(expected, got)):
-        if e != g:
-            if e[0] == "const" or g[0] == "const":
-                return f"input {k}: expected {e[-1]}, got {g[-1]}"
-            for name, ev, gv in zip(fields, e, g):
-                if ev != gv:
-                    return f"input {k}: {name} {gv} where the specialization has {ev}"
-    return "no difference"
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    OPTIMIZER_STEPS[0] += 1
 
 
-class Specialization(SlotChoice):
-    """One rewritten graph for one input signature, run directly or through a CUDA graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float):
-        self.gm = gm
-        self.options = options
-        self.build_ms = build_ms
-        self.signature = signature(example_args)
-        self.tensor_positions = [k for k, a in enumerate(example_args) if isinstance(a, torch.Tensor)]
-        self.all_tensors = len(self.tensor_positions) == len(example_args)   # args are the tensors
-        self.graph = None
-        self.cuda_graph_note = "not on CUDA"
-        self.handout = None                # list of OutputSlots once captured; None: always clone
-        self.handout_note = "outputs returned directly (no CUDA graph)"
-        self.calls = self.handed_out = self.cloned = 0
-        devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
-        if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
-            self._capture(example_args)
-        elif not options.cuda_graphs:
-            self.cuda_graph_note = "off (cuda_graphs=False)"
+register_optimizer_step_post_hook(_count_optimizer_step)
 
-    def _tensor_args(self, args):
-        return [args[k] for k in self.tensor_positions]
 
-    def _with_static(self, args) -> list:
-        """args with each tensor replaced by its static buffer (scalars are guarded constants)."""
-        full = list(args)
-        for k, s in zip(self.tensor_positions, self.static_in):
-            full[k] = s
-        return full
+_autocast_on = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # one C call per call
 
-    def _capture(self, example_args):
-        if self.gm.meta.get("fxfuse_inplace_kept"):
-            self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
-            return
-        try:
-            with torch.inference_mode(False), torch.no_grad():   # plain tensors: later calls may run outside it
-                static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                             for a in self._tensor_args(example_args)]
-                for s, a in zip(static_in, self._tensor_args(example_args)):
-                    s.copy_(a)
-                # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
-                self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
-            self.static_in = static_in
-            self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
-            self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
-            static_args = self._with_static(example_args)
-            self._set_pdl(True)     # before the warm-up: it compiles the kernels the graph launches
-            self.device_index = static_in[0].device.index if static_in else torch.cuda.current_device()
-            offset = generator_offset(self.device_index)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(2):  # compiles kernels, creates library handles
-                    self.gm(*static_args)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.draws_random = offset is None or generator_offset(self.device_index) != offset \
-                or draws_random_numbers(self.gm)
-            self.graph, self.static_out, self.inputs = self._capture_one(static_args)
-            self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
-            self.own_pool_slots = own_pool_fits(self.graph.pool())
-            self.cuda_graph_note = "captured: one CUDA graph replay per call"
-        except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
-            torch.cuda.synchronize()
-            self._set_pdl(False)
-            self.graph = None
-            self.cuda_graph_note = f"off: capture failed ({type(e).__name__}: {str(e)[:200]})"
-            logger.info("CUDA graph capture failed, running without: %s", e)
-            return
-        self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
-        self.handout, self.slot_at = [], {}
-        self._choose_affinity()
 
-    def _set_pdl(self, on: bool) -> None:
-        """Programmatic dependent launch for the generated GEMMs only while they run inside
-        this specialization's CUDA graph (see EpilogueGemm.use_pdl)."""
-        for module in self.gm.modules():
-            if hasattr(module, "use_pdl"):
-                module.use_pdl = on
-
-    def _capture_one(self, static_args, pool=None, into=None) -> tuple:
-        """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
-        flattened order) the graph ends by copying its outputs there."""
-        graph, keeps_graph = new_graph(bool(self.bound_in))
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
-            for k, source in self.bound_in:
-                self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
-            out = self.gm(*static_args)
-            if into is not None:
-                produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                for dst, src in zip(into, produced, strict=True):
-                    dst.copy_(src)
-        inputs = GraphInputs(graph, keeps_graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
-        return graph, out, inputs
-
-    def _capture_slot(self) -> tuple:
-        """(graph, the buffers it hands out, its GraphInputs) of one more graph copy: with a pool
-        of its own whose outputs are handed out as they are, or on the shared pool, copying its
-        outputs into buffers outside it (module docstring)."""
-        static_args = self._with_static(self.const_args)
-        if self.own_pool_slots:
-            try:
-                with torch.inference_mode(False):
-                    graph, out, inputs = self._capture_one(static_args)
-                tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                segments = pool_segments(graph.pool())
-                if segments is not None and inside(segments, tensors):
-                    self.handout_note = (f"outputs handed out from up to {HANDOUT_SLOTS} graph copies with "
-                                         "memory pools of their own while not held, else cloned")
-                    return graph, out, inputs
-                del graph, out, inputs    # an output is an input or a constant: copy it out instead
-            except Exception as e:  # noqa: BLE001 -- the shared-pool copies below are the safe way
-                torch.cuda.synchronize()
-                logger.info("own-pool handout capture failed, copying outputs instead: %s", e)
-            self.own_pool_slots = False
-        with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
-            buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
-                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
-        into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
-        graph, _, inputs = self._capture_one(static_args, pool=self.graph.pool(), into=into)
-        return graph, buffers, inputs
-
-    def __call__(self, args):
-        self.calls += 1
-        if self.graph is None:
-            with torch.no_grad():
-                return self.gm(*args)
-        tensors = args if self.all_tensors else [args[k] for k in self.tensor_positions]
-        slot, settled = self._slot_for(tensors) if self.handout is not None else (None, True)
-        launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)
-        if not inputs.load(tensors):
-            self.graph, self.handout, self.launcher, self.inputs = None, None, None, None   # frees the graphs
-            self.cuda_graph_note = "off: a graph's input node could not be restored after a failed update"
-            with torch.no_grad():
-                return self.gm(*args)
-        launcher.replay()
-        if slot is not None:
-            if not settled and self.affinity:
-                self._settle(slot, tensors)
-            self.handed_out += 1
-            return slot.hand_out()
-        self.cloned += 1
-        return torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
+def _autocast_off() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if _autocast_on():
+        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 MAX_MISSES_KEPT = 32
@@ -274,6 +131,8 @@ class OptimizedModule(torch.nn.Module):
         self._warned: set = set()
         self._built = 0                    # specialization_N names stay unique across rebuilds
         self._buffer_rebuilds = 0          # rebuilds because buffers moved (warned about at 3)
+        self._buffer_versions = self._parameter_versions = ()   # (_watch_state, after the first build)
+        self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
@@ -308,6 +167,8 @@ class OptimizedModule(torch.nn.Module):
         model = self.original
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
         self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
+        self._parameter_versions = tuple((p, p._version) for p in model.parameters() if version(p) is not None)
+        self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
             + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
 
@@ -335,10 +196,18 @@ class OptimizedModule(torch.nn.Module):
                 return True
         return False
 
+    def _parameters_moved(self) -> bool:
+        """After any optimizer step in the process (one integer compare per call otherwise):
+        whether one of the model's parameters changed in place since the build. Not checked
+        per call: 16 version counters cost ~1 us, a tenth of a small model's call."""
+        self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
+        return any(p._version != seen for p, seen in self._parameter_versions)
+
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
         first = not self.specializations
-        gm = self._build(self.original, args, self.options)
+        with _autocast_off():   # built (and verified) in the model's own dtypes; autocast calls run the original
+            gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
@@ -370,7 +239,7 @@ class OptimizedModule(torch.nn.Module):
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
-        self._buffer_versions = ()   # watched again from the next build (_watch_state)
+        self._buffer_versions = self._parameter_versions = ()   # watched again from the next build (_watch_state)
         # a new dict, not a deletion: opt.load_state_dict may be iterating over the old one
         self._modules = OrderedDict((k, m) for k, m in self._modules.items() if not k.startswith("specialization_"))
 
@@ -405,9 +274,11 @@ class OptimizedModule(torch.nn.Module):
         opt nor a global one, no TorchScript tracing, opt not torch.compile'd): a small model's
         call is bound by the host."""
         d = self.__dict__
+        if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
+            return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
+                                      "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
-                or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None
-                or torch._C._get_tracing_state()):
+                or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None):
             return super().__call__(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
@@ -423,11 +294,16 @@ class OptimizedModule(torch.nn.Module):
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
                                       "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
+        if _autocast_on():
+            return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
+                                      "dtypes it was built with, autocast would change them", args)
         if RemovableHandle.next_id != self._hook_ids_seen and self._hook_added():
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
         if self._writes_in_place and share_memory(args):
             return self._run_original("aliased", "two inputs share memory and the graph writes one in place "
                                       "(fusion assumed distinct inputs)", args)
+        if OPTIMIZER_STEPS[0] != self._optimizer_steps_seen and self._parameters_moved():
+            self.drop_specializations("a parameter changed in place (an optimizer step) since the build")
         if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
             self._buffer_rebuilds += 1
@@ -458,13 +334,19 @@ class OptimizedModule(torch.nn.Module):
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too
+            # the original runs first: an input the model itself rejects (an index out of
+            # range, a wrong feature size) gets the model's own error, and the signature is
+            # not marked as failed, so valid inputs of the same shapes are built later
+            result = self.original(*args)
             e = as_fxfuse_error(e, "building a specialization")
             if self.options.strict:
                 raise e
             message = f"no specialization for a new input ({reason}): {e}"
             if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
                 self._failed_builds[sig] = message
-            return self._run_original("build:" + message, message, args)
+            self._warn_once("build:" + message, f"fxfuse: {message}; running the original module")
+            self.original_calls["build"] += 1
+            return result
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         return spec(args)
 

@@ -137,6 +137,13 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
                 f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
                 "plain values (numbers, None, tuples of them) as arguments. Pass the tensors as separate "
                 "arguments (a wrapper module whose forward(x, y) calls the model with [x, y] does it)")
+        odd = _not_plain(a)
+        if not isinstance(a, torch.Tensor) and odd is not None:
+            raise UnsupportedError(
+                f"example argument {k} is (or holds) a {type(odd).__name__}; fxfuse takes tensors and plain "
+                "values (numbers, strings, None, dtypes, devices, tuples/lists/dicts of them), on which the "
+                "graph is specialized and each call is checked by value. An array or object argument could "
+                "change (in place, or an attribute) without the check seeing it: pass it as a tensor")
     signature = inspect.signature(model.forward).parameters
     params = list(signature)
     if len(params) < len(example_args):
@@ -148,6 +155,18 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
             concrete[name] = default
     tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
     return concrete, tensors
+
+
+PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
+               torch.layout, type(Ellipsis), slice)
+
+
+def _not_plain(value):
+    """The first leaf of value that is not a plain value (its repr says all of it), else None."""
+    for leaf in torch.utils._pytree.tree_leaves(value):
+        if not isinstance(leaf, PLAIN_TYPES):
+            return leaf
+    return None
 
 
 def _holds_tensor(value) -> bool:

@@ -14,7 +14,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fxfuse  # noqa: E402
 from conftest import assert_fast_path, assert_matches_eager  # noqa: E402
-from fxfuse.runtime import describe_mismatch, signature  # noqa: E402
+from fxfuse.specialization import describe_mismatch, signature  # noqa: E402
 
 
 class Residual(nn.Module):

@@ -1,0 +1,209 @@
+"""Specialization: one rewritten graph for one input signature, run directly or replayed from a
+CUDA graph (runtime.OptimizedModule chooses which one a call runs; its docstring tells the
+whole story: static inputs, memcpy nodes, the memory pool as the plan, output handout).
+"""
+import torch
+import torch.fx
+
+from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
+from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segments
+from .input_copy import GraphInputs, can_bind, new_graph
+from .log import logger
+
+def signature(args) -> tuple:
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.dtype, a.device, tuple(a.stride()), a.requires_grad))
+        else:
+            sig.append(("const", type(a).__name__, repr(a)))
+    return tuple(sig)
+
+
+def describe_mismatch(expected: tuple, got: tuple) -> str:
+    if len(expected) != len(got):
+        return f"expected {len(expected)} inputs, got {len(got)}"
+    fields = ("shape", "dtype", "device", "stride", "requires_grad")
+    for k, (e, g) in enumerate(zip(expected, got)):
+        if e != g:
+            if e[0] == "const" or g[0] == "const":
+                return f"input {k}: expected {e[-1]}, got {g[-1]}"
+            for name, ev, gv in zip(fields, e, g):
+                if ev != gv:
+                    return f"input {k}: {name} {gv} where the specialization has {ev}"
+    return "no difference"
+
+
+class Specialization(SlotChoice):
+    """One rewritten graph for one input signature, run directly or through a CUDA graph."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float):
+        self.gm = gm
+        self.options = options
+        self.build_ms = build_ms
+        self.signature = signature(example_args)
+        self.tensor_positions = [k for k, a in enumerate(example_args) if isinstance(a, torch.Tensor)]
+        self.all_tensors = len(self.tensor_positions) == len(example_args)   # args are the tensors
+        self.graph = None
+        self.cuda_graph_note = "not on CUDA"
+        self.handout = None                # list of OutputSlots once captured; None: always clone
+        self.handout_note = "outputs returned directly (no CUDA graph)"
+        self.calls = self.handed_out = self.cloned = 0
+        self._constant_storages = None     # (_run_directly)
+        devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
+        if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
+            self._capture(example_args)
+        elif not options.cuda_graphs:
+            self.cuda_graph_note = "off (cuda_graphs=False)"
+
+    def _tensor_args(self, args):
+        return [args[k] for k in self.tensor_positions]
+
+    def _with_static(self, args) -> list:
+        """args with each tensor replaced by its static buffer (scalars are guarded constants)."""
+        full = list(args)
+        for k, s in zip(self.tensor_positions, self.static_in):
+            full[k] = s
+        return full
+
+    def _capture(self, example_args):
+        if self.gm.meta.get("fxfuse_inplace_kept"):
+            self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
+            return
+        try:
+            with torch.inference_mode(False), torch.no_grad():   # plain tensors: later calls may run outside it
+                static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                             for a in self._tensor_args(example_args)]
+                for s, a in zip(static_in, self._tensor_args(example_args)):
+                    s.copy_(a)
+                # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
+                self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
+            self.static_in = static_in
+            self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
+            self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
+            static_args = self._with_static(example_args)
+            self._set_pdl(True)     # before the warm-up: it compiles the kernels the graph launches
+            self.device_index = static_in[0].device.index if static_in else torch.cuda.current_device()
+            offset = generator_offset(self.device_index)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _ in range(2):  # compiles kernels, creates library handles
+                    self.gm(*static_args)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.draws_random = offset is None or generator_offset(self.device_index) != offset \
+                or draws_random_numbers(self.gm)
+            self.graph, self.static_out, self.inputs = self._capture_one(static_args)
+            self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
+            self.own_pool_slots = own_pool_fits(self.graph.pool())
+            self.cuda_graph_note = "captured: one CUDA graph replay per call"
+        except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
+            torch.cuda.synchronize()
+            self._set_pdl(False)
+            self.graph = None
+            self.cuda_graph_note = f"off: capture failed ({type(e).__name__}: {str(e)[:200]})"
+            logger.info("CUDA graph capture failed, running without: %s", e)
+            return
+        self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
+        self.handout, self.slot_at = [], {}
+        self._choose_affinity()
+
+    def _set_pdl(self, on: bool) -> None:
+        """Programmatic dependent launch for the generated GEMMs only while they run inside
+        this specialization's CUDA graph (see EpilogueGemm.use_pdl)."""
+        for module in self.gm.modules():
+            if hasattr(module, "use_pdl"):
+                module.use_pdl = on
+
+    def _capture_one(self, static_args, pool=None, into=None) -> tuple:
+        """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
+        flattened order) the graph ends by copying its outputs there."""
+        graph, keeps_graph = new_graph(bool(self.bound_in))
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+            for k, source in self.bound_in:
+                self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
+            out = self.gm(*static_args)
+            if into is not None:
+                produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                for dst, src in zip(into, produced, strict=True):
+                    dst.copy_(src)
+        inputs = GraphInputs(graph, keeps_graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
+        return graph, out, inputs
+
+    def _capture_slot(self) -> tuple:
+        """(graph, the buffers it hands out, its GraphInputs) of one more graph copy: with a pool
+        of its own whose outputs are handed out as they are, or on the shared pool, copying its
+        outputs into buffers outside it (module docstring)."""
+        static_args = self._with_static(self.const_args)
+        if self.own_pool_slots:
+            try:
+                with torch.inference_mode(False):
+                    graph, out, inputs = self._capture_one(static_args)
+                tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                segments = pool_segments(graph.pool())
+                if segments is not None and inside(segments, tensors):
+                    self.handout_note = (f"outputs handed out from up to {HANDOUT_SLOTS} graph copies with "
+                                         "memory pools of their own while not held, else cloned")
+                    return graph, out, inputs
+                del graph, out, inputs    # an output is an input or a constant: copy it out instead
+            except Exception as e:  # noqa: BLE001 -- the shared-pool copies below are the safe way
+                torch.cuda.synchronize()
+                logger.info("own-pool handout capture failed, copying outputs instead: %s", e)
+            self.own_pool_slots = False
+        with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
+            buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
+                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
+        into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
+        graph, _, inputs = self._capture_one(static_args, pool=self.graph.pool(), into=into)
+        return graph, buffers, inputs
+
+    def _run_directly(self, args):
+        """The graph without a CUDA graph. gm.forward, not gm(): torch.fx's call wrapper prints
+        a traceback of the generated code to stderr on any exception (an index out of range in
+        the model's own op). Outputs that share memory with a constant of the graph (`return
+        torch.zeros(3)`, folded into an attribute) are copied: eager returns a fresh tensor
+        each call, and a caller writing into one must not change the next call's answer."""
+        with torch.no_grad():
+            out = self.gm.forward(*args)
+        if self._constant_storages is None:
+            self._constant_storages = _constant_storages(self.gm)
+        if not self._constant_storages:
+            return out
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()
+            in self._constant_storages else t, out)
+
+    def __call__(self, args):
+        self.calls += 1
+        if self.graph is None:
+            return self._run_directly(args)
+        tensors = args if self.all_tensors else [args[k] for k in self.tensor_positions]
+        slot, settled = self._slot_for(tensors) if self.handout is not None else (None, True)
+        launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)
+        if not inputs.load(tensors):
+            self.graph, self.handout, self.launcher, self.inputs = None, None, None, None   # frees the graphs
+            self.cuda_graph_note = "off: a graph's input node could not be restored after a failed update"
+            return self._run_directly(args)
+        launcher.replay()
+        if slot is not None:
+            if not settled and self.affinity:
+                self._settle(slot, tensors)
+            self.handed_out += 1
+            return slot.hand_out()
+        self.cloned += 1
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
+
+
+def _constant_storages(gm) -> set:
+    """Storage addresses of the graph's tensor constants that are not parameters (a
+    parameter returned as it is, or a view of it, is what eager returns too)."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = gm
+            for part in node.target.split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.numel():
+                found.add(value.untyped_storage().data_ptr())
+    return found
