@@ -103,8 +103,9 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     the model. A tolerance relative to the output's size trips where the output is a small
     difference of large terms (gelu(h, "tanh") - gelu(h)): there eager's own rounding is of that
     order too. Only on a mismatch (the float64 copy of the model costs its memory twice over)."""
-    if not (isinstance(e, torch.Tensor) and e.is_floating_point() and e.dtype != torch.float64):
-        return False
+    if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.is_floating_point()
+            and e.dtype != torch.float64 and e.dtype == g.dtype and e.shape == g.shape):
+        return False     # only numbers are excused, never another dtype or shape
     try:
         model64 = copy.deepcopy(model).double()
         args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in clone_args(args)]

@@ -119,6 +119,7 @@ def generate(ir: KernelIR, name: str | None = None) -> tuple:
         dim_vars = _emit_index_decomposition(buf, ir)
         values = {}
         is_vector = {}
+        is_bool = set()    # int1 values: bool loads and comparisons
         for k, ins in enumerate(ir.instrs):
             if ins.op == "const":
                 values[k], is_vector[k] = literal(ins.param("value")), False
@@ -131,9 +132,16 @@ def generate(ir: KernelIR, name: str | None = None) -> tuple:
                         if vec else f"tl.load(in{inp} + {index.offset})")
                 conv = "" if dtype == torch.bool else ".to(tl.float32)"
                 buf.line(f"v{k} = {load}{conv}")
+                if dtype == torch.bool:
+                    is_bool.add(k)
             else:
                 op = BY_NAME[ins.op]
-                args = [values[a] for a in ins.args]
+                # a bool operand of arithmetic (sigmoid(x > 0), mask * x) is 0.0 / 1.0 as in eager's
+                # promotion; Triton's math functions reject int1. where's condition and casts keep it
+                args = [values[a] if a not in is_bool or op.name == "cast" or (op.name == "where" and j == 0)
+                        else f"{values[a]}.to(tl.float32)" for j, a in enumerate(ins.args)]
+                if op.returns_bool:
+                    is_bool.add(k)
                 buf.line(f"v{k} = {op.expr(*args, **dict(ins.params))}")
                 vec = any(is_vector[a] for a in ins.args)
             values[k], is_vector[k] = f"v{k}", vec

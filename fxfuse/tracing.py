@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import io
 import logging
+import operator
 import time
 import warnings
 
@@ -75,7 +76,8 @@ class ShapePropagation(torch.fx.Interpreter):
         try:
             result = super().run_node(n)
         except Exception as e:
-            raise RuntimeError(f"shape propagation failed at node {n.format_node()}") from e
+            raise ShapePropagationError(f"running node {n.name} ({n.format_node()}) on the example input "
+                                        f"failed") from e
         found_tensor = False
 
         def extract(obj):
@@ -185,6 +187,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
         gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
+    except AutocastInForward:
+        raise
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
         if concrete:
@@ -200,13 +204,21 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
             how = "torch.export(strict=False)"
             propagate_shapes(gm, tensor_args)
         except Exception as export_error:  # noqa: BLE001
+            ran = isinstance(fx_error, ShapePropagationError)   # traced, but the graph failed on the input
+            advice = ("Check the example input's shapes and dtypes against the model" if ran else
+                      "Remove data-dependent Python control flow from forward() (use torch.where), or mark "
+                      "the offending submodule as a leaf")
             raise TraceError(
                 f"could not capture a graph of {type(model).__name__}: "
-                f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}; "
-                f"torch.export(strict=False) failed with {type(export_error).__name__}: "
-                f"{_first_line(export_error)}. Remove data-dependent Python control flow from "
-                "forward() (use torch.where), or mark the offending submodule as a leaf."
-            ) from export_error
+                f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}"
+                f"{_root_cause(fx_error)}; torch.export(strict=False) failed with "
+                f"{type(export_error).__name__}: {_first_line(export_error).rstrip('.')}{_root_cause(export_error)}. "
+                f"{advice}.") from export_error
+    refuse_data_dependent_shapes(gm)
+    entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
+    if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
+        raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
+                                "the call instead (fxfuse then runs the original module)")
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}}
     return gm
@@ -217,9 +229,37 @@ def _quiet_symbolic_trace(model, concrete):
     ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
     internals (a pruned Linear's get_attr of a recomputed weight) would come on top of the one
     warning fxfuse gives when it falls back."""
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _autocast_entries() as entered:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
-        return torch.fx.symbolic_trace(model, concrete_args=concrete)
+        gm = torch.fx.symbolic_trace(model, concrete_args=concrete)
+    if entered:
+        raise AutocastInForward(
+            f"forward() enters torch.autocast ({entered[0]}), which torch.fx does not record: the traced graph "
+            "would compute in the model's own dtypes. Apply autocast around the call instead (fxfuse then runs "
+            "the original module), or cast the model (model.half()) before fxfuse.optimize")
+    return gm
+
+
+class AutocastInForward(UnsupportedError):
+    """forward() enters torch.autocast: no tracer here records it faithfully."""
+
+
+@contextlib.contextmanager
+def _autocast_entries():
+    """Records the device of every enabled torch.autocast entered while tracing (its
+    __enter__ runs at trace time; the graph keeps no trace of it)."""
+    cls = torch.amp.autocast_mode.autocast
+    original, entered = cls.__enter__, []
+
+    def enter(self):
+        if getattr(self, "_enabled", True):
+            entered.append(getattr(self, "device", "?"))
+        return original(self)
+    cls.__enter__ = enter
+    try:
+        yield entered
+    finally:
+        cls.__enter__ = original
 
 
 def _quiet_export(model, args):
@@ -234,6 +274,55 @@ def _quiet_export(model, args):
             return torch.export.export(model, args, strict=False)
     finally:
         logging.disable(previous)
+
+
+class ShapePropagationError(RuntimeError):
+    """The traced graph failed on the example input (the model's own error is its cause)."""
+
+
+def _root_cause(e: BaseException) -> str:
+    """': <first line of the innermost cause>' where e has a cause that says more, else ''."""
+    root = e
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    return f" ({type(root).__name__}: {_first_line(root)})" if root is not e else ""
+
+
+# ops whose result's shape depends on the input's values: every graph is specialized on shapes,
+# so a size read from such a result (`pos.shape[0]` after `pos = h[h > 0]`) would be frozen
+DATA_DEPENDENT_FUNCTIONS = {torch.nonzero, torch.argwhere, torch.masked_select, torch.unique,
+                            torch.unique_consecutive, torch.bincount, torch.repeat_interleave}
+DATA_DEPENDENT_FUNCTIONS |= {getattr(torch.ops.aten, name).default for name in (
+    "nonzero", "argwhere", "masked_select", "_unique2", "unique_consecutive", "unique_dim", "bincount")
+    if hasattr(torch.ops.aten, name)}
+DATA_DEPENDENT_METHODS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
+                          "repeat_interleave"}
+INDEXING = {operator.getitem, torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default}
+
+
+def _is_bool_tensor(a) -> bool:
+    meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
+    return getattr(meta, "dtype", None) == torch.bool
+
+
+def refuse_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
+    """UnsupportedError naming the first node whose output shape depends on the input's values
+    (nonzero, unique, masked_select, boolean-mask indexing, torch.where(cond) with one argument)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in INDEXING and n.target is not torch.ops.aten.index_put.default:
+            dynamic = any(_is_bool_tensor(a) for a in torch.utils._pytree.tree_leaves(list(n.args[1:])))
+        elif n.op == "call_function" and n.target is torch.where:
+            dynamic = len(n.args) + len(n.kwargs) == 1
+        else:
+            dynamic = (n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS) or \
+                (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
+            if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only
+                dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:]) + list(n.kwargs.values()))
+        if dynamic:
+            raise UnsupportedError(
+                f"node {n.name} ({getattr(n.target, '__name__', n.target)}) returns a tensor whose shape depends "
+                "on the input's values; fxfuse specializes every graph on shapes, so sizes read from it would "
+                "be frozen at the example input's. Run that part of the model outside fxfuse")
 
 
 def _first_line(e: BaseException) -> str:

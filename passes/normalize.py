@@ -358,6 +358,8 @@ def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:
     return flag is True
 
 
+INPLACE_DUNDERS = {f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
+                                                "xor", "lshift", "rshift", "matmul")}
 INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
                              operator.ipow, operator.ilshift, operator.irshift, operator.imatmul}
 
@@ -398,8 +400,9 @@ def _later_readers_read(base, new, node, order) -> None:
 
 def _mutates(gm, node) -> bool:
     """True if node (one with no canonical form) may write into one of its operands."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op == "call_method":   # x.add_(1); x.__ior__(m): the in-place dunders of the operators
+        return (node.target.endswith("_") and not node.target.startswith("_")) or \
+            node.target in INPLACE_DUNDERS
     if node.op == "call_module":
         return getattr(gm.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":

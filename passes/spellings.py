@@ -122,6 +122,8 @@ def _build_method_spellings() -> dict:
     table["clamp_min"] = Spelling(torch.clamp, ("input", "min"))
     table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
+    for op, canon in INPLACE_OPERATORS.items():   # h.__iadd__(b): torch.fx records the dunder as a method
+        table[f"__{op.__name__}__"] = Spelling(canon, ("input", "other"), inplace=True)
     return table
 
 

@@ -188,3 +188,95 @@ def test_an_example_input_that_overflows_eager_is_named_as_such():
         fxfuse.optimize(model, x, fused_mlp="force", strict=True)
     with pytest.warns(fxfuse.FxfuseWarning, match="eager overflows"):
         assert fxfuse.optimize(model, x, fused_mlp="force") is model
+
+
+class PositiveMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        pos = h[h > 0]                       # a length that depends on the values
+        return pos.sum() / pos.shape[0]
+
+
+class CountNonzero(nn.Module):
+    def forward(self, x):
+        return torch.nonzero(x > 0).size(0) * torch.ones(1)
+
+
+class WhereOneArgument(nn.Module):
+    def forward(self, x):
+        return torch.where(x > 0)[1] * 2      # nonzero() in another spelling
+
+
+@pytest.mark.parametrize("model", [PositiveMean(), CountNonzero(), WhereOneArgument()],
+                         ids=["mask_index", "nonzero", "where_one_arg"])
+def test_data_dependent_sizes_are_refused(model):
+    """Fuzz: a size read from h[h > 0] or nonzero() was frozen at the example input's value."""
+    with pytest.raises(fxfuse.FxfuseError, match="depends on the input's values"):
+        fxfuse.optimize(model.eval(), torch.randn(5, 8), strict=True)
+    with pytest.warns(fxfuse.FxfuseWarning, match="depends on the input's values"):
+        assert fxfuse.optimize(model.eval(), torch.randn(5, 8)) is model
+
+
+class AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.lin(x).relu()
+
+
+def test_autocast_inside_forward_is_refused():
+    """Fuzz: torch.fx drops the context manager, and verification excused the fp32 result as
+    'accurate enough' where eager returns bf16."""
+    with pytest.raises(fxfuse.FxfuseError, match="enters torch.autocast"):
+        fxfuse.optimize(AutocastInside().eval(), torch.randn(3, 8), strict=True)
+
+
+class DunderInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(12, 8) / 3)
+        self.b = nn.Parameter(torch.randn(12))
+        self.w2 = nn.Parameter(torch.randn(5, 12) / 3)
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x, self.w)
+        h.__iadd__(self.b)                   # torch.fx records the dunder as a method call
+        return torch.nn.functional.linear(torch.relu(h), self.w2)
+
+
+@pytest.mark.parametrize("plan", [{}, {"strassen": "force"}])
+def test_an_in_place_dunder_is_a_write(plan):
+    model = DunderInPlace().eval()
+    x = torch.randn(5, 8)
+    opt = fxfuse.optimize(model, x, strict=True, **plan)
+    with torch.no_grad():
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class FloatMathOnBool(nn.Module):
+    def forward(self, x):
+        keep = x > 0
+        return torch.sigmoid(keep) * x + torch.exp(keep) - torch.sqrt(keep.float() + 1)
+
+
+def test_float_math_on_a_bool_value_is_fused():
+    """Fuzz: sigmoid(x > 0) crashed code generation (Triton's math rejects int1)."""
+    model = FloatMathOnBool().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_an_example_input_the_model_rejects_names_the_models_error():
+    with pytest.raises(fxfuse.TraceError, match="cannot be multiplied.*Check the example input"):
+        fxfuse.optimize(nn.Sequential(nn.Linear(8, 16)).eval(), torch.randn(4, 9), strict=True)
