@@ -204,16 +204,18 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
 def stats(optimized) -> dict:
     """Counts that tests and benchmarks assert on: fused kernels, library calls, launches."""
     if not isinstance(optimized, OptimizedModule):
-        return {"optimized": False, "fused_kernels": 0, "library_calls": 0, "specializations": 0,
-                "kernel_launches": 0, "reference_fallbacks": 0}
-    fused = library = 0
+        return {"optimized": False, "fused_kernels": 0, "library_calls": 0, "library_epilogues": 0,
+                "specializations": 0, "kernel_launches": 0, "reference_fallbacks": 0}
+    from fxfuse.passes.linear_epilogue import linear_relu
+    fused = library = epilogues = 0
     first = next(iter(optimized.specializations.values()), None)   # None after load_state_dict
     for node in first.gm.graph.nodes if first is not None else ():
         kind = node_kind(first.gm, node)
         fused += kind == "fused kernel"
         library += kind == "library call"
+        epilogues += node.target is linear_relu     # library calls with bias and ReLU in cuBLASLt's epilogue
     kernels = list(optimized.fused_kernels())
-    return {"optimized": True, "fused_kernels": fused, "library_calls": library,
+    return {"optimized": True, "fused_kernels": fused, "library_calls": library, "library_epilogues": epilogues,
             "specializations": len(optimized.specializations),
             "kernel_launches": sum(k.launches for k in kernels),
             "reference_fallbacks": sum(k.fallbacks for k in kernels)}

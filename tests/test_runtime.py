@@ -125,6 +125,7 @@ def test_relu_moved_into_library_gemm_when_measured_faster(monkeypatch):
     gm = next(iter(opt.specializations.values())).gm
     assert [n.target for n in gm.graph.nodes].count(pass_module.linear_relu) == 2
     assert fxfuse.stats(opt)["fused_kernels"] == 1      # c's bias, ReLU and the multiply
+    assert fxfuse.stats(opt)["library_epilogues"] == 2
     with torch.no_grad():
         x = torch.randn(2, 3, 11)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
