@@ -112,7 +112,7 @@ def relu_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
         bias = (b,) if with_bias < 0.99 * plain else ()
         separate = _time_us(lambda: torch.relu(torch.nn.functional.linear(x, w, *bias)))
         fused = _time_us(lambda: torch._addmm_activation(b, x, wt))
-    if fused < 0.99 * separate:
+    if fused < 0.98 * separate:   # a clear win: at 8192 x 4096 a 1% "gain" measured here came out 0.75% slower over 8 layers
         return True, (f"bias and ReLU in the library GEMM's epilogue (cuBLASLt): measured {fused:.1f} us vs "
                       f"{separate:.1f} us for GEMM + ReLU kernel")
     return False, (f"ReLU in the pointwise kernel: GEMM + ReLU measured {separate:.1f} us vs {fused:.1f} us "
