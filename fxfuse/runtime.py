@@ -209,7 +209,8 @@ class OptimizedModule(torch.nn.Module):
         with _autocast_off():   # built (and verified) in the model's own dtypes; autocast calls run the original
             gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
-        spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start))
+        spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
+                              tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
         self.specializations[spec.signature] = spec
         if first:

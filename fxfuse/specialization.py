@@ -37,8 +37,10 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
 class Specialization(SlotChoice):
     """One rewritten graph for one input signature, run directly or through a CUDA graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float):
+    def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float,
+                 model_tensors: tuple = ()):
         self.gm = gm
+        self.model_tensors = model_tensors   # the model's parameters and buffers (_run_directly)
         self.options = options
         self.build_ms = build_ms
         self.signature = signature(example_args)
@@ -166,7 +168,7 @@ class Specialization(SlotChoice):
         with torch.no_grad():
             out = self.gm.forward(*args)
         if self._constant_storages is None:
-            self._constant_storages = _constant_storages(self.gm)
+            self._constant_storages = _constant_storages(self.gm, self.model_tensors)
         if not self._constant_storages:
             return out
         return torch.utils._pytree.tree_map(
@@ -195,15 +197,17 @@ class Specialization(SlotChoice):
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
 
 
-def _constant_storages(gm) -> set:
-    """Storage addresses of the graph's tensor constants that are not parameters (a
-    parameter returned as it is, or a view of it, is what eager returns too)."""
+def _constant_storages(gm, model_tensors: tuple) -> set:
+    """Storage addresses of the graph's tensor constants that are not the model's own
+    parameters or buffers (returning one of those, or a view of it, is what eager does too):
+    fx's `_tensor_constant`s and what fxfuse folded or packed."""
+    own = {t.untyped_storage().data_ptr() for t in model_tensors if t.numel()}
     found = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = gm
             for part in node.target.split("."):
                 value = getattr(value, part, None)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.numel():
+            if isinstance(value, torch.Tensor) and value.numel():
                 found.add(value.untyped_storage().data_ptr())
-    return found
+    return found - own

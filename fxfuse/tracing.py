@@ -8,6 +8,7 @@ without its fake-tensor machinery), stored the torch.fx way in node.meta["tensor
 meta so the normalize pass can fold them into constants.
 """
 import contextlib
+import enum
 import inspect
 import io
 import logging
@@ -127,6 +128,7 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
     # carries the reason, so nothing is printed
     with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         ShapePropagation(gm).propagate(*clone_args(example_args))
+    mark_data_dependent_shapes(gm)
 
 
 def _split_concrete(model: torch.nn.Module, example_args: tuple):
@@ -160,7 +162,7 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
 
 
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
-               torch.layout, type(Ellipsis), slice)
+               torch.layout, type(Ellipsis), slice, enum.Enum)
 
 
 def _not_plain(value):
@@ -187,8 +189,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
         gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
-    except AutocastInForward:
-        raise
+    except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
+        raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
         if concrete:
@@ -203,6 +205,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                 vars(gm).pop(name, None)
             how = "torch.export(strict=False)"
             propagate_shapes(gm, tensor_args)
+        except UnsupportedError:
+            raise
         except Exception as export_error:  # noqa: BLE001
             ran = isinstance(fx_error, ShapePropagationError)   # traced, but the graph failed on the input
             advice = ("Check the example input's shapes and dtypes against the model" if ran else
@@ -214,7 +218,6 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                 f"{_root_cause(fx_error)}; torch.export(strict=False) failed with "
                 f"{type(export_error).__name__}: {_first_line(export_error).rstrip('.')}{_root_cause(export_error)}. "
                 f"{advice}.") from export_error
-    refuse_data_dependent_shapes(gm)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
@@ -229,37 +232,41 @@ def _quiet_symbolic_trace(model, concrete):
     ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
     internals (a pruned Linear's get_attr of a recomputed weight) would come on top of the one
     warning fxfuse gives when it falls back."""
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _autocast_entries() as entered:
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
-        gm = torch.fx.symbolic_trace(model, concrete_args=concrete)
-    if entered:
+        tracer = _AutocastWatchingTracer()
+        graph = tracer.trace(model, concrete_args=concrete)
+        name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
+        gm = torch.fx.GraphModule(tracer.root, graph, name)
+    if tracer.autocast_node is not None:
         raise AutocastInForward(
-            f"forward() enters torch.autocast ({entered[0]}), which torch.fx does not record: the traced graph "
-            "would compute in the model's own dtypes. Apply autocast around the call instead (fxfuse then runs "
-            "the original module), or cast the model (model.half()) before fxfuse.optimize")
+            f"forward() enters torch.autocast (around node {tracer.autocast_node}), which torch.fx does not "
+            "record: the traced graph would compute in the model's own dtypes. Apply autocast around the call "
+            "instead (fxfuse then runs the original module), or cast the model (model.half()) before "
+            "fxfuse.optimize")
     return gm
+
+
+class _AutocastWatchingTracer(torch.fx.Tracer):
+    """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
+    the context manager runs at trace time and leaves no trace in the graph. Autocast state is
+    per thread (the build runs with it off: runtime._autocast_off), so other threads cannot
+    trip it."""
+
+    autocast_node = None
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if self.autocast_node is None and node.op not in ("placeholder", "output") and _autocast_enabled():
+            self.autocast_node = node.name
+        return node
+
+
+_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
 
 
 class AutocastInForward(UnsupportedError):
     """forward() enters torch.autocast: no tracer here records it faithfully."""
-
-
-@contextlib.contextmanager
-def _autocast_entries():
-    """Records the device of every enabled torch.autocast entered while tracing (its
-    __enter__ runs at trace time; the graph keeps no trace of it)."""
-    cls = torch.amp.autocast_mode.autocast
-    original, entered = cls.__enter__, []
-
-    def enter(self):
-        if getattr(self, "_enabled", True):
-            entered.append(getattr(self, "device", "?"))
-        return original(self)
-    cls.__enter__ = enter
-    try:
-        yield entered
-    finally:
-        cls.__enter__ = original
 
 
 def _quiet_export(model, args):
@@ -305,24 +312,48 @@ def _is_bool_tensor(a) -> bool:
     return getattr(meta, "dtype", None) == torch.bool
 
 
-def refuse_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
-    """UnsupportedError naming the first node whose output shape depends on the input's values
-    (nonzero, unique, masked_select, boolean-mask indexing, torch.where(cond) with one argument)."""
+def _makes_data_dependent_shape(n) -> bool:
+    """Whether n's output shape depends on its input's values (nonzero, unique, masked_select,
+    boolean-mask indexing, torch.where(cond) with one argument, tensor repeats)."""
+    if n.op == "call_function" and n.target in INDEXING and n.target is not torch.ops.aten.index_put.default:
+        return any(_is_bool_tensor(a) for a in torch.utils._pytree.tree_leaves(list(n.args[1:])))
+    if n.op == "call_function" and n.target is torch.where:
+        return len(n.args) + len(n.kwargs) == 1
+    dynamic = (n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS) or \
+        (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
+    if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only
+        dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:]) + list(n.kwargs.values()))
+    return dynamic
+
+
+def _reads_size(n) -> bool:
+    return (n.op == "call_method" and n.target in ("size", "numel", "nelement")) or \
+        (n.op == "call_function" and (n.target is len or n.target in SIZE_OPS
+                                     or (n.target is getattr and n.args[1:] == ("shape",))))
+
+
+SIZE_OPS = {getattr(torch.ops.aten, name).int if name == "sym_size" else getattr(torch.ops.aten, name).default
+            for name in ("sym_size", "sym_numel") if hasattr(torch.ops.aten, name)}
+
+
+def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
+    """Every graph is specialized on shapes; a value whose shape depends on the input's values
+    (h[h > 0], nonzero(x)) and everything computed from it may change shape between calls.
+    Their shape metadata is dropped, so no pass builds a kernel for the example's shape (the
+    library ops run them); a size read from one (`pos.shape[0]`) would be frozen at the
+    example's value, so that is refused with the node named."""
+    dynamic = set()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in INDEXING and n.target is not torch.ops.aten.index_put.default:
-            dynamic = any(_is_bool_tensor(a) for a in torch.utils._pytree.tree_leaves(list(n.args[1:])))
-        elif n.op == "call_function" and n.target is torch.where:
-            dynamic = len(n.args) + len(n.kwargs) == 1
-        else:
-            dynamic = (n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS) or \
-                (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
-            if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only
-                dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:]) + list(n.kwargs.values()))
-        if dynamic:
-            raise UnsupportedError(
-                f"node {n.name} ({getattr(n.target, '__name__', n.target)}) returns a tensor whose shape depends "
-                "on the input's values; fxfuse specializes every graph on shapes, so sizes read from it would "
-                "be frozen at the example input's. Run that part of the model outside fxfuse")
+        if _makes_data_dependent_shape(n) or any(a in dynamic for a in n.all_input_nodes):
+            if _reads_size(n) and any(a in dynamic for a in n.all_input_nodes):
+                source = next(a for a in n.all_input_nodes if a in dynamic)
+                raise UnsupportedError(
+                    f"node {n.name} reads the size of {source.name}, whose shape depends on the input's values; "
+                    "fxfuse specializes every graph on shapes, so the size would be frozen at the example "
+                    "input's. Run that part of the model outside fxfuse")
+            dynamic.add(n)
+            n.meta.pop("tensor_meta", None)
+            n.meta.setdefault("fxfuse", {})["kept"] = "shape depends on the input's values"
 
 
 def _first_line(e: BaseException) -> str:

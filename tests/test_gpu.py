@@ -209,3 +209,23 @@ def test_relu_in_library_gemm_measured_choice_on_gpu():
     for batch, width in ((16, 128), (256, 2048)):
         fused, reason = relu_in_library_gemm(batch, width, width, torch.float32, torch.device("cuda"), False)
         assert isinstance(fused, bool) and "measured" in reason
+
+
+def test_linear_relu_keeps_nan_wherever_it_may_be_chosen():
+    """Review: cuBLASLt's fp16 ReLU epilogue turned NaN into 0 at 7 x 13 -> 29; linear_relu is
+    now allowed for fp32 at any shape and half types only with K, N multiples of 8."""
+    from fxfuse.passes.linear_epilogue import _epilogue_safe, linear_relu
+    shapes = [(1, 13, 29), (7, 13, 29), (33, 100, 77), (7, 16, 32), (300, 64, 40), (5, 1000, 1000),
+              (256, 1024, 1024), (64, 8, 24)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for m, k, n in shapes:
+            if not _epilogue_safe(dtype, k, n):
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            w = torch.randn(n, k, device="cuda", dtype=dtype)
+            b = torch.randn(n, device="cuda", dtype=dtype)
+            x[-1, 0] = float("nan")
+            b[1] = float("nan")
+            want = torch.relu(torch.nn.functional.linear(x, w, b))
+            got = linear_relu(x, w, b)
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), (dtype, m, k, n)

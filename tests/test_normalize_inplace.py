@@ -238,6 +238,7 @@ DTYPE_CASES = [
     ("F.relu-inplace-kwarg-input", lambda s, x, y: F.relu(input=x * 2, inplace=True) + y),
     ("int-clamp", lambda s, x, y: (x * 10).long().clamp(-3, 3)),      # int bounds keep an int result
     ("int-clamp_min", lambda s, x, y: (x * 10).long().clamp_min(0) * 2),
+    ("where-one-arg", lambda s, x, y: torch.where(x > 0)[1] * 2),      # nonzero(), not pointwise
 ]
 
 

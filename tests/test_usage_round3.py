@@ -43,6 +43,25 @@ def test_a_constant_output_is_fresh_every_call():
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
 
 
+class ReturnsItsState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.register_buffer("state", torch.rand(3))
+
+    def forward(self, x):
+        return self.lin(x).relu(), self.state, self.lin.bias[:2]
+
+
+def test_the_models_own_buffers_and_parameters_are_returned_as_eager_returns_them():
+    """Review: the constant-output copy first copied the model's own buffer too."""
+    model = ReturnsItsState().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 5), strict=True)
+    with torch.no_grad():
+        _, state, bias = opt(torch.randn(4, 5))
+    assert state is model.state and bias.untyped_storage().data_ptr() == model.lin.bias.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("plan", [{}, {"gemm": "force"}, {"fused_mlp": "force"}, {"strassen": "force"}])
 def test_an_optimizer_step_rebuilds(plan):
     """Fuzz: packed, folded and Strassen copies went stale after an in-place parameter update;
@@ -206,13 +225,31 @@ class CountNonzero(nn.Module):
         return torch.nonzero(x > 0).size(0) * torch.ones(1)
 
 
-class WhereOneArgument(nn.Module):
-    def forward(self, x):
-        return torch.where(x > 0)[1] * 2      # nonzero() in another spelling
+class MaskedMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return (torch.relu(self.lin(x))[mask] * 2).mean(0) + torch.where(x > 0)[1].sum()
 
 
-@pytest.mark.parametrize("model", [PositiveMean(), CountNonzero(), WhereOneArgument()],
-                         ids=["mask_index", "nonzero", "where_one_arg"])
+def test_value_dependent_shapes_without_size_reads_are_optimized_and_stay_unfused():
+    """Review: refusing every mask index lost models that never read the size; what follows
+    such a value runs in the library (no kernel built for the example's count)."""
+    model = MaskedMean().eval()
+    mask = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    opt = fxfuse.optimize(model, (torch.randn(6, 4), mask), strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1                     # bias + relu, before the mask
+    assert all(n.meta.get("fxfuse", {}).get("kept") == "shape depends on the input's values"
+               for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.mul)
+    with torch.no_grad():
+        x, other = torch.randn(6, 4), torch.tensor([1, 1, 1, 1, 0, 1], dtype=torch.bool)
+        torch.testing.assert_close(opt(x, other), model(x, other))
+
+
+@pytest.mark.parametrize("model", [PositiveMean(), CountNonzero()], ids=["mask_index", "nonzero"])
 def test_data_dependent_sizes_are_refused(model):
     """Fuzz: a size read from h[h > 0] or nonzero() was frozen at the example input's value."""
     with pytest.raises(fxfuse.FxfuseError, match="depends on the input's values"):
