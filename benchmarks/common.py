@@ -87,27 +87,16 @@ class Timing:
     calls_per_rep: int
 
 
-def time_per_call(fn, inputs, reps=7, min_rep_s=0.02, max_calls=5000, warmup=3, warmup_s=0.1):
+def time_per_call(fn, inputs, reps=7, min_rep_s=0.02, max_calls=5000, warmup=3):
     """Median per-call time of fn over `reps` blocks of back-to-back calls.
 
     Each block is N calls with one synchronization at its end; N is chosen from a short
     probe so that a block lasts at least `min_rep_s` (at most `max_calls` calls), which keeps
     event resolution and the final sync negligible. Call i uses inputs[i % len(inputs)].
-    Before it, calls run for `warmup_s`: on the H100 host a column's first repetitions came
-    out 2-5x slow and decaying (mlp_20261125-094002, 256 x 128: 29, 58, 61, 33, 26, 22, 20 us
-    where the same plan measured 17.4 in the column before), so the median of 7 took the
-    transient, not the steady state.
     """
     device, k = inputs[0].device, len(inputs)
     for i in range(warmup):
         fn(inputs[i % k])
-    sync(device)
-    until, i = time.perf_counter() + warmup_s, 0
-    while time.perf_counter() < until:
-        fn(inputs[i % k])
-        i += 1
-        if i % 64 == 0:
-            sync(device)
     sync(device)
     n = 1
     while True:  # probe: grow the block until it lasts a quarter of a repetition
