@@ -42,6 +42,7 @@ from .kernel import FusedKernel
 from .log import logger
 from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
 from .specialization import Specialization, describe_mismatch, signature  # noqa: F401  (signature re-exported)
+from .tracing import BUILD_LOCK
 
 
 OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
@@ -206,7 +207,7 @@ class OptimizedModule(torch.nn.Module):
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
         first = not self.specializations
-        with _autocast_off():   # built (and verified) in the model's own dtypes; autocast calls run the original
+        with BUILD_LOCK, _autocast_off():   # in the model's own dtypes; autocast calls run the original
             gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),

@@ -13,6 +13,7 @@ import inspect
 import io
 import logging
 import operator
+import threading
 import time
 import warnings
 
@@ -181,8 +182,19 @@ def _holds_tensor(value) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
 
 
+# One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide
+# (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
+# not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
+BUILD_LOCK = threading.RLock()
+
+
 def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     """Return a GraphModule equivalent to model on inputs like example_args, with shapes."""
+    with BUILD_LOCK:
+        return _trace(model, example_args)
+
+
+def _trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     start = time.perf_counter()
     concrete, tensor_args = _split_concrete(model, example_args)
     try:

@@ -317,3 +317,28 @@ def test_float_math_on_a_bool_value_is_fused():
 def test_an_example_input_the_model_rejects_names_the_models_error():
     with pytest.raises(fxfuse.TraceError, match="cannot be multiplied.*Check the example input"):
         fxfuse.optimize(nn.Sequential(nn.Linear(8, 16)).eval(), torch.randn(4, 9), strict=True)
+
+
+def test_optimize_from_several_threads_at_once():
+    """Review: torch.fx's patcher and the quiet-trace stdout redirect are process-wide; two
+    threads tracing at once broke both traces and could leave sys.stdout redirected."""
+    import sys
+    import threading
+    results, stdout = [], sys.stdout
+
+    def work(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 4)).eval()
+        for _ in range(3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                # use_kernels=False: the Triton interpreter itself is not thread-safe (compiled kernels are)
+                opt = fxfuse.optimize(model, torch.randn(3, 6), use_kernels=False)
+            results.append(isinstance(opt, fxfuse.runtime.OptimizedModule))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 12 and sys.stdout is stdout
