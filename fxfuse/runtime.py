@@ -28,6 +28,7 @@ aliasing each other where the graph writes in place, and specializations used up
 """
 import contextlib
 import inspect
+import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -42,7 +43,7 @@ from .kernel import FusedKernel
 from .log import logger
 from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
 from .specialization import Specialization, describe_mismatch, signature  # noqa: F401  (signature re-exported)
-from .tracing import BUILD_LOCK
+from .tracing import autocast_enabled
 
 
 OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
@@ -56,12 +57,23 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-_autocast_on = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # one C call per call
+def _moved(watched: tuple) -> bool:
+    """Whether a (tensor, version at build) pair's tensor changed in place since."""
+    for t, seen in watched:
+        if t._version != seen:
+            return True
+    return False
+
+
+# One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide
+# (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
+# not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
+BUILD_LOCK = threading.RLock()
 
 
 def _autocast_off() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
-    if _autocast_on():
+    if autocast_enabled():
         for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
@@ -191,18 +203,12 @@ class OptimizedModule(torch.nn.Module):
         self._hook_ids_scanned = now
         return self._hooked
 
-    def _buffers_moved(self) -> bool:
-        for b, seen in self._buffer_versions:
-            if b._version != seen:
-                return True
-        return False
-
     def _parameters_moved(self) -> bool:
         """After any optimizer step in the process (one integer compare per call otherwise):
         whether one of the model's parameters changed in place since the build. Not checked
         per call: 16 version counters cost ~1 us, a tenth of a small model's call."""
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
-        return any(p._version != seen for p, seen in self._parameter_versions)
+        return _moved(self._parameter_versions)
 
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
@@ -296,7 +302,7 @@ class OptimizedModule(torch.nn.Module):
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
                                       "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
-        if _autocast_on():
+        if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
                                       "dtypes it was built with, autocast would change them", args)
         if RemovableHandle.next_id != self._hook_ids_seen and self._hook_added():
@@ -306,7 +312,7 @@ class OptimizedModule(torch.nn.Module):
                                       "(fusion assumed distinct inputs)", args)
         if OPTIMIZER_STEPS[0] != self._optimizer_steps_seen and self._parameters_moved():
             self.drop_specializations("a parameter changed in place (an optimizer step) since the build")
-        if self._buffer_versions and self._buffers_moved():   # e.g. BatchNorm statistics after a training call
+        if self._buffer_versions and _moved(self._buffer_versions):   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
             self._buffer_rebuilds += 1
             if self._buffer_rebuilds == 3:
@@ -346,8 +352,7 @@ class OptimizedModule(torch.nn.Module):
             message = f"no specialization for a new input ({reason}): {e}"
             if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
                 self._failed_builds[sig] = message
-            self._warn_once("build:" + message, f"fxfuse: {message}; running the original module")
-            self.original_calls["build"] += 1
+            self._count_original("build:" + message, message)
             return result
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         return spec(args)
@@ -357,9 +362,12 @@ class OptimizedModule(torch.nn.Module):
         kind of reason (`key`), and a count explain() shows."""
         if self.options.strict:
             raise GuardError(reason)
+        self._count_original(key, reason)
+        return self.original(*args, **(kwargs or {}))
+
+    def _count_original(self, key: str, reason: str) -> None:
         self._warn_once(key, f"fxfuse: {reason}; running the original module")
         self.original_calls[key.split(":")[0]] += 1
-        return self.original(*args, **(kwargs or {}))
 
     def fused_kernels(self):
         for spec in self.specializations.values():

@@ -13,7 +13,6 @@ import inspect
 import io
 import logging
 import operator
-import threading
 import time
 import warnings
 
@@ -182,19 +181,9 @@ def _holds_tensor(value) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
 
 
-# One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide
-# (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
-# not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
-BUILD_LOCK = threading.RLock()
-
-
 def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
-    """Return a GraphModule equivalent to model on inputs like example_args, with shapes."""
-    with BUILD_LOCK:
-        return _trace(model, example_args)
-
-
-def _trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
+    """Return a GraphModule equivalent to model on inputs like example_args, with shapes.
+    Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
     concrete, tensor_args = _split_concrete(model, example_args)
     try:
@@ -269,12 +258,12 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
-        if self.autocast_node is None and node.op not in ("placeholder", "output") and _autocast_enabled():
+        if self.autocast_node is None and node.op not in ("placeholder", "output") and autocast_enabled():
             self.autocast_node = node.name
         return node
 
 
-_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call
 
 
 class AutocastInForward(UnsupportedError):
@@ -316,7 +305,7 @@ DATA_DEPENDENT_FUNCTIONS |= {getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name)}
 DATA_DEPENDENT_METHODS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
                           "repeat_interleave"}
-INDEXING = {operator.getitem, torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default}
+INDEXING = {operator.getitem, torch.ops.aten.index.Tensor}
 
 
 def _is_bool_tensor(a) -> bool:
@@ -327,7 +316,7 @@ def _is_bool_tensor(a) -> bool:
 def _makes_data_dependent_shape(n) -> bool:
     """Whether n's output shape depends on its input's values (nonzero, unique, masked_select,
     boolean-mask indexing, torch.where(cond) with one argument, tensor repeats)."""
-    if n.op == "call_function" and n.target in INDEXING and n.target is not torch.ops.aten.index_put.default:
+    if n.op == "call_function" and n.target in INDEXING:
         return any(_is_bool_tensor(a) for a in torch.utils._pytree.tree_leaves(list(n.args[1:])))
     if n.op == "call_function" and n.target is torch.where:
         return len(n.args) + len(n.kwargs) == 1
@@ -365,7 +354,7 @@ def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
                     "input's. Run that part of the model outside fxfuse")
             dynamic.add(n)
             n.meta.pop("tensor_meta", None)
-            n.meta.setdefault("fxfuse", {})["kept"] = "shape depends on the input's values"
+            fxfuse_meta(n)["kept"] = "shape depends on the input's values"
 
 
 def _first_line(e: BaseException) -> str:
