@@ -19,7 +19,6 @@ import gc
 import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Callable
 import torch
 
 from . import report, tools as toolmod
+from .timing import Timing, sync, time_interleaved, time_per_call, warm_clocks  # noqa: F401 (re-exported)
 
 DTYPES = {  # --dtype: (torch dtype, TF32 allowed)
     "fp32": (torch.float32, False),
@@ -73,59 +73,7 @@ def precision_settings():
     }
 
 
-# ---------------------------------------------------------------------------- timing
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class Timing:
-    us: float           # median per-call time over the repetitions
-    reps_us: list       # per-call time of each repetition
-    calls_per_rep: int
-
-
-def time_per_call(fn, inputs, reps=7, min_rep_s=0.02, max_calls=5000, warmup=3):
-    """Median per-call time of fn over `reps` blocks of back-to-back calls.
-
-    Each block is N calls with one synchronization at its end; N is chosen from a short
-    probe so that a block lasts at least `min_rep_s` (at most `max_calls` calls), which keeps
-    event resolution and the final sync negligible. Call i uses inputs[i % len(inputs)].
-    """
-    device, k = inputs[0].device, len(inputs)
-    for i in range(warmup):
-        fn(inputs[i % k])
-    sync(device)
-    n = 1
-    while True:  # probe: grow the block until it lasts a quarter of a repetition
-        start = time.perf_counter()
-        for i in range(n):
-            fn(inputs[i % k])
-        sync(device)
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_rep_s / 4 or n >= max_calls:
-            break
-        n = min(max_calls, n * 4)
-    calls = max(1, min(max_calls, math.ceil(min_rep_s / max(elapsed / n, 1e-9))))
-    per_call = []
-    for _ in range(max(reps, 5)):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for i in range(calls):
-                fn(inputs[i % k])
-            end.record()
-            end.synchronize()
-            per_call.append(begin.elapsed_time(end) * 1e3 / calls)
-        else:
-            start = time.perf_counter()
-            for i in range(calls):
-                fn(inputs[i % k])
-            per_call.append((time.perf_counter() - start) * 1e6 / calls)
-    return Timing(statistics.median(per_call), per_call, calls)
-
+# ---------------------------------------------------------------------------- inputs
 
 def make_inputs(shape, dtype, device, rotate=4, rotate_max_bytes=256 << 20):
     """Fresh randn inputs: `rotate` distinct tensors when they are small, else one."""
@@ -154,12 +102,7 @@ def measure_ceilings(device, dtype, warm_s=1.0):
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     c = torch.empty(n, n, dtype=dtype, device=device)
-    if cuda:  # warm the clocks: a cold GPU is slower than a busy one
-        end = time.perf_counter() + warm_s
-        while time.perf_counter() < end:
-            for _ in range(4):
-                torch.mm(a, b, out=c)
-            sync(device)
+    warm_clocks(device, warm_s)  # a cold GPU is slower than a busy one
     t_mm = time_per_call(lambda x: torch.mm(x, b, out=c), [a], min_rep_s=0.05)
     del a, b, c
     numel = min(256 << 20, int(free / 4 / 4)) if cuda else 16 << 20
@@ -238,29 +181,75 @@ def _cleanup(device):
         torch.cuda.empty_cache()
 
 
-def run_tool(tool, model, inputs, ref, args):
-    """Build, check and time one tool on one cell; every failure lands in the record."""
+def build_checked(tool, model, inputs, ref):
+    """(fn or None, record): one tool built and its output checked against the reference."""
     fn, rec = toolmod.build_tool(tool, model, inputs[0])
     if fn is None:
-        return rec
+        return None, rec
     try:
         for _ in range(2):  # reduce-overhead records its graph on a later call, not the first
             fn(inputs[0])
         rec["rel_err"] = rel_error(fn(inputs[0]), ref)
-        t = time_per_call(fn, inputs, reps=args.reps, min_rep_s=args.min_rep_ms / 1e3,
-                          max_calls=args.max_calls)
-        rec.update(us=t.us, reps_us=t.reps_us, calls_per_rep=t.calls_per_rep)
     except Exception as exc:  # noqa: BLE001 - a broken tool is a cell, not a crash
-        import traceback
+        _record_error(rec, exc)
+        return None, rec
+    return fn, rec
 
-        rec.update(status="err", error=f"{type(exc).__name__}: {exc}"[:500],
-                   traceback=traceback.format_exc()[-4000:])
+
+def _record_error(rec, exc):
+    import traceback
+
+    rec.update(status="err", error=f"{type(exc).__name__}: {exc}"[:500],
+               traceback=traceback.format_exc()[-4000:])
+
+
+def _store_timing(rec, t):
+    rec.update(us=t.us, reps_us=t.reps_us, calls_per_rep=t.calls_per_rep)
+
+
+def run_tool(tool, model, inputs, ref, args):
+    """Build, check and time one tool on its own (--order sequential); every failure lands
+    in the record."""
+    fn, rec = build_checked(tool, model, inputs, ref)
+    try:
+        if fn is not None:
+            _store_timing(rec, time_per_call(fn, inputs, reps=args.reps, min_rep_s=args.min_rep_ms / 1e3,
+                                             max_calls=args.max_calls))
+    except Exception as exc:  # noqa: BLE001
+        _record_error(rec, exc)
     finally:
         fn = None
         if tool.compiled:
             torch._dynamo.reset()
         _cleanup(inputs[0].device)
     return rec
+
+
+def run_tools_interleaved(tools, model, inputs, ref, args):
+    """Build and check every tool, then time them together in rounds (time_interleaved).
+
+    torch.compile columns are built after a dynamo reset each (a fair compile time), so the
+    first one recompiles once during the warm-up calls; its cache entry and the next one's
+    then coexist (dynamo keeps one entry per backend)."""
+    results, fns = {}, {}
+    for tool in tools:
+        fn, results[tool.key] = build_checked(tool, model, inputs, ref)
+        if fn is not None:
+            fns[tool.key] = fn
+    try:
+        if fns:
+            timings = time_interleaved(fns, inputs, reps=args.reps, min_rep_s=args.min_rep_ms / 1e3,
+                                       max_calls=args.max_calls)
+            for key, t in timings.items():
+                _store_timing(results[key], t)
+    except Exception as exc:  # noqa: BLE001 - e.g. a recompile failing: no tool of the cell is timed
+        for key in fns:
+            _record_error(results[key], exc)
+    finally:
+        fns.clear()
+        torch._dynamo.reset()
+        _cleanup(inputs[0].device)
+    return results
 
 
 def run_case(case, tools, device, dtype, ceilings, args, seed):
@@ -286,8 +275,12 @@ def run_case(case, tools, device, dtype, ceilings, args, seed):
             cell["bytes"] = min_bytes(model, inputs[0], ref)
             cell["inputs_rotated"] = len(inputs)
             cell["floor_us"], cell["floor_bound"] = floor_of(cell["flops"], cell["bytes"], ceilings)
-            for tool in tools:
-                cell["results"][tool.key] = run_tool(tool, model, inputs, ref, args)
+            cell["timing"] = args.order
+            if args.order == "interleaved":
+                cell["results"] = run_tools_interleaved(tools, model, inputs, ref, args)
+            else:
+                for tool in tools:
+                    cell["results"][tool.key] = run_tool(tool, model, inputs, ref, args)
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the reference
         cell["skipped"] = f"setup failed: {type(exc).__name__}: {exc}"[:500]
     finally:
@@ -312,6 +305,10 @@ def add_common_args(parser):
                                       "benchmarks/results/<device-slug>/")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (at least 5)")
+    parser.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
+                        help="interleaved: every tool built first, then timed in rounds, one block "
+                             "each per round; sequential: one tool after the other (the method "
+                             "before 2026-11-25 noon)")
     parser.add_argument("--min-rep-ms", type=float, default=20.0,
                         help="each repetition queues enough calls to last this long")
     parser.add_argument("--max-calls", type=int, default=5000, help="cap on calls per repetition")
@@ -352,6 +349,7 @@ def environment(bench, device, args):
         "python": sys.version.split()[0],
         "git_commit": commit or None,
         "dtype": args.dtype,
+        "timing": args.order,
         "precision": precision_settings(),
     }
 

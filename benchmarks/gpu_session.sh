@@ -4,9 +4,11 @@
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 FXFUSE_CACHE_DIR=/tmp/fxfuse-cache
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || cat /tmp/install.log
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/versions.txt"
+# clocks and power every 2 s while the call runs, appended to versions.txt at the end
+(nvidia-smi dmon -s pc -d 2 >/tmp/dmon.log 2>&1 &) ; trap 'echo "== dmon (pwr W, gtemp, mtemp, sm MHz, mem MHz)" >>"$OUT/versions.txt"; cat /tmp/dmon.log >>"$OUT/versions.txt"' EXIT
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 300 python3 -m pytest tests -m cuda -q -x -o addopts="" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 fi

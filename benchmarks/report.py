@@ -17,6 +17,8 @@ from tabulate import tabulate
 from .tools import HEADLINE
 
 RESULTS = Path(__file__).parent / "results"
+ORDER_TEXT = {"interleaved": "in rounds (one block of each tool per round, order rotated)",
+              "sequential": "one after the other"}
 
 
 def slug(name):
@@ -142,7 +144,8 @@ class Report:
 
     def print_table(self):
         print(f"\n{self.meta['benchmark']} on {self.meta['device']}, {self.meta['dtype']}, "
-              f"per-call us (median of repetitions of back-to-back calls)")
+              f"per-call us (median of repetitions of back-to-back calls, "
+              f"{self.meta.get('timing', 'sequential')} tools)")
         print(self.table())
 
     # ------------------------------------------------------------------ files
@@ -179,8 +182,9 @@ class Report:
                  f"- dtype {m['dtype']}; precision {m['precision']}"]
         if "ceilings" in m:
             lines.append(f"- ceilings: {ceilings_line(m['ceilings'])}")
+        order = m.get("timing", "sequential")
         lines += ["- times: per-call microseconds, median of repetitions of back-to-back "
-                  "calls; floor = max(FLOPs / matmul rate, min bytes / copy bandwidth, "
+                  f"calls, tools timed {ORDER_TEXT.get(order, order)}; floor = max(FLOPs / matmul rate, min bytes / copy bandwidth, "
                   "one launch); `x best other` = fxfuse speedup over the fastest non-fxfuse "
                   "column; `s` columns = build + first call (compile) in seconds; rel err = "
                   "||out - ref|| / ||ref|| against float64.", "", self.table(), ""]
