@@ -92,6 +92,7 @@ def measure_ceilings(device, dtype, warm_s=1.0):
     up to 1 GiB (bytes read + written); one replay of a CUDA graph holding one tiny kernel
     (and, for reference only, the per-kernel cost in a graph of 64 such kernels).
     CPU: the same with small sizes and one tiny eager op as the "launch"; rough, for testing.
+    Both: the host time of an empty nn.Module call (the host's speed, which the small cells follow).
     """
     cuda = device.type == "cuda"
     elt = torch.empty((), dtype=dtype).element_size()
@@ -113,7 +114,10 @@ def measure_ceilings(device, dtype, warm_s=1.0):
     del src, dst
     tiny = torch.randn(1, device=device)
     t_eager = time_per_call(lambda x: x.add_(1.0), [tiny], max_calls=20000)
+    # host speed: the small cells are bound by the CPU, whose speed differed ~2x between
+    # sessions on the device host (SUMMARY.md, 2026-11-23); an empty module call shows which
     out = {
+        "host_module_call_s": host_call_us() * 1e-6,
         "matmul_n": n,
         "matmul_dtype": str(dtype).replace("torch.", ""),
         "matmul_flops_per_s": 2 * n**3 / (t_mm.us * 1e-6),
@@ -150,6 +154,12 @@ def floor_of(flops, nbytes, ceilings):
     }
     bound = max(parts, key=parts.get)
     return parts[bound] * 1e6, bound
+
+
+def host_call_us():
+    """Host time of an empty nn.Module call now (us): the host's speed drifts on this machine,
+    and the small, host-bound cells follow it."""
+    return time_per_call(torch.nn.Identity(), [torch.randn(1)], reps=5, min_rep_s=0.005, max_calls=20000).us
 
 
 def count_flops(model, x):
@@ -276,6 +286,7 @@ def run_case(case, tools, device, dtype, ceilings, args, seed):
             cell["inputs_rotated"] = len(inputs)
             cell["floor_us"], cell["floor_bound"] = floor_of(cell["flops"], cell["bytes"], ceilings)
             cell["timing"] = args.order
+            cell["host_module_call_us"] = host_call_us()
             if args.order == "interleaved":
                 cell["results"] = run_tools_interleaved(tools, model, inputs, ref, args)
             else:

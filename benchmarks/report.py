@@ -44,7 +44,9 @@ def ceilings_line(c):
             f"{c['matmul_n']}^3), copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
             f"launch {c['launch_s'] * 1e6:.2f} us, eager launch {c['eager_launch_s'] * 1e6:.2f} us"
             + (f", {c['graph_kernel_s'] * 1e6:.2f} us per kernel in a graph"
-               if "graph_kernel_s" in c else ""))
+               if "graph_kernel_s" in c else "")
+            + (f", empty module call {c['host_module_call_s'] * 1e6:.2f} us (host)"
+               if "host_module_call_s" in c else ""))
 
 
 def cell_value(rec):
