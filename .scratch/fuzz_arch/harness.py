@@ -80,7 +80,7 @@ def check(name, model, make, batches=(3, 5), expect_fused=None, option_sets=None
             problems.append("STDOUT: " + out.getvalue()[:300])
         if expect_fused and st.get("fused_kernels", 0) < expect_fused:
             problems.append(f"fused_kernels={st.get('fused_kernels')} < {expect_fused}")
-        s = f"[{'OK ' if not problems else 'BAD'}] {tag} ({time.time()-t0:.1f}s) opt={is_opt} fused={st.get('fused_kernels')} lib={st.get('library_calls')} spec={st.get('specializations')}"
+        s = f"[{'OK ' if not problems else 'BAD'}] {tag} ({time.time()-t0:.1f}s) opt={is_opt} fused={st.get('fused_kernels')} lib={st.get('library_calls')} spec={st.get('specializations')} launches={st.get('kernel_launches')} reffb={st.get('reference_fallbacks')}"
         print(s, flush=True)
         for p in problems:
             print("     ", p, flush=True)
