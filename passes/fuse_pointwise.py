@@ -313,6 +313,9 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
             env[head] = new.node_copy(head, lambda n: env[n])
             continue
         name = f"fused_{count}"
+        while hasattr(gm, name):   # the model's own submodule may be called fused_0
+            count += 1
+            name = f"fused_{count}"
         count += 1
         inputs, outputs, module = build_fused_kernel(gm, members, use_kernels)
         gm.add_submodule(name, module)
