@@ -8,6 +8,7 @@ feeding `x + bias * 2`, are recomputed per point, which is what broadcasting mea
 Library calls (matmul, conv, pooling, reductions, views) stay as they are.
 """
 import heapq
+import numbers
 import operator
 
 import torch
@@ -73,6 +74,8 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
         return "where() condition is not bool"
     if op.returns_bool and _compares_wide_integers(node):
         return "compares int32/int64 values, which fp32 (the kernel's compute type) cannot hold exactly"
+    if op.returns_bool:
+        return _number_outside_integer_range(node)
     return None
 
 
@@ -93,6 +96,21 @@ def _compares_wide_integers(node) -> bool:
     if comparison_dtype(node).is_floating_point:
         return False
     return any(_meta(a).dtype not in EXACT_IN_FP32 for a in node.args[:2] if isinstance(a, torch.fx.Node))
+
+
+def _number_outside_integer_range(node) -> str | None:
+    """Eager converts a Python number compared with an integer tensor to the tensor's dtype
+    first, wrapping it (uint8 == 300 compares with 44; int8 > 200 with -56); the kernel compares
+    in fp32, unwrapped: such a comparison stays in the library."""
+    dtype = comparison_dtype(node)
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    for a in node.args[:2]:
+        if isinstance(a, numbers.Real) and not isinstance(a, torch.fx.Node) and not info.min <= a <= info.max:
+            return (f"compares {dtype} values with {a!r}, outside the {dtype} range: eager converts the number "
+                    f"to {dtype} first (wrapping it), the kernel would compare it unwrapped")
+    return None
 
 
 def _kept_writes(gm) -> list:

@@ -36,3 +36,29 @@ def test_a_submodule_named_like_a_kernel_keeps_its_name():
         x = torch.randn(4, 3, 6)
         torch.testing.assert_close(opt(x), model(x))
     assert fxfuse.stats(opt)["fused_kernels"] >= 2
+
+
+class CompareWithNumber(nn.Module):
+    def __init__(self, number, op):
+        super().__init__()
+        self.number, self.op = number, op
+
+    def forward(self, x):
+        return self.op(x, self.number).float() * 2 + x.float().sigmoid()
+
+
+@pytest.mark.parametrize("dtype,number,op", [
+    (torch.uint8, 300, torch.eq), (torch.uint8, -1, torch.gt), (torch.int8, 200, torch.lt),
+    (torch.int16, 40000, torch.ge)])
+def test_comparing_a_narrow_integer_with_a_number_out_of_its_range(dtype, number, op):
+    """Fuzz: eager converts the number to the tensor's dtype first (uint8 == 300 compares with
+    44); the kernel compared unwrapped: a wrong answer on inputs the example did not show."""
+    model = CompareWithNumber(number, op).eval()
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -100), min(info.max, 120)
+    opt = fxfuse.optimize(model, torch.randint(lo, hi, (4, 8), dtype=dtype), strict=True)
+    with torch.no_grad():
+        x = torch.arange(lo, lo + 256, dtype=torch.int32).clamp(max=info.max).to(dtype).view(8, 32)
+        torch.testing.assert_close(opt(x), model(x))
+        assert fxfuse.stats(opt)["fused_kernels"] >= 1     # the rest still fuses
+    assert "outside the torch." in " ".join(str(fxfuse.explain(opt)).split())
