@@ -76,10 +76,10 @@ def _verify(model, gm, args) -> None:
     floor = _loosest_tolerance(gm)
     for k, (e, g) in enumerate(zip(eager_args, graph_args)):
         problem = _mismatch(e, g, floor)
-        if problem:  # torch.fx records `x += 1` on an input as `x = x + 1`: the graph lost a write
+        if problem:  # the graph lost a write into an input (a tracer that does not record it)
             raise UnsupportedError(f"input {k} after the call: {problem}; the model writes into its input "
-                                   "in a way the traced graph does not (`x += 1` on an input traces as "
-                                   "`x = x + 1`): write x.add_(1), or x = x + 1")
+                                   "in a way the traced graph does not reproduce: write the update "
+                                   "out of place (x = x + 1) or as an explicit in-place op (x.add_(1))")
     for k, (e, g) in enumerate(zip(expected, got)):
         problem = _mismatch(e, g, floor)
         if problem:

@@ -248,11 +248,29 @@ def _quiet_symbolic_trace(model, concrete):
     return gm
 
 
+class _AugmentedAssignmentProxy(torch.fx.Proxy):
+    """A torch.fx Proxy that records `v += y` as operator.iadd(v, y).
+
+    torch.fx's Proxy has no in-place operators, so Python runs `v += y` as `v = v + y`: the
+    write disappears. Eager writes into v's memory, and when v is a view (`v = h[:, :4]`), an
+    alias (`g = h`) or an input, others see the write (fuzzing: a silent wrong answer where
+    the example input did not show it). operator.iadd is what Python runs for `+=`: in-place
+    for a tensor, a rebinding for an int, and normalize turns it into the functional op where
+    nothing else sees the memory (`out += identity` on a fresh tensor still fuses)."""
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+              "matmul"):
+    def _augmented(self, other, _op=getattr(operator, f"i{_name}")):
+        return self.tracer.create_proxy("call_function", _op, (self, other), {})
+    setattr(_AugmentedAssignmentProxy, f"__i{_name}__", _augmented)
+
+
 class _AutocastWatchingTracer(torch.fx.Tracer):
     """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
     the context manager runs at trace time and leaves no trace in the graph. Autocast state is
     per thread (the build runs with it off: runtime._autocast_off), so other threads cannot
-    trip it."""
+    trip it. Its proxies record augmented assignments (_AugmentedAssignmentProxy)."""
 
     autocast_node = None
 
@@ -261,6 +279,9 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         if self.autocast_node is None and node.op not in ("placeholder", "output") and autocast_enabled():
             self.autocast_node = node.name
         return node
+
+    def proxy(self, node):
+        return _AugmentedAssignmentProxy(node, self)
 
 
 autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call

@@ -273,6 +273,9 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             node.replace_all_uses_with(value if not isinstance(value, torch.Size) else tuple(value))
             g.erase_node(node)  # pure, and the impurity test of the final DCE would keep a method call
             continue
+        if node.op == "call_function" and node.target in AUGMENTED_TWINS and not _is_tensor_node(node.args[0]):
+            node.target = AUGMENTED_TWINS[node.target]   # `n += 1` on a size: a rebinding (and torch.fx
+            continue                                      # would print `5 += 1` once n is folded)
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
@@ -360,6 +363,9 @@ def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:
 
 INPLACE_DUNDERS = {f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
                                                 "xor", "lshift", "rshift", "matmul")}
+AUGMENTED_TWINS = {getattr(operator, f"i{name}"): getattr(operator, name if name not in ("and", "or") else name + "_")
+                   for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+                                "lshift", "rshift", "matmul")}   # the tracer records `v += y` as iadd(v, y)
 INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
                              operator.ipow, operator.ilshift, operator.irshift, operator.imatmul}
 

@@ -62,3 +62,70 @@ def test_comparing_a_narrow_integer_with_a_number_out_of_its_range(dtype, number
         torch.testing.assert_close(opt(x), model(x))
         assert fxfuse.stats(opt)["fused_kernels"] >= 1     # the rest still fuses
     assert "outside the torch." in " ".join(str(fxfuse.explain(opt)).split())
+
+
+class WriteThroughView(nn.Module):
+    def forward(self, x):
+        h = (x * 2).relu()
+        v = h[:, :4]
+        v += torch.where(x[:, :4] > 3.0, 100.0, 0.0)   # eager writes into h through the view
+        return h
+
+
+class WriteThroughAlias(nn.Module):
+    def forward(self, x):
+        h = x.relu() * 3
+        g = h
+        g *= torch.where(x > 3.0, -1.0, 1.0)
+        return h.sigmoid() + h
+
+
+class WriteThroughReshape(nn.Module):
+    def forward(self, x):
+        h = (x * 2).relu()
+        flat = h.reshape(-1)
+        flat -= 1
+        return h + 1
+
+
+class SizeRebinding(nn.Module):
+    def forward(self, x):
+        n = x.shape[1]
+        n += 1                     # an int: `+=` rebinds
+        return nn.functional.pad(x, (0, 1)).relu() * n
+
+
+@pytest.mark.parametrize("model_class", [WriteThroughView, WriteThroughAlias, WriteThroughReshape, SizeRebinding])
+def test_augmented_assignment_through_a_view_or_alias_writes_as_eager(model_class):
+    """Fuzz: torch.fx ran `v += y` as `v = v + y`, so a write through a view or an alias was
+    lost: a silent wrong answer where the example input (all < 3) did not show it."""
+    model = model_class().eval()
+    opt = fxfuse.optimize(model, torch.rand(2, 8), strict=True)
+    with torch.no_grad():
+        for x in (torch.rand(2, 8) * 5, torch.randn(3, 8) * 4):
+            torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_residual_augmented_assignment_still_fuses():
+    """`out += identity` on a fresh tensor (ResNet's block) becomes the functional add and fuses
+    with the ReLU after it."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            out = self.lin(x)
+            out += x
+            out *= 0.5
+            return torch.relu(out)
+
+    model = Block().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8), strict=True, gemm="off", fused_mlp="off")
+    with torch.no_grad():
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(opt(x), model(x))
+    spec = next(iter(opt.specializations.values()))
+    fused = [m for m in spec.gm.modules() if type(m).__name__ == "FusedKernel"]
+    assert len(fused) == 1 and len(fused[0].members) == 4   # bias add, += x, *= 0.5, relu
