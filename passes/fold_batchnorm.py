@@ -33,7 +33,9 @@ def _scale_shift(bn: nn.modules.batchnorm._BatchNorm):
 
 
 def _is_eval_batchnorm(mod) -> bool:
+    """An eval-mode BatchNorm whose forward is torch's own (a subclass may override it)."""
     return (isinstance(mod, nn.modules.batchnorm._BatchNorm) and not mod.training
+            and type(mod).forward in (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
             and mod.track_running_stats and mod.running_mean is not None)
 
 

@@ -173,7 +173,9 @@ def _is_tensor_node(node) -> bool:
 
 
 def _split_layer(gm, node) -> bool:
-    """Linear -> F.linear(x, W) + b ; ConvNd -> F.convNd(x, W, None, ...) + b.view(C, 1, ...)."""
+    """Linear -> F.linear(x, W) + b ; ConvNd -> F.convNd(x, W, None, ...) + b.view(C, 1, ...).
+    The exact classes only: a subclass may compute its weight (a weight_norm parametrization,
+    timm's StdConv2d) or override forward, and stays a call of its own."""
     g = gm.graph
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
@@ -184,7 +186,7 @@ def _split_layer(gm, node) -> bool:
                 if mod.bias is not None:
                     out.meta = dict(node.meta)
                     out = g.call_function(operator.add, (out, g.get_attr(f"{node.target}.bias")))
-        elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and mod.padding_mode == "zeros" \
+        elif type(mod) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and mod.padding_mode == "zeros" \
                 and len(node.args) == 1 and not node.kwargs:
             nd = int(type(mod).__name__[-2])
             with g.inserting_before(node):

@@ -129,3 +129,40 @@ def test_residual_augmented_assignment_still_fuses():
     spec = next(iter(opt.specializations.values()))
     fused = [m for m in spec.gm.modules() if type(m).__name__ == "FusedKernel"]
     assert len(fused) == 1 and len(fused[0].members) == 4   # bias add, += x, *= 0.5, relu
+
+
+class StandardizedConv(nn.Conv2d):
+    """timm's StdConv2d: a Conv2d subclass whose forward standardizes its weight."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean(dim=(1, 2, 3), keepdim=True)) / (w.std(dim=(1, 2, 3), keepdim=True) + 1e-5)
+        return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class ShiftedBatchNorm(nn.BatchNorm2d):
+    def forward(self, x):
+        return super().forward(x) + 1
+
+
+@pytest.mark.parametrize("layer", [
+    lambda: nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 1)),
+    lambda: StandardizedConv(3, 4, 3, padding=1),
+    lambda: nn.Sequential(nn.Conv2d(3, 4, 1), ShiftedBatchNorm(4))])
+def test_subclasses_of_conv_and_batchnorm_keep_their_forward(layer):
+    """Fuzz: a weight_norm Conv (a parametrized subclass) matched isinstance(Conv2d) and became
+    F.conv2d on `0.weight`: a fallback with two misleading warnings; a subclass overriding
+    forward would have lost it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(), nn.ReLU()).eval()
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-1, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, torch.randn(2, 3, 5, 5), strict=True)
+    assert not [w for w in caught if "fxfuse" in str(w.message) or "get_attr" in str(w.message)]
+    with torch.no_grad():
+        x = torch.randn(3, 3, 5, 5)
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
