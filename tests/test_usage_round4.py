@@ -166,3 +166,27 @@ def test_subclasses_of_conv_and_batchnorm_keep_their_forward(layer):
         x = torch.randn(3, 3, 5, 5)
         torch.testing.assert_close(opt(x), model(x))
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class GRUCellLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 15), nn.Linear(5, 15)
+
+    def forward(self, x, h):
+        xr, xz, xn = self.a(x).chunk(3, -1)
+        hr, hz, hn = self.b(h).chunk(3, -1)
+        r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+        return (1 - z) * torch.tanh(xn + r * hn) + z * h
+
+
+def test_batch_one_rows_of_a_padded_strassen_output_run_the_kernel():
+    """Fuzz: at batch 1 a kernel input had stride (16, 1) (Strassen's padded output) where the
+    meta said (15, 1); the stride of a size-1 dimension is never used, but the mismatch sent
+    every call to the torch reference."""
+    model = GRUCellLike().eval()
+    args = (torch.randn(1, 4), torch.randn(1, 5))
+    opt = fxfuse.optimize(model, args, strassen="force", strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
+    assert fxfuse.stats(opt)["reference_fallbacks"] == 0 and fxfuse.stats(opt)["fused_kernels"] >= 1
