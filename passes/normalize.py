@@ -272,8 +272,11 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if _is_shape_value(node) and node.users:
             value = node.meta["fxfuse"]["value"]
-            node.replace_all_uses_with(value if not isinstance(value, torch.Size) else tuple(value))
-            g.erase_node(node)  # pure, and the impurity test of the final DCE would keep a method call
+            returned = isinstance(value, torch.Size) and any(u.op == "output" for u in node.users)
+            for user in [u for u in node.users if not (returned and u.op == "output")]:
+                user.replace_input_with(node, value if not isinstance(value, torch.Size) else tuple(value))
+            if not returned:   # a Size returned by forward() is read at run time: torch.fx keeps no
+                g.erase_node(node)   # Size constant (it turns it into a tuple); pure, so erased
             continue
         if node.op == "call_function" and node.target in AUGMENTED_TWINS and not _is_tensor_node(node.args[0]):
             node.target = AUGMENTED_TWINS[node.target]   # `n += 1` on a size: a rebinding (and torch.fx

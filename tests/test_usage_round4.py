@@ -190,3 +190,21 @@ def test_batch_one_rows_of_a_padded_strassen_output_run_the_kernel():
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), model(*args))
     assert fxfuse.stats(opt)["reference_fallbacks"] == 0 and fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class ReturnsShape(nn.Module):
+    def forward(self, x):
+        h = torch.relu(x * 2)
+        return h, h.shape, x.size(), h.shape[0] + 1
+
+
+def test_a_returned_torch_size_stays_a_size():
+    """Fuzz: returning h.shape was refused with a pytree dump (the Size was folded into a tuple)."""
+    model = ReturnsShape().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 3), strict=True)
+    with torch.no_grad():
+        x = torch.randn(2, 3)
+        got, want = opt(x), model(x)
+    assert type(got[1]) is torch.Size and got[1:] == want[1:]
+    torch.testing.assert_close(got[0], want[0])
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
