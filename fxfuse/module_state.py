@@ -70,7 +70,10 @@ def _same_attr(a, b) -> bool:
 class _Snapshot:
     def __init__(self, model: torch.nn.Module):
         self.modules = []
+        runtimes = [name for name, m in model.named_modules() if getattr(type(m), "fxfuse_runtime", False)]
         for name, m in model.named_modules():
+            if any(name == r or name.startswith(f"{r}.specialization_") for r in runtimes):
+                continue   # an fxfuse OptimizedModule inside the model: its counters are not model state
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
             params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}

@@ -45,6 +45,10 @@ from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_mem
 from .specialization import Specialization, describe_mismatch, signature  # noqa: F401  (signature re-exported)
 from .tracing import autocast_enabled
 
+_FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
+if not hasattr(_FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: never seen as tracing
+    _FX_TRACE_STATE = type("NotTracing", (), {"_is_fx_tracing_flag": False})
+
 
 OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
 
@@ -130,6 +134,8 @@ def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
 
 class OptimizedModule(torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
+
+    fxfuse_runtime = True   # module_state: its call counters are bookkeeping, not model state
 
     def __init__(self, model: torch.nn.Module, example_args: tuple, options, build):
         super().__init__()
@@ -285,6 +291,8 @@ class OptimizedModule(torch.nn.Module):
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
                                       "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
+        if _FX_TRACE_STATE._is_fx_tracing_flag:   # optimize() of a model that holds opt: trace through
+            return self.original(*args, **kwargs)  # the original (the guards cannot read proxies)
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                 or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None):
             return super().__call__(*args, **kwargs)

@@ -208,3 +208,21 @@ def test_a_returned_torch_size_stays_a_size():
     assert type(got[1]) is torch.Size and got[1:] == want[1:]
     torch.testing.assert_close(got[0], want[0])
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+def test_a_model_holding_an_optimized_module_is_optimized_through_its_original():
+    """Fuzz: tracing ran the inner OptimizedModule's guards on proxies (a warning about a Proxy
+    input) and its call counters counted as the model's state (a second, false warning)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    inner = fxfuse.optimize(nn.Sequential(nn.Linear(6, 8), nn.GELU()).eval(), x, strict=True)
+    outer = nn.Sequential(inner, nn.Linear(8, 4), nn.ReLU()).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(outer, x, strict=True)
+    assert not caught
+    with torch.no_grad():
+        y = torch.randn(3, 6)
+        torch.testing.assert_close(opt(y), outer(y))
+        torch.testing.assert_close(inner(y), inner.original(y))   # the inner one still works
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
