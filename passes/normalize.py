@@ -106,7 +106,7 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}
 
 
-FRESH_FUNCTIONS = {F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
+FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
                    torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.softmax, F.softmax,
                    torch.log_softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.cat, torch.stack,
                    F.scaled_dot_product_attention,
@@ -122,6 +122,8 @@ FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone"}
 
 def _produces_fresh_tensor(node) -> bool:
     """True if node's output is a new tensor that no view or parameter shares."""
+    if node.op == "call_method":   # x.clone(), x.matmul(w): new memory
+        return node.target in FRESH_METHODS and "out" not in node.kwargs
     return node.op == "call_function" and "out" not in node.kwargs and (   # out=: the result IS `out`
         (is_pointwise_target(node.target) and node.target is not cast)
         or node.target in FRESH_FUNCTIONS)

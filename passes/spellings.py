@@ -167,6 +167,11 @@ def _build_aten_spellings() -> dict:
         table[overload] = Spelling(torch.where, ("condition", "input", "other"))
     table[aten.pow.Tensor_Scalar] = Spelling(operator.pow, ("input", "exponent"))
     table[aten.where.self] = Spelling(torch.where, ("condition", "input", "other"))
+    for name, inplace in (("clip", False), ("clip_", True)):
+        if hasattr(getattr(aten, name, None), "default"):
+            table[getattr(aten, name).default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=inplace)
+    for overload, row in list(table.items()):   # torch.ops.aten.relu(x): the packet, no overload named
+        table.setdefault(overload.overloadpacket, row)
     return table
 
 

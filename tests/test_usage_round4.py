@@ -226,3 +226,33 @@ def test_a_model_holding_an_optimized_module_is_optimized_through_its_original()
         torch.testing.assert_close(opt(y), outer(y))
         torch.testing.assert_close(inner(y), inner.original(y))   # the inner one still works
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class CloneThenInPlace(nn.Module):
+    def forward(self, x):
+        h = x.clone()
+        h.relu_()
+        g = torch.clone(x)
+        g.sigmoid_()
+        return h * 2 + g
+
+
+class AtenSpellings(nn.Module):
+    def forward(self, x):
+        return torch.ops.aten.relu(x) * 2 + torch.ops.aten.clip.default(x, -0.5, 0.5)
+
+
+@pytest.mark.parametrize("model_class", [CloneThenInPlace, AtenSpellings])
+def test_more_spellings_fuse(model_class):
+    """Fuzz: `x.clone().relu_()` was kept unfused ("in-place op on a view"), and the aten packet
+    torch.ops.aten.relu and aten.clip ran as library calls."""
+    model = model_class().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 4), strict=True)
+    with torch.no_grad():
+        x = torch.randn(5, 4)
+        before = x.clone()
+        torch.testing.assert_close(opt(x), model(before.clone()))
+        torch.testing.assert_close(x, before)
+    spec = next(iter(opt.specializations.values()))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert not [n for n in spec.gm.graph.nodes if "relu" in str(n.target) or "clip" in str(n.target)]
