@@ -174,6 +174,63 @@ def _is_tensor_node(node) -> bool:
     return isinstance(node, torch.fx.Node) and "tensor_meta" in node.meta
 
 
+MATMULS = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul.default}
+MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
+ADDMMS = {torch.addmm, aten.addmm.default}
+
+
+def _transposed_weight(node):
+    """W where node is W.T / W.t() / torch.t(W) / W.transpose(0, 1) (or -1, -2) / W.permute(1, 0)
+    of a 2-D constant of the model (a get_attr), else None."""
+    if not isinstance(node, torch.fx.Node) or not node.args:
+        return None
+    w, rest = node.args[0], tuple(node.args[1:]) + tuple(node.kwargs.values())
+    transposes = (
+        (node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)))
+        or (node.op == "call_method" and node.target == "t" and not rest)
+        or (node.op == "call_function" and node.target in (torch.t, aten.t.default) and not rest)
+        or (node.op == "call_method" and node.target == "transpose" and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
+        or (node.op == "call_function" and node.target in (torch.transpose, aten.transpose.int)
+            and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
+        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),))))
+    meta = w.meta.get("tensor_meta") if isinstance(w, torch.fx.Node) else None
+    if transposes and w.op == "get_attr" and meta is not None and len(meta.shape) == 2:
+        return w
+    return None
+
+
+def _matmul_as_linear(gm, node) -> bool:
+    """`x @ W.T`, `torch.matmul(x, W.t())`, `x.mm(W.transpose(0, 1))` -> F.linear(x, W), and
+    `torch.addmm(b, x, W.t())` -> F.linear(x, W) + b: the same product spelled as a Linear, so the
+    Linear passes (fused GEMM, fused MLP, Strassen, the cost model) see it (b + x @ W.T and
+    x @ W.T + b are the same sum)."""
+    if node.op == "call_function" and node.target in MATMULS or node.op == "call_method" and node.target in MATMUL_METHODS:
+        if len(node.args) != 2 or node.kwargs:
+            return False
+        x, other = node.args
+        bias = None
+    elif node.op == "call_function" and node.target in ADDMMS and len(node.args) == 3 and not node.kwargs:
+        bias, x, other = node.args
+    else:
+        return False
+    w = _transposed_weight(other)
+    x_meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
+    if w is None or x_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w.meta["tensor_meta"].dtype:
+        return False
+    if node.target in (torch.mm, aten.mm.default, "mm") and len(x_meta.shape) != 2:
+        return False
+    g = gm.graph
+    with g.inserting_before(node):
+        out = g.call_function(F.linear, (x, w))
+        out.meta = dict(node.meta)
+        if bias is not None:
+            out = g.call_function(operator.add, (out, bias))
+            out.meta = dict(node.meta)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return True
+
+
 def _split_layer(gm, node) -> bool:
     """Linear -> F.linear(x, W) + b ; ConvNd -> F.convNd(x, W, None, ...) + b.view(C, 1, ...).
     The exact classes only: a subclass may compute its weight (a weight_norm parametrization,
@@ -289,6 +346,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if node.op == "call_function" and node.target in EXPORT_ASSERTS:
             g.erase_node(node)  # torch.export's dtype/device check: the runtime guards those on every call
+            continue
+        if _matmul_as_linear(gm, node):
             continue
         if _split_layer(gm, node):
             continue

@@ -256,3 +256,36 @@ def test_more_spellings_fuse(model_class):
     spec = next(iter(opt.specializations.values()))
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert not [n for n in spec.gm.graph.nodes if "relu" in str(n.target) or "clip" in str(n.target)]
+
+
+class LinearSpellings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(12, 7) / 3), nn.Parameter(torch.randn(12))
+        self.w2, self.b2 = nn.Parameter(torch.randn(12, 12) / 3), nn.Parameter(torch.randn(12))
+        self.w3 = nn.Parameter(torch.randn(5, 12) / 3)
+
+    def forward(self, x):
+        h = (x @ self.w1.T + self.b1).relu()
+        h = torch.addmm(self.b2, h, self.w2.t()).sigmoid()
+        h = torch.matmul(h, self.w2.transpose(0, 1)) + self.b2
+        return h.mm(torch.t(self.w3)).tanh()
+
+
+@pytest.mark.parametrize("options", [{}, {"gemm": "force"}, {"fused_mlp": "force"}, {"strassen": "force"}])
+def test_matmul_spellings_of_a_linear_are_linears(options):
+    """Fuzz: `x @ W.T + b`, `torch.addmm(b, x, W.t())`, `torch.matmul(x, W.transpose(0, 1))` and
+    `x.mm(torch.t(W))` stayed library matmuls: gemm="force" and fused_mlp="force" did not apply."""
+    model = LinearSpellings().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 7), strict=True, **options)
+    with torch.no_grad():
+        x = torch.randn(6, 7)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    text = str(fxfuse.explain(opt))
+    assert "linear_3" in text            # four Linear layers in the cost model's table
+    spec = next(iter(opt.specializations.values()))
+    names = [str(n.target) for n in spec.gm.graph.nodes]
+    if options.get("fused_mlp") == "force":
+        assert fxfuse.stats(opt)["fused_kernels"] == 1 and not any("mm" in t for t in names)
+    if options.get("gemm") == "force":
+        assert not any(t in ("addmm", "mm", "matmul") or "linear" in t for t in names)
