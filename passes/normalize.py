@@ -5,8 +5,9 @@ aten's `relu.default` all become `torch.relu(x)`; likewise for every op of fxfus
 spelling is a row of the tables in passes/spellings.py: which canonical op it is, the names of its parameters in
 positional order (to bind args and kwargs), and whether it mutates its first operand.
 
-Also here: `nn.Linear` / `F.linear` with a bias becomes `F.linear(x, W)` plus a pointwise bias
-add (epilogue work for fusion); ConvNd keeps its library call with the bias split out;
+Also here (through passes/normalize_layers.py): `nn.Linear` / `F.linear` with a bias and the
+matmul spellings of a Linear (`x @ W.T + b`, addmm) become `F.linear(x, W)` plus a pointwise
+bias add (epilogue work for fusion); ConvNd keeps its library call with the bias split out;
 eval-mode Dropout and Identity vanish; shape arithmetic (`x.size(0) * 2`) folds to constants
 (the runtime guards on shapes); in-place ops become functional when nothing else can observe
 the mutation, and otherwise stay as they are, so eager semantics hold either way.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from fxfuse.ops import POINTWISE, cast, is_pointwise_target
 from fxfuse.tracing import fxfuse_meta
 
+from .normalize_layers import matmul_as_linear, split_layer
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CAST_METHODS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
                         DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
                         SHAPE_METHODS, Spelling)
@@ -160,119 +162,8 @@ def _is_shape_value(node) -> bool:
     return False
 
 
-def _register_constant(gm, stem: str, tensor: torch.Tensor) -> str:
-    name = "fxfuse_" + stem.replace(".", "_")
-    k = 0
-    while hasattr(gm, name + (f"_{k}" if k else "")):
-        k += 1
-    name += f"_{k}" if k else ""
-    gm.register_buffer(name, tensor.detach(), persistent=False)
-    return name
-
-
 def _is_tensor_node(node) -> bool:
     return isinstance(node, torch.fx.Node) and "tensor_meta" in node.meta
-
-
-MATMULS = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul.default}
-MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
-ADDMMS = {torch.addmm, aten.addmm.default}
-
-
-def _transposed_weight(node):
-    """W where node is W.T / W.t() / torch.t(W) / W.transpose(0, 1) (or -1, -2) / W.permute(1, 0)
-    of a 2-D constant of the model (a get_attr), else None."""
-    if not isinstance(node, torch.fx.Node) or not node.args:
-        return None
-    w, rest = node.args[0], tuple(node.args[1:]) + tuple(node.kwargs.values())
-    transposes = (
-        (node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)))
-        or (node.op == "call_method" and node.target == "t" and not rest)
-        or (node.op == "call_function" and node.target in (torch.t, aten.t.default) and not rest)
-        or (node.op == "call_method" and node.target == "transpose" and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
-        or (node.op == "call_function" and node.target in (torch.transpose, aten.transpose.int)
-            and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
-        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),))))
-    meta = w.meta.get("tensor_meta") if isinstance(w, torch.fx.Node) else None
-    if transposes and w.op == "get_attr" and meta is not None and len(meta.shape) == 2:
-        return w
-    return None
-
-
-def _matmul_as_linear(gm, node) -> bool:
-    """`x @ W.T`, `torch.matmul(x, W.t())`, `x.mm(W.transpose(0, 1))` -> F.linear(x, W), and
-    `torch.addmm(b, x, W.t())` -> F.linear(x, W) + b: the same product spelled as a Linear, so the
-    Linear passes (fused GEMM, fused MLP, Strassen, the cost model) see it (b + x @ W.T and
-    x @ W.T + b are the same sum)."""
-    if node.op == "call_function" and node.target in MATMULS or node.op == "call_method" and node.target in MATMUL_METHODS:
-        if len(node.args) != 2 or node.kwargs:
-            return False
-        x, other = node.args
-        bias = None
-    elif node.op == "call_function" and node.target in ADDMMS and len(node.args) == 3 and not node.kwargs:
-        bias, x, other = node.args
-    else:
-        return False
-    w = _transposed_weight(other)
-    x_meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
-    if w is None or x_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w.meta["tensor_meta"].dtype:
-        return False
-    if node.target in (torch.mm, aten.mm.default, "mm") and len(x_meta.shape) != 2:
-        return False
-    g = gm.graph
-    with g.inserting_before(node):
-        out = g.call_function(F.linear, (x, w))
-        out.meta = dict(node.meta)
-        if bias is not None:
-            out = g.call_function(operator.add, (out, bias))
-            out.meta = dict(node.meta)
-    node.replace_all_uses_with(out)
-    g.erase_node(node)
-    return True
-
-
-def _split_layer(gm, node) -> bool:
-    """Linear -> F.linear(x, W) + b ; ConvNd -> F.convNd(x, W, None, ...) + b.view(C, 1, ...).
-    The exact classes only: a subclass may compute its weight (a weight_norm parametrization,
-    timm's StdConv2d) or override forward, and stays a call of its own."""
-    g = gm.graph
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        if type(mod) is nn.Linear and len(node.args) == 1 and not node.kwargs:
-            with g.inserting_before(node):
-                w = g.get_attr(f"{node.target}.weight")
-                out = g.call_function(F.linear, (node.args[0], w))
-                if mod.bias is not None:
-                    out.meta = dict(node.meta)
-                    out = g.call_function(operator.add, (out, g.get_attr(f"{node.target}.bias")))
-        elif type(mod) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and mod.padding_mode == "zeros" \
-                and len(node.args) == 1 and not node.kwargs:
-            nd = int(type(mod).__name__[-2])
-            with g.inserting_before(node):
-                w = g.get_attr(f"{node.target}.weight")
-                out = g.call_function(CONV_FUNCTIONS[nd], (node.args[0], w, None, mod.stride,
-                                                           mod.padding, mod.dilation, mod.groups))
-                if mod.bias is not None:
-                    out.meta = dict(node.meta)
-                    shape = (-1,) + (1,) * nd
-                    b = g.get_attr(_register_constant(gm, f"{node.target}.bias", mod.bias.view(shape)))
-                    out = g.call_function(operator.add, (out, b))
-        else:
-            return False
-    elif node.op == "call_function" and node.target in (F.linear, aten.linear.default):
-        args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
-        if args.get("bias") is None:
-            return False
-        with g.inserting_before(node):
-            out = g.call_function(F.linear, (args["input"], args["weight"]))
-            out.meta = dict(node.meta)
-            out = g.call_function(operator.add, (out, args["bias"]))
-    else:
-        return False
-    out.meta = dict(node.meta)
-    node.replace_all_uses_with(out)
-    g.erase_node(node)
-    return True
 
 
 def _is_identity(gm, node) -> bool:
@@ -347,9 +238,9 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if node.op == "call_function" and node.target in EXPORT_ASSERTS:
             g.erase_node(node)  # torch.export's dtype/device check: the runtime guards those on every call
             continue
-        if _matmul_as_linear(gm, node):
+        if matmul_as_linear(gm, node):
             continue
-        if _split_layer(gm, node):
+        if split_layer(gm, node):
             continue
         dtype = _cast_target(node)
         if dtype is not None:
