@@ -75,14 +75,23 @@ class _Snapshot:
             if any(name == r or name.startswith(f"{r}.specialization_") for r in runtimes):
                 continue   # an fxfuse OptimizedModule inside the model: its counters are not model state
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
+            # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
+            # at trace time, and the graph holds the changed tensor as a constant
+            tensors = {k: (v, v.detach().clone()) for k, v in attrs.items()
+                       if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
             params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}
-            self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules)))
+            self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors))
 
     def restore(self) -> list:
         """Put everything back; the names of what forward() had changed."""
         changed = []
-        for name, m, attrs, buffers, params, modules in self.modules:
+        for name, m, attrs, buffers, params, modules, tensors in self.modules:
+            for k, (t, saved) in tensors.items():
+                if not _same_value(t, saved):
+                    changed.append(f"{name}.{k}")
+                    with torch.no_grad(), torch.inference_mode(t.is_inference()):
+                        t.copy_(saved)
             for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
                 if not k.startswith("_tensor_constant"):   # torch.fx's own: constants it put on the root
                     changed.append(f"{name}.{k}")

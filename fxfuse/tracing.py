@@ -189,6 +189,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     try:
         gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
+        refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
         raise                  # value-dependent shape): another tracer would meet it too
@@ -226,6 +227,58 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}}
     return gm
+
+
+AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in ("add", "sub", "mul", "truediv", "floordiv", "mod",
+                                                                   "pow", "and", "or", "xor", "lshift", "rshift")}
+VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "narrow", "select",
+                "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as", "diagonal", "as_strided",
+                "split", "chunk", "unbind", "detach", "movedim", "swapaxes", "unfold"}
+VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
+                  torch.narrow, torch.select, torch.t, torch.permute, torch.diagonal, torch.split, torch.chunk,
+                  torch.unbind, torch.detach, torch.movedim}
+
+
+def _writes_in_place(n: torch.fx.Node):
+    """The tensor an in-place node writes into (`b += 0.1`, `b.add_(1)`, `torch.relu_(b)`,
+    `b[0] = 1`, `out=b`), else None."""
+    if n.op == "call_function" and (n.target in AUGMENTED_OPERATORS or n.target is operator.setitem):
+        return n.args[0] if n.args else None
+    if "out" in n.kwargs:
+        return n.kwargs["out"]
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+    in_place = isinstance(name, str) and ((name.endswith("_") and not name.startswith("_"))
+                                          or (name.startswith("__i") and name.endswith("__")))
+    if in_place or n.kwargs.get("inplace") is True:
+        return n.args[0] if n.args else None
+    return None
+
+
+def _root_attribute(a) -> str | None:
+    """The get_attr target a value is a view of (through view ops), else None."""
+    while isinstance(a, torch.fx.Node):
+        if a.op == "get_attr":
+            return a.target
+        is_view = (a.op == "call_method" and a.target in VIEW_METHODS) or (
+            a.op == "call_function" and (a.target in VIEW_FUNCTIONS or (a.target is getattr and a.args[1] in ("T", "mT", "data"))))
+        if not is_view or not a.args:
+            return None
+        a = a.args[0]
+    return None
+
+
+def refuse_state_writes(gm: torch.fx.GraphModule) -> None:
+    """A forward() that writes into a parameter of the model (`self.lin.bias += 0.1`,
+    `self.lin.weight[0].add_(1)`) changes the module's state; fxfuse's graphs keep none. Refused
+    before anything runs: shape propagation and the check against eager would each apply the
+    write, and module_state, which compares and restores buffers and tensor attributes by value
+    (a scratch buffer written and reset in forward() passes), keeps no copy of the parameters."""
+    for n in gm.graph.nodes:
+        target = _root_attribute(_writes_in_place(n))
+        if target is not None and isinstance(fetch_attr(gm, target), torch.nn.Parameter):
+            raise StateWriteError(f"forward() changes the module's state: node {n.name} writes into the parameter "
+                                  f"{target} in place; fxfuse's graphs keep no state between calls, so the original "
+                                  "module runs")
 
 
 def _quiet_symbolic_trace(model, concrete):
@@ -285,6 +338,10 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
 
 
 autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call
+
+
+class StateWriteError(UnsupportedError):
+    """forward() writes into a parameter or buffer of the model."""
 
 
 class AutocastInForward(UnsupportedError):

@@ -132,9 +132,12 @@ def _produces_fresh_tensor(node) -> bool:
 
 
 def _reads_without_alias(gm, user) -> bool:
-    """True if `user` reads its inputs without keeping a view of them."""
+    """True if `user` reads its inputs without keeping a view of them. An in-place op normalize
+    kept (`g = h.div_(3, rounding_mode="floor")`: no canonical form) returns its operand: g IS h."""
     if user.op == "output":
         return True
+    if "kept" in user.meta.get("fxfuse", {}):
+        return False
     if user.op == "call_function" and (_produces_fresh_tensor(user) or user.target in FUNCTION_SPELLINGS):
         return True
     if user.op == "call_method" and (user.target in METHOD_SPELLINGS or user.target in SHAPE_METHODS
@@ -160,6 +163,16 @@ def _is_shape_value(node) -> bool:
     if node.op == "call_function" and node.target in ARITH:
         return all(_is_shape_value(a) for a in node.all_input_nodes)
     return False
+
+
+def _is_plain_number(arg) -> bool:
+    """A literal, or a node whose example value was not a tensor (a size). Not the absence of
+    tensor_meta: a value of data-dependent shape has its tensor_meta dropped, and `q += 1` on
+    it is a write (tracing.mark_data_dependent_shapes)."""
+    if not isinstance(arg, torch.fx.Node):
+        return True
+    kind = arg.meta.get("type")
+    return kind is not None and not issubclass(kind, torch.Tensor)
 
 
 def _is_tensor_node(node) -> bool:
@@ -228,9 +241,11 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             if not returned:   # a Size returned by forward() is read at run time: torch.fx keeps no
                 g.erase_node(node)   # Size constant (it turns it into a tuple); pure, so erased
             continue
-        if node.op == "call_function" and node.target in AUGMENTED_TWINS and not _is_tensor_node(node.args[0]):
+        if node.op == "call_function" and node.target in AUGMENTED_TWINS and (
+                _is_plain_number(node.args[0]) or node.target is operator.imatmul):   # torch has no __imatmul__
             node.target = AUGMENTED_TWINS[node.target]   # `n += 1` on a size: a rebinding (and torch.fx
-            continue                                      # would print `5 += 1` once n is folded)
+            if node.target is not operator.matmul:        # would print `5 += 1` once n is folded);
+                continue                                  # `h @= W.T` may be a Linear
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
@@ -324,7 +339,7 @@ AUGMENTED_TWINS = {getattr(operator, f"i{name}"): getattr(operator, name if name
                    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
                                 "lshift", "rshift", "matmul")}   # the tracer records `v += y` as iadd(v, y)
 INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
-                             operator.ipow, operator.ilshift, operator.irshift, operator.imatmul}
+                             operator.ilshift, operator.irshift, operator.imatmul}
 
 
 # in-place methods whose out-of-place twin returns the same dtype and shape as self

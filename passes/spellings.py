@@ -47,8 +47,9 @@ BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, 
           operator.le: ("le", [torch.le, torch.less_equal]), operator.eq: ("eq", [torch.eq]),
           operator.ne: ("ne", [torch.ne, torch.not_equal]),
           torch.maximum: ("maximum", [torch.maximum]), torch.minimum: ("minimum", [torch.minimum])}
+_OPERANDS = {operator.pow: ("input", "exponent")}   # canonical parameter names where not (input, other)
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
-                     operator.imul: operator.mul, operator.itruediv: operator.truediv}
+                     operator.imul: operator.mul, operator.itruediv: operator.truediv, operator.ipow: operator.pow}
 ACTIVATION_PARAMS = {  # canonical: (F spelling, its parameter names after input, module class)
     torch.relu: ((), nn.ReLU), torch.sigmoid: ((), nn.Sigmoid), torch.tanh: ((), nn.Tanh),
     F.silu: ((), nn.SiLU), F.mish: ((), nn.Mish), F.selu: ((), nn.SELU),
@@ -71,7 +72,7 @@ def _build_function_spellings() -> dict:
         for fn in spellings:
             table[fn] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"))
     for op, canon in INPLACE_OPERATORS.items():
-        table[op] = Spelling(canon, ("input", "other"), inplace=True)
+        table[op] = Spelling(canon, _OPERANDS.get(canon, ("input", "other")), inplace=True)
     for canon, (params, _) in ACTIVATION_PARAMS.items():
         if canon in (F.gelu, F.leaky_relu, F.elu, F.softplus):
             table[canon] = Spelling(canon, ("input",) + params + ("inplace",))
@@ -123,7 +124,7 @@ def _build_method_spellings() -> dict:
     table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
     for op, canon in INPLACE_OPERATORS.items():   # h.__iadd__(b): torch.fx records the dunder as a method
-        table[f"__{op.__name__}__"] = Spelling(canon, ("input", "other"), inplace=True)
+        table[f"__{op.__name__}__"] = Spelling(canon, _OPERANDS.get(canon, ("input", "other")), inplace=True)
     return table
 
 

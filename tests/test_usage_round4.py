@@ -289,3 +289,102 @@ def test_matmul_spellings_of_a_linear_are_linears(options):
         assert fxfuse.stats(opt)["fused_kernels"] == 1 and not any("mm" in t for t in names)
     if options.get("gemm") == "force":
         assert not any(t in ("addmm", "mm", "matmul") or "linear" in t for t in names)
+
+
+class WriteIntoDataDependentAlias(nn.Module):
+    def forward(self, x):
+        p = x[x > 0]               # its shape depends on the values
+        q = p
+        q += x[0, 0].clamp(min=0)  # eager: p changes too
+        return p.sum().reshape(1)
+
+
+class WriteAfterKeptInPlace(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        g = h.div_(3, rounding_mode="floor")   # kept in place (no canonical form): g IS h
+        h += x[:, :1].clamp(min=0)             # eager: g sees this write
+        return g
+
+
+@pytest.mark.parametrize("model_class", [WriteIntoDataDependentAlias, WriteAfterKeptInPlace])
+def test_writes_the_example_does_not_show_are_kept(model_class):
+    """Fuzz: `+=` on a value of data-dependent shape was taken for a size (its tensor_meta is
+    dropped) and rebound; `+=` after a kept in-place op that returned an alias was made
+    functional. Both silently wrong where the example adds 0 (x[0, 0] < 0)."""
+    model = model_class().eval()
+    example = torch.randn(4, 8) * 5
+    example[:, 0] = -1.0
+    opt = fxfuse.optimize(model, example, strict=True)
+    with torch.no_grad():
+        x = torch.randn(4, 8) * 5
+        x[:, 0] = 2.0
+        torch.testing.assert_close(opt(x.clone()), model(x.clone()))
+
+
+class PlainTensorCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = torch.zeros(4)            # a plain attribute, not a buffer
+
+    def forward(self, x):
+        t = self.t
+        t += 1
+        return x + t
+
+
+class BiasNudge(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        b = self.lin.bias
+        b += 0.1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("model_class,example", [(PlainTensorCounter, (2, 4)), (BiasNudge, (3, 8))])
+def test_forward_writing_its_own_state_is_refused_and_the_state_kept(model_class, example):
+    """Fuzz: torch.fx ran `t += 1` on a plain tensor attribute at trace time and froze it as a
+    constant (the build changed it twice, and later calls drifted from eager); a parameter
+    written in forward() was refused but left changed by the build's six runs."""
+    model = model_class().eval()
+    before = [t.detach().clone() for t in list(model.parameters()) + [getattr(model, "t", torch.zeros(0))]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, torch.randn(*example))
+    assert opt is model
+    assert len(caught) == 1 and "changes the module's state" in str(caught[0].message)
+    after = list(model.parameters()) + [getattr(model, "t", torch.zeros(0))]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(fxfuse.UnsupportedError, match="state"):
+        fxfuse.optimize(model, torch.randn(*example), strict=True)
+
+
+class MorePowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, x):
+        h = x * 3
+        h **= 2
+        h += x
+        m = x * 1
+        m @= self.w.T              # torch has no __imatmul__: a rebinding, and a Linear
+        return h.sum(1, keepdim=True) + m.sum(1, keepdim=True), h
+
+
+def test_power_and_matmul_augmented_assignments_fuse():
+    """Fuzz: `h **= 2` on a fresh value stayed in place (so did the `+=` after it), and `m @= W.T`
+    counted as a write."""
+    model = MorePowers().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 4), strict=True)
+    with torch.no_grad():
+        x = torch.randn(6, 4)
+        for got, want in zip(opt(x), model(x)):
+            torch.testing.assert_close(got, want)
+    spec = next(iter(opt.specializations.values()))
+    assert spec.gm.meta["fxfuse_inplace_kept"] == []
+    assert any("linear" in str(n.target) for n in spec.gm.graph.nodes)
