@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, triton_cdiv
+from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, resolved, triton_cdiv
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
@@ -401,6 +401,7 @@ class EpilogueGemm(FusedKernel):
         return self._workspace, self.counters
 
     def forward(self, *inputs):
+        inputs = resolved(inputs)
         x = inputs[0] if inputs else None
         if not (self.use_kernel and self._matches(inputs) and kernels_available(x.device)):
             self.fallbacks += 1

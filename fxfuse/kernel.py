@@ -59,6 +59,14 @@ def kernels_available(device: torch.device) -> bool:
     return device.type == "cpu" and interpreting()
 
 
+def resolved(inputs) -> tuple:
+    """Inputs with a pending negation or conjugation (`torch._neg_view`, `z.conj().imag`: a flag
+    over the same bytes) applied: a kernel reads the raw bytes, the flag would be lost."""
+    if not any(isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj()) for t in inputs):
+        return inputs
+    return tuple(t.resolve_neg().resolve_conj() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
 def _used_strides(shape, stride) -> tuple:
     return tuple(st for n, st in zip(shape, stride) if n != 1)
 
@@ -97,6 +105,7 @@ class FusedKernel(torch.nn.Module):
         return self._kernel
 
     def forward(self, *inputs):
+        inputs = resolved(inputs)
         device = inputs[0].device if inputs and isinstance(inputs[0], torch.Tensor) else None
         if not (self.use_kernel and device is not None and kernels_available(device)
                 and self._matches(inputs)

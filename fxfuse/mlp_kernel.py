@@ -18,7 +18,7 @@ accumulate in fp32; the row-wise form computes in fp32. Epilogues compute in fp3
 import torch
 import torch.fx
 
-from .kernel import FusedKernel, kernels_available, launch_context, triton_cdiv
+from .kernel import FusedKernel, kernels_available, launch_context, resolved, triton_cdiv
 from .mlp_codegen import Layout, generate_mlp, kernel_name, value_axes  # noqa: F401  (re-exported)
 from .mlp_spec import (KERNEL_DTYPES, MAX_DOTS, MAX_FMA_PER_THREAD, MAX_TILE, MAX_WIDTH,  # noqa: F401
                        PREFETCH_ELEMENTS, ROWWISE_MAX_BATCH, ROWWISE_MAX_TILE, ROWWISE_TC_MAX_BATCH, SMS,
@@ -94,6 +94,7 @@ class FusedMLP(FusedKernel):
                 and x.device == self.packed_weights.device)
 
     def forward(self, *inputs):
+        inputs = resolved(inputs)
         x = inputs[0] if inputs else None
         if not (self.use_kernel and self._matches(inputs) and kernels_available(x.device)):
             self.fallbacks += 1

@@ -194,8 +194,9 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                            f"{padding}; "
                            f"error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e} "
                            f"(classical {rec['classical_error']:.1e}) on {rec['measured_on']}; "
-                           f"+{extra / 2 ** 20:.1f} MiB combined weights; mixes rows: a NaN/inf in "
-                           "one input row reaches other output rows")
+                           f"+{extra / 2 ** 20:.1f} MiB combined weights; mixes rows and columns: a "
+                           "NaN/inf in one input row reaches other output rows, and the error of every "
+                           "row scales with the largest row's (and column's) magnitude")
         accepted.append(layer)
     if accepted:
         _Rewriter(gm, accepted, order, mutated, use_kernels).run()

@@ -388,3 +388,26 @@ def test_power_and_matmul_augmented_assignments_fuse():
     spec = next(iter(opt.specializations.values()))
     assert spec.gm.meta["fxfuse_inplace_kept"] == []
     assert any("linear" in str(n.target) for n in spec.gm.graph.nodes)
+
+
+class LinearReluResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(17, 17)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + x
+
+
+@pytest.mark.parametrize("options", [{"cuda_graphs": False}, {"gemm": "force"}, {"fused_mlp": "force"}])
+def test_inputs_with_a_pending_negation_are_read_negated(options):
+    """Fuzz: a tensor whose negation is a pending flag (torch._neg_view, z.conj().imag) reached
+    the generated kernels as its raw bytes: every value of the wrong sign."""
+    model = LinearReluResidual().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 17), strict=True, **options)
+    with torch.no_grad():
+        x = torch._neg_view(torch.randn(3, 17))
+        assert x.is_neg()
+        torch.testing.assert_close(opt(x), model(x))
+        z = torch.randn(3, 17, dtype=torch.cfloat).conj().imag
+        torch.testing.assert_close(opt(z), model(z))
