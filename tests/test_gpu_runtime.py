@@ -351,3 +351,19 @@ def test_graph_that_draws_random_numbers_keeps_torchs_replay():
     direct.replay()
     torch.cuda.synchronize()
     assert direct.direct == 2 and torch.equal(again, static)   # the same numbers twice
+
+
+@pytest.mark.parametrize("options", [{}, {"cuda_graphs": False}, {"gemm": "force"}, {"fused_mlp": "force"}])
+def test_round4_fixes_on_gpu(options):
+    """The fuzzing fixes of 2026-11-25 on compiled kernels: a write through a view recorded from
+    `v += y`, matmul spellings of a Linear, an input with a pending negation."""
+    from test_usage_round4 import LinearReluResidual, LinearSpellings, WriteThroughView
+
+    torch.manual_seed(0)
+    for model, shape in ((WriteThroughView(), (4, 8)), (LinearSpellings(), (5, 7)), (LinearReluResidual(), (3, 17))):
+        model = model.eval().cuda()
+        opt = fxfuse.optimize(model, torch.rand(*shape, device="cuda"), strict=True, **options)
+        with torch.no_grad():
+            for x in (torch.rand(*shape, device="cuda") * 5, torch._neg_view(torch.randn(*shape, device="cuda"))):
+                torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+        assert fxfuse.stats(opt)["fused_kernels"] >= 1
