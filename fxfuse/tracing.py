@@ -141,6 +141,11 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
                 f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
                 "plain values (numbers, None, tuples of them) as arguments. Pass the tensors as separate "
                 "arguments (a wrapper module whose forward(x, y) calls the model with [x, y] does it)")
+        if any(isinstance(v, (float, complex)) and v != v for v in torch.utils._pytree.tree_leaves(a)):
+            raise UnsupportedError(
+                f"example argument {k} is (or holds) NaN; fxfuse specializes the graph on the values of "
+                "non-tensor arguments and checks them on every call, and NaN never equals itself. Pass it "
+                "as a tensor")
         odd = _not_plain(a)
         if not isinstance(a, torch.Tensor) and odd is not None:
             raise UnsupportedError(

@@ -411,3 +411,23 @@ def test_inputs_with_a_pending_negation_are_read_negated(options):
         torch.testing.assert_close(opt(x), model(x))
         z = torch.randn(3, 17, dtype=torch.cfloat).conj().imag
         torch.testing.assert_close(opt(z), model(z))
+
+
+def test_a_nan_number_argument_falls_back_with_a_short_reason():
+    """Fuzz: a NaN float argument failed its own value check inside the traced graph, and the
+    warning was a multi-line torch.fx assertion dump."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 4)
+
+        def forward(self, x, scale=1.0):
+            return self.lin(x) * scale
+
+    opt = fxfuse.optimize(Scaled().eval(), torch.randn(3, 5), strict=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert opt(torch.randn(3, 5), float("nan")).isnan().all()
+    assert len(caught) == 1 and "NaN never equals itself" in str(caught[0].message)
+    assert "\n" not in str(caught[0].message)
