@@ -28,6 +28,7 @@ aliasing each other where the graph writes in place, and specializations used up
 """
 import contextlib
 import inspect
+import re
 import threading
 import time
 import weakref
@@ -155,6 +156,7 @@ class OptimizedModule(torch.nn.Module):
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
+        self._reads_grad_mode = False      # forward() asked torch.is_grad_enabled() (traced under no_grad)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
@@ -225,6 +227,7 @@ class OptimizedModule(torch.nn.Module):
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
+        self._reads_grad_mode |= bool(gm.meta.get("fxfuse_trace", {}).get("reads_grad_mode"))
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
@@ -281,7 +284,11 @@ class OptimizedModule(torch.nn.Module):
         if not all(name in params and _same_default(value, params[name].default)
                    for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
             return None           # a keyword-only parameter given a value the traced graph does not have
-        return tuple(bound.args)  # keyword-only parameters at their defaults, as traced
+        positional = list(bound.args)   # keyword-only parameters at their defaults, as traced
+        names = [n for n in params if params[n].kind in (params[n].POSITIONAL_ONLY, params[n].POSITIONAL_OR_KEYWORD)]
+        while len(positional) > len(args) and _same_default(positional[-1], params[names[len(positional) - 1]].default):
+            positional.pop()      # model(x, scale=2.0) with the default 2.0 is model(x): the same specialization
+        return tuple(positional)
 
     def __call__(self, *args, **kwargs):
         """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
@@ -327,16 +334,20 @@ class OptimizedModule(torch.nn.Module):
                 self._warn_once("buffers", "fxfuse: buffers of the model keep changing in place between calls; "
                                 "each change rebuilds the optimized graph (folded and packed copies would be "
                                 "stale). Call the original module for such use.")
-        if torch.is_grad_enabled() and self._needs_autograd(args):
+        if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
-                                      "inputs requiring grad); fxfuse runs inference only: call under "
+                                      "inputs requiring grad), or forward() asks torch.is_grad_enabled() and was "
+                                      "traced without grad; fxfuse runs inference only: call under "
                                       "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
         sig = signature(args)
         spec = self.specializations.get(sig)
         if spec is not None:
             return spec(args)
         if sig in self._failed_builds:
-            return self._run_original("build:" + self._failed_builds[sig], self._failed_builds[sig], args)
+            return self._run_original(*self._failed_builds[sig], args)
+        if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
+            return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
+                                      "ones run the original module without trying", args)
         if not self.specializations:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
@@ -358,9 +369,9 @@ class OptimizedModule(torch.nn.Module):
             if self.options.strict:
                 raise e
             message = f"no specialization for a new input ({reason}): {e}"
-            if len(self._failed_builds) < MAX_MISSES_KEPT:   # not built again for the same signature
-                self._failed_builds[sig] = message
-            self._count_original("build:" + message, message)
+            key = "build:" + re.sub(r"\d+", "#", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self._failed_builds[sig] = (key, message)   # not built again; one warning per cause, not per shape
+            self._count_original(key, message)
             return result
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         return spec(args)

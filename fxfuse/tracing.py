@@ -13,6 +13,8 @@ import inspect
 import io
 import logging
 import operator
+import os
+import sys
 import time
 import warnings
 
@@ -191,6 +193,44 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
     concrete, tensor_args = _split_concrete(model, example_args)
+    with _watching_grad_mode() as grad_mode_reads:
+        gm, how = _trace(model, example_args, concrete, tensor_args)
+    entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
+    if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
+        raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
+                                "the call instead (fxfuse then runs the original module)")
+    gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
+                               "concrete_args": concrete or {}, "reads_grad_mode": bool(grad_mode_reads)}
+    return gm
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def _watching_grad_mode():
+    """Notes whether tracing called torch.is_grad_enabled(): builds run under no_grad, so a
+    forward() that branches on it (`if not torch.is_grad_enabled(): h = h * 2`) is traced on one
+    side, and the runtime must not run that graph with grad mode on (runtime.OptimizedModule).
+    Builds run one at a time (runtime.BUILD_LOCK); another thread asking meanwhile only makes
+    this conservative."""
+    real, reads = torch.is_grad_enabled, []
+
+    def watched():
+        caller = sys._getframe(1).f_code.co_filename   # the model's code, not torch's (fx, export,
+        if not caller.startswith(_LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
+            reads.append(caller)
+        return real()
+
+    torch.is_grad_enabled = watched
+    try:
+        yield reads
+    finally:
+        torch.is_grad_enabled = real
+
+
+def _trace(model, example_args, concrete, tensor_args):
+    """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export."""
     try:
         gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
@@ -225,13 +265,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                 f"{_root_cause(fx_error)}; torch.export(strict=False) failed with "
                 f"{type(export_error).__name__}: {_first_line(export_error).rstrip('.')}{_root_cause(export_error)}. "
                 f"{advice}.") from export_error
-    entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
-    if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
-        raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
-                                "the call instead (fxfuse then runs the original module)")
-    gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
-                               "concrete_args": concrete or {}}
-    return gm
+    return gm, how
 
 
 AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in ("add", "sub", "mul", "truediv", "floordiv", "mod",

@@ -432,3 +432,80 @@ def test_a_nan_number_argument_falls_back_with_a_short_reason():
             assert opt(torch.randn(3, 5), float("nan")).isnan().all()
     assert len(caught) == 1 and "NaN never equals itself" in str(caught[0].message)
     assert "\n" not in str(caught[0].message)
+
+
+class GradModeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not torch.is_grad_enabled():   # an inference-only path
+            h = h * 2
+        return h.relu()
+
+
+def test_a_forward_that_asks_for_grad_mode_runs_the_original_with_grad_on():
+    """Fuzz: builds trace under no_grad, so the no-grad branch was baked in, and a frozen model
+    called with grad mode on ran it: a silent wrong answer."""
+    model = GradModeBranch().eval().requires_grad_(False)
+    opt = fxfuse.optimize(model, torch.randn(3, 4))
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(x), model(x))        # grad mode on: the original
+    assert len(caught) == 1 and "is_grad_enabled" in str(caught[0].message)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class FailsForLargeBatches(nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 4:
+            if x.sum() > 0:           # data-dependent: no tracer captures it
+                return x * 2
+            return x - 1
+        if x.shape[0] > 1:
+            return torch.relu(x) + 1
+        return x
+
+
+def test_failed_builds_of_many_shapes_warn_once():
+    """Fuzz: each new shape whose build failed for the same reason warned again (35 warnings for
+    35 shapes), and past 32 failed signatures every call ran the failing build again."""
+    opt = fxfuse.optimize(FailsForLargeBatches().eval(), torch.randn(3, 4))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for n in range(5, 45):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(opt(x), FailsForLargeBatches()(x))
+    assert len(caught) <= 2, [str(w.message)[:100] for w in caught]   # the cause, then the limit
+
+
+class KeywordDefaults(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y=None, scale=2.0):
+        h = self.lin(x)
+        if y is not None:
+            h = h + y
+        return nn.functional.silu(h * scale)
+
+
+def test_keyword_calls_at_their_defaults_share_the_positional_specialization():
+    """Fuzz: opt(x, y=None) and opt(x, scale=2.0) were guarded as (x, None, 2.0) and built a
+    specialization each (on models that need torch.export they always ran the original)."""
+    model = KeywordDefaults().eval()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        for kwargs in ({"y": None}, {"scale": 2.0}, {"y": None, "scale": 2.0}):
+            torch.testing.assert_close(opt(x, **kwargs), model(x, **kwargs))
+        assert fxfuse.stats(opt)["specializations"] == 1
+        torch.testing.assert_close(opt(x, y), model(x, y))
+        torch.testing.assert_close(opt(x, y=y), model(x, y=y))
+        assert fxfuse.stats(opt)["specializations"] == 2
