@@ -127,12 +127,15 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
 
 
 def _eager_overflows(e, g) -> bool:
-    """Eager's output has inf or NaN where the graph's is finite, and not the reverse."""
+    """Eager's output has inf or NaN where the graph's is finite, not the reverse, and where both
+    are not finite they agree (an inf of the other sign is the graph's error, not an overflow)."""
     if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.is_floating_point()
             and e.shape == g.shape):
         return False
     bad_e, bad_g = ~torch.isfinite(e), ~torch.isfinite(g)
-    return bool(bad_e.any()) and not bool((bad_g & ~bad_e).any())
+    both = bad_e & bad_g
+    agree = bool(((e[both] == g[both]) | (e[both].isnan() & g[both].isnan())).all())
+    return bool((bad_e & ~bad_g).any()) and not bool((bad_g & ~bad_e).any()) and agree
 
 
 def _loosest_tolerance(gm) -> float:

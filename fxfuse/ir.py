@@ -115,6 +115,20 @@ class KernelIR:
         return KernelIR(tuple(shape), self.inputs, self.outputs, instrs, stores)
 
 
+def _exact(value):
+    """A key that tells apart what == merges: -0.0 and 0 and False (1.0 / where(c, x, -0.0) became
+    1.0 / where(c, x, 0) when a comparison with 0 came first: +inf for -inf), 1 and 1.0 and True."""
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, int):
+        return ("int", value)
+    if isinstance(value, tuple):
+        return tuple(_exact(v) for v in value)
+    return value
+
+
 class IRBuilder:
     """Appends instrs with value numbering, so a value loaded or computed twice exists once."""
 
@@ -127,10 +141,11 @@ class IRBuilder:
         self._memo: dict = {}
 
     def _add(self, instr: Instr) -> int:
-        if instr not in self._memo:
-            self._memo[instr] = len(self.instrs)
+        key = (instr.op, instr.args, _exact(instr.params))
+        if key not in self._memo:
+            self._memo[key] = len(self.instrs)
             self.instrs.append(instr)
-        return self._memo[instr]
+        return self._memo[key]
 
     def add_input(self, dtype) -> int:
         self.inputs.append(dtype)

@@ -509,3 +509,21 @@ def test_keyword_calls_at_their_defaults_share_the_positional_specialization():
         torch.testing.assert_close(opt(x, y), model(x, y))
         torch.testing.assert_close(opt(x, y=y), model(x, y=y))
         assert fxfuse.stats(opt)["specializations"] == 2
+
+
+class SignedZeros(nn.Module):
+    def forward(self, x):
+        return 1.0 / torch.where(x > 0, x, -0.0) + (x * 0 + x * -0.0)
+
+
+def test_minus_zero_constants_keep_their_sign_in_a_kernel():
+    """Fuzz: the kernel builder merged the constant -0.0 with the 0 of `x > 0` (they compare and
+    hash equal): 1 / where(x > 0, x, -0.0) gave +inf where eager gives -inf."""
+    model = SignedZeros().eval()
+    opt = fxfuse.optimize(model, torch.rand(2, 4) + 0.5, strict=True)
+    with torch.no_grad():
+        x = torch.tensor([[1.5, -2.0, 0.25, -0.5]])
+        got, want = opt(x), model(x)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
