@@ -90,7 +90,10 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if alpha != 1:
             if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
                 return None
-            return ("alpha", canon), (x, other, alpha), {}
+            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in (torch.float16, torch.bfloat16)
+                   for a in (x, other) if isinstance(a, torch.fx.Node)):
+                return None   # CUDA computes x + alpha * y in fp32 and rounds once; split, y * alpha would
+            return ("alpha", canon), (x, other, alpha), {}   # round to fp16 first (and may overflow)
         return canon, (x, other), {}
     if canon is operator.pow:
         e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one
