@@ -357,7 +357,8 @@ def test_graph_that_draws_random_numbers_keeps_torchs_replay():
 def test_round4_fixes_on_gpu(options):
     """The fuzzing fixes of 2026-11-25 on compiled kernels: a write through a view recorded from
     `v += y`, matmul spellings of a Linear, an input with a pending negation."""
-    from test_usage_round4 import LinearReluResidual, LinearSpellings, WriteThroughView
+    from test_usage_round4 import LinearReluResidual, LinearSpellings
+    from test_writes_round4 import WriteThroughView
 
     torch.manual_seed(0)
     for model, shape in ((WriteThroughView(), (4, 8)), (LinearSpellings(), (5, 7)), (LinearReluResidual(), (3, 17))):
