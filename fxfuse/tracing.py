@@ -268,8 +268,9 @@ def _trace(model, example_args, concrete, tensor_args):
     return gm, how
 
 
-AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in ("add", "sub", "mul", "truediv", "floordiv", "mod",
-                                                                   "pow", "and", "or", "xor", "lshift", "rshift")}
+AUGMENTED_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+                   "matmul")   # the operators of Python's augmented assignments (`v += y` is operator.iadd)
+AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in AUGMENTED_NAMES if name != "matmul"}   # writes
 VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "narrow", "select",
                 "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as", "diagonal", "as_strided",
                 "split", "chunk", "unbind", "detach", "movedim", "swapaxes", "unfold"}
@@ -351,8 +352,7 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
     nothing else sees the memory (`out += identity` on a fresh tensor still fuses)."""
 
 
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
-              "matmul"):
+for _name in AUGMENTED_NAMES:
     def _augmented(self, other, _op=getattr(operator, f"i{_name}")):
         return self.tracer.create_proxy("call_function", _op, (self, other), {})
     setattr(_AugmentedAssignmentProxy, f"__i{_name}__", _augmented)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.ops import POINTWISE, cast, is_pointwise_target
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.tracing import AUGMENTED_NAMES, fxfuse_meta
 
 from .normalize_layers import matmul_as_linear, split_layer
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CAST_METHODS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
@@ -336,13 +336,11 @@ def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:
     return flag is True
 
 
-INPLACE_DUNDERS = {f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
-                                                "xor", "lshift", "rshift", "matmul")}
+INPLACE_DUNDERS = {f"__i{name}__" for name in AUGMENTED_NAMES}
 AUGMENTED_TWINS = {getattr(operator, f"i{name}"): getattr(operator, name if name not in ("and", "or") else name + "_")
-                   for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-                                "lshift", "rshift", "matmul")}   # the tracer records `v += y` as iadd(v, y)
+                   for name in AUGMENTED_NAMES}   # the tracer records `v += y` as iadd(v, y)
 INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operator.ifloordiv, operator.imod,
-                             operator.ilshift, operator.irshift, operator.imatmul}
+                             operator.ilshift, operator.irshift}   # imatmul: always a rebinding (AUGMENTED_TWINS)
 
 
 # in-place methods whose out-of-place twin returns the same dtype and shape as self
