@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from fxfuse.gemm_kernel import EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm  # noqa: E402
+from fxfuse.gemm_kernel import (EpilogueGemm, GemmSpec, _rowwise_stages, choose_gemm_config,  # noqa: E402
+                                generate_gemm, why_not_gemm)
 from fxfuse.kernel import interpreting  # noqa: E402
 from fxfuse.mlp_kernel import Pointwise  # noqa: E402
 
@@ -54,11 +55,14 @@ def check(model, mod, x):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,k,n", [(1, 13, 7), (5, 37, 24), (37, 100, 130)])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("rowwise", [False, True, "pipelined"])
 def test_irregular_sizes_and_split_k(m, k, n, split_k, dtype, rowwise):
     blocks = dict(block_m=8, block_n=32) if rowwise else {}   # batch 37: several row tiles
-    model, mod = layer(k, n, nn.ReLU, dtype, split_k=split_k, block_k=16, rowwise=rowwise, **blocks)
-    assert mod.config.rowwise == rowwise and ("tl.dot" in mod.source) != rowwise
+    pipelined = rowwise == "pipelined"
+    model, mod = layer(k, n, nn.ReLU, dtype, split_k=split_k, block_k=16, rowwise=bool(rowwise), pipelined=pipelined,
+                       **blocks)
+    assert mod.config.rowwise == bool(rowwise) and ("tl.dot" in mod.source) != bool(rowwise)
+    assert ("in tl.range(" in mod.source) == pipelined
     check(model, mod, torch.randn(m, k, dtype=dtype))
     if split_k > 1:
         assert int(mod.counters.abs().sum()) == 0        # reset for the next launch
@@ -151,12 +155,24 @@ def test_config_row_wise_for_small_batch(m, dtype, rowwise, block_m):
     if rowwise:
         assert -(-1024 // cfg.block_n) * cfg.split_k >= 128
         assert cfg.block_m * cfg.block_n * cfg.block_k <= 2048 * cfg.num_warps
+        assert cfg.pipelined and cfg.num_stages >= 2   # the K loop's loads go through shared memory
+        assert "in tl.range(" in generate_gemm(spec, (), cfg)[0]
     assert choose_gemm_config(1, GemmSpec(128, 128, torch.float32)).block_n == 1
     assert not choose_gemm_config(17, spec, allow_tf32=True).rowwise
     for m, n, tile in ((1, 2048, (4, 512)), (16, 2048, (8, 128)), (16, 4096, (8, 128)), (16, 1024, (4, 128)),
                        (16, 512, (4, 128))):   # up to 16 rows: few columns, long K steps (rowwise_probe)
         wide = choose_gemm_config(m, GemmSpec(n, n, torch.float32))
         assert (wide.block_n, wide.block_k) == tile
+
+
+def test_row_wise_stages_bounded_by_shared_memory():
+    """Four K steps in flight where the staged tiles fit 64 KB; fewer for wide tiles; none
+    (a plain loop) where one step alone would not fit."""
+    assert _rowwise_stages(16, 8, 128, torch.float32) == 4      # 12 KB a step
+    assert _rowwise_stages(64, 64, 64, torch.float32) == 2      # 32 KB a step
+    assert _rowwise_stages(64, 64, 256, torch.float32) == 0
+    cfg = choose_gemm_config(16, GemmSpec(1024, 1024, torch.float32), block_k=1024, pipelined=False)
+    assert "in tl.range(" not in generate_gemm(GemmSpec(1024, 1024, torch.float32), (), cfg)[0]
 
 
 def test_config_checks():
