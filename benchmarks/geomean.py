@@ -1,0 +1,74 @@
+"""Issue 6's headline from seed-network records: one fxfuse column over the best other tool.
+
+    python -m benchmarks.geomean results/<gpu>/mlp_A.json results/<gpu>/mlp_B.json
+    python -m benchmarks.geomean FILES... --tool fxfuse --layers 4
+
+Per cell: the fxfuse column's time, the fastest column of the other tools (eager, eager in a
+CUDA graph, torch.compile's modes: every column whose name does not start with "fxfuse") and
+the ratio; then the geometric mean, the worst cell, and which cells of the seed grid
+(benchmarks/mlp.py GRID, that layer count) the files cover. The coverage line is there
+because a geomean over a subset says little about the grid: small cells, bound by launches,
+gain most.
+
+Several files are read as one grid (e.g. the small and the large cells of two calls made
+one after the other); a cell present in more than one file is taken from the last.
+"""
+import argparse
+import json
+import math
+
+from tabulate import tabulate
+
+from .mlp import GRID
+
+
+def speedups(records: list, tool: str, layers: int) -> dict:
+    """(hidden, batch) -> (best other tool, its us, the tool's us), the last file winning."""
+    cells = {}
+    for data in records:
+        for cell in data.get("cells", []):
+            p, results = cell.get("params", {}), cell.get("results", {})
+            mine = results.get(tool, {})
+            others = {k: r["us"] for k, r in results.items()
+                      if not k.startswith("fxfuse") and r.get("status") == "ok" and r.get("us")}
+            if p.get("layers") != layers or mine.get("status") != "ok" or not mine.get("us") or not others:
+                continue
+            best = min(others, key=others.get)
+            cells[(p["hidden"], p["batch"])] = (best, others[best], mine["us"])
+    return cells
+
+
+def summary(cells: dict, layers: int) -> tuple:
+    """(table rows, closing lines)."""
+    rows = [[h, b, best, f"{other:.1f}", f"{mine:.1f}", f"{other / mine:.2f}x"]
+            for (h, b), (best, other, mine) in sorted(cells.items())]
+    grid = [(h, b) for h in GRID["hidden"] for b in GRID["batch"]]
+    missing = [cell for cell in grid if cell not in cells]
+    lines = []
+    if cells:
+        ratios = [other / mine for _, other, mine in cells.values()]
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        worst = min(cells, key=lambda c: cells[c][1] / cells[c][2])
+        lines.append(f"geometric mean over {len(cells)} cells: {geo:.3f}x; worst cell {worst[1]} x {worst[0]}: "
+                     f"{min(ratios):.2f}x; cells slower than the best other tool: {sum(r < 1 for r in ratios)}")
+    lines.append(f"seed grid at {layers} layers: {len(grid) - len(missing)} of {len(grid)} cells measured"
+                 + (f"; missing (hidden x batch): {', '.join(f'{h}x{b}' for h, b in missing)}" if missing else ""))
+    return rows, lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="mlp_*.json records of benchmarks.mlp")
+    ap.add_argument("--tool", default="fxfuse-auto", help="the fxfuse column (default fxfuse-auto)")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args(argv)
+    records = [json.load(open(f)) for f in args.files]
+    cells = speedups(records, args.tool, args.layers)
+    rows, lines = summary(cells, args.layers)
+    print(tabulate(rows, headers=["hidden", "batch", "best other", "its us", f"{args.tool} us", "speedup"],
+                   tablefmt="github"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""benchmarks.geomean: issue 6's headline from records, with the seed grid's coverage."""
+import math
+
+from benchmarks.geomean import speedups, summary
+
+
+def record(cells):
+    return {"cells": [{"params": {"layers": layers, "hidden": h, "batch": b},
+                       "results": {k: ({"status": "ok", "us": us} if us else {"status": "error"})
+                                   for k, us in results.items()}}
+                      for layers, h, b, results in cells]}
+
+
+def test_best_other_tool_geomean_and_coverage():
+    first = record([(8, 128, 1, {"eager": 300.0, "cudagraph": 30.0, "fxfuse": 14.0, "fxfuse-auto": 15.0}),
+                    (8, 2048, 256, {"eager": 700.0, "compile-ro": 480.0, "compile": None, "fxfuse-auto": 470.0}),
+                    (4, 128, 1, {"eager": 1.0, "fxfuse-auto": 100.0})])       # other layer count: ignored
+    again = record([(8, 128, 1, {"cudagraph": 45.0, "fxfuse-auto": 15.0})])   # the later file wins
+    cells = speedups([first, again], "fxfuse-auto", 8)
+    assert cells == {(128, 1): ("cudagraph", 45.0, 15.0), (2048, 256): ("compile-ro", 480.0, 470.0)}
+    rows, lines = summary(cells, 8)
+    assert len(rows) == 2
+    geo = math.sqrt(3.0 * 480 / 470)
+    assert f"over 2 cells: {geo:.3f}x" in lines[0] and "worst cell 256 x 2048: 1.02x" in lines[0]
+    assert lines[1].startswith("seed grid at 8 layers: 2 of 42 cells measured; missing") and "8192x4096" in lines[1]
+
+
+def test_a_slower_cell_is_counted_and_failed_columns_skipped():
+    cells = speedups([record([(8, 512, 16, {"cudagraph": 40.0, "fxfuse-auto": 50.0}),
+                              (8, 512, 64, {"cudagraph": 40.0, "fxfuse-auto": None})])], "fxfuse-auto", 8)
+    assert list(cells) == [(512, 16)]
+    assert "cells slower than the best other tool: 1" in summary(cells, 8)[1][0]
