@@ -5,7 +5,9 @@ the group's original (canonical) torch ops. forward() launches the kernel when i
 inputs are exactly what the kernel was built for; otherwise it runs the reference, so a
 kernel never sees shapes, strides or dtypes it was not generated for.
 """
+import contextlib
 import os
+import threading
 
 import torch
 import torch.fx
@@ -27,11 +29,21 @@ def launch_context(device: torch.device):
     """Around a kernel launch: the kernel's device on CUDA. Under the interpreter (CPU), numpy
     quiet: the kernel evaluates its expression on masked-out lanes too (loaded as 0), where
     x ** 5 or 1 / x divide by zero, and numpy would warn on every call although no stored value
-    is affected."""
+    is affected; and one launch at a time: Triton's interpreter is not thread-safe (kernels
+    called from two threads fail with "Did you forget to add @triton.jit ?")."""
     if device.type == "cuda":
         return torch.cuda.device(device)
+    return _interpreted_launch()
+
+
+_INTERPRETER_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _interpreted_launch():
     import numpy   # the interpreter's own dependency
-    return numpy.errstate(all="ignore")
+    with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
+        yield
 
 
 def pdl_available(device: torch.device) -> bool:

@@ -72,7 +72,7 @@ class _Snapshot:
         self.modules = []
         runtimes = [name for name, m in model.named_modules() if getattr(type(m), "fxfuse_runtime", False)]
         for name, m in model.named_modules():
-            if any(name == r or name.startswith(f"{r}.specialization_") for r in runtimes):
+            if name in runtimes:
                 continue   # an fxfuse OptimizedModule inside the model: its counters are not model state
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it

@@ -32,7 +32,7 @@ import re
 import threading
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 import torch.fx
@@ -74,6 +74,7 @@ def _moved(watched: tuple) -> bool:
 # (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
 # not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
 BUILD_LOCK = threading.RLock()
+UNBINDABLE = object()   # OptimizedModule._positional: the arguments do not bind to forward()
 
 
 def _autocast_off() -> contextlib.ExitStack:
@@ -119,18 +120,13 @@ def _remove_hooks(handles) -> None:
         handle.remove()
 
 
-def _without_specializations(module, state_dict, prefix, local_metadata) -> None:
-    """opt.state_dict() is the original's, under "original.": a specialization's tensors are
-    derived from it (and named per build), so they are neither saved nor expected on load."""
+def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
+    """opt.load_state_dict: drop the specializations (built from the old weights), and ignore
+    the "specialization_N." keys that a state_dict of an older fxfuse holds. opt.state_dict()
+    is the original's, under "original." (the specializations are not child modules)."""
+    module.drop_specializations("load_state_dict")
     for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
         del state_dict[key]
-
-
-def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
-    """opt.load_state_dict: drop the specializations before the children load (their keys
-    would be missing), and ignore specialization keys a state_dict of an older fxfuse holds."""
-    module.drop_specializations("load_state_dict")
-    _without_specializations(module, state_dict, prefix, None)
 
 
 class OptimizedModule(torch.nn.Module):
@@ -149,7 +145,6 @@ class OptimizedModule(torch.nn.Module):
         self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._warned: set = set()
-        self._built = 0                    # specialization_N names stay unique across rebuilds
         self._buffer_rebuilds = 0          # rebuilds because buffers moved (warned about at 3)
         self._buffer_versions = self._parameter_versions = ()   # (_watch_state, after the first build)
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
@@ -161,7 +156,6 @@ class OptimizedModule(torch.nn.Module):
         hook = _RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
         weakref.finalize(self, _remove_hooks, handles)
-        self.register_state_dict_post_hook(_without_specializations)
         self.register_load_state_dict_pre_hook(_load_drops_specializations)
 
     @property
@@ -173,7 +167,7 @@ class OptimizedModule(torch.nn.Module):
 
     @training.setter
     def training(self, mode: bool) -> None:
-        pass   # opt.train() / opt.eval() reach the original (and the specializations) as children
+        pass   # opt.train() / opt.eval() reach the original as a child
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
@@ -231,8 +225,9 @@ class OptimizedModule(torch.nn.Module):
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
-        self.add_module(f"specialization_{self._built}", gm)
-        self._built += 1
+        # not a child module: a GraphModule shares the original's submodules, and every parameter
+        # under two names reads as tied weights to torch.func.functional_call, which then leaves
+        # the temporary tensors in the model after the call
         if gm.meta.get("fxfuse_warning"):   # once per OptimizedModule, not per specialization
             self._warn_once("no-cuda", gm.meta["fxfuse_warning"])
         return spec
@@ -257,8 +252,6 @@ class OptimizedModule(torch.nn.Module):
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._buffer_versions = self._parameter_versions = ()   # watched again from the next build (_watch_state)
-        # a new dict, not a deletion: opt.load_state_dict may be iterating over the old one
-        self._modules = OrderedDict((k, m) for k, m in self._modules.items() if not k.startswith("specialization_"))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -273,12 +266,13 @@ class OptimizedModule(torch.nn.Module):
         return any(p.requires_grad for p in self.original.parameters())
 
     def _positional(self, args, kwargs):
-        """args with keyword arguments bound into their positions of the original forward(), or
-        None where that is impossible (keyword-only or **kwargs parameters)."""
+        """args with keyword arguments bound into their positions of the original forward(), None
+        where that is impossible (keyword-only or **kwargs parameters), or UNBINDABLE where the
+        call does not fit forward() at all (eager raises its TypeError)."""
         try:
             bound = inspect.signature(self.original.forward).bind(*args, **kwargs)
         except TypeError:
-            return None
+            return UNBINDABLE
         bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
         params = bound.signature.parameters
         if not all(name in params and _same_default(value, params[name].default)
@@ -308,6 +302,8 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = self._positional(args, kwargs)
+            if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError
+                return self.original(*args, **kwargs)
             if positional is None:
                 return self._run_original(f"kwargs:{sorted(kwargs)}", f"arguments ({len(args)} positional, keyword "
                                           f"arguments {sorted(kwargs)}) do not bind to positional parameters of "
@@ -339,10 +335,19 @@ class OptimizedModule(torch.nn.Module):
                                       "inputs requiring grad), or forward() asks torch.is_grad_enabled() and was "
                                       "traced without grad; fxfuse runs inference only: call under "
                                       "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
-        sig = signature(args)
+        try:
+            sig = signature(args)
+        except RuntimeError as e:   # a tensor without strides (sparse CSR, ...): no kernel was built for it
+            return self._run_original("layout", f"an input has no strides ({e})", args)
         spec = self.specializations.get(sig)
         if spec is not None:
             return spec(args)
+        with BUILD_LOCK:   # threads: another may have built this signature, or taken the last slot, meanwhile
+            spec = self.specializations.get(sig)
+            return spec(args) if spec is not None else self._miss(sig, args)
+
+    def _miss(self, sig, args):
+        """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build

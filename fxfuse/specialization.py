@@ -2,6 +2,8 @@
 CUDA graph (runtime.OptimizedModule chooses which one a call runs; its docstring tells the
 whole story: static inputs, memcpy nodes, the memory pool as the plan, output handout).
 """
+import threading
+
 import torch
 import torch.fx
 
@@ -29,12 +31,23 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
     for k, (e, g) in enumerate(zip(expected, got)):
         if e != g:
             if e[0] == "const" or g[0] == "const":
-                return f"input {k}: expected {e[-1]}, got {g[-1]}"
+                return f"input {k}: {_described(g)} where the specialization has {_described(e)}"
             for name, ev, gv in zip(fields, e, g):
                 if ev != gv:
                     ev, gv = (tuple(v) if isinstance(v, torch.Size) else v for v in (ev, gv))
                     return f"input {k}: {name} {gv} where the specialization has {ev}"
     return "no difference"
+
+
+def _described(entry: tuple) -> str:
+    """One argument of a signature in words: a tensor's shape and dtype, or a value (its repr,
+    cut short: a list of tensors would print their values)."""
+    if entry[0] != "const":
+        return f"a tensor {tuple(entry[0])} {entry[1]}"
+    if "tensor(" in entry[2]:
+        return f"a {entry[1]} holding tensors"
+    text = entry[2] if len(entry[2]) <= 60 else entry[2][:57] + "..."
+    return f"the {entry[1]} {text}"
 
 
 class Specialization(SlotChoice):
@@ -55,6 +68,7 @@ class Specialization(SlotChoice):
         self.handout_note = "outputs returned directly (no CUDA graph)"
         self.calls = self.handed_out = self.cloned = 0
         self._constant_storages = None     # (_run_directly)
+        self._call_lock = threading.Lock()  # (_replay)
         devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
         if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
             self._capture(example_args)
@@ -182,6 +196,13 @@ class Specialization(SlotChoice):
         self.calls += 1
         if self.graph is None:
             return self._run_directly(args)
+        with self._call_lock:
+            return self._replay(args)
+
+    def _replay(self, args):
+        """Inputs into the graph, one replay, the outputs handed out: one step per call. Threads
+        calling at once take turns (the driver calls release the GIL: another thread's input
+        could otherwise be bound between this call's binding and its replay)."""
         tensors = args if self.all_tensors else [args[k] for k in self.tensor_positions]
         slot, settled = self._slot_for(tensors) if self.handout is not None else (None, True)
         launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)

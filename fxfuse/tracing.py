@@ -134,10 +134,15 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
 
 
 def _split_concrete(model: torch.nn.Module, example_args: tuple):
-    """Non-tensor example arguments become concrete_args: the graph is specialized on them."""
-    if all(isinstance(a, torch.Tensor) for a in example_args):
-        return None, example_args
+    """(concrete_args, tensor args, whether an example argument itself is a plain value).
+
+    Non-tensor example arguments become concrete_args: the graph is specialized on them. So
+    do the defaults of parameters the example leaves out, where they are plain values (a call
+    that leaves them out binds them): traced as proxies, `idx=None` would make `if idx is None`
+    false and the graph index with None."""
     for k, a in enumerate(example_args):
+        if isinstance(a, torch.Tensor):
+            continue
         if _holds_tensor(a):
             raise UnsupportedError(
                 f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
@@ -149,23 +154,35 @@ def _split_concrete(model: torch.nn.Module, example_args: tuple):
                 "non-tensor arguments and checks them on every call, and NaN never equals itself. Pass it "
                 "as a tensor")
         odd = _not_plain(a)
-        if not isinstance(a, torch.Tensor) and odd is not None:
+        if odd is not None:
             raise UnsupportedError(
                 f"example argument {k} is (or holds) a {type(odd).__name__}; fxfuse takes tensors and plain "
                 "values (numbers, strings, None, dtypes, devices, tuples/lists/dicts of them), on which the "
                 "graph is specialized and each call is checked by value. An array or object argument could "
                 "change (in place, or an attribute) without the check seeing it: pass it as a tensor")
-    signature = inspect.signature(model.forward).parameters
-    params = list(signature)
-    if len(params) < len(example_args):
-        raise TraceError("non-tensor example arguments need a forward() with named parameters")
+    given_values = not all(isinstance(a, torch.Tensor) for a in example_args)
+    try:
+        signature = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        signature = {}
+    params = [n for n, p in signature.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < len(example_args) or len(params) < len(signature):
+        if given_values:
+            raise TraceError("non-tensor example arguments need a forward() with named parameters")
+        return None, example_args, False   # *args, **kwargs or keyword-only: traced as it always was
     concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
     for name in params[len(example_args):]:   # left out: their defaults, as the call binds them
-        default = signature[name].default    # numbers, strings, None (a tuple would break fx's codegen)
-        if default is None or isinstance(default, (bool, int, float, str)):
+        default = signature[name].default
+        if default is not inspect.Parameter.empty and _plain_default(default):
             concrete[name] = default
     tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
-    return concrete, tensors
+    return concrete or None, tensors, given_values
+
+
+def _plain_default(value) -> bool:
+    """A default the graph may be specialized on: a plain value, no tensor, no NaN."""
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return _not_plain(value) is None and not any(isinstance(v, (float, complex)) and v != v for v in leaves)
 
 
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
@@ -192,9 +209,9 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     """Return a GraphModule equivalent to model on inputs like example_args, with shapes.
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
-    concrete, tensor_args = _split_concrete(model, example_args)
+    concrete, tensor_args, given_values = _split_concrete(model, example_args)
     with _watching_grad_mode() as grad_mode_reads:
-        gm, how = _trace(model, example_args, concrete, tensor_args)
+        gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
@@ -229,8 +246,9 @@ def _watching_grad_mode():
         torch.is_grad_enabled = real
 
 
-def _trace(model, example_args, concrete, tensor_args):
-    """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export."""
+def _trace(model, example_args, concrete, tensor_args, given_values=True):
+    """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export (where
+    every example argument is a tensor: export binds the defaults itself)."""
     try:
         gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
@@ -240,7 +258,7 @@ def _trace(model, example_args, concrete, tensor_args):
         raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
-        if concrete:
+        if given_values:
             raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
                              "torch.export is not tried for non-tensor inputs") from fx_error
         try:
@@ -330,6 +348,8 @@ def _quiet_symbolic_trace(model, concrete):
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         tracer = _AutocastWatchingTracer()
         graph = tracer.trace(model, concrete_args=concrete)
+        if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
+            _one_placeholder_per_parameter(graph, model, concrete)
         name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
         gm = torch.fx.GraphModule(tracer.root, graph, name)
     if tracer.autocast_node is not None:
@@ -339,6 +359,49 @@ def _quiet_symbolic_trace(model, concrete):
             "instead (fxfuse then runs the original module), or cast the model (model.half()) before "
             "fxfuse.optimize")
     return gm
+
+
+def _one_placeholder_per_parameter(graph: torch.fx.Graph, model, concrete: dict) -> None:
+    """A tuple, list or dict among concrete_args makes torch.fx flatten the arguments (one
+    placeholder per leaf, each checked by an assert) and generate code through pytree, which
+    cannot compile once a placeholder has a default (`x, dims_1 = (1,), = ...`: a SyntaxError,
+    torch 2.11-2.13). The values are constants in the graph already, and the runtime checks
+    each call's non-tensor arguments by value, so: one placeholder per forward() parameter
+    again (the container's own, unused), the leaf asserts dropped, plain code generation."""
+    info = graph._codegen.pytree_info
+    signature = inspect.signature(model.forward).parameters
+    old = iter([n for n in graph.nodes if n.op == "placeholder"])
+    prev = None
+    for name, param in signature.items():
+        if name not in concrete:
+            prev = next(old)
+            continue
+        for _ in torch.utils._pytree.tree_leaves(concrete[name]):
+            _drop_leaf_placeholder(next(old), name)
+        where = graph.inserting_after(prev) if prev is not None else graph.inserting_before(next(iter(graph.nodes)))
+        with where:
+            default = () if param.default is inspect.Parameter.empty else (param.default,)
+            prev = graph.create_node("placeholder", name, default, name=name)
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if info.out_spec is not None:
+        out.args = (torch.utils._pytree.tree_unflatten(list(out.args[0]), info.out_spec),)
+    graph._codegen = torch.fx.graph.CodeGen()
+    graph.lint()
+
+
+def _drop_leaf_placeholder(leaf: torch.fx.Node, name: str) -> None:
+    """One of fx's per-leaf placeholders of a concrete argument, with its `leaf == value` assert."""
+    if leaf.op != "placeholder" or not leaf.name.startswith(name):
+        raise TraceError(f"unexpected placeholder {leaf.name} for the concrete argument {name!r}")
+    for check in list(leaf.users):
+        for user in list(check.users):
+            if user.target is not torch._assert or user.users:
+                raise TraceError(f"the concrete argument {name!r} is read by {user.name} beyond its check")
+            user.graph.erase_node(user)
+        if check.users:
+            raise TraceError(f"the concrete argument {name!r} is read by {check.name}")
+        check.graph.erase_node(check)
+    leaf.graph.erase_node(leaf)
 
 
 class _AugmentedAssignmentProxy(torch.fx.Proxy):

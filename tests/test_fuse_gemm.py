@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU kernels need TRI
 
 
 def gemms(opt):
-    return [m for m in opt.modules() if isinstance(m, EpilogueGemm)]
+    return [m for spec in opt.specializations.values() for m in spec.gm.modules() if isinstance(m, EpilogueGemm)]
 
 
 def library_linears(opt):

@@ -47,7 +47,8 @@ def _graph(opt):
 def rewrites(opt, kind) -> int:
     if kind == "strassen":
         return sum(n.op == "call_function" and n.target is torch.bmm for n in _graph(opt).graph.nodes)
-    return sum(isinstance(m, EpilogueGemm if kind == "gemm" else FusedMLP) for m in opt.modules())
+    return sum(isinstance(m, EpilogueGemm if kind == "gemm" else FusedMLP)
+               for spec in opt.specializations.values() for m in spec.gm.modules())
 
 
 def _fresh(t):

@@ -1,0 +1,198 @@
+"""Fuzzing, fifth round (CPU): how an optimized module is called. Each test is a finding that
+gave a wrong answer, corrupted state, a spurious warning or a crash before its fix."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import threading  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fxfuse  # noqa: E402
+
+
+def no_warnings(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn(*args, **kwargs)
+
+
+class Reduce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, dims=(1,), shape=None, scale=2.0):
+        h = torch.relu(self.lin(x)) * scale
+        h = h.sum(dims)
+        return h if shape is None else h.reshape(shape)
+
+
+@pytest.mark.parametrize("example", [((0,),), ([0], [2, 4]), ((0, 1), None, 0.5), ((1,), (2, 2))])
+def test_container_arguments_are_specialized_on(example):
+    """Fuzz: a tuple, list or dict argument made torch.fx generate code that does not compile
+    (`x, dims_1 = (1,), = ...`), so the model always fell back, although the README lists such
+    values as supported."""
+    model, x = Reduce().eval(), torch.randn(4, 8)
+    opt = no_warnings(fxfuse.optimize, model, (x, *example), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for args in (example, ((1,),), ([0, 1],), ((0,), (2, 4)), ()):
+            y = torch.randn(4, 8)
+            torch.testing.assert_close(opt(y, *args), model(y, *args))
+    assert fxfuse.stats(opt)["reference_fallbacks"] == 0 and not opt.original_calls
+
+
+def test_dict_argument_and_dict_default():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x, cfg={"scale": 3.0, "act": "relu"}):   # noqa: B006 -- the case under test
+            h = self.lin(x) * cfg["scale"]
+            return torch.relu(h) if cfg["act"] == "relu" else torch.tanh(h)
+
+    model, x = Scaled().eval(), torch.randn(3, 6)
+    opt = no_warnings(fxfuse.optimize, model, (x, {"scale": 0.5, "act": "tanh"}), strict=True)
+    with torch.no_grad():
+        for cfg in ({"scale": 0.5, "act": "tanh"}, {"scale": 2.0, "act": "relu"}):
+            torch.testing.assert_close(opt(x, cfg), model(x, cfg))
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["specializations"] == 3
+
+
+def test_none_default_used_as_an_index():
+    """Fuzz: with tensor-only examples the defaults were traced as proxies: `idx is None` was
+    false and the graph indexed with None (verify caught the shape and blamed fxfuse)."""
+    class Pick(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, idx=None):
+            h = torch.relu(self.lin(x))
+            return h if idx is None else h[idx]
+
+    model = Pick().eval()
+    opt = no_warnings(fxfuse.optimize, model, torch.randn(4, 8), strict=True)
+    with torch.no_grad():
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(opt(x), model(x))
+        torch.testing.assert_close(opt(x, 2), model(x, 2))
+        torch.testing.assert_close(opt(x, idx=slice(1, 3)), model(x, idx=slice(1, 3)))
+    assert fxfuse.stats(opt)["specializations"] == 4 and fxfuse.stats(opt)["fused_kernels"] >= 1   # (4, 8) and three at (5, 8)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_keywords_that_do_not_bind_raise_eagers_type_error(strict):
+    """Fuzz: an unknown keyword (or a parameter given twice) gave a warning and then eager's
+    TypeError, and under strict=True a GuardError instead of it."""
+    model, x = Reduce().eval(), torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x, strict=strict)
+    for call in (lambda f: f(x, dimz=(0,)), lambda f: f(x, (0,), dims=(1,)), lambda f: f(inp=x)):
+        with pytest.raises(TypeError) as eager:
+            call(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(TypeError) as got:
+                call(opt)
+        assert str(got.value) == str(eager.value)
+    assert not opt.original_calls
+
+
+def test_functional_call_leaves_the_model_as_it_was():
+    """Fuzz: each specialization was a child module sharing the original's submodules, so every
+    parameter had two names; torch.func.functional_call took them for tied weights and left its
+    temporary tensors in the model (no longer Parameters) after the call."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x)
+    temporary = {"original." + k: torch.randn_like(v) for k, v in before.items()}
+    with torch.no_grad():
+        torch.func.functional_call(opt, temporary, (x,))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    assert [n for n, _ in opt.named_parameters(remove_duplicate=False)] == ["original." + k for k in before]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_threads_respect_max_specializations():
+    """Fuzz: four threads missing at once built past max_specializations=2, one shape twice
+    (the lookup and the limit were checked outside the build lock)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8), max_specializations=2, use_kernels=False)
+    barrier, results = threading.Barrier(4), {}
+
+    def worker(batch):
+        x = torch.randn(batch, 8)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            barrier.wait()
+            results[batch] = (opt(x), model(x))
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in (4, 5, 6, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(opt.specializations) == 2
+    for got, want in results.values():
+        torch.testing.assert_close(got, want)
+
+
+def test_threads_share_the_interpreter():
+    """Fuzz: under TRITON_INTERPRET=1, kernels launched from two threads at once failed inside
+    Triton's interpreter ("Did you forget to add @triton.jit ?"); launches now take turns."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh()).eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    x, errors = torch.randn(3, 8), []
+    want = model(x).detach()
+
+    def worker():
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    torch.testing.assert_close(opt(x), want)
+        except Exception as e:  # noqa: BLE001 -- collected for the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_sparse_input_runs_the_original_with_one_warning():
+    """Fuzz: a sparse CSR input crashed in the guard (it has no strides); eager accepts it."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8))
+    x = torch.randn(3, 8).relu().to_sparse_csr()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_again = opt(x), opt(x)
+    torch.testing.assert_close(got, model(x))
+    torch.testing.assert_close(got_again, got)
+    assert len(caught) == 1 and "no strides" in str(caught[0].message)
+
+
+def test_a_list_argument_is_described_without_its_values():
+    """Fuzz: the guard's message read "input 0: expected False, got [tensor([1.0057, ...])]"."""
+    class Sum(nn.Module):
+        def forward(self, xs):
+            return torch.relu(xs[0] + xs[1])
+
+    opt = fxfuse.optimize(Sum().eval(), torch.randn(2, 3))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt([torch.randn(3), torch.randn(3)])
+    message = str(caught[0].message)
+    assert "where the specialization has a tensor (2, 3) torch.float32" in message and "tensor([" not in message
