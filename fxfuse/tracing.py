@@ -8,8 +8,6 @@ without its fake-tensor machinery), stored the torch.fx way in node.meta["tensor
 meta so the normalize pass can fold them into constants.
 """
 import contextlib
-import enum
-import inspect
 import io
 import logging
 import operator
@@ -23,6 +21,7 @@ import torch.fx
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
+from .concrete_args import one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
 
@@ -133,83 +132,11 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
     mark_data_dependent_shapes(gm)
 
 
-def _split_concrete(model: torch.nn.Module, example_args: tuple):
-    """(concrete_args, tensor args, whether an example argument itself is a plain value).
-
-    Non-tensor example arguments become concrete_args: the graph is specialized on them. So
-    do the defaults of parameters the example leaves out, where they are plain values (a call
-    that leaves them out binds them): traced as proxies, `idx=None` would make `if idx is None`
-    false and the graph index with None."""
-    for k, a in enumerate(example_args):
-        if isinstance(a, torch.Tensor):
-            continue
-        if _holds_tensor(a):
-            raise UnsupportedError(
-                f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
-                "plain values (numbers, None, tuples of them) as arguments. Pass the tensors as separate "
-                "arguments (a wrapper module whose forward(x, y) calls the model with [x, y] does it)")
-        if any(isinstance(v, (float, complex)) and v != v for v in torch.utils._pytree.tree_leaves(a)):
-            raise UnsupportedError(
-                f"example argument {k} is (or holds) NaN; fxfuse specializes the graph on the values of "
-                "non-tensor arguments and checks them on every call, and NaN never equals itself. Pass it "
-                "as a tensor")
-        odd = _not_plain(a)
-        if odd is not None:
-            raise UnsupportedError(
-                f"example argument {k} is (or holds) a {type(odd).__name__}; fxfuse takes tensors and plain "
-                "values (numbers, strings, None, dtypes, devices, tuples/lists/dicts of them), on which the "
-                "graph is specialized and each call is checked by value. An array or object argument could "
-                "change (in place, or an attribute) without the check seeing it: pass it as a tensor")
-    given_values = not all(isinstance(a, torch.Tensor) for a in example_args)
-    try:
-        signature = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        signature = {}
-    params = [n for n, p in signature.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) < len(example_args) or len(params) < len(signature):
-        if given_values:
-            raise TraceError("non-tensor example arguments need a forward() with named parameters")
-        return None, example_args, False   # *args, **kwargs or keyword-only: traced as it always was
-    concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
-    for name in params[len(example_args):]:   # left out: their defaults, as the call binds them
-        default = signature[name].default
-        if default is not inspect.Parameter.empty and _plain_default(default):
-            concrete[name] = default
-    tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
-    return concrete or None, tensors, given_values
-
-
-def _plain_default(value) -> bool:
-    """A default the graph may be specialized on: a plain value, no tensor, no NaN."""
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return _not_plain(value) is None and not any(isinstance(v, (float, complex)) and v != v for v in leaves)
-
-
-PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
-               torch.layout, type(Ellipsis), slice, enum.Enum)
-
-
-def _not_plain(value):
-    """The first leaf of value that is not a plain value (its repr says all of it), else None."""
-    for leaf in torch.utils._pytree.tree_leaves(value):
-        if not isinstance(leaf, PLAIN_TYPES):
-            return leaf
-    return None
-
-
-def _holds_tensor(value) -> bool:
-    """A list, tuple or dict with a tensor inside: as a concrete argument its tensors would be
-    baked into the graph as constants, and the guard on its value could not see them change."""
-    if isinstance(value, torch.Tensor):
-        return False
-    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
-
-
 def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     """Return a GraphModule equivalent to model on inputs like example_args, with shapes.
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
-    concrete, tensor_args, given_values = _split_concrete(model, example_args)
+    concrete, tensor_args, given_values = split_concrete(model, example_args)
     with _watching_grad_mode() as grad_mode_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
@@ -349,7 +276,7 @@ def _quiet_symbolic_trace(model, concrete):
         tracer = _AutocastWatchingTracer()
         graph = tracer.trace(model, concrete_args=concrete)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
-            _one_placeholder_per_parameter(graph, model, concrete)
+            one_placeholder_per_parameter(graph, model, concrete)
         name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
         gm = torch.fx.GraphModule(tracer.root, graph, name)
     if tracer.autocast_node is not None:
@@ -359,49 +286,6 @@ def _quiet_symbolic_trace(model, concrete):
             "instead (fxfuse then runs the original module), or cast the model (model.half()) before "
             "fxfuse.optimize")
     return gm
-
-
-def _one_placeholder_per_parameter(graph: torch.fx.Graph, model, concrete: dict) -> None:
-    """A tuple, list or dict among concrete_args makes torch.fx flatten the arguments (one
-    placeholder per leaf, each checked by an assert) and generate code through pytree, which
-    cannot compile once a placeholder has a default (`x, dims_1 = (1,), = ...`: a SyntaxError,
-    torch 2.11-2.13). The values are constants in the graph already, and the runtime checks
-    each call's non-tensor arguments by value, so: one placeholder per forward() parameter
-    again (the container's own, unused), the leaf asserts dropped, plain code generation."""
-    info = graph._codegen.pytree_info
-    signature = inspect.signature(model.forward).parameters
-    old = iter([n for n in graph.nodes if n.op == "placeholder"])
-    prev = None
-    for name, param in signature.items():
-        if name not in concrete:
-            prev = next(old)
-            continue
-        for _ in torch.utils._pytree.tree_leaves(concrete[name]):
-            _drop_leaf_placeholder(next(old), name)
-        where = graph.inserting_after(prev) if prev is not None else graph.inserting_before(next(iter(graph.nodes)))
-        with where:
-            default = () if param.default is inspect.Parameter.empty else (param.default,)
-            prev = graph.create_node("placeholder", name, default, name=name)
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    if info.out_spec is not None:
-        out.args = (torch.utils._pytree.tree_unflatten(list(out.args[0]), info.out_spec),)
-    graph._codegen = torch.fx.graph.CodeGen()
-    graph.lint()
-
-
-def _drop_leaf_placeholder(leaf: torch.fx.Node, name: str) -> None:
-    """One of fx's per-leaf placeholders of a concrete argument, with its `leaf == value` assert."""
-    if leaf.op != "placeholder" or not leaf.name.startswith(name):
-        raise TraceError(f"unexpected placeholder {leaf.name} for the concrete argument {name!r}")
-    for check in list(leaf.users):
-        for user in list(check.users):
-            if user.target is not torch._assert or user.users:
-                raise TraceError(f"the concrete argument {name!r} is read by {user.name} beyond its check")
-            user.graph.erase_node(user)
-        if check.users:
-            raise TraceError(f"the concrete argument {name!r} is read by {check.name}")
-        check.graph.erase_node(check)
-    leaf.graph.erase_node(leaf)
 
 
 class _AugmentedAssignmentProxy(torch.fx.Proxy):
