@@ -47,23 +47,30 @@ def split_concrete(model: torch.nn.Module, example_args: tuple):
     except (TypeError, ValueError):
         signature = {}
     params = [n for n, p in signature.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) < len(example_args) or len(params) < len(signature):
+    if len(params) < len(example_args):
         if given_values:
-            raise TraceError("non-tensor example arguments need a forward() with named parameters")
-        return None, example_args, False   # *args, **kwargs or keyword-only: traced as it always was
+            raise TraceError("non-tensor example arguments need forward() parameters that take them by "
+                             "position (not *args)")
+        return None, example_args, False
     concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
-    for name in params[len(example_args):]:   # left out: their defaults, as the call binds them
-        default = signature[name].default
-        if default is not inspect.Parameter.empty and _plain_default(default):
-            concrete[name] = default
+    given = set(params[:len(example_args)])
+    for name, p in signature.items():   # left out: their defaults, as the call binds them
+        if name not in given and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) \
+                and p.default is not inspect.Parameter.empty and constant_default(p.default):
+            concrete[name] = p.default
     tensors = tuple(a for a in example_args if isinstance(a, torch.Tensor))
     return concrete or None, tensors, given_values
 
 
-def _plain_default(value) -> bool:
-    """A default the graph may be specialized on: a plain value, no tensor, no NaN."""
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return _not_plain(value) is None and not any(isinstance(v, (float, complex)) and v != v for v in leaves)
+def constant_default(value) -> bool:
+    """A default the graph may be specialized on: a plain value or a tuple of them, no NaN.
+    Not a list, dict or set: Python passes the same object on every call, and a forward() (or
+    its caller) may change it, which the per-call check of passed arguments would not see."""
+    if isinstance(value, tuple):
+        return all(constant_default(v) for v in value)
+    if isinstance(value, (float, complex)) and value != value:
+        return False
+    return isinstance(value, PLAIN_TYPES)
 
 
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,

@@ -39,6 +39,7 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from .concrete_args import constant_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
@@ -120,6 +121,17 @@ def _remove_hooks(handles) -> None:
         handle.remove()
 
 
+def _mutable_defaults(model) -> tuple:
+    """(default, its repr) for each list, dict or set default of forward(): Python passes the
+    same object on every call, so a change to it (by the caller, between calls) changes what
+    eager computes, while the traced graph holds the contents it saw."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple((p.default, repr(p.default)) for p in params if isinstance(p.default, (list, dict, set)))
+
+
 def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
     """opt.load_state_dict: drop the specializations (built from the old weights), and ignore
     the "specialization_N." keys that a state_dict of an older fxfuse holds. opt.state_dict()
@@ -152,6 +164,7 @@ class OptimizedModule(torch.nn.Module):
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._reads_grad_mode = False      # forward() asked torch.is_grad_enabled() (traced under no_grad)
+        self._mutable_defaults = _mutable_defaults(model)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
@@ -273,8 +286,12 @@ class OptimizedModule(torch.nn.Module):
             bound = inspect.signature(self.original.forward).bind(*args, **kwargs)
         except TypeError:
             return UNBINDABLE
+        given = set(bound.arguments)
         bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
         params = bound.signature.parameters
+        if not all(name in given or constant_default(bound.arguments[name]) for name in
+                   list(bound.arguments)[:len(bound.args)]):
+            return None           # a default filled in before a keyword is not a constant (a function, a tensor)
         if not all(name in params and _same_default(value, params[name].default)
                    for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
             return None           # a keyword-only parameter given a value the traced graph does not have
@@ -292,8 +309,9 @@ class OptimizedModule(torch.nn.Module):
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
                                       "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
-        if _FX_TRACE_STATE._is_fx_tracing_flag:   # optimize() of a model that holds opt: trace through
-            return self.original(*args, **kwargs)  # the original (the guards cannot read proxies)
+        if _FX_TRACE_STATE._is_fx_tracing_flag and BUILD_LOCK._is_owned():   # optimize() of a model that holds
+            return self.original(*args, **kwargs)   # opt, in this thread: trace through the original (the guards
+        #                                             cannot read proxies); another thread's trace: forward waits
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                 or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None):
             return super().__call__(*args, **kwargs)
@@ -305,10 +323,12 @@ class OptimizedModule(torch.nn.Module):
             if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError
                 return self.original(*args, **kwargs)
             if positional is None:
-                return self._run_original(f"kwargs:{sorted(kwargs)}", f"arguments ({len(args)} positional, keyword "
-                                          f"arguments {sorted(kwargs)}) do not bind to positional parameters of "
-                                          f"{type(self.original).__name__}.forward (or set a keyword-only one to "
-                                          "a value other than its default)", args, kwargs)
+                return self._run_original("kwargs", f"keyword arguments {sorted(kwargs)}: fxfuse binds keywords to "
+                                          "positions and specializes on their values, and this call sets a "
+                                          "keyword-only or **kwargs parameter of "
+                                          f"{type(self.original).__name__}.forward to a value other than its "
+                                          "default, or would fill in a default before them that is not a plain "
+                                          "value (a function, a module, a tensor, NaN)", args, kwargs)
             args = positional
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
@@ -323,6 +343,9 @@ class OptimizedModule(torch.nn.Module):
                                       "(fusion assumed distinct inputs)", args)
         if OPTIMIZER_STEPS[0] != self._optimizer_steps_seen and self._parameters_moved():
             self.drop_specializations("a parameter changed in place (an optimizer step) since the build")
+        if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
+            self._mutable_defaults = _mutable_defaults(self.original)
+            self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if self._buffer_versions and _moved(self._buffer_versions):   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")
             self._buffer_rebuilds += 1
@@ -339,10 +362,11 @@ class OptimizedModule(torch.nn.Module):
             sig = signature(args)
         except RuntimeError as e:   # a tensor without strides (sparse CSR, ...): no kernel was built for it
             return self._run_original("layout", f"an input has no strides ({e})", args)
-        spec = self.specializations.get(sig)
-        if spec is not None:
-            return spec(args)
-        with BUILD_LOCK:   # threads: another may have built this signature, or taken the last slot, meanwhile
+        # threads: one call or build at a time. While one thread traces, torch.fx patches
+        # nn.Module.__call__ process-wide, and a graph's module calls in another thread would be
+        # recorded into that trace; a CUDA graph's input binding and replay are one step; and
+        # another thread may have built this signature, or taken the last slot, meanwhile
+        with BUILD_LOCK:
             spec = self.specializations.get(sig)
             return spec(args) if spec is not None else self._miss(sig, args)
 
@@ -387,7 +411,8 @@ class OptimizedModule(torch.nn.Module):
         if self.options.strict:
             raise GuardError(reason)
         self._count_original(key, reason)
-        return self.original(*args, **(kwargs or {}))
+        with BUILD_LOCK:   # not while another thread traces (see forward)
+            return self.original(*args, **(kwargs or {}))
 
     def _count_original(self, key: str, reason: str) -> None:
         self._warn_once(key, f"fxfuse: {reason}; running the original module")

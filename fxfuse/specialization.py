@@ -2,8 +2,6 @@
 CUDA graph (runtime.OptimizedModule chooses which one a call runs; its docstring tells the
 whole story: static inputs, memcpy nodes, the memory pool as the plan, output handout).
 """
-import threading
-
 import torch
 import torch.fx
 
@@ -68,7 +66,6 @@ class Specialization(SlotChoice):
         self.handout_note = "outputs returned directly (no CUDA graph)"
         self.calls = self.handed_out = self.cloned = 0
         self._constant_storages = None     # (_run_directly)
-        self._call_lock = threading.Lock()  # (_replay)
         devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
         if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
             self._capture(example_args)
@@ -196,13 +193,12 @@ class Specialization(SlotChoice):
         self.calls += 1
         if self.graph is None:
             return self._run_directly(args)
-        with self._call_lock:
-            return self._replay(args)
+        return self._replay(args)
 
     def _replay(self, args):
-        """Inputs into the graph, one replay, the outputs handed out: one step per call. Threads
-        calling at once take turns (the driver calls release the GIL: another thread's input
-        could otherwise be bound between this call's binding and its replay)."""
+        """Inputs into the graph, one replay, the outputs handed out: one step per call, which
+        the caller keeps whole across threads (runtime.BUILD_LOCK: the driver calls release the
+        GIL, and another thread's input could be bound between this call's binding and its replay)."""
         tensors = args if self.all_tensors else [args[k] for k in self.tensor_positions]
         slot, settled = self._slot_for(tensors) if self.handout is not None else (None, True)
         launcher, inputs = (slot.launcher, slot.inputs) if slot is not None else (self.launcher, self.inputs)

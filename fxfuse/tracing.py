@@ -8,6 +8,7 @@ without its fake-tensor machinery), stored the torch.fx way in node.meta["tensor
 meta so the normalize pass can fold them into constants.
 """
 import contextlib
+import inspect
 import io
 import logging
 import operator
@@ -266,11 +267,35 @@ def refuse_state_writes(gm: torch.fx.GraphModule) -> None:
                                   "module runs")
 
 
+def _check_traceable_forward(model) -> None:
+    """torch.fx traces type(model).forward with the parameters of the function it wraps
+    (inspect.unwrap): a forward set on the instance, or a decorator whose own parameters or
+    defaults differ from the wrapped function's, would be traced as something else than what a
+    call runs. TraceError: _trace then tries torch.export, which calls the module."""
+    if isinstance(model, torch.nn.Module) and "forward" in vars(model):
+        raise TraceError("forward is an attribute of the instance; torch.fx traces the class's forward")
+    fn = getattr(type(model), "forward", None)
+    if fn is not None and inspect.unwrap(fn) is not fn:
+        outer = inspect.signature(fn, follow_wrapped=False).parameters
+        inner = inspect.signature(inspect.unwrap(fn)).parameters
+        if not _only_passes_through(outer) and [(n, p.kind, p.default) for n, p in outer.items()] != \
+                [(n, p.kind, p.default) for n, p in inner.items()]:
+            raise TraceError(f"forward is wrapped by {fn.__qualname__}, whose parameters differ from those of "
+                             "the function it wraps; torch.fx would trace the inner function's")
+
+
+def _only_passes_through(params) -> bool:
+    """(*args, **kwargs) or (self, *args, **kwargs): a decorator that binds nothing itself."""
+    kinds = [p.kind for p in params.values()]
+    return kinds[-2:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and len(kinds) <= 3
+
+
 def _quiet_symbolic_trace(model, concrete):
     """symbolic_trace, printing nothing: a print() in forward() would print its proxies
     ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
     internals (a pruned Linear's get_attr of a recomputed weight) would come on top of the one
     warning fxfuse gives when it falls back."""
+    _check_traceable_forward(model)
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         tracer = _AutocastWatchingTracer()

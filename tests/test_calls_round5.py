@@ -129,21 +129,23 @@ def test_threads_respect_max_specializations():
     opt = fxfuse.optimize(model, torch.randn(3, 8), max_specializations=2, use_kernels=False)
     barrier, results = threading.Barrier(4), {}
 
-    def worker(batch):
-        x = torch.randn(batch, 8)
+    def worker(x):
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             barrier.wait()
-            results[batch] = (opt(x), model(x))
+            for _ in range(3):   # calls on a built graph while another thread builds (torch.fx's patch)
+                results[x.shape[0]] = opt(x)
 
-    threads = [threading.Thread(target=worker, args=(b,)) for b in (4, 5, 6, 7)]
+    inputs = [torch.randn(b, 8) for b in (4, 5, 6, 7)]
+    threads = [threading.Thread(target=worker, args=(x,)) for x in inputs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(opt.specializations) == 2
-    for got, want in results.values():
-        torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        for x in inputs:
+            torch.testing.assert_close(results[x.shape[0]], model(x))
 
 
 def test_threads_share_the_interpreter():
@@ -196,3 +198,96 @@ def test_a_list_argument_is_described_without_its_values():
         opt([torch.randn(3), torch.randn(3)])
     message = str(caught[0].message)
     assert "where the specialization has a tensor (2, 3) torch.float32" in message and "tensor([" not in message
+
+
+CONFIG = {"scale": 2.0}
+
+
+class ReadsDefault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cfg=CONFIG):
+        return torch.relu(self.lin(x)) * cfg["scale"]
+
+
+def test_a_changed_dict_default_rebuilds():
+    """Fuzz: a dict default changed by the caller after optimize kept its old contents in the graph."""
+    model, x = ReadsDefault().eval(), torch.randn(2, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+            CONFIG["scale"] = 5.0
+            torch.testing.assert_close(opt(x), model(x))
+    finally:
+        CONFIG["scale"] = 2.0
+
+
+def test_forwards_torch_fx_would_trace_as_something_else():
+    """Fuzz: a forward set on the instance, or a decorator with defaults of its own, was traced as
+    the class's (or the wrapped function's) forward; verify caught it and blamed fxfuse."""
+    import functools
+
+    class OnInstance(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.forward = self.other
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def other(self, x):
+            return torch.tanh(self.lin(x))
+
+    def own_default(f):
+        @functools.wraps(f)
+        def wrapper(self, x, k=5.0):
+            return f(self, x, k)
+        return wrapper
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @own_default
+        def forward(self, x, k=3.0):
+            return torch.relu(self.lin(x)) * k
+
+    for model in (OnInstance().eval(), Wrapped().eval()):
+        opt = no_warnings(fxfuse.optimize, model, torch.randn(2, 8), verify=False)
+        with torch.no_grad():
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(opt(x), model(x))
+
+
+def test_keywords_past_defaults_that_are_not_constants():
+    """Fuzz: opt(x, scale=2.0) past `act=F.relu` filled the function in as an example argument and
+    warned about an argument the caller never passed; keyword-only parameters ruled out
+    non-tensor example arguments; each keyword set warned again."""
+    class Act(nn.Module):
+        def forward(self, x, act=torch.relu, scale=1.0):
+            return act(x) * scale
+
+    class KeywordOnly(nn.Module):
+        def forward(self, x, k=2, *, a=1.0, b=2.0):
+            return torch.tanh(x) * k * a * b
+
+    x = torch.randn(2, 8)
+    opt = fxfuse.optimize(Act().eval(), x)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(x, scale=2.0), torch.relu(x) * 2.0)
+    assert len(caught) == 1 and "not a plain value" in str(caught[0].message)
+    model = KeywordOnly().eval()
+    assert isinstance(no_warnings(fxfuse.optimize, model, (x, 3), strict=True), fxfuse.OptimizedModule)
+    opt = fxfuse.optimize(model, (x, 3))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kwargs in ({"a": 3.0}, {"b": 3.0}, {"a": 3.0, "b": 4.0}):
+            torch.testing.assert_close(opt(x, 3, **kwargs), model(x, 3, **kwargs))
+        torch.testing.assert_close(opt(x, 4), model(x, 4))
+    assert len(caught) == 1   # one cause, one warning
