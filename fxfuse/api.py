@@ -7,6 +7,7 @@ mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 """
 
 import copy
+import inspect
 
 import torch
 
@@ -34,6 +35,9 @@ def _as_args(example_input) -> tuple:
 def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedError(f"fxfuse.optimize takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedError("fxfuse.optimize takes an eager nn.Module, not a TorchScript module "
+                               "(torch.jit.script / torch.jit.trace): neither torch.fx nor torch.export traces one")
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
     if training:
         raise UnsupportedError(
@@ -41,14 +45,30 @@ def _check_model(model) -> None:
             "Call model.eval() before fxfuse.optimize (training support does not exist yet).")
 
 
+def _check_example_binds(model, args: tuple) -> None:
+    """The example input must be a valid call of forward(): caught here, a wrong argument count
+    is the user's error, not "an internal error" when verify runs the model (or, with
+    verify=False, a specialization no call can match)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        raise UnsupportedError(f"the example input ({len(args)} argument(s)) does not fit "
+                               f"{type(model).__name__}.forward{signature}: {e}") from None
+
+
 def build_graph(model, args: tuple, options: Options):
     """Trace, rewrite, and verify one specialization; returns the rewritten GraphModule."""
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
 
     use_kernels, warning = options.use_kernels, None
-    if use_kernels is None:
-        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-        use_kernels = bool(devices) and all(kernels_available(d) for d in devices)
+    devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+    available = bool(devices) and all(kernels_available(d) for d in devices)
+    if use_kernels is None or (use_kernels and not available):   # use_kernels=True that cannot run: warned too
+        use_kernels = available
         if not use_kernels and not interpreting() and devices and all(d.type == "cpu" for d in devices):
             warning = ("fxfuse: no CUDA device, so fused groups run their torch reference "
                        "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
@@ -191,6 +211,7 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
         model = model.original
     _check_model(model)
     try:
+        _check_example_binds(model, args)
         hooked = forward_hook_owner(model)
         if hooked:
             raise UnsupportedError(f"{hooked}; tracing does not run hooks, so the optimized graph would "

@@ -291,8 +291,8 @@ class CostModel:
         try:
             st = os.stat(path)
             got = _read_file(path, (st.st_mtime_ns, st.st_size))
-        except OSError as e:
-            got = f"cannot read {path}: {type(e).__name__}: {e}"
+        except (OSError, ValueError) as e:   # ValueError: a path Python cannot use (a NUL byte)
+            got = f"cannot read {path!r}: {type(e).__name__}: {e}"
         if not isinstance(got, str):
             desc = (f"calibration {Path(path).name} ({got['device']}, torch {got.get('torch')}, "
                     f"triton {got.get('triton')})")

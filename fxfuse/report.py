@@ -161,8 +161,10 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
     """A report of what fxfuse did to a model (a str; print it). kernels=True adds the generated
     Triton sources; measure=True (CUDA) times each specialization next to the cost model's estimate."""
     if not isinstance(optimized, OptimizedModule):
-        return (f"{type(optimized).__name__} was not optimized by fxfuse (fxfuse.optimize returned the "
-                "original module; its warning says why).")
+        if not isinstance(optimized, torch.nn.Module):
+            raise TypeError(f"fxfuse.explain takes what fxfuse.optimize returned, got {type(optimized).__name__}")
+        return (f"{type(optimized).__name__} is not optimized by fxfuse (not an OptimizedModule): if "
+                "fxfuse.optimize returned it, it is the original module, and optimize's warning says why.")
     out = [f"fxfuse report for {type(optimized.original).__name__}: "
            f"{len(optimized.specializations)} specialization(s)"]
     for k, spec in enumerate(optimized.specializations.values()):

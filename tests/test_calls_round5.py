@@ -291,3 +291,36 @@ def test_keywords_past_defaults_that_are_not_constants():
             torch.testing.assert_close(opt(x, 3, **kwargs), model(x, 3, **kwargs))
         torch.testing.assert_close(opt(x, 4), model(x, 4))
     assert len(caught) == 1   # one cause, one warning
+
+
+def test_api_misuse_gets_the_users_error():
+    """Fuzz (API round): a ScriptModule and an example that does not fit forward() were reported
+    as "internal error" (or, with verify=False, built a specialization no call can match); a
+    calibration path with a NUL byte dropped the whole optimization; explain(None) claimed
+    optimize had fallen back."""
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.GELU()).eval(), torch.randn(2, 8)
+    with pytest.raises(fxfuse.UnsupportedError, match="TorchScript"):
+        fxfuse.optimize(torch.jit.script(model), x)
+    for verify in (True, False):
+        with pytest.raises(fxfuse.UnsupportedError, match=r"does not fit Sequential.forward\(input\)"):
+            fxfuse.optimize(model, (x, x), strict=True, verify=verify)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, calibration="cal\0.json")
+    assert isinstance(opt, fxfuse.OptimizedModule) and len(caught) == 1 and "cal" in str(caught[0].message)
+    with pytest.raises(TypeError, match="takes what fxfuse.optimize returned"):
+        fxfuse.explain(None)
+    assert "not optimized by fxfuse (not an OptimizedModule)" in fxfuse.explain(model)
+
+
+def test_use_kernels_true_without_a_way_to_run_them_warns(monkeypatch):
+    """Fuzz (API round): use_kernels=True on a CPU without the interpreter ran the torch
+    reference silently; it now warns once, as the default does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval(), torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, use_kernels=True)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+    assert len(caught) == 1 and "torch reference" in str(caught[0].message)
