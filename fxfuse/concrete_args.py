@@ -73,6 +73,24 @@ def constant_default(value) -> bool:
     return isinstance(value, PLAIN_TYPES)
 
 
+def mutable_defaults(model) -> tuple:
+    """(default, its repr) for each default of forward() that constant_default refuses for being
+    mutable (a list, dict or set, or a tuple holding one): Python passes the same object on every
+    call, so a change to it between calls changes what eager computes, while the traced graph
+    holds the contents it saw. The runtime compares the reprs on each call (runtime.forward)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple((p.default, repr(p.default)) for p in params if _mutable(p.default))
+
+
+def _mutable(value) -> bool:
+    if isinstance(value, tuple):
+        return any(_mutable(v) for v in value)
+    return isinstance(value, (list, dict, set))
+
+
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
                torch.layout, type(Ellipsis), slice, enum.Enum)
 

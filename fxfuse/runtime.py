@@ -39,7 +39,7 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from .concrete_args import constant_default
+from .concrete_args import constant_default, mutable_defaults
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
@@ -121,17 +121,6 @@ def _remove_hooks(handles) -> None:
         handle.remove()
 
 
-def _mutable_defaults(model) -> tuple:
-    """(default, its repr) for each list, dict or set default of forward(): Python passes the
-    same object on every call, so a change to it (by the caller, between calls) changes what
-    eager computes, while the traced graph holds the contents it saw."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    return tuple((p.default, repr(p.default)) for p in params if isinstance(p.default, (list, dict, set)))
-
-
 def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
     """opt.load_state_dict: drop the specializations (built from the old weights), and ignore
     the "specialization_N." keys that a state_dict of an older fxfuse holds. opt.state_dict()
@@ -164,7 +153,7 @@ class OptimizedModule(torch.nn.Module):
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._reads_grad_mode = False      # forward() asked torch.is_grad_enabled() (traced under no_grad)
-        self._mutable_defaults = _mutable_defaults(model)
+        self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
@@ -344,7 +333,7 @@ class OptimizedModule(torch.nn.Module):
         if OPTIMIZER_STEPS[0] != self._optimizer_steps_seen and self._parameters_moved():
             self.drop_specializations("a parameter changed in place (an optimizer step) since the build")
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
-            self._mutable_defaults = _mutable_defaults(self.original)
+            self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if self._buffer_versions and _moved(self._buffer_versions):   # e.g. BatchNorm statistics after a training call
             self.drop_specializations("a buffer of the model changed in place since the build")

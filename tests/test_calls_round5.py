@@ -221,6 +221,9 @@ def test_a_changed_dict_default_rebuilds():
             torch.testing.assert_close(opt(x), model(x))
             CONFIG["scale"] = 5.0
             torch.testing.assert_close(opt(x), model(x))
+        stats = fxfuse.stats(opt)   # rebuilt once, and the calls ran the graph
+        assert stats["specializations"] == 1 and stats["fused_kernels"] >= 1 and not opt.original_calls
+        assert opt.specializations[next(iter(opt.specializations))].calls == 1
     finally:
         CONFIG["scale"] = 2.0
 
@@ -259,9 +262,11 @@ def test_forwards_torch_fx_would_trace_as_something_else():
 
     for model in (OnInstance().eval(), Wrapped().eval()):
         opt = no_warnings(fxfuse.optimize, model, torch.randn(2, 8), verify=False)
+        assert isinstance(opt, fxfuse.OptimizedModule)
         with torch.no_grad():
             x = torch.randn(3, 8)
             torch.testing.assert_close(opt(x), model(x))
+        assert not opt.original_calls and fxfuse.stats(opt)["specializations"] == 2
 
 
 def test_keywords_past_defaults_that_are_not_constants():
@@ -291,6 +296,7 @@ def test_keywords_past_defaults_that_are_not_constants():
             torch.testing.assert_close(opt(x, 3, **kwargs), model(x, 3, **kwargs))
         torch.testing.assert_close(opt(x, 4), model(x, 4))
     assert len(caught) == 1   # one cause, one warning
+    assert fxfuse.stats(opt)["specializations"] == 2 and fxfuse.stats(opt)["fused_kernels"] >= 1   # (x, 3), (x, 4)
 
 
 def test_api_misuse_gets_the_users_error():
