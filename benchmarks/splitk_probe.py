@@ -1,0 +1,95 @@
+"""Probe: split-K through the library's batched GEMM, for fp32 Linear layers with few rows.
+
+    python -m benchmarks.splitk_probe [--cells 64x2048,64x4096] [--splits 2,4,8]
+
+Why: at batch 64 / hidden 4096 (fp32, TF32 off) cuBLAS's GEMM reached 62% of the FLOP floor
+(mlp_20261125-153333): a 64-row output has few tiles for 132 SMs. Splitting K into S slices,
+bmm([S, M, K/S] x [S, K/S, N]) -> [S, M, N] gives S times the tiles, and the S partials are
+summed in the epilogue kernel that already adds the bias and applies the ReLU. Both operands
+are views (no copy): x [M, K] as [S, M, K/S] and W^T [K, N] as [S, K/S, N].
+
+Times 8 layers of (Linear + ReLU) in one CUDA graph, GPU time per chain (us), per spelling:
+linear = F.linear + bias + ReLU as eager runs it; bmm S = the split GEMM alone; split S = the
+split GEMM + one Triton kernel summing the partials with bias and ReLU.
+"""
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from fxfuse.library_choice import _time_us
+
+
+@triton.jit
+def _sum_bias_relu(p_ptr, b_ptr, y_ptr, MN, N, S: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(b_ptr + offs % N, mask=mask, other=0.0)
+    for s in tl.static_range(S):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, tl.maximum(acc, 0.0), mask=mask)
+
+
+def chain(kind, x, weights, biases, splits):
+    m = x.shape[0]
+    n = weights[0].shape[0]
+    parts = torch.empty(splits, m, n, device=x.device, dtype=x.dtype)
+    outs = [torch.empty(m, n, device=x.device, dtype=x.dtype) for _ in range(2)]
+
+    def run():
+        y = x
+        for i, (w, b) in enumerate(zip(weights, biases)):
+            if kind == "linear":
+                y = torch.relu(torch.nn.functional.linear(y, w, b))
+                continue
+            k = w.shape[1]
+            a = y.view(m, splits, k // splits).transpose(0, 1)
+            bt = w.t().reshape(splits, k // splits, n)          # a view: W^T's K rows are contiguous
+            torch.bmm(a, bt, out=parts)
+            if kind == "bmm":
+                y = parts[0]
+                continue
+            y = outs[i % 2]
+            grid = (triton.cdiv(m * n, 1024),)
+            _sum_bias_relu[grid](parts, b, y, m * n, n, S=splits, BLOCK=1024)
+        return y
+    return run
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="16x2048,64x1024,64x2048,64x4096,64x8192,256x1024,256x2048,256x4096,256x8192,16x8192")
+    ap.add_argument("--splits", default="2,3,4,8")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
+          f"fp32, TF32 off; {args.layers} layers, GPU us per chain in one CUDA graph")
+    for cell in args.cells.split(","):
+        m, h = map(int, cell.split("x"))
+        gen = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(m, h, device=dev, generator=gen)
+        ws = [torch.randn(h, h, device=dev, generator=gen) / h ** 0.5 for _ in range(args.layers)]
+        bs = [torch.randn(h, device=dev, generator=gen) for _ in range(args.layers)]
+        ref = chain("linear", x, ws, bs, 1)()
+        row = {"linear": _time_us(chain("linear", x, ws, bs, 1), target_us=3000)}
+        for s in map(int, args.splits.split(",")):
+            if h % s:
+                continue
+            fn = chain("split", x, ws, bs, s)
+            err = ((fn() - ref).norm() / ref.norm()).item()
+            row[f"bmm {s}"] = _time_us(chain("bmm", x, ws, bs, s), target_us=3000)
+            row[f"split {s}"] = _time_us(fn, target_us=3000)
+            row[f"err {s}"] = err
+        best = min((v, k) for k, v in row.items() if k.startswith("split"))
+        print(f"{m:>5} x {h:<5} " + "  ".join(f"{k} {v:.3g}" if k.startswith("err") else f"{k} {v:.1f}"
+                                              for k, v in row.items())
+              + f"  | best {best[1]}: {row['linear'] / best[0]:.2f}x", flush=True)
+        del ws, bs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
