@@ -255,4 +255,8 @@ def node_kind(gm, node) -> str:
     if node.op == "call_function" and node.target is operator.getitem and \
             node.args[0].op == "call_module" and isinstance(gm.get_submodule(node.args[0].target), FusedKernel):
         return "kernel output"
+    from fxfuse.passes.linear_epilogue import split_k_partials
+    if node.op == "call_function" and node.target is operator.getitem and \
+            node.args[0].op == "call_function" and node.args[0].target is split_k_partials:
+        return "kernel output"     # a view of one split-K GEMM's output, not a call
     return "library call"

@@ -126,3 +126,60 @@ def relu_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
                       f"{separate:.1f} us for GEMM + ReLU kernel")
     return False, (f"ReLU in the pointwise kernel: GEMM + ReLU measured {separate:.1f} us vs {fused:.1f} us "
                    "with it in cuBLASLt's epilogue")
+
+
+SPLIT_K_SLICES = (2, 4, 8)     # slice counts timed; 16 lost everywhere in splitk_probe_20261125.txt
+SPLIT_K_MARGIN = 0.03          # one layer timed alone (weights hot in L2) misleads; 8 layers of 1024 x 512 gained 4%
+
+
+def split_k_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """The S partial products of x @ weight.T over S slices of K, as ONE batched library GEMM:
+    [S, M, N], summed by the caller. Both operands are views where x's rows are contiguous
+    (x [M, K] as [S, M, K/S]; W.T [K, N] as [S, K/S, N]), so nothing is copied."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    a = x.view(m, splits, k // splits).transpose(0, 1)
+    b = weight.t().reshape(splits, k // splits, weight.shape[0])
+    return torch.bmm(a, b)
+
+
+def split_k_slices(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """The slice counts worth timing for this GEMM (empty: none). Only fp32: the partials are
+    stored in the output dtype, and fp16/bf16 partials would round S times where the library
+    rounds once. Only where the output has fewer 128 x 128 tiles than the GPU has SMs: there the
+    library's GEMM leaves SMs idle, and S slices give S times the tiles (H100, fp32, 8 layers,
+    splitk_probe_20261125.txt: batch 1024 / width 1024 504 -> 439 us in 4 slices, batch 256 /
+    width 1024 190 -> 164; where the tiles already fill the GPU, 4096 x 1024, it lost 20%)."""
+    if dtype != torch.float32 or device.type != "cuda":
+        return ()
+    tiles = -(-batch // 128) * -(-n // 128)
+    if tiles >= torch.cuda.get_device_properties(device).multi_processor_count:
+        return ()
+    return tuple(s for s in SPLIT_K_SLICES if k % s == 0 and k // s >= 64 and (k // s) % 4 == 0)
+
+
+@functools.lru_cache(maxsize=512)
+def split_k_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+                         allow_tf32: bool) -> tuple:
+    """(S, reason): S > 1 where a Linear + bias runs faster as split_k_mm in S slices with the S
+    partials summed in its epilogue kernel than as the faster library spelling followed by that
+    kernel; 1 (and why) otherwise, '' where no split is worth timing. Measured as the other
+    choices here are: each side is a GEMM plus one kernel over its output (ReLU there; the sum
+    of the S partials here, which the fused epilogue does with the bias and the activation)."""
+    slices = split_k_slices(batch, k, n, dtype, device)
+    if not slices:
+        return 1, ""
+    plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
+    x, w, b = _operands(batch, k, n, dtype, device)
+    bias = (b,) if with_bias < 0.99 * plain else ()
+    with torch.no_grad():
+        one_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, *bias))  # noqa: E731
+        one = _time_us(one_fn)
+        split = {s: _time_us(lambda s=s: split_k_mm(x, w, s).sum(0)) for s in slices}
+        one = min(one, _time_us(one_fn))   # timed again last: the GPU's clocks may still be rising
+    best = min(split, key=split.get)
+    if split[best] < (1 - SPLIT_K_MARGIN) * one:
+        return best, (f"split-K: K = {k} in {best} slices through one batched library GEMM, the partials "
+                      f"summed in the epilogue kernel: measured {split[best]:.1f} us vs {one:.1f} us unsplit")
+    return 1, f"one library GEMM: measured {one:.1f} us vs {split[best]:.1f} us split-K in {best} slices"

@@ -7,8 +7,10 @@ two spellings differs a lot with shape (fxfuse/library_choice.py measures it), s
 such pair this pass measures once per shape and, where the GEMM with bias wins, puts the
 bias back into the library call. Where a ReLU that fuses with nothing else follows the bias,
 a third spelling is measured too: one cuBLASLt call with bias and ReLU in its epilogue
-(`linear_relu`), which saves the kernel over the output. The decision and its numbers go to
-explain().
+(`linear_relu`), which saves the kernel over the output. Where the GEMM's output has too few
+tiles to fill the GPU, split-K is measured as well (`split_k_partials`): one batched GEMM over
+S slices of K, its S partials summed by the fused kernel that already adds the bias. The
+decision and its numbers go to explain().
 """
 import operator
 
@@ -16,7 +18,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxfuse.library_choice import bias_in_library_gemm, relu_in_library_gemm
+from fxfuse.library_choice import bias_in_library_gemm, relu_in_library_gemm, split_k_library_gemm, split_k_mm
 from fxfuse.ops import is_pointwise_target
 from fxfuse.tracing import fxfuse_meta
 
@@ -36,6 +38,35 @@ def linear_relu(x, weight, bias):
     """relu(F.linear(x, weight, bias)) as ONE cuBLASLt call, bias and ReLU in its epilogue."""
     out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def split_k_partials(x, weight, splits: int) -> tuple:
+    """The S partial products whose sum is F.linear(x, weight), from ONE batched library GEMM
+    (library_choice.split_k_mm): S views of one [S, M, N] buffer, each shaped like the Linear's
+    output, which the epilogue's fused kernel reads and adds."""
+    parts = split_k_mm(x.reshape(-1, x.shape[-1]), weight, splits)
+    return tuple(p.view(*x.shape[:-1], weight.shape[0]) for p in parts.unbind(0))
+
+
+def _split_k(gm, linear, splits: int, reason: str, device) -> None:
+    """linear -> split_k_partials + the sum of its S outputs (pointwise adds, which fuse with
+    the bias add after them)."""
+    graph, meta = gm.graph, linear.meta["tensor_meta"]
+    with graph.inserting_before(linear):
+        call = graph.call_function(split_k_partials, (linear.args[0], linear.args[1], splits))
+        earlier = fxfuse_meta(linear).get("decision")
+        call.meta["fxfuse"] = {"decision": f"{earlier}; {reason}" if earlier else reason, "device": device}
+        call.meta["tensor_meta"] = (meta,) * splits
+        total = None
+        for i in range(splits):
+            part = graph.call_function(operator.getitem, (call, i))
+            part.meta = {"tensor_meta": meta, "fxfuse": {"device": device}}
+            if total is not None:
+                part = graph.call_function(operator.add, (total, part))
+                part.meta = {"tensor_meta": meta, "fxfuse": {"device": device}}
+            total = part
+    linear.replace_all_uses_with(total)
+    graph.erase_node(linear)
 
 
 def _lone_relu(add):
@@ -88,6 +119,13 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
                 changed = True
                 continue
         use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
+        splits, split_reason = split_k_library_gemm(batch, k, n, meta.dtype, device, allow_tf32) \
+            if batch > 0 else (1, "")
+        if splits > 1 and k % splits == 0:   # against the faster of both spellings: the bias stays out
+            _split_k(gm, linear, splits, split_reason, device)
+            changed = True
+            continue
+        reason = f"{reason}; {split_reason}" if split_reason else reason
         if not use_library:   # keep what earlier passes decided about this Linear (fuse_gemm's "no")
             earlier = fxfuse_meta(linear).get("decision")
             fxfuse_meta(linear)["decision"] = f"{earlier}; {reason}" if earlier else reason

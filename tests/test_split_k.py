@@ -1,0 +1,134 @@
+"""Split-K through the library's batched GEMM (passes/linear_epilogue.py, fxfuse/library_choice.py).
+
+On the CPU the measured choice says "no GPU" and never splits, so these tests force it, as the
+other library-spelling tests do, and check the rewrite against eager: the split call is there,
+its S partials are summed in the fused epilogue kernel, and the answer matches.
+"""
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+import fxfuse.passes.linear_epilogue as pass_module
+from conftest import relative_error as rel_err
+from fxfuse.demo import seed_network
+from fxfuse.library_choice import split_k_library_gemm, split_k_mm, split_k_slices
+
+
+def _split_calls(opt):
+    gm = next(iter(opt.specializations.values())).gm
+    return [n for n in gm.graph.nodes if n.target is pass_module.split_k_partials]
+
+
+def _is_partial(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is operator.getitem \
+        and node.args[0].target is pass_module.split_k_partials
+
+
+def _force(monkeypatch, splits):
+    monkeypatch.setattr(pass_module, "split_k_library_gemm", lambda *a: (splits, "split-K: forced by the test"))
+
+
+def test_split_k_mm_sums_to_the_product():
+    x, w = torch.randn(5, 24), torch.randn(13, 24)
+    for s in (1, 2, 3, 4, 6):
+        parts = split_k_mm(x, w, s)
+        assert parts.shape == (s, 5, 13)
+        torch.testing.assert_close(parts.sum(0), x @ w.t(), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(24, 5).t()           # rows not contiguous: copied, same answer
+    torch.testing.assert_close(split_k_mm(xt, w, 4).sum(0), xt @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24)])
+def test_forced_split_k_matches_eager_and_fuses_the_sum(monkeypatch, shape):
+    _force(monkeypatch, 4)
+    model = nn.Sequential(nn.Linear(24, 20), nn.ReLU(), nn.Linear(20, 13), nn.GELU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(*shape), strict=True, fused_mlp="off", gemm="off")
+    calls = _split_calls(opt)
+    assert len(calls) == 2 and all(c.args[2] == 4 for c in calls)
+    s = fxfuse.stats(opt)
+    assert s["fused_kernels"] == 2 and s["library_calls"] == 2     # one split GEMM + one epilogue kernel a layer
+    gm = next(iter(opt.specializations.values())).gm
+    kernels = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [sum(_is_partial(a) for a in k.args) for k in kernels] == [4, 4]   # each kernel sums 4 partials
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    report = fxfuse.explain(opt)
+    assert "split-K: forced by the test" in report
+
+
+def test_split_k_not_taken_where_slices_do_not_divide_k(monkeypatch):
+    _force(monkeypatch, 4)
+    model = nn.Sequential(nn.Linear(10, 6), nn.ReLU()).eval()     # K = 10: 4 does not divide it
+    opt = fxfuse.optimize(model, torch.randn(3, 10), strict=True, fused_mlp="off", gemm="off")
+    assert not _split_calls(opt)
+    with torch.no_grad():
+        x = torch.randn(3, 10)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_no_split_k_without_a_gpu_or_in_half_precision():
+    cpu = torch.device("cpu")
+    assert split_k_slices(1024, 1024, 1024, torch.float32, cpu) == ()
+    assert split_k_library_gemm(1024, 1024, 1024, torch.float32, cpu, False) == (1, "")
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        assert split_k_slices(1024, 1024, 1024, torch.float16, gpu) == ()
+        assert split_k_slices(8192, 1024, 8192, torch.float32, gpu) == ()     # tiles already fill the GPU
+        assert split_k_slices(1024, 1024, 1024, torch.float32, gpu) == (2, 4, 8)
+        assert split_k_slices(64, 96, 1024, torch.float32, gpu) == ()         # K / 2 < 64
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("ieee_fp32")
+def test_forced_split_k_on_gpu_captured_and_safe(monkeypatch):
+    _force(monkeypatch, 4)
+    model = seed_network(512, 3).cuda()
+    x1, x2 = torch.randn(96, 512, device="cuda"), torch.randn(96, 512, device="cuda")
+    opt = fxfuse.optimize(model, x1, strict=True, fused_mlp="off", gemm="off", strassen="off")
+    spec = next(iter(opt.specializations.values()))
+    assert len(_split_calls(opt)) == 3 and spec.cuda_graph_note.startswith("captured")
+    with torch.no_grad():
+        out1 = opt(x1)
+        kept = out1.clone()
+        out2 = opt(x2)
+        assert torch.equal(out1, kept), "call 2 overwrote call 1's output"
+        assert rel_err(out1, model(x1)) < 1e-6 and rel_err(out2, model(x2)) < 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("ieee_fp32")
+def test_split_k_measured_choice_on_gpu():
+    """The measured choice runs and says why, whichever way it goes."""
+    for batch, width in ((256, 1024), (1024, 1024), (64, 4096)):
+        splits, reason = split_k_library_gemm(batch, width, width, torch.float32, torch.device("cuda"), False)
+        assert splits in (1, 2, 4, 8) and "measured" in reason
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("ieee_fp32")
+def test_split_k_kept_off_a_bias_free_linear_and_f_linear_spelling():
+    """A bias-free Linear keeps its GEMM; the functional spelling with a bias splits like nn.Linear
+    where the measurement says so. Either way: same answers as eager."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(1024, 1024) / 32)
+            self.b = nn.Parameter(torch.randn(1024))
+            self.free = nn.Linear(1024, 1024, bias=False)
+
+        def forward(self, x):
+            return self.free(torch.relu(F.linear(x, self.w, self.b)))
+
+    model = Net().cuda().eval()
+    x = torch.randn(1024, 1024, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True, strassen="off")
+    assert len(_split_calls(opt)) <= 1
+    with torch.no_grad():
+        fresh = torch.randn_like(x)
+        assert rel_err(opt(fresh), model(fresh)) < 1e-6
