@@ -10,6 +10,8 @@ process. This is the seed of the cost model's calibration: a measured fact per s
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 
 def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
@@ -159,24 +161,59 @@ def split_k_slices(batch: int, k: int, n: int, dtype: torch.dtype, device: torch
     return tuple(s for s in SPLIT_K_SLICES if k % s == 0 and k // s >= 64 and (k // s) % 4 == 0)
 
 
+@triton.jit
+def _sum_bias_relu(parts_ptr, bias_ptr, out_ptr, MN, N, S: tl.constexpr, BLOCK: tl.constexpr):
+    """The epilogue fxfuse generates for a split Linear + bias + ReLU, for timing the choice:
+    out = relu(sum of the S partials + bias); S = 1 is the unsplit GEMM's epilogue."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
+    for s in tl.static_range(S):
+        acc += tl.load(parts_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, tl.maximum(acc, 0.0), mask=mask)
+
+
+def _gemm_and_epilogue(x, w, b, splits: int):
+    """A callable running the GEMM (in `splits` slices of K) and the fused epilogue's kernel into
+    buffers allocated once, as the layer runs inside fxfuse's graph."""
+    m, n = x.shape[0], w.shape[0]
+    parts, out = torch.empty(splits, m, n, device=x.device), torch.empty(m, n, device=x.device)
+    a = x.view(m, splits, -1).transpose(0, 1)
+    bt = w.t().reshape(splits, -1, n)
+    grid = (triton.cdiv(m * n, 1024),)
+
+    def run():
+        if splits == 1:
+            torch.mm(x, w.t(), out=parts[0])
+        else:
+            torch.bmm(a, bt, out=parts)
+        _sum_bias_relu[grid](parts, b, out, m * n, n, S=splits, BLOCK=1024)
+        return out
+    return run
+
+
 @functools.lru_cache(maxsize=512)
 def split_k_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
                          allow_tf32: bool) -> tuple:
     """(S, reason): S > 1 where a Linear + bias runs faster as split_k_mm in S slices with the S
     partials summed in its epilogue kernel than as the faster library spelling followed by that
-    kernel; 1 (and why) otherwise, '' where no split is worth timing. Measured as the other
-    choices here are: each side is a GEMM plus one kernel over its output (ReLU there; the sum
-    of the S partials here, which the fused epilogue does with the bias and the activation)."""
+    kernel; 1 (and why) otherwise, '' where no split is worth timing. Each side is timed as it
+    runs: the GEMM and the epilogue kernel (bias, ReLU; the sum of the partials when split), or
+    addmm and a ReLU where the bias in the library GEMM measured faster. Timed with torch's
+    sum(0) in place of that kernel, the split lost 2-4 us per layer to the chain's own numbers
+    (1024 x 1024: 64.2 us alone, 60.1 per layer in splitk_probe's 8-layer chain)."""
     slices = split_k_slices(batch, k, n, dtype, device)
     if not slices:
         return 1, ""
     plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
     x, w, b = _operands(batch, k, n, dtype, device)
-    bias = (b,) if with_bias < 0.99 * plain else ()
     with torch.no_grad():
-        one_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, *bias))  # noqa: E731
+        if with_bias < 0.99 * plain:
+            one_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, b))  # noqa: E731
+        else:
+            one_fn = _gemm_and_epilogue(x, w, b, 1)
         one = _time_us(one_fn)
-        split = {s: _time_us(lambda s=s: split_k_mm(x, w, s).sum(0)) for s in slices}
+        split = {s: _time_us(_gemm_and_epilogue(x, w, b, s)) for s in slices}
         one = min(one, _time_us(one_fn))   # timed again last: the GPU's clocks may still be rising
     best = min(split, key=split.get)
     if split[best] < (1 - SPLIT_K_MARGIN) * one:

@@ -72,6 +72,16 @@ def test_split_k_not_taken_where_slices_do_not_divide_k(monkeypatch):
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_the_timed_epilogue_computes_what_the_layer_does():
+    """The split-K choice times a hand-written stand-in for the generated epilogue: it must
+    compute relu(x @ W.T + b), split or not (interpreted here)."""
+    from fxfuse.library_choice import _gemm_and_epilogue
+    x, w, b = torch.randn(5, 24), torch.randn(13, 24), torch.randn(13)
+    for s in (1, 2, 4):
+        torch.testing.assert_close(_gemm_and_epilogue(x, w, b, s)(), torch.relu(F.linear(x, w, b)),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_no_split_k_without_a_gpu_or_in_half_precision():
     cpu = torch.device("cpu")
     assert split_k_slices(1024, 1024, 1024, torch.float32, cpu) == ()
