@@ -64,9 +64,18 @@ def main(argv=None):
                     "256x2048,256x4096,256x8192,1024x512,1024x1024,1024x2048,4096x512,4096x1024,16x4096,16x8192")
     ap.add_argument("--splits", default="2,4,8,16")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--choice", action="store_true",
+                    help="print fxfuse's measured split-K choice per cell (one layer) instead of timing chains")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
+    if args.choice:
+        from fxfuse.library_choice import split_k_library_gemm, split_k_slices
+        for cell in args.cells.split(","):
+            m, h = map(int, cell.split("x"))
+            print(m, h, split_k_slices(m, h, h, torch.float32, dev),
+                  split_k_library_gemm(m, h, h, torch.float32, dev, False), flush=True)
+        return
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
           f"fp32, TF32 off; {args.layers} layers, GPU us per chain in one CUDA graph")
     for cell in args.cells.split(","):
