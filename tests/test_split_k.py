@@ -142,3 +142,31 @@ def test_split_k_kept_off_a_bias_free_linear_and_f_linear_spelling():
     with torch.no_grad():
         fresh = torch.randn_like(x)
         assert rel_err(opt(fresh), model(fresh)) < 1e-6
+
+
+def test_forced_split_k_other_spellings(monkeypatch):
+    """F.linear with a bias, a weight shared by two layers, a non-contiguous input and a Linear
+    read by two consumers: split where legal, and always eager's answer."""
+    _force(monkeypatch, 2)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(12, 12) / 4)
+            self.b = nn.Parameter(torch.randn(12))
+            self.shared = nn.Linear(12, 12)
+
+        def forward(self, x):
+            h = torch.sigmoid(F.linear(x, self.w, self.b))
+            h = self.shared(torch.relu(self.shared(h)))
+            return h * 3 + self.shared(x)          # a third use of the shared layer
+
+    model = Net().eval()
+    base = torch.randn(12, 9)
+    x = base.t()                                     # [9, 12], columns contiguous: not row-major
+    opt = fxfuse.optimize(model, x, strict=True, fused_mlp="off", gemm="off")
+    assert len(_split_calls(opt)) == 4
+    with torch.no_grad():
+        for _ in range(2):
+            fresh = torch.randn(12, 9).t()
+            torch.testing.assert_close(opt(fresh), model(fresh), rtol=1e-5, atol=1e-5)
