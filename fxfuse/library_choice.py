@@ -71,7 +71,7 @@ def _gemm_times(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.de
     """(us of F.linear(x, W), us of F.linear(x, W, b)) on this GPU. allow_tf32 is part of the
     key: it changes cuBLAS's kernels (the caller's current setting is what runs)."""
     x, w, b = _operands(batch, k, n, dtype, device)
-    with torch.no_grad():
+    with torch.no_grad(), torch.cuda.device(device):   # the capture stream and launches on the model's GPU
         return _time_us(lambda: torch.nn.functional.linear(x, w)), _time_us(lambda: torch.nn.functional.linear(x, w, b))
 
 
@@ -115,7 +115,7 @@ def relu_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
     plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
     x, w, b = _operands(batch, k, n, dtype, device)
     wt = w.t()
-    with torch.no_grad():
+    with torch.no_grad(), torch.cuda.device(device):
         # GEMM + one kernel over its output, as fxfuse runs it (there the bias joins the ReLU's kernel)
         bias = (b,) if with_bias < 0.99 * plain else ()
         separate_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, *bias))  # noqa: E731
@@ -207,7 +207,7 @@ def split_k_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
         return 1, ""
     plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
     x, w, b = _operands(batch, k, n, dtype, device)
-    with torch.no_grad():
+    with torch.no_grad(), torch.cuda.device(device):
         if with_bias < 0.99 * plain:
             one_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, b))  # noqa: E731
         else:

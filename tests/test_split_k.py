@@ -170,3 +170,25 @@ def test_forced_split_k_other_spellings(monkeypatch):
         for _ in range(2):
             fresh = torch.randn(12, 9).t()
             torch.testing.assert_close(opt(fresh), model(fresh), rtol=1e-5, atol=1e-5)
+
+
+def test_forced_split_k_skips_empty_k_and_a_vector_weight(monkeypatch):
+    """Review: K = 0 and F.linear with a 1-D weight (a matrix-vector product whose output's last
+    dimension is the batch) are left unsplit, and build and match eager."""
+    _force(monkeypatch, 2)
+
+    class VectorWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.randn(256)), nn.Parameter(torch.randn(5))
+
+        def forward(self, x):
+            return torch.relu(F.linear(x, self.w) + self.b)
+
+    for model, x in ((nn.Sequential(nn.Linear(0, 5), nn.ReLU()), torch.randn(3, 0)),
+                     (VectorWeight(), torch.randn(5, 256))):
+        opt = fxfuse.optimize(model.eval(), x, strict=True, fused_mlp="off", gemm="off")
+        assert not _split_calls(opt)
+        with torch.no_grad():
+            fresh = torch.randn_like(x)
+            torch.testing.assert_close(opt(fresh), model(fresh), rtol=1e-5, atol=1e-5)
