@@ -138,12 +138,15 @@ def split_k_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tens
     """The S partial products of x @ weight.T over S slices of K, as ONE batched library GEMM:
     [S, M, N], summed by the caller. Both operands are views where x's rows are contiguous
     (x [M, K] as [S, M, K/S]; W.T [K, N] as [S, K/S, N]), so nothing is copied."""
-    m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    a = x.view(m, splits, k // splits).transpose(0, 1)
-    b = weight.t().reshape(splits, k // splits, weight.shape[0])
-    return torch.bmm(a, b)
+    return torch.bmm(*_split_operands(x, weight, splits))
+
+
+def _split_operands(x: torch.Tensor, weight: torch.Tensor, splits: int) -> tuple:
+    """x [M, K] as [S, M, K/S] and weight.T [K, N] as [S, K/S, N]: views where x's rows are contiguous."""
+    m, k = x.shape
+    return x.view(m, splits, k // splits).transpose(0, 1), weight.t().reshape(splits, k // splits, weight.shape[0])
 
 
 def split_k_slices(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -177,9 +180,9 @@ def _gemm_and_epilogue(x, w, b, splits: int):
     """A callable running the GEMM (in `splits` slices of K) and the fused epilogue's kernel into
     buffers allocated once, as the layer runs inside fxfuse's graph."""
     m, n = x.shape[0], w.shape[0]
-    parts, out = torch.empty(splits, m, n, device=x.device), torch.empty(m, n, device=x.device)
-    a = x.view(m, splits, -1).transpose(0, 1)
-    bt = w.t().reshape(splits, -1, n)
+    parts = torch.empty(splits, m, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    a, bt = _split_operands(x, w, splits)
     grid = (triton.cdiv(m * n, 1024),)
 
     def run():

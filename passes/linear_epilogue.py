@@ -119,12 +119,11 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
                 changed = True
                 continue
         use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
+        # a 1-D weight (F.linear as a matrix-vector product), K = 0 or no rows: never split, never timed
+        splittable = batch > 0 and k > 0 and tuple(linear.args[1].meta["tensor_meta"].shape) == (n, k)
         splits, split_reason = split_k_library_gemm(batch, k, n, meta.dtype, device, allow_tf32) \
-            if batch > 0 else (1, "")
-        weight_meta = linear.args[1].meta["tensor_meta"]
-        if splits > 1 and k > 0 and k % splits == 0 and tuple(weight_meta.shape) == (n, k):
-            # against the faster of both spellings: the bias stays out (a 1-D weight, where F.linear
-            # is a matrix-vector product, or K = 0 never splits)
+            if splittable else (1, "")
+        if splits > 1 and k % splits == 0:   # against the faster of both spellings: the bias stays out
             _split_k(gm, linear, splits, split_reason, device)
             changed = True
             continue
