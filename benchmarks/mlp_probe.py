@@ -20,8 +20,8 @@ us: calls queued back to back, CUDA events, one synchronization per repetition, 
 A width the kernel cannot hold (> 1024) is not fused even under "force": the note says why.
 The sweep (narrow widths) gives kernel+graph / plan graph (GPU time of the fused kernel over that of
 fxfuse's per-layer plan, fused_mlp="off"): < 1 pays. `--sweep 1x64:rows,256x64:dot,...` picks cells;
-form rows4 / rows8 is the row-wise form with 4 / 8 rows per program (mlp_spec.ROWWISE_ROWS), not yet
-measured: e.g. `--sweep 1024x128:rows4,1024x128:rows8,4096x128:rows8,1024x256:rows4`.
+form rows4 / rows8 is the row-wise form with 4 / 8 rows per program (mlp_spec.ROWWISE_ROWS), rows4t16
+also sets the lanes per column tile (mlp_spec.ROWWISE_ROWS_TILE), e.g. `--sweep 1024x128:rows4,1024x128:rows8,4096x128:rows8,1024x256:rows4`.
 
 Cells run in a child process, a fresh one after a cell that hangs (an unrolled kernel of a
 wide chain can compile for a long time) or crashes; a deadline keeps the whole run short, and
@@ -190,10 +190,12 @@ def sweep_cell(batch, h, form="auto"):
     torch.manual_seed(batch)
     x = torch.randn(batch, h, device="cuda")
     row = {"batch": batch, "hidden": h, "asked": form}
-    saved, saved_rows = mlp_spec.ROWWISE_MAX_BATCH, mlp_spec.ROWWISE_ROWS
+    saved, saved_rows, saved_tile = mlp_spec.ROWWISE_MAX_BATCH, mlp_spec.ROWWISE_ROWS, mlp_spec.ROWWISE_ROWS_TILE
     mlp_spec.ROWWISE_MAX_BATCH = saved if form == "auto" else 0 if form == "dot" else 1 << 40
-    if form.startswith("rows") and form != "rows":   # rows4, rows8: row-wise with that many rows per program
-        mlp_spec.ROWWISE_ROWS = int(form[4:])
+    if form.startswith("rows") and form != "rows":   # rows4, rows8t16: rows per program [t lanes per tile]
+        rows, _, tile = form[4:].partition("t")
+        mlp_spec.ROWWISE_ROWS = int(rows)
+        mlp_spec.ROWWISE_ROWS_TILE = int(tile) if tile else saved_tile
     try:
         with torch.no_grad():
             y64 = copy.deepcopy(model).double()(x.double())
@@ -204,7 +206,7 @@ def sweep_cell(batch, h, form="auto"):
                 row["plan graph"] = per_call_us(spec.launcher.replay)
             measure_fxfuse(model, x, y64, "force", row, kernel_alone=True)
     finally:
-        mlp_spec.ROWWISE_MAX_BATCH, mlp_spec.ROWWISE_ROWS = saved, saved_rows
+        mlp_spec.ROWWISE_MAX_BATCH, mlp_spec.ROWWISE_ROWS, mlp_spec.ROWWISE_ROWS_TILE = saved, saved_rows, saved_tile
     return row
 
 
