@@ -19,9 +19,7 @@ us: calls queued back to back, CUDA events, one synchronization per repetition, 
   floor                max(weights / 3.0 TB/s, FLOPs / 51.6 TFLOP/s, 1.2 us): DESIGN.md's ceilings
 A width the kernel cannot hold (> 1024) is not fused even under "force": the note says why.
 The sweep (narrow widths) gives kernel+graph / plan graph (GPU time of the fused kernel over that of
-fxfuse's per-layer plan, fused_mlp="off"): < 1 pays. `--sweep 1x64:rows,256x64:dot,...` picks cells;
-form rows4 / rows8 is the row-wise form with 4 / 8 rows per program (mlp_spec.ROWWISE_ROWS), rows4t16
-also sets the lanes per column tile (mlp_spec.ROWWISE_ROWS_TILE), e.g. `--sweep 1024x128:rows4,1024x128:rows8,4096x128:rows8,1024x256:rows4`.
+fxfuse's per-layer plan, fused_mlp="off"): < 1 pays. `--sweep 1x64:rows,256x64:dot,...` picks cells.
 
 Cells run in a child process, a fresh one after a cell that hangs (an unrolled kernel of a
 wide chain can compile for a long time) or crashes; a deadline keeps the whole run short, and
@@ -190,12 +188,8 @@ def sweep_cell(batch, h, form="auto"):
     torch.manual_seed(batch)
     x = torch.randn(batch, h, device="cuda")
     row = {"batch": batch, "hidden": h, "asked": form}
-    saved, saved_rows, saved_tile = mlp_spec.ROWWISE_MAX_BATCH, mlp_spec.ROWWISE_ROWS, mlp_spec.ROWWISE_ROWS_TILE
-    mlp_spec.ROWWISE_MAX_BATCH = saved if form == "auto" else 0 if form == "dot" else 1 << 40
-    if form.startswith("rows") and form != "rows":   # rows4, rows8t16: rows per program [t lanes per tile]
-        rows, _, tile = form[4:].partition("t")
-        mlp_spec.ROWWISE_ROWS = int(rows)
-        mlp_spec.ROWWISE_ROWS_TILE = int(tile) if tile else saved_tile
+    saved = mlp_spec.ROWWISE_MAX_BATCH
+    mlp_spec.ROWWISE_MAX_BATCH = {"auto": saved, "rows": 1 << 40, "dot": 0}[form]
     try:
         with torch.no_grad():
             y64 = copy.deepcopy(model).double()(x.double())
@@ -206,7 +200,7 @@ def sweep_cell(batch, h, form="auto"):
                 row["plan graph"] = per_call_us(spec.launcher.replay)
             measure_fxfuse(model, x, y64, "force", row, kernel_alone=True)
     finally:
-        mlp_spec.ROWWISE_MAX_BATCH, mlp_spec.ROWWISE_ROWS, mlp_spec.ROWWISE_ROWS_TILE = saved, saved_rows, saved_tile
+        mlp_spec.ROWWISE_MAX_BATCH = saved
     return row
 
 
@@ -328,7 +322,7 @@ def main():
     ap.add_argument("--budget", type=float, default=180, help="seconds for the whole probe")
     ap.add_argument("--cell-timeout", type=float, default=60, help="seconds per cell, compile included")
     ap.add_argument("--sweep", help="sweep cells instead of the default ones: BATCHxHIDDEN:FORM,... "
-                    "(FORM auto, rows, rows4, rows8 or dot); with --no-main, the sweep alone")
+                    "(FORM auto, rows or dot); with --no-main, the sweep alone")
     ap.add_argument("--no-main", action="store_true", help="skip the main table")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()

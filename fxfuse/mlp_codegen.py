@@ -111,7 +111,7 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
                  f"{'row-wise GEMV products' if config.rowwise else 'tl.dot'}, {config}")
         buf.line(f"# per program: reads BLOCK_M rows of x and all {layout.weight_numel * esize} bytes "
                  "of packed weights; activations stay in registers; writes BLOCK_M rows")
-        if _one_row(config):
+        if config.rowwise:
             buf.line("row = tl.program_id(0).to(tl.int64)   # one program per row: the grid is M")
         else:
             buf.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
@@ -147,7 +147,7 @@ def _preloaded(spec: MLPSpec, config: KernelConfig) -> set:
     one's together stay within PREFETCH_ELEMENTS per thread. gemv_chain_probe (H100, 8 layers
     fp32, 4 warps): width 64, 32 + 32 elements per thread, 4.7 us ahead vs 7.2 us not; width
     128, 128 + 128, spills: 11.3 vs 10.3 us."""
-    if not _one_row(config):   # row tiles: the products' [BLOCK_M, T, T] temporaries take the registers
+    if not config.rowwise:
         return set()
     threads = 32 * config.num_warps
     sizes = [_tile_elements(spec, s, config.max_tile) for s in spec.linears]
@@ -162,15 +162,9 @@ def _cols(j: int, t: int) -> str:
     return f"({j * t} + c{t})" if j else f"c{t}"
 
 
-def _one_row(config: KernelConfig) -> bool:
-    """The row-wise form at one row per program: values are 1-D tiles. With BLOCK_M > 1 rows
-    (and in the tl.dot form) they are [BLOCK_M, T] tiles."""
-    return config.rowwise and config.block_m == 1
-
-
 def _along_row(config: KernelConfig, expr: str) -> str:
-    """A per-column vector as the value tiles hold it: 1-D (one row) or [1, T] (row tiles)."""
-    return expr if _one_row(config) else f"{expr}[None, :]"
+    """A per-column vector as the value tiles hold it: 1-D (row-wise) or [1, T] (tl.dot form)."""
+    return expr if config.rowwise else f"{expr}[None, :]"
 
 
 def _emit_input(buf, spec, config):
@@ -179,7 +173,7 @@ def _emit_input(buf, spec, config):
     buf.line(f"# input: {k0} columns as {n} tile(s) of {t}")
     for j in range(n):
         partial = (j + 1) * t > k0
-        if _one_row(config):
+        if config.rowwise:
             mask = f", mask={_cols(j, t)} < {k0}, other=0.0" if partial else ""
             buf.line(f"v0_{j} = tl.load(x_ptr + row * stride_xm + {_cols(j, t)}{mask}).to(tl.float32)")
             continue
@@ -229,13 +223,8 @@ def _emit_linear(buf, spec, step, layout, config, preloaded=False):
                 buf.line(f"{w} = {_weight_tile(spec, step, layout, config, j, kk)}")
             if config.rowwise:   # GEMV: sum over the axis the input runs along (module docstring)
                 w = w if spec.dtype == torch.float32 else f"{w}.to(tl.float32)"
-                a = operands[kk]
-                if _one_row(config):
-                    prod = (f"tl.sum({w} * {a}[:, None], axis=0)" if step.out in layout.transposed
-                            else f"tl.sum({w} * {a}[None, :], axis=1)")
-                else:            # the same per row, rows on a leading axis: [BLOCK_M, tk, tn] or [BLOCK_M, tn, tk]
-                    prod = (f"tl.sum({w}[None, :, :] * {a}[:, :, None], axis=1)" if step.out in layout.transposed
-                            else f"tl.sum({w}[None, :, :] * {a}[:, None, :], axis=2)")
+                prod = (f"tl.sum({w} * {operands[kk]}[:, None], axis=0)" if step.out in layout.transposed
+                        else f"tl.sum({w} * {operands[kk]}[None, :], axis=1)")
                 buf.line(f"acc = {prod}" if kk == 0 else f"acc = acc + {prod}")
             else:                # [tk, tn] tile, as tl.dot takes it
                 acc = "out_dtype=tl.float32" if kk == 0 else "acc=acc"
@@ -273,7 +262,7 @@ def _emit_store(buf, spec, config):
     for j in range(n):
         partial = (j + 1) * t > w
         value = f"v{spec.output}_{j}.to({TRITON_DTYPE[spec.dtype]})"
-        if _one_row(config):
+        if config.rowwise:
             mask = f", mask={_cols(j, t)} < {w}" if partial else ""
             buf.line(f"tl.store(out_ptr + row * stride_om + {_cols(j, t)}, {value}{mask})")
             continue

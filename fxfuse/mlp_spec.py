@@ -23,8 +23,6 @@ MAX_FMA_PER_THREAD = 1 << 17  # unrolled FMAs per thread (FMA forms): bounds cod
 ROWWISE_MAX_BATCH = 512      # batch up to which one program per row wins (choose_config), fp32 IEEE
 ROWWISE_TC_MAX_BATCH = 16    # the same where tl.dot runs on tensor cores (fp16, bf16, fp32 with TF32)
 ROWWISE_MAX_TILE = 128       # lanes per column tile of the row-wise form: fewer, larger GEMV tiles
-ROWWISE_ROWS = 1             # rows per program of the row-wise form; > 1 is unmeasured (mlp_probe --sweep BxH:rows4)
-ROWWISE_ROWS_TILE = 32       # lanes per column tile there: a product holds BLOCK_M x T x T values
 PREFETCH_ELEMENTS = 64       # weight elements per thread of two Linears' tiles held at once (row-wise)
 SMS = 132                    # H100 SXM; only used to judge when larger row tiles still fill the GPU
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,7 +58,7 @@ class MLPSpec:
 @dataclass(frozen=True)
 class KernelConfig:
     block_m: int = 16        # rows per program
-    rowwise: bool = False    # broadcast-multiply-reduce products, BLOCK_M 1 or a few rows (else tl.dot)
+    rowwise: bool = False    # broadcast-multiply-reduce products, BLOCK_M 1 (else tl.dot)
     num_warps: int = 4
     max_tile: int = MAX_TILE
     precision: str = "ieee"  # fp32 tl.dot: "ieee" or "tf32"
@@ -112,14 +110,14 @@ def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **overrid
     forced, override = bool(override), dict(override)
     tensor_cores = spec.dtype != torch.float32 or precision == "tf32"
     rowwise = override.pop("rowwise", batch <= (ROWWISE_TC_MAX_BATCH if tensor_cores else ROWWISE_MAX_BATCH))
-    block_m = ROWWISE_ROWS if rowwise else 16
+    block_m = 1 if rowwise else 16
     if not rowwise:
         for bm in (64, 32):
             if batch >= 2 * SMS * bm and bm * widest <= 1024 * warps:
                 block_m = bm
                 break
     cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, precision=precision,
-               max_tile=(ROWWISE_MAX_TILE if block_m == 1 else ROWWISE_ROWS_TILE) if rowwise else MAX_TILE)
+               max_tile=ROWWISE_MAX_TILE if rowwise else MAX_TILE)
     cfg.update(override)
     config = KernelConfig(**cfg)
     if not forced and why_not_kernel(spec, config) and not why_not_kernel(spec, rows := KernelConfig(
@@ -142,8 +140,8 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
         return "a width is 0 (empty weight)"
     if max(spec.widths) > MAX_WIDTH:
         return f"width {max(spec.widths)} > {MAX_WIDTH} does not fit on chip"
-    if config.rowwise and config.block_m not in (1, 2, 4, 8, 16):
-        return "the row-wise form takes 1, 2, 4, 8 or 16 rows per program"
+    if config.rowwise and config.block_m != 1:
+        return "the row-wise form takes 1 row per program"
     if not config.rowwise and config.block_m < 16:
         return "tl.dot takes at least 16 rows per program"
     fma_form = config.rowwise or (spec.dtype == torch.float32 and config.precision == "ieee")
