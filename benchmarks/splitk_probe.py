@@ -9,7 +9,8 @@ summed in the epilogue kernel that already adds the bias and applies the ReLU. B
 are views (no copy): x [M, K] as [S, M, K/S] and W^T [K, N] as [S, K/S, N].
 
 Times 8 layers of (Linear + ReLU) in one CUDA graph, GPU time per chain (us), per spelling:
-addmm = F.linear with bias, then ReLU (eager's kernels); mm = mm + one Triton kernel adding the
+addmm = F.linear with bias, then ReLU (eager's kernels); act = torch._addmm_activation (cuBLASLt's
+bias + ReLU epilogue, one kernel per layer); mm = mm + one Triton kernel adding the
 bias and applying the ReLU (fxfuse's library plan); split S = bmm over S slices of K + the same
 kernel summing the S partials first. Speedups are against the faster of addmm and mm.
 """
@@ -33,6 +34,9 @@ def chain(kind, x, weights, biases, splits):
             if kind == "addmm":
                 y = torch.relu(torch.nn.functional.linear(y, w, b))
                 continue
+            if kind == "act":   # cuBLASLt's bias + ReLU epilogue: one kernel per layer
+                y = torch._addmm_activation(b, y, w.t())
+                continue
             k = w.shape[1]
             if splits == 1:
                 torch.mm(y, w.t(), out=parts[0])
@@ -51,7 +55,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="64x1024,64x2048,64x4096,64x8192,256x512,256x1024,"
                     "256x2048,256x4096,256x8192,1024x512,1024x1024,1024x2048,4096x512,4096x1024,16x4096,16x8192")
-    ap.add_argument("--splits", default="2,4,8,16")
+    ap.add_argument("--splits", default="2,4,8,16", help="'' for none")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--choice", action="store_true",
                     help="print fxfuse's measured split-K choice per cell (one layer) instead of timing chains")
@@ -75,16 +79,18 @@ def main(argv=None):
         bs = [torch.randn(h, device=dev, generator=gen) for _ in range(args.layers)]
         ref = chain("addmm", x, ws, bs, 1)()
         row = {"addmm": _time_us(chain("addmm", x, ws, bs, 1), target_us=3000),
-               "mm": _time_us(chain("split", x, ws, bs, 1), target_us=3000)}
+               "mm": _time_us(chain("split", x, ws, bs, 1), target_us=3000),
+               "act": _time_us(chain("act", x, ws, bs, 1), target_us=3000)}
         errs = []
-        for s in map(int, args.splits.split(",")):
+        for s in (map(int, args.splits.split(",")) if args.splits else []):
             if h % s or h // s < 32:
                 continue
             fn = chain("split", x, ws, bs, s)
             errs.append(((fn() - ref).norm() / ref.norm()).item())
             row[f"split {s}"] = _time_us(fn, target_us=3000)
         base = min(row["addmm"], row["mm"])
-        best = min((v, k) for k, v in row.items() if k.startswith("split"))
+        best = min((v, k) for k, v in row.items() if k.startswith("split") or k == "act")
+        errs.append(((chain("act", x, ws, bs, 1)() - ref).norm() / ref.norm()).item())
         print(f"{m:>5} x {h:<5} " + "  ".join(f"{k} {v:.1f}" for k, v in row.items())
               + f"  | best {best[1]}: {base / best[0]:.2f}x  (max rel err {max(errs):.2g})", flush=True)
         del ws, bs
