@@ -8,6 +8,7 @@ time both once per (batch, in, out, dtype, TF32 setting) and remember the answer
 process. This is the seed of the cost model's calibration: a measured fact per shape.
 """
 import functools
+import time
 
 import torch
 import triton
@@ -38,6 +39,24 @@ def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
     return graph, calls
 
 
+WARM_UP_S = 0.03          # GPU work before timing after an idle spell: the clocks rise under load
+_last_timed = [float("-inf")]
+
+
+def _warm_up() -> None:
+    """Run ~WARM_UP_S of matmuls if nothing was timed in the last second. An idle H100 sits at
+    345 MHz: timed right after the build, 1024 x 128 measured 19.5 us per layer where the same
+    process timed 8.3 us a moment later (choices of 2026-11-25)."""
+    if time.monotonic() - _last_timed[0] < 1.0:
+        return
+    a = torch.randn(2048, 2048, device="cuda")
+    start = time.monotonic()
+    while time.monotonic() - start < WARM_UP_S:
+        for _ in range(4):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -> float:
     """GPU time per call of fn, replayed from a CUDA graph of back-to-back calls: what the
     call costs inside fxfuse's own graph. Timing eager calls instead measures the host's
@@ -46,6 +65,7 @@ def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -
     GEMM, 2x slower on the GPU (31.0 vs 35.1 us "measured" eager). A graph of ~target_us:
     20 calls of a tiny GEMM, 1 of a large one (which takes ms, where optimize() must stay
     fast and the launch cost no longer matters)."""
+    _warm_up()
     graph, calls = graph_of_calls(fn, target_us, max_calls)
     reps = reps if calls > 1 else 3
     graph.replay()
@@ -58,12 +78,15 @@ def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    _last_timed[0] = time.monotonic()
     return best
 
 
 def _operands(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """x, W, b of a timed layer; W scaled by 1/sqrt(K) so chains of layers keep finite values."""
     gen = torch.Generator(device=device).manual_seed(0)
-    return tuple(torch.randn(*shape, device=device, dtype=dtype, generator=gen) for shape in ((batch, k), (n, k), (n,)))
+    x, w, b = (torch.randn(*shape, device=device, dtype=dtype, generator=gen) for shape in ((batch, k), (n, k), (n,)))
+    return x, w / max(k, 1) ** 0.5, b
 
 
 @functools.lru_cache(maxsize=512)
@@ -93,45 +116,84 @@ def bias_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
     return False, f"bias fused into the pointwise kernel: GEMM measured {plain:.1f} us vs {with_bias:.1f} us with bias"
 
 
-RELU_EPILOGUE_MARGIN = 0.10   # a clear win only: one layer timed alone (its weights hot in L2) misleads.
-# 256 x 1024 measured 29.2 us with the epilogue vs 30.2 without, and 8 such layers in one graph then
-# took 270 us against 195 with the separate ReLU kernel (mlp_20261125-113435); at 8192 x 4096 a 1%
-# "gain" came out 0.75% slower. Chosen where it counts: 1 x 1024 (3.7 vs 6.6 us), 16 x 1024 (8.3 vs 9.9)
+RELU_EPILOGUE_MARGIN = 0.02   # timed in a chain of dependent layers (_layer_us): what the layers do in the model.
+# Timed as one layer alone (weights hot in L2, calls independent), 256 x 1024 measured 29.2 us with the
+# epilogue vs 30.2 without, and 8 such layers in one graph took 270 us against 195 (mlp_20261125-113435);
+# a 10% margin then kept the epilogue out where chains gain 10-34% (splitk_act_probe_20261125.txt: 8 layers,
+# batch x width 1024 x 128 38.4 vs 51.6 us, 1024 x 512 153 vs 169, 4096 x 512 406 vs 446, 4096 x 256 142 vs 163)
+CHAIN_DEPTH = 4               # dependent layers per timed call (square layers: the output feeds the next)
+CHAIN_MAX_US = 300.0          # past this per layer, one layer is timed: chains change nothing there, optimize() stays fast
+
+
+def _layer_us(step, x, depth: int) -> float:
+    """GPU us per layer of step (x -> its output) timed as `depth` dependent calls, each
+    reading what the one before wrote, as the model's layers run; one call where depth is 1."""
+    def run():
+        y = x
+        for i in range(depth):
+            y = step(y, i)
+        return y
+    return _time_us(run) / depth
+
+
+def _depth(k: int, n: int, plain_us: float) -> int:
+    return CHAIN_DEPTH if k == n and plain_us < CHAIN_MAX_US else 1
+
+
+@functools.lru_cache(maxsize=512)
+def _unsplit_us(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device, allow_tf32: bool) -> float:
+    """us per layer of Linear + bias + ReLU as fxfuse runs it in the library plan: the faster GEMM
+    spelling, then one kernel over its output (bias and ReLU; here torch's ReLU where the bias
+    went into the GEMM, else _sum_bias_relu as the generated kernel's stand-in)."""
+    plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
+    x, w, b = _operands(batch, k, n, dtype, device)
+    depth = _depth(k, n, plain)
+    with torch.no_grad(), torch.cuda.device(device):
+        if with_bias < 0.99 * plain:
+            step = lambda y, i: torch.relu(torch.nn.functional.linear(y, w, b))  # noqa: E731
+        else:
+            step = _gemm_and_epilogue_step(x, w, b, 1)
+        return _layer_us(step, x, depth)
 
 
 @functools.lru_cache(maxsize=512)
 def relu_in_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
                          allow_tf32: bool) -> tuple:
     """(True, reason) if one cuBLASLt call with bias and ReLU in its epilogue
-    (torch._addmm_activation) beats the faster GEMM spelling followed by a ReLU kernel, for a
-    Linear + bias + ReLU whose ReLU fuses with nothing else (the seed network's layers).
+    (torch._addmm_activation) beats the faster GEMM spelling followed by a ReLU kernel, and
+    split-K where that is legal (split_k_library_gemm), for a Linear + bias + ReLU whose ReLU
+    fuses with nothing else (the seed network's layers).
 
     What it saves is a kernel over the output: at 4096 x 4096 per layer a pass over 64 MB
     (~45 us of ~2.7 ms), at small sizes a launch; what it may cost is cuBLASLt's choice of GEMM
     kernel, which differs from cuBLAS's (the issue's numbers: 232 us at batch 64 / hidden
-    1024 for 8 layers against 138 us for compile's). Measured, as bias_in_library_gemm is."""
+    1024 for 8 layers against 138 us for compile's). Measured, as bias_in_library_gemm is,
+    in chains of dependent layers (_layer_us)."""
     if device.type != "cuda":
         return False, "ReLU in the pointwise kernel (no GPU to measure on)"
-    plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
+    plain, _ = _gemm_times(batch, k, n, dtype, device, allow_tf32)
     x, w, b = _operands(batch, k, n, dtype, device)
     wt = w.t()
     with torch.no_grad(), torch.cuda.device(device):
-        # GEMM + one kernel over its output, as fxfuse runs it (there the bias joins the ReLU's kernel)
-        bias = (b,) if with_bias < 0.99 * plain else ()
-        separate_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, *bias))  # noqa: E731
-        fused_fn = lambda: torch._addmm_activation(b, x, wt)  # noqa: E731
+        fused_step = lambda y, i: torch._addmm_activation(b, y, wt)  # noqa: E731
         # in turns, twice (the GPU's clocks still rise after the idle build: the one timed second won)
-        separate, fused = _time_us(separate_fn), _time_us(fused_fn)
-        fused, separate = min(fused, _time_us(fused_fn)), min(separate, _time_us(separate_fn))
-    if fused < (1 - RELU_EPILOGUE_MARGIN) * separate:
+        fused = _layer_us(fused_step, x, _depth(k, n, plain))
+        separate = _unsplit_us(batch, k, n, dtype, device, allow_tf32)
+        fused = min(fused, _layer_us(fused_step, x, _depth(k, n, plain)))
+    split = _split_us(batch, k, n, dtype, device, allow_tf32)
+    other, how = separate, "GEMM + ReLU kernel"
+    if split and min(split.values()) < other:
+        best = min(split, key=split.get)
+        other, how = split[best], f"split-K in {best} slices"
+    if fused < (1 - RELU_EPILOGUE_MARGIN) * other:
         return True, (f"bias and ReLU in the library GEMM's epilogue (cuBLASLt): measured {fused:.1f} us vs "
-                      f"{separate:.1f} us for GEMM + ReLU kernel")
-    return False, (f"ReLU in the pointwise kernel: GEMM + ReLU measured {separate:.1f} us vs {fused:.1f} us "
+                      f"{other:.1f} us for {how}")
+    return False, (f"ReLU in the pointwise kernel: {how} measured {other:.1f} us vs {fused:.1f} us "
                    "with it in cuBLASLt's epilogue")
 
 
 SPLIT_K_SLICES = (2, 4, 8)     # slice counts timed; 16 lost everywhere in splitk_probe_20261125.txt
-SPLIT_K_MARGIN = 0.05          # single layers mislead: 1024 x 512 "won" by 3.3% alone and lost 6% in the 8-layer chain
+SPLIT_K_MARGIN = 0.02          # timed in chains (_layer_us); one layer alone misled: 1024 x 512 "won" by 3.3% and lost 6% in 8 layers
 
 
 def split_k_mm(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -176,23 +238,35 @@ def _sum_bias_relu(parts_ptr, bias_ptr, out_ptr, MN, N, S: tl.constexpr, BLOCK: 
     tl.store(out_ptr + offs, tl.maximum(acc, 0.0), mask=mask)
 
 
-def _gemm_and_epilogue(x, w, b, splits: int):
-    """A callable running the GEMM (in `splits` slices of K) and the fused epilogue's kernel into
-    buffers allocated once, as the layer runs inside fxfuse's graph."""
+def _gemm_and_epilogue_step(x, w, b, splits: int):
+    """step(y, i) for _layer_us: the GEMM of y (in `splits` slices of K) and the fused
+    epilogue's kernel, into buffers allocated once (outputs alternate with i, so a step never
+    writes what it reads), as the layer runs inside fxfuse's graph."""
     m, n = x.shape[0], w.shape[0]
     parts = torch.empty(splits, m, n, device=x.device, dtype=x.dtype)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    a, bt = _split_operands(x, w, splits)
+    outs = [torch.empty(m, n, device=x.device, dtype=x.dtype) for _ in range(2)]
     grid = (triton.cdiv(m * n, 1024),)
 
-    def run():
+    def step(y, i):
         if splits == 1:
-            torch.mm(x, w.t(), out=parts[0])
+            torch.mm(y, w.t(), out=parts[0])
         else:
-            torch.bmm(a, bt, out=parts)
-        _sum_bias_relu[grid](parts, b, out, m * n, n, S=splits, BLOCK=1024)
-        return out
-    return run
+            torch.bmm(*_split_operands(y, w, splits), out=parts)
+        _sum_bias_relu[grid](parts, b, outs[i % 2], m * n, n, S=splits, BLOCK=1024)
+        return outs[i % 2]
+    return step
+
+
+@functools.lru_cache(maxsize=512)
+def _split_us(batch: int, k: int, n: int, dtype: torch.dtype, device: torch.device, allow_tf32: bool) -> dict:
+    """{S: us per layer split in S slices} for the slice counts split_k_slices allows (empty: none)."""
+    slices = split_k_slices(batch, k, n, dtype, device)
+    if not slices:
+        return {}
+    plain, _ = _gemm_times(batch, k, n, dtype, device, allow_tf32)
+    x, w, b = _operands(batch, k, n, dtype, device)
+    with torch.no_grad(), torch.cuda.device(device):
+        return {s: _layer_us(_gemm_and_epilogue_step(x, w, b, s), x, _depth(k, n, plain)) for s in slices}
 
 
 @functools.lru_cache(maxsize=512)
@@ -202,22 +276,14 @@ def split_k_library_gemm(batch: int, k: int, n: int, dtype: torch.dtype, device:
     partials summed in its epilogue kernel than as the faster library spelling followed by that
     kernel; 1 (and why) otherwise, '' where no split is worth timing. Each side is timed as it
     runs: the GEMM and the epilogue kernel (bias, ReLU; the sum of the partials when split), or
-    addmm and a ReLU where the bias in the library GEMM measured faster. Timed with torch's
-    sum(0) in place of that kernel, the split lost 2-4 us per layer to the chain's own numbers
-    (1024 x 1024: 64.2 us alone, 60.1 per layer in splitk_probe's 8-layer chain)."""
-    slices = split_k_slices(batch, k, n, dtype, device)
-    if not slices:
+    addmm and a ReLU where the bias in the library GEMM measured faster, in chains of dependent
+    layers (_layer_us). Timed with torch's sum(0) in place of that kernel, the split lost 2-4 us
+    per layer to the chain's own numbers (1024 x 1024: 64.2 us alone, 60.1 per layer in
+    splitk_probe's 8-layer chain)."""
+    split = _split_us(batch, k, n, dtype, device, allow_tf32)
+    if not split:
         return 1, ""
-    plain, with_bias = _gemm_times(batch, k, n, dtype, device, allow_tf32)
-    x, w, b = _operands(batch, k, n, dtype, device)
-    with torch.no_grad(), torch.cuda.device(device):
-        if with_bias < 0.99 * plain:
-            one_fn = lambda: torch.relu(torch.nn.functional.linear(x, w, b))  # noqa: E731
-        else:
-            one_fn = _gemm_and_epilogue(x, w, b, 1)
-        one = _time_us(one_fn)
-        split = {s: _time_us(_gemm_and_epilogue(x, w, b, s)) for s in slices}
-        one = min(one, _time_us(one_fn))   # timed again last: the GPU's clocks may still be rising
+    one = _unsplit_us(batch, k, n, dtype, device, allow_tf32)
     best = min(split, key=split.get)
     if split[best] < (1 - SPLIT_K_MARGIN) * one:
         return best, (f"split-K: K = {k} in {best} slices through one batched library GEMM, the partials "

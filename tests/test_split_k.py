@@ -73,13 +73,18 @@ def test_split_k_not_taken_where_slices_do_not_divide_k(monkeypatch):
 
 
 def test_the_timed_epilogue_computes_what_the_layer_does():
-    """The split-K choice times a hand-written stand-in for the generated epilogue: it must
-    compute relu(x @ W.T + b), split or not (interpreted here)."""
-    from fxfuse.library_choice import _gemm_and_epilogue
-    x, w, b = torch.randn(5, 24), torch.randn(13, 24), torch.randn(13)
+    """The split-K choice times a hand-written stand-in for the generated epilogue, in chains
+    of dependent layers: each step must compute relu(y @ W.T + b), split or not, and a step
+    must never write what it reads (interpreted here)."""
+    from fxfuse.library_choice import _gemm_and_epilogue_step
+    x, w, b = torch.randn(5, 24), torch.randn(24, 24) / 5, torch.randn(24)
+    layer = lambda y: torch.relu(F.linear(y, w, b))  # noqa: E731
     for s in (1, 2, 4):
-        torch.testing.assert_close(_gemm_and_epilogue(x, w, b, s)(), torch.relu(F.linear(x, w, b)),
-                                   rtol=1e-5, atol=1e-5)
+        step = _gemm_and_epilogue_step(x, w, b, s)
+        y = x
+        for i in range(3):
+            y = step(y, i)
+        torch.testing.assert_close(y, layer(layer(layer(x))), rtol=1e-5, atol=1e-5)
 
 
 def test_no_split_k_without_a_gpu_or_in_half_precision():
