@@ -17,6 +17,7 @@ from .log import logger
 from .module_state import forward_hook_owner, kept_state
 from .options import Options
 from .runtime import OptimizedModule
+from .specialization import not_plain_tensor
 from .tracing import clone_args, trace
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
@@ -212,6 +213,9 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
     _check_model(model)
     try:
         _check_example_binds(model, args)
+        for k, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and (why := not_plain_tensor(a)):
+                raise UnsupportedError(f"example input {k} {why}; fxfuse's kernels take plain strided tensors")
         hooked = forward_hook_owner(model)
         if hooked:
             raise UnsupportedError(f"{hooked}; tracing does not run hooks, so the optimized graph would "

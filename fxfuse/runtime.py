@@ -44,12 +44,16 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
-from .specialization import Specialization, describe_mismatch, signature  # noqa: F401  (signature re-exported)
+from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401  (signature re-exported)
 from .tracing import autocast_enabled
 
 _FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
 if not hasattr(_FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: never seen as tracing
     _FX_TRACE_STATE = type("NotTracing", (), {"_is_fx_tracing_flag": False})
+
+
+def _holds_proxy(args, kwargs) -> bool:
+    return any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values()))
 
 
 OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
@@ -298,9 +302,9 @@ class OptimizedModule(torch.nn.Module):
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
                                       "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
-        if _FX_TRACE_STATE._is_fx_tracing_flag and BUILD_LOCK._is_owned():   # optimize() of a model that holds
-            return self.original(*args, **kwargs)   # opt, in this thread: trace through the original (the guards
-        #                                             cannot read proxies); another thread's trace: forward waits
+        if _FX_TRACE_STATE._is_fx_tracing_flag and (BUILD_LOCK._is_owned() or _holds_proxy(args, kwargs)):
+            return self.original(*args, **kwargs)   # optimize() of a model that holds opt, or the user's fx
+        #   trace of one: trace through the original (the guards cannot read proxies); another thread's trace: forward waits
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                 or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None):
             return super().__call__(*args, **kwargs)
@@ -349,6 +353,8 @@ class OptimizedModule(torch.nn.Module):
                                       "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
         try:
             sig = signature(args)
+        except UnsupportedInput as e:   # sparse, a tensor subclass: the kernels take plain strided tensors
+            return self._run_original("layout", f"{e}; fxfuse's kernels take plain strided tensors", args)
         except RuntimeError as e:   # a tensor without strides (sparse CSR, ...): no kernel was built for it
             return self._run_original("layout", f"an input has no strides ({e})", args)
         # threads: one call or build at a time. While one thread traces, torch.fx patches

@@ -5,6 +5,7 @@ whole story: static inputs, memcpy nodes, the memory pool as the plan, output ha
 import torch
 import torch.fx
 
+from .errors import UnsupportedError
 from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
 from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
@@ -14,12 +15,32 @@ def signature(args) -> tuple:
     """What a specialization is built for, per argument: a tensor's shape, dtype, device,
     strides and requires_grad, or a constant's type and repr. Every call computes it, so the
     one-tensor call takes a short way (0.4 us less host time per call; torch.Size hashes and
-    compares as the tuple of its sizes, so no conversion is needed)."""
-    if len(args) == 1 and type(args[0]) is torch.Tensor:
+    compares as the tuple of its sizes, so no conversion is needed). UnsupportedInput for a
+    tensor the kernels cannot take in place of a plain one (plain_tensor)."""
+    if len(args) == 1 and type(args[0]) is torch.Tensor and args[0].layout is torch.strided:
         a = args[0]
         return ((a.shape, a.dtype, a.device, a.stride(), a.requires_grad),)
+    for k, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and (why := not_plain_tensor(a)):
+            raise UnsupportedInput(f"input {k} {why}")
     return tuple([(a.shape, a.dtype, a.device, a.stride(), a.requires_grad) if isinstance(a, torch.Tensor)
                   else ("const", type(a).__name__, repr(a)) for a in args])
+
+
+class UnsupportedInput(UnsupportedError, RuntimeError):
+    """An input tensor no specialization can take: the call runs the original module."""
+
+
+def not_plain_tensor(a: torch.Tensor) -> str | None:
+    """Why a tensor is not what the generated kernels read (None: it is): a layout other than
+    strided (sparse COO reports strides (0, 0), like an expanded dense tensor) or a subclass of
+    torch.Tensor other than nn.Parameter, whose __torch_function__ / __torch_dispatch__ eager
+    runs and the rewritten graph would skip (a silently different answer, a plain Tensor out)."""
+    if a.layout is not torch.strided:
+        return f"has layout {a.layout}"
+    if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+        return f"is a {type(a).__name__}, a torch.Tensor subclass"
+    return None
 
 
 def describe_mismatch(expected: tuple, got: tuple) -> str:

@@ -359,3 +359,75 @@ def test_failed_build_is_forgotten_when_the_state_changes_and_noop_conversions_k
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
     assert fxfuse.stats(opt)["specializations"] == 1 and fxfuse.stats(opt)["kernel_launches"] > 0
+
+
+class _Clamped(torch.Tensor):
+    """A tensor subclass whose __torch_function__ changes every result (clamps it)."""
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            with torch._C.DisableTorchFunctionSubclass():
+                out = out.clamp(-0.5, 0.5).as_subclass(cls)
+        return out
+
+
+def test_tensor_subclass_input_runs_the_original():
+    """A subclass input ran the rewritten graph on its plain data: its __torch_function__ was
+    skipped (a different answer, no warning) and a plain Tensor came out."""
+    model = seed(16, 16)
+    opt = fxfuse.optimize(model, torch.randn(4, 16))
+    x = torch.randn(4, 16).as_subclass(_Clamped)
+    got, expected, warned = calls(opt, model, x)
+    assert type(got) is _Clamped and torch.equal(got, expected)
+    assert len(warned) == 1 and "subclass" in warned[0], warned
+    assert type(calls(opt, model, nn.Parameter(torch.randn(4, 16)))[0]) is torch.Tensor   # Parameter: plain
+
+
+def test_sparse_input_after_an_expanded_one_runs_the_original():
+    """Sparse COO reports strides (0, 0), the signature of an expanded dense input: it reached
+    the specialization built for that one and failed inside (reshape of a sparse tensor)."""
+    model = seed(16, 16)
+    opt = fxfuse.optimize(model, torch.randn(4, 16), gemm="force")
+    calls(opt, model, torch.randn(()).expand(4, 16))
+    launches = fxfuse.stats(opt)["kernel_launches"]
+    x = torch.randn(4, 16).to_sparse()
+    got, expected, warned = calls(opt, model, x)
+    torch.testing.assert_close(got, expected)
+    assert len(warned) == 1 and "sparse_coo" in warned[0], warned
+    assert fxfuse.stats(opt)["kernel_launches"] == launches
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(4, 16).to_sparse(),
+                                  lambda: torch.randn(4, 16).as_subclass(_Clamped)])
+def test_sparse_or_subclass_example_returns_the_original(make):
+    model = seed(16, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, make())
+    assert opt is model
+    assert len(caught) == 1 and "example input 0" in str(caught[0].message), [str(w.message) for w in caught]
+
+
+def test_fx_trace_of_a_module_holding_opt_traces_the_original():
+    """torch.fx tracing a model that calls opt fed proxies to opt's guards: a warning and a
+    failed build recorded for a 'Proxy' input."""
+    model = seed(16, 16)
+    opt = fxfuse.optimize(model, torch.randn(4, 16))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = opt
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.fx.symbolic_trace(Wrapper())
+    assert not caught, [str(w.message) for w in caught]
+    assert not opt._failed_builds
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), model(x) * 2)
