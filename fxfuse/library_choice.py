@@ -43,10 +43,10 @@ WARM_UP_S = 0.03          # GPU work before timing after an idle spell: the cloc
 _last_timed = [float("-inf")]
 
 
-def _warm_up() -> None:
-    """Run ~WARM_UP_S of matmuls if nothing was timed in the last second. An idle H100 sits at
-    345 MHz: timed right after the build, 1024 x 128 measured 19.5 us per layer where the same
-    process timed 8.3 us a moment later (choices of 2026-11-25)."""
+def warm_up_gpu() -> None:
+    """Run ~WARM_UP_S of matmuls on the current GPU if nothing was timed in the last second. An
+    idle H100 sits at 345 MHz: timed right after the build, 1024 x 128 measured 19.5 us per
+    layer where the same process timed 8.3 us a moment later (choices of 2026-11-25)."""
     if time.monotonic() - _last_timed[0] < 1.0:
         return
     a = torch.randn(2048, 2048, device="cuda")
@@ -55,6 +55,7 @@ def _warm_up() -> None:
         for _ in range(4):
             a @ a
         torch.cuda.synchronize()
+    _last_timed[0] = time.monotonic()
 
 
 def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -> float:
@@ -65,7 +66,7 @@ def _time_us(fn, reps: int = 5, max_calls: int = 20, target_us: float = 400.0) -
     GEMM, 2x slower on the GPU (31.0 vs 35.1 us "measured" eager). A graph of ~target_us:
     20 calls of a tiny GEMM, 1 of a large one (which takes ms, where optimize() must stay
     fast and the launch cost no longer matters)."""
-    _warm_up()
+    warm_up_gpu()
     graph, calls = graph_of_calls(fn, target_us, max_calls)
     reps = reps if calls > 1 else 3
     graph.replay()
