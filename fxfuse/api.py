@@ -6,6 +6,7 @@ specialization is checked against the original module on the input it was built 
 mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 """
 
+import collections
 import copy
 import inspect
 
@@ -263,4 +264,6 @@ def node_kind(gm, node) -> str:
     if node.op == "call_function" and node.target is operator.getitem and \
             node.args[0].op == "call_function" and node.args[0].target is split_k_partials:
         return "kernel output"     # a view of one split-K GEMM's output, not a call
+    if node.op == "call_function" and node.target is collections.OrderedDict:
+        return "output container"  # tracing's OrderedDict output (tracing._AutocastWatchingTracer.create_arg)
     return "library call"

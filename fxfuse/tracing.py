@@ -7,6 +7,7 @@ that the normalize pass also understands. Shapes come only from ShapePropagation
 without its fake-tensor machinery), stored the torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own
 meta so the normalize pass can fold them into constants.
 """
+import collections
 import contextlib
 import inspect
 import io
@@ -182,6 +183,9 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
+        opaque = _opaque_composites(gm)
+        if opaque and not given_values:
+            gm, how = _exported_through(model, example_args, tensor_args, gm, how, opaque)
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
         raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
@@ -290,6 +294,36 @@ def _only_passes_through(params) -> bool:
     return kinds[-2:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and len(kinds) <= 3
 
 
+# torch.nn modules that symbolic_trace keeps as one call (every torch.nn class is a leaf) and
+# that hold Linears, pointwise ops and residual adds fxfuse would fuse; their forward()'s
+# fast-path tests are Python control flow, which symbolic_trace cannot follow but torch.export can
+_DECOMPOSED_BY_EXPORT = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
+                         torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
+
+
+def _opaque_composites(gm) -> list:
+    return [n.target for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _DECOMPOSED_BY_EXPORT)]
+
+
+def _exported_through(model, example_args, tensor_args, gm, how, opaque) -> tuple:
+    """(graph, tracer): torch.export's graph, which goes through the transformer blocks that
+    symbolic_trace left opaque (an nn.TransformerEncoder in a model was one library call, its
+    Linears and adds unfused, while the same layer as the root model fused into 5 kernels); the
+    symbolic_trace graph where export fails."""
+    try:
+        exported = _quiet_export(model, tuple(example_args)).module()
+        for name in ("train", "eval"):   # as in _trace
+            vars(exported).pop(name, None)
+        propagate_shapes(exported, tensor_args)
+    except UnsupportedError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- keep the symbolic_trace graph, the blocks opaque
+        logger.info("torch.export failed (%s: %s); %s stay one call each", type(e).__name__, e, ", ".join(opaque))
+        return gm, how
+    return exported, f"torch.export(strict=False) (symbolic_trace kept {', '.join(opaque)} as one call)"
+
+
 def _quiet_symbolic_trace(model, concrete):
     """symbolic_trace, printing nothing: a print() in forward() would print its proxies
     ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
@@ -346,6 +380,14 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
 
     def proxy(self, node):
         return _AugmentedAssignmentProxy(node, self)
+
+    def create_arg(self, a):
+        """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
+        the optimized module returned another type than the model, which the verification
+        refused. Rebuilt as OrderedDict(dict) in the graph instead."""
+        if type(a) is collections.OrderedDict:
+            return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
+        return super().create_arg(a)
 
 
 autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call
