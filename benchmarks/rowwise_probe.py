@@ -29,6 +29,10 @@ VARIANTS = {
     "m /2, 4 warps": {"block_m": 0.5, "num_warps": 4},  # past 16 rows: fewer rows per program
     "m /2, n x2, w4": {"block_m": 0.5, "block_n": 2.0, "num_warps": 4},   # gemm_sweep's best at 64 x 512
     "m x2": {"block_m": 2.0},
+    "split 2": {"split_k": 2},                              # serial split-K: fewer x re-reads per program
+    "n x2 split 2": {"block_n": 2.0, "split_k": 2},
+    "n x4 split 4": {"block_n": 4.0, "split_k": 4},
+    "n x4 k /2 s4": {"block_n": 4.0, "block_k": 0.5, "split_k": 4},
 }
 
 PIPE = {"pipelined": True}
