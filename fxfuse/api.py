@@ -91,9 +91,14 @@ def _verify(model, gm, args) -> None:
     would otherwise feed the rewritten graph an input eager has already changed. The inputs
     are compared afterwards too, since eager semantics include those writes."""
     eager_args, graph_args = clone_args(args), clone_args(args)
-    expected, expected_spec = torch.utils._pytree.tree_flatten(model(*eager_args))
-    got, got_spec = torch.utils._pytree.tree_flatten(gm(*graph_args))
+    eager_out, graph_out = model(*eager_args), gm(*graph_args)
+    expected, expected_spec = torch.utils._pytree.tree_flatten(eager_out)
+    got, got_spec = torch.utils._pytree.tree_flatten(graph_out)
     if expected_spec != got_spec:
+        if type(eager_out) is not type(graph_out):   # a dict subclass torch.fx rebuilds as a dict
+            raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, which the traced graph "
+                                   f"rebuilds as a {type(graph_out).__name__}: return a dict, tuple, "
+                                   "OrderedDict or dataclass instead")
         raise FxfuseError(f"the rewritten graph returns {got_spec}, the model {expected_spec}")
     floor = _loosest_tolerance(gm)
     for k, (e, g) in enumerate(zip(eager_args, graph_args)):

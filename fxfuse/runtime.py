@@ -29,6 +29,7 @@ aliasing each other where the graph writes in place, and specializations used up
 import contextlib
 import inspect
 import re
+import sys
 import threading
 import time
 import weakref
@@ -44,7 +45,8 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
-from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401  (signature re-exported)
+from .specialization import (Specialization, UnsupportedInput, describe_mismatch, not_plain_tensor,  # noqa: F401
+                             signature)  # (signature re-exported)
 from .tracing import autocast_enabled
 
 _FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
@@ -54,6 +56,22 @@ if not hasattr(_FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: 
 
 def _holds_proxy(args, kwargs) -> bool:
     return any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values()))
+
+
+def _traced_in_this_thread() -> bool:
+    """Whether a torch.fx Tracer.trace is on this thread's stack: a traced forward() may call opt
+    with concrete tensors only (`self.inner(self.prompt)`); the specialization's own submodule
+    calls would then go through fx's patched nn.Module.__call__ and fail (NameError: not a
+    submodule of the traced root). Only asked while fx traces somewhere (rare)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _TRACE_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_TRACE_CODE = torch.fx.Tracer.trace.__code__
 
 
 OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
@@ -302,7 +320,8 @@ class OptimizedModule(torch.nn.Module):
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
                                       "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
-        if _FX_TRACE_STATE._is_fx_tracing_flag and (BUILD_LOCK._is_owned() or _holds_proxy(args, kwargs)):
+        if _FX_TRACE_STATE._is_fx_tracing_flag and (BUILD_LOCK._is_owned() or _holds_proxy(args, kwargs)
+                                                    or _traced_in_this_thread()):
             return self.original(*args, **kwargs)   # optimize() of a model that holds opt, or the user's fx
         #   trace of one: trace through the original (the guards cannot read proxies); another thread's trace: forward waits
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
@@ -355,8 +374,10 @@ class OptimizedModule(torch.nn.Module):
             sig = signature(args)
         except UnsupportedInput as e:   # sparse, a tensor subclass: the kernels take plain strided tensors
             return self._run_original("layout", f"{e}; fxfuse's kernels take plain strided tensors", args)
-        except RuntimeError as e:   # a tensor without strides (sparse CSR, ...): no kernel was built for it
-            return self._run_original("layout", f"an input has no strides ({e})", args)
+        except RuntimeError as e:   # a tensor without strides (a nested tensor): no kernel was built for it
+            why = next((f"input {k} {w}" for k, a in enumerate(args)
+                        if isinstance(a, torch.Tensor) and (w := not_plain_tensor(a))), f"an input has no strides ({e})")
+            return self._run_original("layout", f"{why}; fxfuse's kernels take plain strided tensors", args)
         # threads: one call or build at a time. While one thread traces, torch.fx patches
         # nn.Module.__call__ process-wide, and a graph's module calls in another thread would be
         # recorded into that trace; a CUDA graph's input binding and replay are one step; and

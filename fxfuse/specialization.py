@@ -33,11 +33,14 @@ class UnsupportedInput(UnsupportedError, RuntimeError):
 
 def not_plain_tensor(a: torch.Tensor) -> str | None:
     """Why a tensor is not what the generated kernels read (None: it is): a layout other than
-    strided (sparse COO reports strides (0, 0), like an expanded dense tensor) or a subclass of
+    strided (sparse COO reports strides (0, 0), like an expanded dense tensor), a nested tensor
+    (strided layout, no sizes), or a subclass of
     torch.Tensor other than nn.Parameter, whose __torch_function__ / __torch_dispatch__ eager
     runs and the rewritten graph would skip (a silently different answer, a plain Tensor out)."""
     if a.layout is not torch.strided:
         return f"has layout {a.layout}"
+    if a.is_nested:
+        return "is a nested tensor"
     if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
         return f"is a {type(a).__name__}, a torch.Tensor subclass"
     return None

@@ -79,3 +79,109 @@ def test_a_transformer_block_export_cannot_take_stays_one_call():
     assert isinstance(opt, OptimizedModule)
     with torch.no_grad():
         torch.testing.assert_close(opt(x, 3.0), model(x, 3.0), rtol=1e-4, atol=1e-5)
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+
+    def forward(self, x, padding):
+        return self.encoder(self.proj(x), src_key_padding_mask=padding)
+
+
+def test_a_transformer_given_a_padding_mask_stays_one_call():
+    """Review of the export path: eager's inference fast path (nested tensors) returns zeros at
+    padded positions where the slow path export records returns values: optimized without
+    padding, a padded call silently differed from eager (and a padded example was refused as
+    'a bug in fxfuse')."""
+    torch.manual_seed(0)
+    model = PaddedEncoder().eval()
+    x = torch.randn(2, 5, 16)
+    no_padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    for example in (no_padding, padding):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = fxfuse.optimize(model, (x, example))
+        assert not [w for w in caught if "fxfuse" in str(w.message)]
+        assert "constructed by torch.fx.symbolic_trace" in fxfuse.explain(opt)   # the encoder one call
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x, padding), model(x, padding), rtol=1e-4, atol=1e-5)
+
+
+def test_a_print_in_forward_prints_nothing_on_the_export_path(capsys):
+    class Printing(EncoderWithHead):
+        def forward(self, x):
+            h = self.encoder(x)
+            print("debug:", h.shape)
+            return self.head(h)
+
+    model = Printing().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 5, 16))
+    assert "kept encoder as one call" in fxfuse.explain(opt)
+    assert "FakeTensor" not in capsys.readouterr().out
+
+
+def test_fx_trace_of_a_wrapper_calling_opt_on_a_constant_tensor():
+    """A traced forward() calling opt with a plain tensor attribute (no proxy) ran the
+    specialization, whose submodule calls went through fx's patched __call__: NameError."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = opt
+            self.prompt = torch.randn(3, 8)
+
+        def forward(self, x):
+            return x + self.inner(self.prompt)
+
+    with torch.no_grad():
+        traced = torch.fx.symbolic_trace(Wrapper())
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(traced(x), x + model(traced.prompt))
+
+
+def test_a_nested_tensor_runs_the_original_and_a_dict_subclass_output_is_named():
+    model = nn.Linear(8, 8).eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+        with torch.no_grad():
+            got = opt(nested)
+    assert got.is_nested
+    assert [str(w.message) for w in caught if "nested tensor" in str(w.message) and "fxfuse" in str(w.message)]
+
+    class MyDict(dict):
+        pass
+
+    class DictSubclassOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return MyDict(out=self.lin(x))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxfuse.optimize(DictSubclassOutput().eval(), torch.randn(3, 8))
+    assert len(caught) == 1 and "returns a MyDict" in str(caught[0].message)
+
+
+def test_a_transformer_layer_as_the_model_given_a_padding_mask_is_refused():
+    """symbolic_trace fails on the layer itself and torch.export records its slow path: with a
+    key-padding mask that differs from eager at padded positions, so the original comes back."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x, padding = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(layer, (x, torch.zeros(5, 5), padding))   # src_mask, src_key_padding_mask
+    assert opt is layer
+    assert [w for w in caught if "key-padding mask" in str(w.message)]
+    assert isinstance(fxfuse.optimize(layer, x), OptimizedModule)   # no mask: decomposed as before
