@@ -193,10 +193,11 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         if given_values:
             raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
                              "torch.export is not tried for non-tensor inputs") from fx_error
-        if isinstance(model, _DECOMPOSED_BY_EXPORT) and _padding_mask_given(model, example_args, {}):
-            raise UnsupportedError(f"{type(model).__name__} given a key-padding mask: torch.export records its "
-                                   "slow path, which differs from eager's inference fast path at padded "
-                                   "positions (zeros, NaN for a fully padded sequence)") from fx_error
+        padded = _blocks_given_padding(model, example_args)
+        if padded:
+            raise UnsupportedError(f"{padded[0]} is given a key-padding mask: torch.export records its slow "
+                                   "path, which differs from eager's inference fast path at padded positions "
+                                   "(zeros, NaN for a fully padded sequence)") from fx_error
         try:
             exported = _quiet_export(model, tuple(example_args))
             gm = exported.module()
@@ -318,6 +319,30 @@ def _opaque_composites(gm) -> list:
                 return []
             targets.append(node.target)
     return targets
+
+
+def _blocks_given_padding(model, example_args) -> list:
+    """The transformer blocks (_DECOMPOSED_BY_EXPORT) of model, itself included, that receive a
+    key-padding mask when model runs on example_args: found by running it once with forward
+    pre-hooks, since no graph shows the arguments when symbolic_trace failed."""
+    found, handles = [], []
+    for name, block in model.named_modules():
+        if isinstance(block, _DECOMPOSED_BY_EXPORT):
+            def note(module, args, kwargs, label=name or type(block).__name__):
+                if _padding_mask_given(module, args, kwargs):
+                    found.append(label)
+            handles.append(block.register_forward_pre_hook(note, with_kwargs=True))
+    if not handles:
+        return []
+    try:
+        with torch.no_grad():
+            model(*clone_args(example_args))
+    except Exception as e:  # noqa: BLE001 -- the model's own error: export meets it too
+        logger.info("running the model to find padding masks failed: %s", e)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
 
 
 def _padding_mask_given(block, args, kwargs) -> bool:

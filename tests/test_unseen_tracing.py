@@ -185,3 +185,24 @@ def test_a_transformer_layer_as_the_model_given_a_padding_mask_is_refused():
     assert opt is layer
     assert [w for w in caught if "key-padding mask" in str(w.message)]
     assert isinstance(fxfuse.optimize(layer, x), OptimizedModule)   # no mask: decomposed as before
+
+
+def test_a_padded_block_in_a_model_symbolic_trace_cannot_take_is_refused():
+    """Where symbolic_trace fails elsewhere in the model, export traces the whole of it; a
+    block inside given a key-padding mask is found by running the model once with hooks."""
+    class Branchy(PaddedEncoder):
+        def forward(self, x, padding):
+            h = self.proj(x)
+            if h.sum() > 1e9:          # data-dependent control flow: symbolic_trace fails
+                h = h * 2
+            return self.encoder(h, src_key_padding_mask=padding)
+
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x, padding = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, (x, padding))
+    assert opt is model
+    assert [w for w in caught if "encoder is given a key-padding mask" in str(w.message)], \
+        [str(w.message) for w in caught]
