@@ -4,16 +4,16 @@
 
 Why: symbolic_trace keeps every torch.nn module as one call, so an encoder inside a model ran
 as one opaque library call (eager's native fast path inside fxfuse's graph), while fxfuse now
-traces such a model through torch.export (tracing._exported_through) and fuses the encoder's
+traces such a model through torch.export (tracing._exported_through, transformer_blocks) and fuses the encoder's
 Linears, bias adds and residual adds. Columns: eager; `leaf` = the encoder kept as one call
-(the old behaviour, tracing._DECOMPOSED_BY_EXPORT emptied); `export` = decomposed. fp32, TF32
+(the old behaviour, transformer_blocks.DECOMPOSED_BY_EXPORT emptied); `export` = decomposed. fp32, TF32
 off, per-call us (median of blocks of back-to-back calls), fused kernels, relative error.
 """
 import torch
 import torch.nn as nn
 
 import fxfuse
-import fxfuse.tracing as tr
+import fxfuse.transformer_blocks as tb
 from benchmarks.timing import time_per_call
 
 
@@ -43,13 +43,13 @@ def main():
         with torch.no_grad():
             ref = model(x)
             row = {"eager": per_call_us(lambda: model(x))}
-            saved = tr._DECOMPOSED_BY_EXPORT
+            saved = tb.DECOMPOSED_BY_EXPORT
             for name, composites in (("leaf", ()), ("export", saved)):
-                tr._DECOMPOSED_BY_EXPORT = composites
+                tb.DECOMPOSED_BY_EXPORT = composites
                 try:
                     opt = fxfuse.optimize(model, x)
                 finally:
-                    tr._DECOMPOSED_BY_EXPORT = saved
+                    tb.DECOMPOSED_BY_EXPORT = saved
                 row[name] = per_call_us(lambda: opt(x))
                 row[f"{name} kernels"] = fxfuse.stats(opt)["fused_kernels"]
                 row[f"{name} err"] = f"{((opt(x) - ref).norm() / ref.norm()).item():.1e}"

@@ -26,6 +26,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from .concrete_args import one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
+from .transformer_blocks import blocks_given_padding, opaque_blocks
 
 
 def fxfuse_meta(node: torch.fx.Node) -> dict:
@@ -183,7 +184,7 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
-        opaque = _opaque_composites(gm)
+        opaque = opaque_blocks(gm)
         if opaque and not given_values:
             gm, how = _exported_through(model, example_args, tensor_args, gm, how, opaque)
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
@@ -193,20 +194,13 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         if given_values:
             raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
                              "torch.export is not tried for non-tensor inputs") from fx_error
-        padded = _blocks_given_padding(model, example_args)
+        padded = blocks_given_padding(model, clone_args(example_args))
         if padded:
             raise UnsupportedError(f"{padded[0]} is given a key-padding mask: torch.export records its slow "
                                    "path, which differs from eager's inference fast path at padded positions "
                                    "(zeros, NaN for a fully padded sequence)") from fx_error
         try:
-            exported = _quiet_export(model, tuple(example_args))
-            gm = exported.module()
-            # export's module() refuses train()/eval() (its graph has the mode baked in); so does
-            # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
-            for name in ("train", "eval"):
-                vars(gm).pop(name, None)
-            how = "torch.export(strict=False)"
-            propagate_shapes(gm, tensor_args)
+            gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
         except UnsupportedError:
             raise
         except Exception as export_error:  # noqa: BLE001
@@ -299,70 +293,22 @@ def _only_passes_through(params) -> bool:
     return kinds[-2:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and len(kinds) <= 3
 
 
-# torch.nn modules that symbolic_trace keeps as one call (every torch.nn class is a leaf) and
-# that hold Linears, pointwise ops and residual adds fxfuse would fuse; their forward()'s
-# fast-path tests are Python control flow, which symbolic_trace cannot follow but torch.export can
-_DECOMPOSED_BY_EXPORT = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
-                         torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
-
-
-def _opaque_composites(gm) -> list:
-    """The targets of the blocks to trace through with torch.export; none where any block is
-    given a key-padding mask. There eager's inference fast path (nested tensors, the fused
-    encoder-layer kernel) and the slow path export records differ: zeros against values at
-    padded positions, NaN against numbers for a fully padded sequence. Fuzzing found the
-    first as a silent difference on calls whose padding the example did not have."""
-    targets = []
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(block := gm.get_submodule(node.target), _DECOMPOSED_BY_EXPORT):
-            if _padding_mask_given(block, node.args, node.kwargs):
-                return []
-            targets.append(node.target)
-    return targets
-
-
-def _blocks_given_padding(model, example_args) -> list:
-    """The transformer blocks (_DECOMPOSED_BY_EXPORT) of model, itself included, that receive a
-    key-padding mask when model runs on example_args: found by running it once with forward
-    pre-hooks, since no graph shows the arguments when symbolic_trace failed."""
-    found, handles = [], []
-    for name, block in model.named_modules():
-        if isinstance(block, _DECOMPOSED_BY_EXPORT):
-            def note(module, args, kwargs, label=name or type(block).__name__):
-                if _padding_mask_given(module, args, kwargs):
-                    found.append(label)
-            handles.append(block.register_forward_pre_hook(note, with_kwargs=True))
-    if not handles:
-        return []
-    try:
-        with torch.no_grad():
-            model(*clone_args(example_args))
-    except Exception as e:  # noqa: BLE001 -- the model's own error: export meets it too
-        logger.info("running the model to find padding masks failed: %s", e)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return found
-
-
-def _padding_mask_given(block, args, kwargs) -> bool:
-    try:
-        bound = inspect.signature(block.forward).bind(*args, **kwargs)
-    except TypeError:
-        return True   # not understood: keep the block opaque
-    return any(name.endswith("key_padding_mask") and value is not None for name, value in bound.arguments.items())
+def _exported(model, example_args, tensor_args) -> torch.fx.GraphModule:
+    """torch.export's graph of model, with shapes."""
+    gm = _quiet_export(model, tuple(example_args)).module()
+    # export's module() refuses train()/eval() (its graph has the mode baked in); so does
+    # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
+    for name in ("train", "eval"):
+        vars(gm).pop(name, None)
+    propagate_shapes(gm, tensor_args)
+    return gm
 
 
 def _exported_through(model, example_args, tensor_args, gm, how, opaque) -> tuple:
     """(graph, tracer): torch.export's graph, which goes through the transformer blocks that
-    symbolic_trace left opaque (an nn.TransformerEncoder in a model was one library call, its
-    Linears and adds unfused, while the same layer as the root model fused into 5 kernels); the
-    symbolic_trace graph where export fails."""
+    symbolic_trace left opaque (transformer_blocks); the symbolic_trace graph where export fails."""
     try:
-        exported = _quiet_export(model, tuple(example_args)).module()
-        for name in ("train", "eval"):   # as in _trace
-            vars(exported).pop(name, None)
-        propagate_shapes(exported, tensor_args)
+        exported = _exported(model, example_args, tensor_args)
     except UnsupportedError:
         raise
     except Exception as e:  # noqa: BLE001 -- keep the symbolic_trace graph, the blocks opaque
