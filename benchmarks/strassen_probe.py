@@ -1,6 +1,7 @@
 """Probe: asymmetric fused Strassen (passes/strassen.py) on the GPU, checked and timed.
 
     python -m benchmarks.strassen_probe            # 3 shapes x (eager, fxfuse classical, L=1, L=2); < 4 min
+    python -m benchmarks.strassen_probe --cases 256x8192,64x4096   # other (batch x hidden) cells
     OUT=dir python -m benchmarks.strassen_probe    # also writes dir/strassen_probe.json
 
 Why: DESIGN.md measured 7 half-size products in one bmm at 0.88x (L=1) and 49 quarter-size
@@ -22,6 +23,7 @@ repetition, median of 5 (DESIGN.md, "Measuring"). Columns:
 Checks (printed as FAIL lines): 8 bmm nodes per Strassen build, generated kernels ran with no
 torch-reference fallback, error within 1e-4 of float64.
 """
+import argparse
 import copy
 import json
 import os
@@ -135,7 +137,20 @@ def run_case(batch: int, h: int) -> dict:
     return row
 
 
+def parse_cases(text: str) -> list:
+    """'256x8192,64x4096' -> [(256, 8192), (64, 4096)] (batch x hidden)."""
+    try:
+        return [tuple(int(v) for v in cell.lower().split("x")) for cell in text.split(",") if cell.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected cells like 256x8192,64x4096, got {text!r}") from None
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", type=parse_cases, default=CASES, help="batch x hidden cells, comma-separated")
+    parser.add_argument("--budget-s", type=float, default=DEADLINE_S, help="start no new cell past this many seconds")
+    args = parser.parse_args()
+    cases, deadline_s = args.cases, args.budget_s
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
@@ -145,9 +160,9 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fp32 TF32 off, "
           f"{LAYERS} x (Linear(h, h), ReLU)")
     rows = []
-    for batch, h in CASES:
-        if time.perf_counter() - start > DEADLINE_S:
-            print(f"# skipped batch={batch} h={h}: past the {DEADLINE_S} s deadline")
+    for batch, h in cases:
+        if time.perf_counter() - start > deadline_s:
+            print(f"# skipped batch={batch} h={h}: past the {deadline_s:.0f} s deadline")
             continue
         rows.append(run_case(batch, h))
         print(f"# batch={batch} h={h} done at {time.perf_counter() - start:.0f} s", flush=True)
