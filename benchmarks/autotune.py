@@ -54,7 +54,7 @@ from .autotune_cells import MLP_LAYERS, NEEDS_KERNELS, SECTIONS, randn
 
 FULL = dict(m=(1, 16, 64, 256, 1024, 4096), h=(128, 256, 512, 1024, 2048, 4096, 8192), bmm_min_h=1024,
             gemm_max_h=4096, rows=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), widths=(64, 128, 256),
-            strassen_m=(1024, 4096), strassen_h=(2048, 4096, 8192))
+            strassen_m=(256, 1024, 4096), strassen_h=(2048, 4096, 8192))
 QUICK = dict(m=(1, 64, 1024), h=(256, 1024, 4096), bmm_min_h=1024, gemm_max_h=4096,
              rows=(1, 64, 4096, 65536), widths=(64, 128), strassen_m=(1024,), strassen_h=(2048,))
 CPU = dict(m=(1, 16, 64), h=(64, 128), bmm_min_h=64, gemm_max_h=128, rows=(1, 16, 256),
@@ -175,8 +175,8 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", help="comma list of fp32,bf16,fp16 (default all; --quick: fp32)")
     p.add_argument("--sections", help=f"comma list of {','.join(SECTIONS)} (default all)")
-    p.add_argument("--m", help="comma list of rows, replacing the grid's")
-    p.add_argument("--h", help="comma list of square layer sizes, replacing the grid's")
+    p.add_argument("--m", help="comma list of rows, replacing the grid's (the Strassen cells' too)")
+    p.add_argument("--h", help="comma list of square layer sizes, replacing the grid's (the Strassen cells' too)")
     p.add_argument("--budget-s", type=float, default=390.0, help="start no cell after this many seconds")
     p.add_argument("--timeout-s", type=float, default=60.0, help="time limit of one cell (compiles included)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (at least 5)")
@@ -191,8 +191,8 @@ def plan(args, device) -> tuple:
     from fxfuse.kernel import kernels_available
     grid = dict(CPU if device.type == "cpu" else QUICK if args.quick else FULL)
     for axis in ("m", "h"):
-        if getattr(args, axis):
-            grid[axis] = tuple(common.csv_ints(getattr(args, axis)))
+        if getattr(args, axis):   # the Strassen rows too: re-measuring one m re-measures all its tables
+            grid[axis] = grid[f"strassen_{axis}"] = tuple(common.csv_ints(getattr(args, axis)))
     dtypes = (args.dtypes or ("fp32" if args.quick or device.type == "cpu" else "fp32,bf16,fp16")).split(",")
     sections = (args.sections or ",".join(SECTIONS)).split(",")
     cells, skipped = [], []

@@ -46,6 +46,11 @@ def main(argv=None) -> int:
         print("device, torch or triton differ: not merged", file=sys.stderr)
         return 1
     table, rows = shipped["tables"].setdefault(args.table, {}), new["tables"][args.table][args.dtype]
+    empty = [m for m, values in zip(rows["m"], rows["us"]) if all(v is None for v in values)]
+    if empty:   # every cell of the row skipped: merging it would erase what the shipped row measured
+        print(f"rows {empty} of {args.table}/{args.dtype} hold no measurement (see the file's 'skipped'): "
+              "not merged", file=sys.stderr)
+        return 1
     table[args.dtype] = merge_rows(table[args.dtype], rows) if args.dtype in table else rows   # a new dtype: whole
     shipped.setdefault("updates", []).append({
         "tables": [args.table], "dtype": args.dtype, "rows": new["tables"][args.table][args.dtype]["m"],

@@ -26,11 +26,13 @@ from fxfuse.cost_model import CostModel, LinearLayer
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
-# Where Strassen's prefix/suffix kernels were calibrated (benchmarks/autotune.py) and where the
-# H100 measured it faster. Below, the model extrapolates them from the plain pointwise kernel
-# and underestimates them: batch 64, hidden 1024, Strassen 1 level measured 207 us against
-# 125 us classical (the model said 113); batch 256, hidden 2048: 505 vs 470 us.
-STRASSEN_MIN_ROWS = 1024
+# Where Strassen's prefix/suffix kernels were calibrated (benchmarks/autotune.py: 256, 1024 and
+# 4096 rows, widths 2048-8192) and where the H100 measured it faster or even. Below, the model
+# extrapolates them from the plain pointwise kernel and underestimates them: batch 64, hidden
+# 1024, Strassen 1 level measured 207 us against 125 us classical (the model said 113); batch 64,
+# hidden 8192: 2075 (1 level) and 4373 us (2 levels) against 1655 (strassen_probe_20261125-1910.txt).
+# At 256 rows 2 levels won: hidden 2048 391 vs 442 us, 4096 1388 vs 1434, 8192 5317 vs 5496.
+STRASSEN_MIN_ROWS = 256
 STRASSEN_MIN_WIDTH = 2048
 LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
 MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_spec.why_not_kernel refuses wider)

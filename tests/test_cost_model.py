@@ -339,3 +339,45 @@ def test_merge_calibration_rows():
         merge_rows(old, {"m": [32], "h": [128], "us": [[7]]})
     mlp = {"m": [1, 16], "width": [64], "us": [[1], [2]], "layers": 8}   # keys beside the axes stay
     assert merge_rows(mlp, {"m": [16], "width": [64], "us": [[3]], "layers": 8})["layers"] == 8
+
+
+def test_merge_calibration_refuses_a_row_with_no_measurement(tmp_path, capsys):
+    """An autotune run whose cells all failed (every value null) must not replace a measured row."""
+    from benchmarks.merge_calibration import main as merge_main
+    meta = {"schema": 1, "device": "GPU X", "torch": "2.11.0", "triton": "3.6.0"}
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({**meta, "tables": {"strassen1_fused": {"float32": {
+        "m": [256, 1024], "h": [2048], "us": [[5.0], [9.0]]}}}}))
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({**meta, "tables": {"strassen1_fused": {"float32": {
+        "m": [256], "h": [2048], "us": [[None]]}}}}))
+    before = shipped.read_text()
+    assert merge_main([str(new), "--into", str(shipped), "--table", "strassen1_fused", "--dtype", "float32",
+                       "--why", "test"]) == 1
+    assert "hold no measurement" in capsys.readouterr().err
+    assert shipped.read_text() == before
+
+
+H100_FILE = CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json"
+
+
+@pytest.mark.parametrize("m, h, want", [
+    (256, 2048, "strassen2"),    # measured 387 us against 440 classical (mlp_20261125-190911)
+    (256, 8192, "strassen2"),    # 5145 against 5542
+    (1024, 2048, "strassen2"),
+    (256, 1024, "library"),      # narrower than STRASSEN_MIN_WIDTH: Strassen not a candidate
+    (64, 8192, "library"),       # fewer rows than STRASSEN_MIN_ROWS: 2075 / 4373 us against 1655 measured
+])
+def test_shipped_h100_plan_for_the_seed_chain(m, h, want):
+    """The decisions the shipped H100 calibration makes for 8 x (Linear, ReLU), strassen="auto"."""
+    from fxfuse.options import Options
+    from passes.plan_linears import STRASSEN_MIN_ROWS, _legal
+    model = CostModel.load(H100_FILE)
+    layers = [LinearLayer(m, h, h, F32, epilogue_ops=2, output_read_elsewhere=i == 7) for i in range(8)]
+    legal = [_legal(layer, Options(strassen="auto", strassen_levels=2), model) for layer in layers]
+    plans = plan_chain(model, layers, legal)
+    assert [p.choice for p in plans] == [want] * 8, plans[0].reasons
+    if m < STRASSEN_MIN_ROWS:
+        assert f"below {STRASSEN_MIN_ROWS} x" in legal[0]["strassen2"]
+    if want == "strassen2":
+        assert plans[0].estimates["strassen2"].source == "calibration"
