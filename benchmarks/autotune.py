@@ -177,6 +177,7 @@ def parse_args(argv):
     p.add_argument("--sections", help=f"comma list of {','.join(SECTIONS)} (default all)")
     p.add_argument("--m", help="comma list of rows, replacing the grid's (the Strassen cells' too)")
     p.add_argument("--h", help="comma list of square layer sizes, replacing the grid's (the Strassen cells' too)")
+    p.add_argument("--widths", help="comma list of fused-MLP widths, replacing the grid's")
     p.add_argument("--budget-s", type=float, default=390.0, help="start no cell after this many seconds")
     p.add_argument("--timeout-s", type=float, default=60.0, help="time limit of one cell (compiles included)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (at least 5)")
@@ -193,6 +194,8 @@ def plan(args, device) -> tuple:
     for axis in ("m", "h"):
         if getattr(args, axis):   # the Strassen rows too: re-measuring one m re-measures all its tables
             grid[axis] = grid[f"strassen_{axis}"] = tuple(common.csv_ints(getattr(args, axis)))
+    if args.widths:
+        grid["widths"] = tuple(common.csv_ints(args.widths))
     dtypes = (args.dtypes or ("fp32" if args.quick or device.type == "cpu" else "fp32,bf16,fp16")).split(",")
     sections = (args.sections or ",".join(SECTIONS)).split(",")
     cells, skipped = [], []

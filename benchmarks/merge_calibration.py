@@ -18,13 +18,19 @@ from fxfuse.calibration import validate_calibration
 
 
 def merge_rows(old: dict, new: dict, axis: str = "m") -> dict:
-    """old's table entry with new's rows (by the first axis) put in; the other axis must match
-    (a new row must give a value wherever the old table has one)."""
+    """old's table entry with new's rows (by the first axis) put in. new may cover only some of
+    the other axis's points (a re-measured width): its row keeps the old values elsewhere (None
+    for a new row); a point old does not have is an error."""
     other = next(k for k in old if k not in (axis, "us"))
-    if new[other] != old[other]:
-        raise ValueError(f"the {other} axes differ: {new[other]} vs {old[other]}")
+    missing = [v for v in new[other] if v not in old[other]]
+    if missing:
+        raise ValueError(f"the {other} axes differ: {new[other]} has {missing}, not in {old[other]}")
     rows = dict(zip(old[axis], old["us"]))
-    rows.update(zip(new[axis], new["us"]))
+    for key, values in zip(new[axis], new["us"]):
+        row = list(rows.get(key, [None] * len(old[other])))
+        for point, value in zip(new[other], values):
+            row[old[other].index(point)] = value
+        rows[key] = row
     keys = sorted(rows)
     extra = {k: v for k, v in old.items() if k not in (axis, other, "us")}   # e.g. the fused MLP's "layers"
     return {axis: keys, other: old[other], "us": [rows[k] for k in keys], **extra}

@@ -23,6 +23,7 @@ MAX_FMA_PER_THREAD = 1 << 17  # unrolled FMAs per thread (FMA forms): bounds cod
 ROWWISE_MAX_BATCH = 512      # batch up to which one program per row wins (choose_config), fp32 IEEE
 ROWWISE_TC_MAX_BATCH = 16    # the same where tl.dot runs on tensor cores (fp16, bf16, fp32 with TF32)
 ROWWISE_MAX_TILE = 128       # lanes per column tile of the row-wise form: fewer, larger GEMV tiles
+FMA_ONE_TILE = 128           # fp32 IEEE tl.dot (FMAs): values of 65-128 lanes as ONE tile, 8 warps (choose_config)
 PREFETCH_ELEMENTS = 64       # weight elements per thread of two Linears' tiles held at once (row-wise)
 SMS = 132                    # H100 SXM; only used to judge when larger row tiles still fill the GPU
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -103,6 +104,9 @@ def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **overrid
     from being chosen). On tensor cores (bf16, autotune mlp section) tl.dot is as fast at 1024
     rows as row-wise at 64 (width 128: 12.1 vs 11.4 us; 256: 36.5 vs 35.8) and 1.2-1.6x faster
     at 256 rows, so there row-wise serves up to ROWWISE_TC_MAX_BATCH rows only.
+    fp32 IEEE past the row-wise batches at widths 65-128 (narrow_mlp_probe_20261125-1925.txt, 8 x 128):
+    one 128-lane tile per value and 8 warps, 24.5 us at 1024 rows (16-row programs) and 35.8 at
+    4096 (32 rows), against 41.7 and 72.8 for the per-layer plan (64-lane tiles: 429-475 us).
     """
     widest = max(spec.widths)
     warps = 4 if widest <= 128 else 8
@@ -110,14 +114,16 @@ def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **overrid
     forced, override = bool(override), dict(override)
     tensor_cores = spec.dtype != torch.float32 or precision == "tf32"
     rowwise = override.pop("rowwise", batch <= (ROWWISE_TC_MAX_BATCH if tensor_cores else ROWWISE_MAX_BATCH))
-    block_m = 1 if rowwise else 16
-    if not rowwise:
+    block_m, max_tile = 1 if rowwise else 16, ROWWISE_MAX_TILE if rowwise else MAX_TILE
+    if not rowwise and not tensor_cores and MAX_TILE < widest <= FMA_ONE_TILE:
+        # one [BLOCK_M, w] x [w, w] product per Linear; 32 rows once that still gives every SM a program
+        max_tile, warps, block_m = FMA_ONE_TILE, 8, 32 if batch >= 0.9 * SMS * 32 else 16
+    elif not rowwise:
         for bm in (64, 32):
             if batch >= 2 * SMS * bm and bm * widest <= 1024 * warps:
                 block_m = bm
                 break
-    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, precision=precision,
-               max_tile=ROWWISE_MAX_TILE if rowwise else MAX_TILE)
+    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, precision=precision, max_tile=max_tile)
     cfg.update(override)
     config = KernelConfig(**cfg)
     if not forced and why_not_kernel(spec, config) and not why_not_kernel(spec, rows := KernelConfig(

@@ -330,13 +330,16 @@ def test_a_calibration_without_a_kernels_table_never_picks_that_kernel(tmp_path)
 
 
 def test_merge_calibration_rows():
-    """Re-measured rows replace those of the same m, new ones go in order, other axes must match."""
+    """Re-measured rows replace those of the same m, new ones go in order; a row measured at some
+    points of the other axis keeps the old values at the rest; a point old lacks is an error."""
     from benchmarks.merge_calibration import merge_rows
     old = {"m": [1, 16, 64], "h": [128, 256], "us": [[1, 2], [3, 4], [5, 6]]}
     merged = merge_rows(old, {"m": [32, 64], "h": [128, 256], "us": [[7, 8], [9, 10]]})
     assert merged == {"m": [1, 16, 32, 64], "h": [128, 256], "us": [[1, 2], [3, 4], [7, 8], [9, 10]]}
+    partial = merge_rows(old, {"m": [16, 32], "h": [256], "us": [[11], [12]]})
+    assert partial["us"] == [[1, 2], [3, 11], [None, 12], [5, 6]]
     with pytest.raises(ValueError, match="axes differ"):
-        merge_rows(old, {"m": [32], "h": [128], "us": [[7]]})
+        merge_rows(old, {"m": [32], "h": [512], "us": [[7]]})
     mlp = {"m": [1, 16], "width": [64], "us": [[1], [2]], "layers": 8}   # keys beside the axes stay
     assert merge_rows(mlp, {"m": [16], "width": [64], "us": [[3]], "layers": 8})["layers"] == 8
 
