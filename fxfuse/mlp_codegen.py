@@ -39,7 +39,8 @@ import hashlib
 import torch
 
 from .codegen import HEADER, IndentedBuffer
-from .mlp_spec import MAX_TILE, PREFETCH_ELEMENTS, KernelConfig, Linear, MLPSpec, Pointwise, _padded_kn, tile_of
+from .mlp_spec import (MAX_TILE, PREFETCH_ELEMENTS, KernelConfig, Linear, MLPSpec, Pointwise, _padded_kn,
+                       layer_period, tile_of)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
 
@@ -87,7 +88,8 @@ class Layout:
 
 def kernel_name(spec: MLPSpec, config: KernelConfig) -> str:
     digest = hashlib.sha256(repr((spec, config)).encode()).hexdigest()[:10]
-    return f"fxmlp_{len(spec.linears)}x{max(spec.widths)}_{'rows' if config.rowwise else 'dot'}_{digest}"
+    form = "rows" if config.rowwise else "loop" if config.looped else "dot"
+    return f"fxmlp_{len(spec.linears)}x{max(spec.widths)}_{form}_{digest}"
 
 
 def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
@@ -119,6 +121,9 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
             buf.line("rows = rows.to(tl.int64)")
         for t in sorted({tile_of(w, mt)[0] for w in spec.widths}):
             buf.line(f"c{t} = tl.arange(0, {t})")
+        if config.looped:
+            _emit_looped(buf, spec, numels, layout, config)
+            return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
         ahead = _preloaded(spec, config)
         if spec.linears[0].out in ahead:
             _emit_weight_loads(buf, spec, spec.linears[0], layout, config, "   # before x: the weight stream starts")
@@ -134,6 +139,34 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
                 _emit_pointwise(buf, spec, step, layout, numels, loaded, config)
         _emit_store(buf, spec, config)
     return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
+
+
+def _emit_looped(buf, spec, numels, layout, config):
+    """The chain as a runtime loop over its identical layers (mlp_spec.layer_period): layer 0's
+    steps, with the weight block and constant vectors of layer g at g times their stride.
+    One tile per value (KernelConfig.max_tile covers the width)."""
+    period = layer_period(spec, numels)
+    t, n = tile_of(spec.widths[0], config.max_tile)
+    if period is None or n != 1 or not all(s.out in layout.transposed for s in spec.linears):
+        raise ValueError("the looped form needs identical layers of one tile each")
+    layers, width = len(spec.linears), spec.widths[0]
+    per_layer_vectors = len(numels) // layers
+    vector_stride = layout.vector_offset[per_layer_vectors] if layers > 1 and per_layer_vectors else 0
+    _emit_input(buf, spec, config)
+    buf.line(f"h = v0_0   # the running activation, [BLOCK_M, {t}]")
+    buf.line(f"for g in range({layers}):   # not unrolled: one layer's weights in registers at a time")
+    with buf.indent():
+        buf.line("v0_0 = h" if t == width else f"v0_0 = tl.where((c{t} < {width})[None, :], h, 0.0)   # padded lanes")
+        linear = spec.steps[0]
+        dot_kw = f", input_precision=\"{config.precision}\""
+        buf.line(f"w = tl.load(w_ptr + g * {t * t} + c{t}[:, None] * {t} + c{t}[None, :])   # W.T of layer g")
+        buf.line(f"v{linear.out}_0 = tl.dot(v0_0, w, out_dtype=tl.float32{dot_kw})")
+        loaded = set()
+        for step in spec.steps[1:period]:
+            _emit_pointwise(buf, spec, step, layout, numels, loaded, config, f" + g * {vector_stride}")
+        buf.line(f"h = v{period}_0")
+    buf.line(f"v{spec.output}_0 = h")
+    _emit_store(buf, spec, config)
 
 
 def _tile_elements(spec: MLPSpec, step: Linear, max_tile: int) -> int:
@@ -232,13 +265,13 @@ def _emit_linear(buf, spec, step, layout, config, preloaded=False):
         buf.line(f"v{step.out}_{j} = acc")
 
 
-def _emit_pointwise(buf, spec, step, layout, numels, loaded, config):
+def _emit_pointwise(buf, spec, step, layout, numels, loaded, config, vector_base=""):
     t, n = tile_of(spec.widths[step.out], config.max_tile)
     op = BY_NAME[step.op]
     for kind, ref in step.operands:        # constants: loaded once, where first needed
         if kind == "vector" and ref not in loaded:
             loaded.add(ref)
-            at = layout.vector_offset[ref]
+            at = f"{layout.vector_offset[ref]}{vector_base}"   # vector_base: layer g's (looped form)
             if numels[ref] == 1:
                 buf.line(f"k{ref} = tl.load(v_ptr + {at})")
             else:

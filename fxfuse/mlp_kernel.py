@@ -22,8 +22,8 @@ from .kernel import FusedKernel, kernels_available, launch_context, resolved, tr
 from .mlp_codegen import Layout, generate_mlp, kernel_name, value_axes  # noqa: F401  (re-exported)
 from .mlp_spec import (KERNEL_DTYPES, MAX_DOTS, MAX_FMA_PER_THREAD, MAX_TILE, MAX_WIDTH,  # noqa: F401
                        PREFETCH_ELEMENTS, ROWWISE_MAX_BATCH, ROWWISE_MAX_TILE, ROWWISE_TC_MAX_BATCH, SMS,
-                       KernelConfig, Linear, MLPSpec, Pointwise, choose_config, fma_per_thread, tile_of,
-                       why_not_kernel)
+                       KernelConfig, Linear, MLPSpec, Pointwise, choose_config, fma_per_thread, layer_period,
+                       tile_of, why_not_kernel, why_slow)
 
 
 def pack(spec: MLPSpec, weights: list, vectors: list, layout: Layout, config: KernelConfig) -> tuple:

@@ -63,6 +63,7 @@ class KernelConfig:
     num_warps: int = 4
     max_tile: int = MAX_TILE
     precision: str = "ieee"  # fp32 tl.dot: "ieee" or "tf32"
+    looped: bool = False     # identical layers as a runtime loop (tl.dot form; layer_period)
 
 
 def tile_of(width: int, max_tile: int = MAX_TILE) -> tuple:
@@ -77,6 +78,51 @@ def tile_of(width: int, max_tile: int = MAX_TILE) -> tuple:
     return t, triton_cdiv(width, t)
 
 
+def layer_period(spec: MLPSpec, numels: tuple) -> int | None:
+    """Steps per layer if the chain is the same layer repeated, else None.
+
+    Same layer: every value has one width; layer g's steps are layer 0's with value ids moved
+    by g * period, weight g, and constant vectors g * (vectors per layer) + j of the same sizes
+    (so the packed buffers are strided by layer); operands only refer to the layer's own input
+    and values. Such a chain can run as a loop over layers (KernelConfig.looped): small code,
+    and the compiler cannot hoist every layer's weight loads to the top, as it does with the
+    unrolled chain (8 x 128 fp32 at 1024 rows: 396 us unrolled, 24.5 looped)."""
+    linears = spec.linears
+    layers, steps = len(linears), len(spec.steps)
+    if layers < 2 or steps % layers or len(set(spec.widths)) != 1 or spec.output != steps:
+        return None
+    period = steps // layers
+    per_layer_vectors, remainder = divmod(len(numels), layers)
+    if remainder:
+        return None
+
+    def shifted(step, g):
+        """layer g's step as layer 0's would read, or None if it reaches outside its layer."""
+        base, vbase = g * period, g * per_layer_vectors
+        if isinstance(step, Linear):
+            return Linear(step.out - base, step.src - base, step.weight - g) if step.src == base else None
+        operands = []
+        for kind, ref in step.operands:
+            if kind == "value":
+                if not base <= ref <= step.out - 1:
+                    return None
+                ref -= base
+            elif kind == "vector":
+                if not vbase <= ref < vbase + per_layer_vectors or numels[ref] != numels[ref - vbase]:
+                    return None
+                ref -= vbase
+            operands.append((kind, ref))
+        return Pointwise(step.out - base, step.op, tuple(operands), step.params)
+
+    first = spec.steps[:period]
+    if not isinstance(first[0], Linear) or any(isinstance(st, Linear) for st in first[1:]):
+        return None
+    for g in range(layers):
+        if tuple(shifted(st, g) for st in spec.steps[g * period:(g + 1) * period]) != first:
+            return None
+    return period
+
+
 def _padded_kn(spec: MLPSpec, max_tile: int) -> list:
     out = []
     for s in spec.linears:
@@ -85,7 +131,8 @@ def _padded_kn(spec: MLPSpec, max_tile: int) -> list:
     return out
 
 
-def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **override) -> KernelConfig:
+def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, numels: tuple | None = None,
+                  **override) -> KernelConfig:
     """The kernel configuration for a batch: one place, kept apart from correctness.
 
     Row-wise up to ROWWISE_MAX_BATCH rows (ROWWISE_TC_MAX_BATCH where tl.dot has tensor cores),
@@ -115,21 +162,36 @@ def choose_config(spec: MLPSpec, batch: int, allow_tf32: bool = False, **overrid
     tensor_cores = spec.dtype != torch.float32 or precision == "tf32"
     rowwise = override.pop("rowwise", batch <= (ROWWISE_TC_MAX_BATCH if tensor_cores else ROWWISE_MAX_BATCH))
     block_m, max_tile = 1 if rowwise else 16, ROWWISE_MAX_TILE if rowwise else MAX_TILE
-    if not rowwise and not tensor_cores and MAX_TILE < widest <= FMA_ONE_TILE:
-        # one [BLOCK_M, w] x [w, w] product per Linear; 32 rows once that still gives every SM a program
+    looped = (not rowwise and not tensor_cores and MAX_TILE < widest <= FMA_ONE_TILE and numels is not None
+              and layer_period(spec, numels) is not None)
+    if looped:
+        # one [BLOCK_M, w] x [w, w] product per layer; 32 rows once that still gives every SM a program
         max_tile, warps, block_m = FMA_ONE_TILE, 8, 32 if batch >= 0.9 * SMS * 32 else 16
     elif not rowwise:
         for bm in (64, 32):
             if batch >= 2 * SMS * bm and bm * widest <= 1024 * warps:
                 block_m = bm
                 break
-    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, precision=precision, max_tile=max_tile)
+    cfg = dict(block_m=block_m, rowwise=rowwise, num_warps=warps, precision=precision, max_tile=max_tile,
+               looped=looped)
     cfg.update(override)
     config = KernelConfig(**cfg)
     if not forced and why_not_kernel(spec, config) and not why_not_kernel(spec, rows := KernelConfig(
             block_m=1, rowwise=True, num_warps=warps, precision=precision, max_tile=ROWWISE_MAX_TILE)):
         return rows   # 16x fewer unrolled FMAs than tl.dot's 16 rows: fits where tl.dot does not
     return config
+
+
+def why_slow(spec: MLPSpec, config: KernelConfig) -> str | None:
+    """Why this kernel would lose to the per-layer plan although it can be built (None: no known
+    reason). fp32 IEEE tl.dot unrolled over values wider than one 64-lane tile measured 10x
+    slower than the plan (8 x 128: 429-475 us at 64-1024 rows, the plan 12-42); only the
+    looped form (identical layers) is fast there."""
+    fma_dot = not config.rowwise and spec.dtype == torch.float32 and config.precision == "ieee"
+    if fma_dot and not config.looped and max(spec.widths) > MAX_TILE:
+        return ("fp32 IEEE tl.dot over several column tiles per value measured ~10x slower than the per-layer "
+                "plan; only a chain of identical layers runs fused there (as a loop)")
+    return None
 
 
 def fma_per_thread(spec: MLPSpec, config: KernelConfig) -> int:
@@ -146,6 +208,8 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
         return "a width is 0 (empty weight)"
     if max(spec.widths) > MAX_WIDTH:
         return f"width {max(spec.widths)} > {MAX_WIDTH} does not fit on chip"
+    if config.looped and (config.rowwise or spec.dtype != torch.float32):
+        return "the looped form is an fp32 tl.dot form"
     if config.rowwise and config.block_m != 1:
         return "the row-wise form takes 1 row per program"
     if not config.rowwise and config.block_m < 16:

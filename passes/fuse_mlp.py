@@ -26,7 +26,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxfuse.mlp_kernel import FusedMLP, KERNEL_DTYPES, Linear, MLPSpec, Pointwise, choose_config, why_not_kernel
+from fxfuse.mlp_kernel import (FusedMLP, KERNEL_DTYPES, Linear, MLPSpec, Pointwise, choose_config, why_not_kernel,
+                               why_slow)
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta
 
@@ -303,9 +304,11 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             if not region.nodes:
                 break
             spec, weights, vectors, members = _lower(gm, region)
-            config = choose_config(spec, region.batch, allow_tf32)
+            config = choose_config(spec, region.batch, allow_tf32, numels=tuple(v.numel() for v in vectors))
             problem = why_not_kernel(spec, config)
             ok, reason = (False, problem) if problem else _auto_choice(region, spec)
+            if ok and why_slow(spec, config):
+                ok, reason = False, why_slow(spec, config)
             if mode == "force" and not problem:
                 ok, reason = True, f"forced by fused_mlp='force'; auto: {'yes' if ok else 'no'}, {reason}"
             if ok:

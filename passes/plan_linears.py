@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from fxfuse.chain_plan import plan_chain
 from fxfuse.cost_model import CostModel, LinearLayer
+from fxfuse.mlp_spec import MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
@@ -177,8 +178,15 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
                 return "fused_mlp='off'"
             if not model.measured("mlp", layers[i].dtype):
                 return unmeasured("mlp")
-            widest = max(max(l.k, l.n) for l in layers[i:j + 1])
-            return None if widest <= MLP_MAX_WIDTH else f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
+            run = layers[i:j + 1]
+            widest = max(max(l.k, l.n) for l in run)
+            if widest > MLP_MAX_WIDTH:
+                return f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
+            fma = run[0].dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+            if fma and run[0].m > MLP_ROWWISE_MAX_BATCH and widest > MLP_MAX_TILE and len(
+                    {(l.k, l.n, l.epilogue_ops, l.bias) for l in run}) > 1:
+                return "fp32 IEEE past the row-wise batches: only identical layers run fused (mlp_spec.why_slow)"
+            return None
 
         plans = plan_chain(model, layers, legal, mlp_legal)
         for (node, _), layer, plan in zip(chain, layers, plans):

@@ -1,0 +1,134 @@
+"""The fused MLP's looped form (KernelConfig.looped): a chain of identical layers run as a loop
+over layers in one kernel (fp32 IEEE, widths 65-128, past the row-wise batches).
+
+CPU tensors under the Triton interpreter (tiny, irregular shapes; widths that are not a whole
+tile, so padded lanes are hit) and, marked cuda, the compiled kernel on a GPU. Every test
+asserts the form that ran (the config, the kernel's name, launches) and compares a fresh input
+against eager and a float64 reference."""
+import copy
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse.kernel import interpreting  # noqa: E402
+from fxfuse.mlp_kernel import (FusedMLP, KernelConfig, Linear, MLPSpec, Pointwise, choose_config,  # noqa: E402
+                                layer_period, why_slow)
+
+F32 = torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _backend(request):
+    if request.node.get_closest_marker("cuda"):
+        if not torch.cuda.is_available() or interpreting():
+            pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
+    elif not interpreting():
+        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+def chain_spec(width, layers, acts=None, dtype=F32):
+    """Linear, bias add, activation per layer, as passes/fuse_mlp lowers Sequential(Linear, act)."""
+    acts = acts or ["relu"] * layers
+    steps, v = [], 0
+    for k, act in enumerate(acts):
+        steps += [Linear(v + 1, v, k), Pointwise(v + 2, "add", (("value", v + 1), ("vector", k))),
+                  Pointwise(v + 3, act, (("value", v + 2),))]
+        v += 3
+    return MLPSpec((width,) * (v + 1), tuple(steps), v, dtype)
+
+
+def seq(width, layers, act=nn.ReLU):
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), act())]).eval()
+
+
+def rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def test_layer_period_finds_identical_layers_only():
+    numels = (100,) * 4
+    assert layer_period(chain_spec(100, 4), numels) == 3
+    assert layer_period(chain_spec(100, 4, ["relu", "relu", "sigmoid", "relu"]), numels) is None
+    assert layer_period(chain_spec(100, 4), (100, 100, 1, 100)) is None          # a scalar among biases
+    narrowing = MLPSpec((100, 100, 100, 50, 50, 50), chain_spec(100, 2).steps, 6, F32)
+    assert layer_period(narrowing, (100, 50)) is None
+    skip = chain_spec(100, 2)   # layer 1 adds layer 0's input: reaches outside its layer
+    skip = MLPSpec(skip.widths + (100,), skip.steps + (Pointwise(7, "add", (("value", 6), ("value", 0))),), 7, F32)
+    assert layer_period(skip, (100, 100)) is None
+    assert layer_period(chain_spec(100, 1), (100,)) is None                      # one layer: nothing to loop
+
+
+def test_choose_config_loops_identical_fp32_layers_past_the_row_wise_batches():
+    spec, numels = chain_spec(128, 8), (128,) * 8
+    small, mid, big = (choose_config(spec, b, numels=numels) for b in (64, 1024, 4096))
+    assert small.rowwise and not small.looped
+    assert mid.looped and mid.block_m == 16 and mid.num_warps == 8 and mid.max_tile == 128
+    assert big.looped and big.block_m == 32
+    assert why_slow(spec, mid) is None
+    assert not choose_config(spec, 1024, allow_tf32=True, numels=numels).looped      # tensor cores: tl.dot as before
+    assert not choose_config(chain_spec(128, 8, dtype=torch.float16), 1024, numels=numels).looped
+    assert not choose_config(chain_spec(64, 8), 1024, numels=(64,) * 8).looped        # one 64-lane tile already
+    mixed = chain_spec(128, 8, ["relu"] * 7 + ["sigmoid"])
+    unrolled = choose_config(mixed, 1024, numels=numels)
+    assert not unrolled.looped and "10x slower" in why_slow(mixed, unrolled)
+
+
+@pytest.mark.parametrize("width,act,batch", [(72, nn.Sigmoid, 37), (128, nn.ReLU, 20), (100, nn.GELU, 16)])
+def test_looped_kernel_matches_eager(width, act, batch):
+    """Sigmoid makes padded lanes 0.5: they must be masked before the next product."""
+    torch.manual_seed(0)
+    model = seq(width, 3, act)
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    name = {nn.Sigmoid: "sigmoid", nn.ReLU: "relu", nn.GELU: "gelu"}[act]
+    spec = chain_spec(width, 3, [name] * 3)
+    config = KernelConfig(block_m=16, num_warps=8, max_tile=128, looped=True)
+    mod = FusedMLP(spec, [l.weight for l in layers], [l.bias for l in layers], torch.fx.symbolic_trace(model), (),
+                   config=config)
+    assert "_loop_" in mod.kernel_name and "for g in range(3)" in mod.source
+    x = torch.randn(batch, width)
+    with torch.no_grad():
+        got, want, ref = mod(x), model(x), copy.deepcopy(model).double()(x.double())
+    assert mod.launches == 1 and mod.fallbacks == 0
+    assert rel_err(got, ref) < 1e-5 + 2 * rel_err(want, ref)
+
+
+def test_optimize_builds_the_looped_form_at_large_batch():
+    """Through the pass: 600 rows (past the row-wise batches) of 3 x Linear(100) + ReLU."""
+    torch.manual_seed(0)
+    model = seq(100, 3)
+    x = torch.randn(600, 100)
+    opt = fxfuse.optimize(model, x, fused_mlp="force", strict=True)
+    spec = next(iter(opt.specializations.values()))
+    (mod,) = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
+    assert mod.config.looped and mod.config.block_m == 16
+    x = torch.randn(600, 100)
+    with torch.no_grad():
+        got, want, ref = opt(x), model(x), copy.deepcopy(model).double()(x.double())
+    assert rel_err(got, ref) < 1e-5 + 2 * rel_err(want, ref)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch,width", [(1024, 128), (4096, 128), (777, 100)])
+def test_gpu_looped_seed_mlp(batch, width):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        model = seq(width, 8).cuda()
+        opt = fxfuse.optimize(model, torch.randn(batch, width, device="cuda"), strict=True, fused_mlp="force")
+        spec = next(iter(opt.specializations.values()))
+        (mod,) = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
+        assert mod.config.looped
+        x = torch.randn(batch, width, device="cuda")
+        with torch.no_grad():
+            got, want, ref = opt(x), model(x), copy.deepcopy(model).double()(x.double())
+        assert rel_err(got, ref) < 1e-5 + 2 * rel_err(want, ref)
+        assert mod.launches >= 1 and mod.fallbacks == 0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
