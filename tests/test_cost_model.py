@@ -370,15 +370,18 @@ H100_FILE = CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0
     (1024, 2048, "strassen2"),
     (256, 1024, "library"),      # narrower than STRASSEN_MIN_WIDTH: Strassen not a candidate
     (64, 8192, "library"),       # fewer rows than STRASSEN_MIN_ROWS: 2075 / 4373 us against 1655 measured
+    (1024, 128, "mlp"),          # the looped fused MLP: 25.9 us against 42.4 (mlp_20261125-192509)
+    (4096, 128, "mlp"),          # 40.1 against 75.4
 ])
 def test_shipped_h100_plan_for_the_seed_chain(m, h, want):
-    """The decisions the shipped H100 calibration makes for 8 x (Linear, ReLU), strassen="auto"."""
+    """The decisions the shipped H100 calibration makes for 8 x (Linear, ReLU), strassen="auto"
+    (the fused MLP allowed over any run of layers up to 1024 wide, as plan_linears allows it)."""
     from fxfuse.options import Options
-    from passes.plan_linears import STRASSEN_MIN_ROWS, _legal
+    from passes.plan_linears import MLP_MAX_WIDTH, STRASSEN_MIN_ROWS, _legal
     model = CostModel.load(H100_FILE)
     layers = [LinearLayer(m, h, h, F32, epilogue_ops=2, output_read_elsewhere=i == 7) for i in range(8)]
     legal = [_legal(layer, Options(strassen="auto", strassen_levels=2), model) for layer in layers]
-    plans = plan_chain(model, layers, legal)
+    plans = plan_chain(model, layers, legal, lambda i, j: None if h <= MLP_MAX_WIDTH else "too wide")
     assert [p.choice for p in plans] == [want] * 8, plans[0].reasons
     if m < STRASSEN_MIN_ROWS:
         assert f"below {STRASSEN_MIN_ROWS} x" in legal[0]["strassen2"]
