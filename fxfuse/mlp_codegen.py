@@ -142,29 +142,37 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
 
 
 def _emit_looped(buf, spec, numels, layout, config):
-    """The chain as a runtime loop over its identical layers (mlp_spec.layer_period): layer 0's
-    steps, with the weight block and constant vectors of layer g at g times their stride.
-    One tile per value (KernelConfig.max_tile covers the width)."""
-    period = layer_period(spec, numels)
+    """The chain as a runtime loop over its identical layers (mlp_spec.layer_period): the
+    prefix steps unrolled, then layer 0's steps with the weight block and constant vectors of
+    layer g at g times their stride. One tile per value (KernelConfig.max_tile covers the width)."""
+    found = layer_period(spec, numels)
     t, n = tile_of(spec.widths[0], config.max_tile)
-    if period is None or n != 1 or not all(s.out in layout.transposed for s in spec.linears):
+    if found is None or n != 1 or not all(s.out in layout.transposed for s in spec.linears):
         raise ValueError("the looped form needs identical layers of one tile each")
+    prefix, period = found
     layers, width = len(spec.linears), spec.widths[0]
-    per_layer_vectors = len(numels) // layers
-    vector_stride = layout.vector_offset[per_layer_vectors] if layers > 1 and per_layer_vectors else 0
+    first_vector = next((ref for st in spec.steps[prefix:prefix + period] if isinstance(st, Pointwise)
+                         for kind, ref in st.operands if kind == "vector"), None)
+    stride = 0
+    if first_vector is not None:
+        stride = layout.vector_offset[first_vector + (len(numels) - first_vector) // layers] - layout.vector_offset[first_vector]
     _emit_input(buf, spec, config)
-    buf.line(f"h = v0_0   # the running activation, [BLOCK_M, {t}]")
+    loaded = set()
+    for step in spec.steps[:prefix]:
+        _emit_pointwise(buf, spec, step, layout, numels, loaded, config)
+    buf.line(f"h = v{prefix}_0   # the running activation, [BLOCK_M, {t}]")
     buf.line(f"for g in range({layers}):   # not unrolled: one layer's weights in registers at a time")
     with buf.indent():
-        buf.line("v0_0 = h" if t == width else f"v0_0 = tl.where((c{t} < {width})[None, :], h, 0.0)   # padded lanes")
-        linear = spec.steps[0]
-        dot_kw = f", input_precision=\"{config.precision}\""
+        masked = "h" if t == width else f"tl.where((c{t} < {width})[None, :], h, 0.0)   # padded lanes"
+        buf.line(f"v{prefix}_0 = {masked}")
+        linear = spec.steps[prefix]
         buf.line(f"w = tl.load(w_ptr + g * {t * t} + c{t}[:, None] * {t} + c{t}[None, :])   # W.T of layer g")
-        buf.line(f"v{linear.out}_0 = tl.dot(v0_0, w, out_dtype=tl.float32{dot_kw})")
+        buf.line(f"v{linear.out}_0 = tl.dot(v{prefix}_0, w, out_dtype=tl.float32, "
+                 f"input_precision=\"{config.precision}\")")
         loaded = set()
-        for step in spec.steps[1:period]:
-            _emit_pointwise(buf, spec, step, layout, numels, loaded, config, f" + g * {vector_stride}")
-        buf.line(f"h = v{period}_0")
+        for step in spec.steps[prefix + 1:prefix + period]:
+            _emit_pointwise(buf, spec, step, layout, numels, loaded, config, f" + g * {stride}")
+        buf.line(f"h = v{prefix + period}_0")
     buf.line(f"v{spec.output}_0 = h")
     _emit_store(buf, spec, config)
 

@@ -78,27 +78,32 @@ def tile_of(width: int, max_tile: int = MAX_TILE) -> tuple:
     return t, triton_cdiv(width, t)
 
 
-def layer_period(spec: MLPSpec, numels: tuple) -> int | None:
-    """Steps per layer if the chain is the same layer repeated, else None.
+def layer_period(spec: MLPSpec, numels: tuple) -> tuple | None:
+    """(prefix, period) if the chain is `prefix` pointwise steps and then the same layer of
+    `period` steps repeated, else None.
 
-    Same layer: every value has one width; layer g's steps are layer 0's with value ids moved
-    by g * period, weight g, and constant vectors g * (vectors per layer) + j of the same sizes
-    (so the packed buffers are strided by layer); operands only refer to the layer's own input
-    and values. Such a chain can run as a loop over layers (KernelConfig.looped): small code,
-    and the compiler cannot hoist every layer's weight loads to the top, as it does with the
-    unrolled chain (8 x 128 fp32 at 1024 rows: 396 us unrolled, 24.5 looped)."""
-    linears = spec.linears
-    layers, steps = len(linears), len(spec.steps)
-    if layers < 2 or steps % layers or len(set(spec.widths)) != 1 or spec.output != steps:
+    The prefix is what passes/fuse_mlp absorbs before the first Linear (the previous layer's
+    bias and activation). Same layer: every value has one width; layer g's steps are layer 0's
+    with value ids moved by g * period, weight g, and constant vectors moved by g * (vectors per
+    layer), of the same sizes (so the packed buffers are strided by layer); operands only refer
+    to the layer's own input and values. Such a chain runs as a loop over layers
+    (KernelConfig.looped): small code, and the compiler cannot hoist every layer's weight loads
+    to the top as it does in the unrolled chain (8 x 128 fp32 at 1024 rows: 396 us unrolled,
+    24.5 looped)."""
+    layers = len(spec.linears)
+    prefix = next((k for k, st in enumerate(spec.steps) if isinstance(st, Linear)), 0)
+    body = len(spec.steps) - prefix
+    if layers < 2 or body % layers or len(set(spec.widths)) != 1 or spec.output != len(spec.steps):
         return None
-    period = steps // layers
-    per_layer_vectors, remainder = divmod(len(numels), layers)
+    period = body // layers
+    prefix_vectors = len({ref for st in spec.steps[:prefix] for kind, ref in st.operands if kind == "vector"})
+    per_layer_vectors, remainder = divmod(len(numels) - prefix_vectors, layers)
     if remainder:
         return None
 
     def shifted(step, g):
         """layer g's step as layer 0's would read, or None if it reaches outside its layer."""
-        base, vbase = g * period, g * per_layer_vectors
+        base, vbase = prefix + g * period, prefix_vectors + g * per_layer_vectors
         if isinstance(step, Linear):
             return Linear(step.out - base, step.src - base, step.weight - g) if step.src == base else None
         operands = []
@@ -108,19 +113,19 @@ def layer_period(spec: MLPSpec, numels: tuple) -> int | None:
                     return None
                 ref -= base
             elif kind == "vector":
-                if not vbase <= ref < vbase + per_layer_vectors or numels[ref] != numels[ref - vbase]:
+                if not vbase <= ref < vbase + per_layer_vectors or numels[ref] != numels[ref - vbase + prefix_vectors]:
                     return None
                 ref -= vbase
             operands.append((kind, ref))
         return Pointwise(step.out - base, step.op, tuple(operands), step.params)
 
-    first = spec.steps[:period]
-    if not isinstance(first[0], Linear) or any(isinstance(st, Linear) for st in first[1:]):
+    first = tuple(shifted(st, 0) for st in spec.steps[prefix:prefix + period])
+    if None in first or any(isinstance(st, Linear) for st in first[1:]):
         return None
-    for g in range(layers):
-        if tuple(shifted(st, g) for st in spec.steps[g * period:(g + 1) * period]) != first:
+    for g in range(1, layers):
+        if tuple(shifted(st, g) for st in spec.steps[prefix + g * period:prefix + (g + 1) * period]) != first:
             return None
-    return period
+    return prefix, period
 
 
 def _padded_kn(spec: MLPSpec, max_tile: int) -> list:

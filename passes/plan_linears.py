@@ -183,9 +183,10 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
             if widest > MLP_MAX_WIDTH:
                 return f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
             fma = run[0].dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-            if fma and run[0].m > MLP_ROWWISE_MAX_BATCH and widest > MLP_MAX_TILE and len(
-                    {(l.k, l.n, l.epilogue_ops, l.bias) for l in run}) > 1:
-                return "fp32 IEEE past the row-wise batches: only identical layers run fused (mlp_spec.why_slow)"
+            if fma and run[0].m > MLP_ROWWISE_MAX_BATCH and widest > MLP_MAX_TILE and (len(run) < 2 or len(
+                    {(l.k, l.n, l.epilogue_ops, l.bias) for l in run}) > 1):
+                return ("fp32 IEEE past the row-wise batches: only a run of identical layers is fused, as a loop "
+                        "(mlp_spec.why_slow)")
             return None
 
         plans = plan_chain(model, layers, legal, mlp_legal)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import fxfuse  # noqa: E402
+import fxfuse.cost_model  # noqa: E402
 from fxfuse.kernel import interpreting  # noqa: E402
 from fxfuse.mlp_kernel import (FusedMLP, KernelConfig, Linear, MLPSpec, Pointwise, choose_config,  # noqa: E402
                                 layer_period, why_slow)
@@ -42,6 +43,14 @@ def chain_spec(width, layers, acts=None, dtype=F32):
     return MLPSpec((width,) * (v + 1), tuple(steps), v, dtype)
 
 
+def _moved(step, values, vectors):
+    """step with value ids moved by `values` and vector indices by `vectors`."""
+    if isinstance(step, Linear):
+        return Linear(step.out + values, step.src + values, step.weight)
+    return Pointwise(step.out + values, step.op, tuple((k, r + (values if k == "value" else vectors if k == "vector"
+                                                                 else 0)) for k, r in step.operands), step.params)
+
+
 def seq(width, layers, act=nn.ReLU):
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), act())]).eval()
 
@@ -52,7 +61,11 @@ def rel_err(got, want):
 
 def test_layer_period_finds_identical_layers_only():
     numels = (100,) * 4
-    assert layer_period(chain_spec(100, 4), numels) == 3
+    assert layer_period(chain_spec(100, 4), numels) == (0, 3)
+    lead = chain_spec(100, 3)   # the previous layer's bias add and ReLU absorbed in front (fuse_mlp's prefix)
+    lead = MLPSpec((100,) * 12, (Pointwise(1, "add", (("value", 0), ("vector", 0))), Pointwise(2, "relu", (("value", 1),)))
+                   + tuple(_moved(st, 2, 1) for st in lead.steps), 11, F32)
+    assert layer_period(lead, (100,) * 4) == (2, 3)
     assert layer_period(chain_spec(100, 4, ["relu", "relu", "sigmoid", "relu"]), numels) is None
     assert layer_period(chain_spec(100, 4), (100, 100, 1, 100)) is None          # a scalar among biases
     narrowing = MLPSpec((100, 100, 100, 50, 50, 50), chain_spec(100, 2).steps, 6, F32)
@@ -111,6 +124,26 @@ def test_optimize_builds_the_looped_form_at_large_batch():
         got, want, ref = opt(x), model(x), copy.deepcopy(model).double()(x.double())
     assert rel_err(got, ref) < 1e-5 + 2 * rel_err(want, ref)
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+
+
+def test_auto_fuses_the_identical_middle_of_an_mlp_with_a_head_and_a_tail():
+    """Linear(40, 128), 6 x Linear(128, 128), Linear(128, 10) at 1100 rows, planned with the H100
+    calibration: the six identical layers (and the head's bias + ReLU in front) become one looped
+    kernel; the head and the tail stay with the library."""
+    torch.manual_seed(0)
+    mods = [nn.Linear(40, 128), nn.ReLU()] + [m for _ in range(6) for m in (nn.Linear(128, 128), nn.ReLU())]
+    model = nn.Sequential(*mods, nn.Linear(128, 10)).eval()
+    x = torch.randn(1100, 40)
+    calibration = fxfuse.cost_model.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json"
+    opt = fxfuse.optimize(model, x, calibration=str(calibration), strict=True)
+    spec = next(iter(opt.specializations.values()))
+    (mod,) = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
+    assert mod.config.looped and len(mod.spec.linears) == 6 and layer_period(mod.spec, (128,) * 7) == (2, 3)
+    assert fxfuse.stats(opt)["library_calls"] == 2
+    x = torch.randn(1100, 40)
+    with torch.no_grad():
+        got, want, ref = opt(x), model(x), copy.deepcopy(model).double()(x.double())
+    assert rel_err(got, ref) < 1e-5 + 2 * rel_err(want, ref)
 
 
 @pytest.mark.cuda
