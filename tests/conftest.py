@@ -131,3 +131,15 @@ def assert_fast_path(opt):
     s = fxfuse.stats(opt)
     assert s["optimized"] and s["kernel_launches"] > 0 and s["reference_fallbacks"] == 0, s
     return s
+
+
+@pytest.fixture
+def kernel_backend(request):
+    """For kernel test files (`pytestmark = pytest.mark.usefixtures("kernel_backend")`): tests
+    marked cuda run compiled kernels on the GPU, the others CPU tensors under the interpreter;
+    each kind skips where its backend is missing."""
+    if request.node.get_closest_marker("cuda"):
+        if not torch.cuda.is_available() or interpreting():
+            pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
+    elif not interpreting():
+        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")

@@ -16,7 +16,6 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxfuse  # noqa: E402
-from fxfuse.kernel import interpreting  # noqa: E402
 from fxfuse.mlp_kernel import (FusedMLP, KernelConfig, Linear, MLPSpec, Pointwise, choose_config,  # noqa: E402
                                 tile_of, why_not_kernel)
 from fxfuse.passes.fuse_mlp import should_fuse_mlp  # noqa: E402
@@ -24,15 +23,7 @@ from fxfuse.passes.fuse_mlp import should_fuse_mlp  # noqa: E402
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 
-@pytest.fixture(autouse=True)
-def _backend(request):
-    """Tests marked cuda run compiled kernels on the GPU; the others CPU tensors under the
-    interpreter. Each kind skips where its backend is missing."""
-    if request.node.get_closest_marker("cuda"):
-        if not torch.cuda.is_available() or interpreting():
-            pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
-    elif not interpreting():
-        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.usefixtures("kernel_backend")   # conftest.py: interpreter or GPU
 
 
 def mlp(widths, act=nn.ReLU, inplace=True):

@@ -16,20 +16,13 @@ import torch.nn as nn  # noqa: E402
 
 import fxfuse  # noqa: E402
 import fxfuse.cost_model  # noqa: E402
-from fxfuse.kernel import interpreting  # noqa: E402
 from fxfuse.mlp_kernel import (FusedMLP, KernelConfig, Linear, MLPSpec, Pointwise, choose_config,  # noqa: E402
                                 layer_period, why_slow)
 
 F32 = torch.float32
 
 
-@pytest.fixture(autouse=True)
-def _backend(request):
-    if request.node.get_closest_marker("cuda"):
-        if not torch.cuda.is_available() or interpreting():
-            pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
-    elif not interpreting():
-        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.usefixtures("kernel_backend")   # conftest.py: interpreter or GPU
 
 
 def chain_spec(width, layers, acts=None, dtype=F32):

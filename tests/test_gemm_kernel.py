@@ -12,20 +12,13 @@ import torch.nn as nn  # noqa: E402
 
 from fxfuse.gemm_kernel import (EpilogueGemm, GemmSpec, _rowwise_stages, choose_gemm_config,  # noqa: E402
                                 generate_gemm, why_not_gemm)
-from fxfuse.kernel import interpreting  # noqa: E402
 from fxfuse.mlp_kernel import Pointwise  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 ACT_OPS = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.Tanh: "tanh", nn.SiLU: "silu"}
 
 
-@pytest.fixture(autouse=True)
-def _backend(request):
-    if request.node.get_closest_marker("cuda"):
-        if not torch.cuda.is_available() or interpreting():
-            pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
-    elif not interpreting():
-        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.usefixtures("kernel_backend")   # conftest.py: interpreter or GPU
 
 
 def layer(k, n, act, dtype, device="cpu", **config):
