@@ -135,21 +135,40 @@ def cell(batch, h, deadline):
     return rows
 
 
-def main():
+def kernel_row(cell_name, name, launch, fn, x, y64) -> tuple:
+    """One probe row (cell, variant, regs, spills, us, err) for a kernel variant: launch() compiles
+    and runs it once and returns the compiled kernel; fn(x) is what the CUDA graph captures. A
+    failure is recorded in the row (a probe goes on with the next variant)."""
+    try:
+        ck = launch()
+        replay, y = graphed(fn, x)
+        return (cell_name, name, getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?"), per_call_us(replay),
+                max_rel_err(y, y64))
+    except Exception as e:  # noqa: BLE001 -- a probe: record and go on
+        return (cell_name, name, "", "", float("nan"), f"{type(e).__name__}: {str(e)[:80]}")
+
+
+def probe_main(title: str, default_cells: str, budget_s: float, run_cell, variant_width: int = 28) -> None:
+    """The command line and table of the kernel probes: --cells BxH,..., --budget-s; run_cell(batch,
+    hidden, deadline) gives rows (cell, variant, regs, spills, us, err)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="1x128,16x128,64x128,256x128,1x256,16x256,64x256,1x512,16x512")
-    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--cells", default=default_cells)
+    ap.add_argument("--budget-s", type=float, default=budget_s)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     deadline = time.time() + a.budget_s
-    print(f"fused form probe, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+    print(f"{title}, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{LAYERS} layers fp32 (TF32 off); GPU us of the kernel alone in a CUDA graph")
-    print(f"{'cell':8} {'variant':28} {'regs':>5} {'spills':>7} {'us':>9}  err")
+    print(f"{'cell':8} {'variant':{variant_width}} {'regs':>5} {'spills':>7} {'us':>9}  err")
     for c in a.cells.split(","):
         batch, h = map(int, c.split("x"))
-        for r in cell(batch, h, deadline):
+        for r in run_cell(batch, h, deadline):
             err = f"{r[5]:.1e}" if isinstance(r[5], float) else r[5]
-            print(f"{r[0]:8} {r[1]:28} {r[2]!s:>5} {r[3]!s:>7} {r[4]:9.2f}  {err}", flush=True)
+            print(f"{r[0]:8} {r[1]:{variant_width}} {r[2]!s:>5} {r[3]!s:>7} {r[4]:9.2f}  {err}", flush=True)
+
+
+def main():
+    probe_main("fused form probe", "1x128,16x128,64x128,256x128,1x256,16x256,64x256,1x512,16x512", 240, cell)
 
 
 if __name__ == "__main__":

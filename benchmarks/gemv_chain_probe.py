@@ -15,15 +15,13 @@ layer broadcasts, so no conversion is needed. Variants: warps, prefetch on/off. 
 the kernel alone in a CUDA graph (median of back-to-back replays) next to fxfuse's default
 plan graph.
 """
-import argparse
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.fused_form_probe import default_plan, seed
-from benchmarks.mlp_probe import graphed, max_rel_err, per_call_us
+from benchmarks.fused_form_probe import default_plan, kernel_row, probe_main, seed
 
 LAYERS = 8
 
@@ -72,31 +70,15 @@ def run_cell(batch, h, deadline):
             def fn(xx, warps=warps, prefetch=prefetch, out=out):
                 gemv_chain[(batch,)](xx, w, b, out, L=LAYERS, H=h, PREFETCH=prefetch, num_warps=warps)
                 return out
-            try:
-                ck = gemv_chain[(batch,)](x, w, b, out, L=LAYERS, H=h, PREFETCH=prefetch, num_warps=warps)
-                replay, y = graphed(fn, x)
-                rows.append((f"{batch}x{h}", name, getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?"),
-                             per_call_us(replay), max_rel_err(y, y64)))
-            except Exception as e:  # noqa: BLE001 -- a probe: record and go on
-                rows.append((f"{batch}x{h}", name, "", "", float("nan"), f"{type(e).__name__}: {str(e)[:80]}"))
+            rows.append(kernel_row(
+                f"{batch}x{h}", name, fn=fn, x=x, y64=y64,
+                launch=lambda warps=warps, prefetch=prefetch, out=out: gemv_chain[(batch,)](
+                    x, w, b, out, L=LAYERS, H=h, PREFETCH=prefetch, num_warps=warps)))
     return rows
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="1x128,16x128,64x128,256x128,1x64,64x64,1x256,16x256")
-    ap.add_argument("--budget-s", type=float, default=200)
-    a = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    deadline = time.time() + a.budget_s
-    print(f"gemv chain probe, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{LAYERS} layers fp32 (TF32 off); GPU us of the kernel alone in a CUDA graph")
-    print(f"{'cell':8} {'variant':30} {'regs':>5} {'spills':>7} {'us':>9}  err")
-    for c in a.cells.split(","):
-        batch, h = map(int, c.split("x"))
-        for r in run_cell(batch, h, deadline):
-            err = f"{r[5]:.1e}" if isinstance(r[5], float) else r[5]
-            print(f"{r[0]:8} {r[1]:30} {r[2]!s:>5} {r[3]!s:>7} {r[4]:9.2f}  {err}", flush=True)
+    probe_main("gemv chain probe", "1x128,16x128,64x128,256x128,1x64,64x64,1x256,16x256", 200, run_cell, 30)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ program takes BM rows through every layer with the layer loop NOT unrolled (smal
 GPU time of the kernel alone in a CUDA graph (median of back-to-back replays) next to fxfuse's
 default plan graph; max relative error against float64.
 """
-import argparse
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.fused_form_probe import default_plan
-from benchmarks.mlp_probe import graphed, max_rel_err, per_call_us
+from benchmarks.fused_form_probe import default_plan, kernel_row, probe_main
 
 LAYERS = 8
 
@@ -86,31 +84,15 @@ def run_cell(batch, h, deadline):
         def fn(xx, kernel=kernel, meta=meta, warps=warps, out=out, grid=grid):
             kernel[grid](xx, wt, b, out, batch, L=LAYERS, W=h, num_warps=warps, **meta)
             return out
-        try:
-            ck = kernel[grid](x, wt, b, out, batch, L=LAYERS, W=h, num_warps=warps, **meta)
-            replay, y = graphed(fn, x)
-            rows.append((f"{batch}x{h}", name, getattr(ck, "n_regs", "?"), getattr(ck, "n_spills", "?"),
-                         per_call_us(replay), max_rel_err(y, y64)))
-        except Exception as e:  # noqa: BLE001 -- a probe: record and go on
-            rows.append((f"{batch}x{h}", name, "", "", float("nan"), f"{type(e).__name__}: {str(e)[:80]}"))
+        rows.append(kernel_row(
+            f"{batch}x{h}", name, fn=fn, x=x, y64=y64,
+            launch=lambda kernel=kernel, meta=meta, warps=warps, out=out, grid=grid: kernel[grid](
+                x, wt, b, out, batch, L=LAYERS, W=h, num_warps=warps, **meta)))
     return rows
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="1024x128,4096x128,1024x256,4096x256")
-    ap.add_argument("--budget-s", type=float, default=200)
-    a = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    deadline = time.time() + a.budget_s
-    print(f"narrow MLP probe, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{LAYERS} layers fp32 (TF32 off); GPU us of the kernel alone in a CUDA graph")
-    print(f"{'cell':9} {'variant':30} {'regs':>5} {'spills':>7} {'us':>9}  err")
-    for c in a.cells.split(","):
-        batch, h = map(int, c.split("x"))
-        for r in run_cell(batch, h, deadline):
-            err = f"{r[5]:.1e}" if isinstance(r[5], float) else r[5]
-            print(f"{r[0]:9} {r[1]:30} {r[2]!s:>5} {r[3]!s:>7} {r[4]:9.2f}  {err}", flush=True)
+    probe_main("narrow MLP probe", "1024x128,4096x128,1024x256,4096x256", 200, run_cell, 30)
 
 
 if __name__ == "__main__":
