@@ -86,8 +86,10 @@ class Layout:
         self.vector_numel = max(at, 1)
 
 
-def kernel_name(spec: MLPSpec, config: KernelConfig) -> str:
-    digest = hashlib.sha256(repr((spec, config)).encode()).hexdigest()[:10]
+def kernel_name(spec: MLPSpec, config: KernelConfig, numels: tuple = ()) -> str:
+    """Named by everything the source depends on: the spec, the config and the constant vectors'
+    sizes (a [w] vector and a scalar one load differently)."""
+    digest = hashlib.sha256(repr((spec, config, tuple(numels))).encode()).hexdigest()[:10]
     form = "rows" if config.rowwise else "loop" if config.looped else "dot"
     return f"fxmlp_{len(spec.linears)}x{max(spec.widths)}_{form}_{digest}"
 
@@ -100,7 +102,7 @@ def generate_mlp(spec: MLPSpec, numels: tuple, config: KernelConfig) -> tuple:
     row-wise form runs one program per row (grid M); values are 1-D tiles there, [BLOCK_M, T]
     tiles in the tl.dot form.
     """
-    name = kernel_name(spec, config)
+    name = kernel_name(spec, config, numels)
     mt = config.max_tile
     layout = Layout(spec, numels, mt, config.rowwise)
     buf = IndentedBuffer()

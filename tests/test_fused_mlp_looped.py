@@ -158,3 +158,15 @@ def test_gpu_looped_seed_mlp(batch, width):
         assert mod.launches >= 1 and mod.fallbacks == 0
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_kernels_differing_only_in_a_vector_size_have_different_names():
+    """A per-layer scale of shape [w] and one of shape [] give different sources: different names."""
+    spec = MLPSpec((100,) * 7, tuple(st for k in range(3) for st in (
+        Linear(2 * k + 1, 2 * k, k), Pointwise(2 * k + 2, "mul", (("value", 2 * k + 1), ("vector", k))))), 6, F32)
+    config = KernelConfig(block_m=16, num_warps=8, max_tile=128, looped=True)
+    weights = [torch.randn(100, 100) for _ in range(3)]
+    ref = torch.fx.symbolic_trace(nn.Identity())
+    vector = FusedMLP(spec, weights, [torch.randn(100) for _ in range(3)], ref, (), config=config)
+    scalar = FusedMLP(spec, weights, [torch.tensor(2.0) for _ in range(3)], ref, (), config=config)
+    assert vector.source != scalar.source and vector.kernel_name != scalar.kernel_name
