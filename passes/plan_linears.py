@@ -33,7 +33,11 @@ from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 # 1024, Strassen 1 level measured 207 us against 125 us classical (the model said 113); batch 64,
 # hidden 8192: 2075 (1 level) and 4373 us (2 levels) against 1655 (strassen_probe_20261125-1910.txt).
 # At 256 rows 2 levels won: hidden 2048 391 vs 442 us, 4096 1388 vs 1434, 8192 5317 vs 5496.
+# Where the calibration has no Strassen kernels for the dtype (fp16/bf16 on the H100, any GPU
+# without a calibration) the model extrapolates them, and Strassen keeps the older, measured-safe
+# 1024 rows (bf16 at 256 x 2048 it would choose 1 level on extrapolated kernels alone).
 STRASSEN_MIN_ROWS = 256
+STRASSEN_MIN_ROWS_UNMEASURED = 1024
 STRASSEN_MIN_WIDTH = 2048
 LINEAR_TARGETS = (F.linear, torch.ops.aten.linear.default)
 MLP_MAX_WIDTH = 1024       # the fused MLP kernel's limit (mlp_spec.why_not_kernel refuses wider)
@@ -118,8 +122,9 @@ def _legal(layer: LinearLayer, options, model) -> dict:
             legal[name] = "strassen='off' (the default: Strassen changes rounding; opt in with 'auto')"
         elif levels > options.strassen_levels:
             legal[name] = f"strassen_levels={options.strassen_levels}"
-        elif layer.m < STRASSEN_MIN_ROWS or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
-            legal[name] = (f"{layer.m} rows x {min(layer.k, layer.n)} features is below {STRASSEN_MIN_ROWS} x "
+        elif layer.m < (rows := STRASSEN_MIN_ROWS if model.measured(f"{name}_fused", layer.dtype)
+                        else STRASSEN_MIN_ROWS_UNMEASURED) or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
+            legal[name] = (f"{layer.m} rows x {min(layer.k, layer.n)} features is below {rows} x "
                            f"{STRASSEN_MIN_WIDTH}, where Strassen's kernels were timed (smaller: measured slower)")
         else:
             legal[name] = None

@@ -364,6 +364,21 @@ def test_merge_calibration_refuses_a_row_with_no_measurement(tmp_path, capsys):
 H100_FILE = CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json"
 
 
+def test_strassen_below_1024_rows_only_where_its_kernels_were_calibrated():
+    """fp16/bf16 have no Strassen kernel tables on the H100: 256 rows stays below their threshold."""
+    from fxfuse.options import Options
+    from passes.plan_linears import STRASSEN_MIN_ROWS_UNMEASURED, _legal
+    model = CostModel.load(H100_FILE)
+    options = Options(strassen="auto", strassen_levels=2)
+    assert _legal(LinearLayer(256, 2048, 2048, F32), options, model)["strassen2"] is None
+    for dtype in (torch.float16, torch.bfloat16):
+        for rows, legal in ((256, False), (STRASSEN_MIN_ROWS_UNMEASURED, True)):
+            reason = _legal(LinearLayer(rows, 2048, 2048, dtype), options, model)["strassen1"]
+            assert (reason is None) == legal, (dtype, rows, reason)
+    roofline = CostModel.roofline()
+    assert "below 1024 x" in _legal(LinearLayer(256, 2048, 2048, F32), options, roofline)["strassen2"]
+
+
 @pytest.mark.parametrize("m, h, want", [
     (256, 2048, "strassen2"),    # measured 387 us against 440 classical (mlp_20261125-190911)
     (256, 8192, "strassen2"),    # 5145 against 5542
