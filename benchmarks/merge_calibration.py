@@ -19,8 +19,8 @@ from fxfuse.calibration import validate_calibration
 
 def merge_rows(old: dict, new: dict, axis: str = "m") -> dict:
     """old's table entry with new's rows (by the first axis) put in. new may cover only some of
-    the other axis's points (a re-measured width): its row keeps the old values elsewhere (None
-    for a new row); a point old does not have is an error."""
+    the other axis's points (a re-measured width), or skip some (null): the row keeps the old
+    values there (None for a new row); a point old does not have is an error."""
     other = next(k for k in old if k not in (axis, "us"))
     missing = [v for v in new[other] if v not in old[other]]
     if missing:
@@ -29,7 +29,8 @@ def merge_rows(old: dict, new: dict, axis: str = "m") -> dict:
     for key, values in zip(new[axis], new["us"]):
         row = list(rows.get(key, [None] * len(old[other])))
         for point, value in zip(new[other], values):
-            row[old[other].index(point)] = value
+            if value is not None:     # a point the new run skipped keeps what was measured before
+                row[old[other].index(point)] = value
         rows[key] = row
     keys = sorted(rows)
     extra = {k: v for k, v in old.items() if k not in (axis, other, "us")}   # e.g. the fused MLP's "layers"

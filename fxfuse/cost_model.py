@@ -88,6 +88,7 @@ class LinearLayer:
     epilogue_ops: int = 1                   # pointwise ops after the GEMM (bias add counts)
     output_read_elsewhere: bool = False     # y is read by something besides the next layer
     bias: bool = True                       # one of the epilogue ops is a bias add
+    epilogue: tuple = ()                    # what those ops compute (passes/plan_linears._epilogue_key)
 
     @property
     def elt(self) -> int:
@@ -311,6 +312,14 @@ class CostModel:
         dt = DTYPE_NAMES.get(dtype, dtype)
         per_dtype = self.tables.get(table, {})
         return dt in per_dtype or SIBLING_DTYPE.get(dt) in per_dtype
+
+    def smallest_measured(self, table: str, dtype) -> float | None:
+        """The smallest first-axis value (rows) with a measurement in `table` for this dtype (or
+        its sibling), or None: where a candidate's own kernels were timed, not extrapolated."""
+        dt = DTYPE_NAMES.get(dtype, dtype)
+        per_dtype = self.tables.get(table, {})
+        found = [t for t in (per_dtype.get(dt), per_dtype.get(SIBLING_DTYPE.get(dt))) if t is not None and t.log_eff]
+        return min((math.exp(t.axes[0][idx[0]]) for t in found for idx in t.log_eff), default=None)
 
     def _lookup(self, table: str, dtype_name: str, coords) -> tuple | None:
         per_dtype = self.tables.get(table, {})

@@ -153,11 +153,10 @@ def _emit_looped(buf, spec, numels, layout, config):
         raise ValueError("the looped form needs identical layers of one tile each")
     prefix, period = found
     layers, width = len(spec.linears), spec.widths[0]
-    first_vector = next((ref for st in spec.steps[prefix:prefix + period] if isinstance(st, Pointwise)
-                         for kind, ref in st.operands if kind == "vector"), None)
-    stride = 0
-    if first_vector is not None:
-        stride = layout.vector_offset[first_vector + (len(numels) - first_vector) // layers] - layout.vector_offset[first_vector]
+    prefix_vectors = len({ref for st in spec.steps[:prefix] for kind, ref in st.operands if kind == "vector"})
+    per_layer = (len(numels) - prefix_vectors) // layers     # layer g's vectors: prefix_vectors + g * per_layer + j
+    stride = (layout.vector_offset[prefix_vectors + per_layer] - layout.vector_offset[prefix_vectors]
+              if per_layer else 0)
     _emit_input(buf, spec, config)
     loaded = set()
     for step in spec.steps[:prefix]:

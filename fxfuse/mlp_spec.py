@@ -116,8 +116,10 @@ def layer_period(spec: MLPSpec, numels: tuple) -> tuple | None:
                 if not vbase <= ref < vbase + per_layer_vectors or numels[ref] != numels[ref - vbase + prefix_vectors]:
                     return None
                 ref -= vbase
+            elif kind == "number":
+                ref = repr(ref)        # by spelling: 0.0 and -0.0 (or 1 and True) are different literals
             operands.append((kind, ref))
-        return Pointwise(step.out - base, step.op, tuple(operands), step.params)
+        return Pointwise(step.out - base, step.op, tuple(operands), tuple((k, repr(v)) for k, v in step.params))
 
     first = tuple(shifted(st, 0) for st in spec.steps[prefix:prefix + period])
     if None in first or any(isinstance(st, Linear) for st in first[1:]):
@@ -200,7 +202,9 @@ def why_slow(spec: MLPSpec, config: KernelConfig) -> str | None:
 
 
 def fma_per_thread(spec: MLPSpec, config: KernelConfig) -> int:
-    return config.block_m * sum(k * n for k, n, _ in _padded_kn(spec, config.max_tile)) // (32 * config.num_warps)
+    """Unrolled FMAs per thread: the code size of the FMA forms (the looped form unrolls one layer)."""
+    kn = _padded_kn(spec, config.max_tile)[:1 if config.looped else None]
+    return config.block_m * sum(k * n for k, n, _ in kn) // (32 * config.num_warps)
 
 
 def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str | None:
@@ -223,7 +227,7 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
     if fma_form and fma_per_thread(spec, config) > MAX_FMA_PER_THREAD:
         return (f"{fma_per_thread(spec, config)} unrolled FMAs per thread > {MAX_FMA_PER_THREAD} "
                 "(code size; fewer or narrower layers fit)")
-    dots = sum(d for _, _, d in _padded_kn(spec, config.max_tile))
+    dots = sum(d for _, _, d in _padded_kn(spec, config.max_tile)[:1 if config.looped else None])
     if dots > MAX_DOTS:
         return f"{dots} unrolled tile products > {MAX_DOTS}"
     return None

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from fxfuse.chain_plan import plan_chain
 from fxfuse.cost_model import CostModel, LinearLayer
-from fxfuse.mlp_spec import MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
+from fxfuse.mlp_spec import FMA_ONE_TILE, MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
@@ -98,7 +98,8 @@ def _describe(node, epilogue_ops: int, read_elsewhere: bool) -> LinearLayer:
     n, k = w.shape
     m = _tmeta(node.args[0]).shape.numel() // max(k, 1)
     return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
-                       output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node))
+                       output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node),
+                       epilogue=_epilogue_key(node, epilogue_ops))
 
 
 def unmeasured(table: str) -> str:
@@ -122,13 +123,50 @@ def _legal(layer: LinearLayer, options, model) -> dict:
             legal[name] = "strassen='off' (the default: Strassen changes rounding; opt in with 'auto')"
         elif levels > options.strassen_levels:
             legal[name] = f"strassen_levels={options.strassen_levels}"
-        elif layer.m < (rows := STRASSEN_MIN_ROWS if model.measured(f"{name}_fused", layer.dtype)
+        elif layer.m < (rows := STRASSEN_MIN_ROWS if _strassen_kernels_timed_from(model, name, layer.dtype, STRASSEN_MIN_ROWS)
                         else STRASSEN_MIN_ROWS_UNMEASURED) or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
             legal[name] = (f"{layer.m} rows x {min(layer.k, layer.n)} features is below {rows} x "
                            f"{STRASSEN_MIN_WIDTH}, where Strassen's kernels were timed (smaller: measured slower)")
         else:
             legal[name] = None
     return legal
+
+
+def _strassen_kernels_timed_from(model, name: str, dtype, rows: int) -> bool:
+    """Whether all three of the candidate's kernels were calibrated at `rows` rows or fewer."""
+    smallest = [model.smallest_measured(f"{name}_{part}", dtype) for part in ("prefix", "fused", "suffix")]
+    return all(s is not None and s <= rows * 1.001 for s in smallest)
+
+
+def _epilogue_key(node, ops: int) -> tuple:
+    """What the `ops` pointwise ops after a Linear compute (targets and constant arguments), so
+    the plan can tell identical layers from layers that only have as many ops."""
+    key, x = [], node
+    for _ in range(ops):
+        if len(x.users) != 1:
+            break
+        x = next(iter(x.users))
+        consts = tuple("node" if isinstance(a, torch.fx.Node) else repr(a) for a in x.args)
+        kwargs = tuple(sorted((k, "node" if isinstance(v, torch.fx.Node) else repr(v)) for k, v in x.kwargs.items()))
+        key.append((getattr(x.target, "__name__", str(x.target)), consts, kwargs))
+    return tuple(key)
+
+
+def _mlp_legal(run: list, options, model) -> str | None:
+    """None if layers `run` may be planned as one fused MLP kernel, else why not."""
+    if options.fused_mlp == "off" or not options.fuse:
+        return "fused_mlp='off'"
+    if not model.measured("mlp", run[0].dtype):
+        return unmeasured("mlp")
+    widest = max(max(l.k, l.n) for l in run)
+    if widest > MLP_MAX_WIDTH:
+        return f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
+    fma = run[0].dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    if fma and run[0].m > MLP_ROWWISE_MAX_BATCH and widest > MLP_MAX_TILE and (
+            widest > FMA_ONE_TILE or len(run) < 2 or len({(l.k, l.n, l.epilogue, l.bias) for l in run}) > 1):
+        return (f"fp32 IEEE past the row-wise batches: only a run of identical layers up to {FMA_ONE_TILE} "
+                "wide is fused, as a loop (mlp_spec.why_slow)")
+    return None
 
 
 def _chains(gm) -> list:
@@ -179,20 +217,7 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
         legal = [_legal(layer, options, model) for layer in layers]
 
         def mlp_legal(i, j, layers=layers):
-            if options.fused_mlp == "off" or not options.fuse:
-                return "fused_mlp='off'"
-            if not model.measured("mlp", layers[i].dtype):
-                return unmeasured("mlp")
-            run = layers[i:j + 1]
-            widest = max(max(l.k, l.n) for l in run)
-            if widest > MLP_MAX_WIDTH:
-                return f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
-            fma = run[0].dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-            if fma and run[0].m > MLP_ROWWISE_MAX_BATCH and widest > MLP_MAX_TILE and (len(run) < 2 or len(
-                    {(l.k, l.n, l.epilogue_ops, l.bias) for l in run}) > 1):
-                return ("fp32 IEEE past the row-wise batches: only a run of identical layers is fused, as a loop "
-                        "(mlp_spec.why_slow)")
-            return None
+            return _mlp_legal(layers[i:j + 1], options, model)
 
         plans = plan_chain(model, layers, legal, mlp_legal)
         for (node, _), layer, plan in zip(chain, layers, plans):

@@ -338,6 +338,8 @@ def test_merge_calibration_rows():
     assert merged == {"m": [1, 16, 32, 64], "h": [128, 256], "us": [[1, 2], [3, 4], [7, 8], [9, 10]]}
     partial = merge_rows(old, {"m": [16, 32], "h": [256], "us": [[11], [12]]})
     assert partial["us"] == [[1, 2], [3, 11], [None, 12], [5, 6]]
+    skipped = merge_rows(old, {"m": [16], "h": [128, 256], "us": [[None, 13]]})   # a cell the new run skipped
+    assert skipped["us"][1] == [3, 13]
     with pytest.raises(ValueError, match="axes differ"):
         merge_rows(old, {"m": [32], "h": [512], "us": [[7]]})
     mlp = {"m": [1, 16], "width": [64], "us": [[1], [2]], "layers": 8}   # keys beside the axes stay
@@ -377,6 +379,43 @@ def test_strassen_below_1024_rows_only_where_its_kernels_were_calibrated():
             assert (reason is None) == legal, (dtype, rows, reason)
     roofline = CostModel.roofline()
     assert "below 1024 x" in _legal(LinearLayer(256, 2048, 2048, F32), options, roofline)["strassen2"]
+
+
+def test_strassen_from_256_rows_needs_its_kernels_timed_there():
+    """A calibration whose Strassen kernels start at 1024 rows (an older file, autotune --quick)
+    keeps the 1024-row threshold: 256 rows would be extrapolation labelled as calibration."""
+    from fxfuse.options import Options
+    from passes.plan_linears import _legal
+    data = json.loads(H100_FILE.read_text())
+    for name in [t for t in data["tables"] if t.startswith("strassen")]:
+        entry = data["tables"][name]["float32"]
+        keep = [i for i, m in enumerate(entry["m"]) if m >= 1024]
+        entry["m"], entry["us"] = [entry["m"][i] for i in keep], [entry["us"][i] for i in keep]
+    older = CostModel.from_dict(data)
+    options = Options(strassen="auto", strassen_levels=2)
+    assert "below 1024 x" in _legal(LinearLayer(256, 2048, 2048, F32), options, older)["strassen2"]
+    assert _legal(LinearLayer(1024, 2048, 2048, F32), options, older)["strassen2"] is None
+
+
+def test_plan_fuses_only_identical_narrow_layers_in_the_fp32_loop_regime():
+    """fp32 past 512 rows: an mlp run must be >= 2 layers computing the same epilogue, <= 128 wide."""
+    from fxfuse.options import Options
+    from passes.plan_linears import _mlp_legal
+    model, options = CostModel.load(H100_FILE), Options()
+    relu = (("add", ("node", "node"), ()), ("relu", ("node",), ()))
+    sigmoid = (("add", ("node", "node"), ()), ("sigmoid", ("node",), ()))
+
+    def plan(width, epilogues, rows=1100):
+        layers = [LinearLayer(rows, width, width, F32, epilogue_ops=2, epilogue=e) for e in epilogues]
+        legal = [{"library": None} for _ in layers]
+        return [p.choice for p in plan_chain(model, layers, legal,
+                                             lambda i, j: _mlp_legal(layers[i:j + 1], options, model))]
+    assert plan(128, [relu] * 6) == ["mlp"] * 6
+    assert "mlp" not in plan(128, [relu, sigmoid] * 3)
+    assert "mlp" not in plan(256, [relu] * 6)
+    single = [LinearLayer(1100, 128, 128, F32, epilogue=relu)]
+    assert "identical layers" in _mlp_legal(single, options, model)
+    assert _mlp_legal([LinearLayer(64, 128, 128, F32, epilogue=e) for e in (relu, sigmoid)], options, model) is None
 
 
 @pytest.mark.parametrize("m, h, want", [

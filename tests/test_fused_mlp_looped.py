@@ -170,3 +170,30 @@ def test_kernels_differing_only_in_a_vector_size_have_different_names():
     vector = FusedMLP(spec, weights, [torch.randn(100) for _ in range(3)], ref, (), config=config)
     scalar = FusedMLP(spec, weights, [torch.tensor(2.0) for _ in range(3)], ref, (), config=config)
     assert vector.source != scalar.source and vector.kernel_name != scalar.kernel_name
+
+
+def test_review_findings_stay_fixed():
+    """Signed zeros are different literals; a layer whose vectors are read out of index order
+    strides by the layer's first vector; a deep chain keeps the looped form (one layer's code)."""
+    div = lambda zero: chain_spec(100, 2).steps[:1] + (Pointwise(2, "div", (("value", 1), ("number", zero))),)  # noqa: E731
+    signed = MLPSpec((100,) * 5, div(0.0) + (Pointwise(3, "sigmoid", (("value", 2),)),
+                                            Linear(4, 3, 1), Pointwise(5, "div", (("value", 4), ("number", -0.0))),
+                                            Pointwise(6, "sigmoid", (("value", 5),))), 6, F32)
+    signed = MLPSpec((100,) * 7, signed.steps, 6, F32)
+    assert layer_period(signed, ()) is None
+    steps = []
+    for g in range(3):   # Linear, * vector 2g+1, + vector 2g
+        v = 3 * g
+        steps += [Linear(v + 1, v, g), Pointwise(v + 2, "mul", (("value", v + 1), ("vector", 2 * g + 1))),
+                  Pointwise(v + 3, "add", (("value", v + 2), ("vector", 2 * g)))]
+    spec = MLPSpec((72,) * 10, tuple(steps), 9, F32)
+    torch.manual_seed(0)
+    weights, vectors = [torch.randn(72, 72) / 9 for _ in range(3)], [torch.randn(72) for _ in range(6)]
+    ref = torch.fx.symbolic_trace(nn.Identity())
+    looped = FusedMLP(spec, weights, vectors, ref, (), config=KernelConfig(block_m=16, num_warps=8, max_tile=128,
+                                                                          looped=True))
+    unrolled = FusedMLP(spec, weights, vectors, ref, (), config=KernelConfig(block_m=16))
+    x = torch.randn(20, 72)
+    torch.testing.assert_close(looped(x), unrolled(x), rtol=1e-5, atol=1e-5)
+    deep = chain_spec(128, 70)
+    assert choose_config(deep, 4096, numels=(128,) * 70).looped
