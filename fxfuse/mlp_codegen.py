@@ -40,7 +40,7 @@ import torch
 
 from .codegen import HEADER, IndentedBuffer
 from .mlp_spec import (MAX_TILE, PREFETCH_ELEMENTS, KernelConfig, Linear, MLPSpec, Pointwise, _padded_kn,
-                       layer_period, tile_of)
+                       layer_period, tile_of, vectors_before)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 
 
@@ -153,7 +153,7 @@ def _emit_looped(buf, spec, numels, layout, config):
         raise ValueError("the looped form needs identical layers of one tile each")
     prefix, period = found
     layers, width = len(spec.linears), spec.widths[0]
-    prefix_vectors = len({ref for st in spec.steps[:prefix] for kind, ref in st.operands if kind == "vector"})
+    prefix_vectors = vectors_before(spec, prefix)
     per_layer = (len(numels) - prefix_vectors) // layers     # layer g's vectors: prefix_vectors + g * per_layer + j
     stride = (layout.vector_offset[prefix_vectors + per_layer] - layout.vector_offset[prefix_vectors]
               if per_layer else 0)

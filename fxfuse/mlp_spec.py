@@ -96,7 +96,7 @@ def layer_period(spec: MLPSpec, numels: tuple) -> tuple | None:
     if layers < 2 or body % layers or len(set(spec.widths)) != 1 or spec.output != len(spec.steps):
         return None
     period = body // layers
-    prefix_vectors = len({ref for st in spec.steps[:prefix] for kind, ref in st.operands if kind == "vector"})
+    prefix_vectors = vectors_before(spec, prefix)
     per_layer_vectors, remainder = divmod(len(numels) - prefix_vectors, layers)
     if remainder:
         return None
@@ -128,6 +128,12 @@ def layer_period(spec: MLPSpec, numels: tuple) -> tuple | None:
         if tuple(shifted(st, g) for st in spec.steps[prefix + g * period:prefix + (g + 1) * period]) != first:
             return None
     return prefix, period
+
+
+def vectors_before(spec: MLPSpec, step: int) -> int:
+    """How many constant vectors the steps before `step` read: _lower numbers vectors in the
+    order the steps use them, so layer_period's layers read theirs from this index on."""
+    return len({ref for st in spec.steps[:step] for kind, ref in st.operands if kind == "vector"})
 
 
 def _padded_kn(spec: MLPSpec, max_tile: int) -> list:

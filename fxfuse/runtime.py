@@ -45,8 +45,7 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
-from .specialization import (Specialization, UnsupportedInput, describe_mismatch, not_plain_tensor,  # noqa: F401
-                             signature)  # (signature re-exported)
+from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
 
 _FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
@@ -372,12 +371,8 @@ class OptimizedModule(torch.nn.Module):
                                       "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
         try:
             sig = signature(args)
-        except UnsupportedInput as e:   # sparse, a tensor subclass: the kernels take plain strided tensors
+        except UnsupportedInput as e:   # sparse, nested, a tensor subclass: no kernel was built for it
             return self._run_original("layout", f"{e}; fxfuse's kernels take plain strided tensors", args)
-        except RuntimeError as e:   # a tensor without strides (a nested tensor): no kernel was built for it
-            why = next((f"input {k} {w}" for k, a in enumerate(args)
-                        if isinstance(a, torch.Tensor) and (w := not_plain_tensor(a))), f"an input has no strides ({e})")
-            return self._run_original("layout", f"{why}; fxfuse's kernels take plain strided tensors", args)
         # threads: one call or build at a time. While one thread traces, torch.fx patches
         # nn.Module.__call__ process-wide, and a graph's module calls in another thread would be
         # recorded into that trace; a CUDA graph's input binding and replay are one step; and

@@ -17,15 +17,22 @@ def signature(args) -> tuple:
     one-tensor call takes a short way (0.4 us less host time per call; torch.Size hashes and
     compares as the tuple of its sizes, so no conversion is needed). UnsupportedInput for a
     tensor the kernels cannot take in place of a plain one (not_plain_tensor)."""
-    if len(args) == 1 and type(args[0]) is torch.Tensor and args[0].layout is torch.strided:
-        a = args[0]
-        return ((a.shape, a.dtype, a.device, a.stride(), a.requires_grad),)
-    for k, a in enumerate(args):   # a plain tensor costs two checks here (a nested one fails at stride())
-        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.layout is not torch.strided) \
-                and (why := not_plain_tensor(a)):
-            raise UnsupportedInput(f"input {k} {why}")
-    return tuple([(a.shape, a.dtype, a.device, a.stride(), a.requires_grad) if isinstance(a, torch.Tensor)
-                  else ("const", type(a).__name__, repr(a)) for a in args])
+    try:
+        if len(args) == 1 and type(args[0]) is torch.Tensor and args[0].layout is torch.strided:
+            a = args[0]
+            return ((a.shape, a.dtype, a.device, a.stride(), a.requires_grad),)
+        for k, a in enumerate(args):   # a plain tensor costs two checks here (a nested one fails at stride())
+            if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.layout is not torch.strided) \
+                    and (why := not_plain_tensor(a)):
+                raise UnsupportedInput(f"input {k} {why}")
+        return tuple([(a.shape, a.dtype, a.device, a.stride(), a.requires_grad) if isinstance(a, torch.Tensor)
+                      else ("const", type(a).__name__, repr(a)) for a in args])
+    except UnsupportedInput:
+        raise
+    except RuntimeError as e:      # a tensor without strides (a nested tensor): say which and why
+        why = next((f"input {k} {w}" for k, a in enumerate(args)
+                    if isinstance(a, torch.Tensor) and (w := not_plain_tensor(a))), f"an input has no strides ({e})")
+        raise UnsupportedInput(why) from e
 
 
 class UnsupportedInput(UnsupportedError, RuntimeError):

@@ -307,8 +307,8 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             config = choose_config(spec, region.batch, allow_tf32, numels=tuple(v.numel() for v in vectors))
             problem = why_not_kernel(spec, config)
             ok, reason = (False, problem) if problem else _auto_choice(region, spec)
-            if ok and why_slow(spec, config):
-                ok, reason = False, why_slow(spec, config)
+            if ok and (slow := why_slow(spec, config)):
+                ok, reason = False, slow
             if mode == "force" and not problem:
                 ok, reason = True, f"forced by fused_mlp='force'; auto: {'yes' if ok else 'no'}, {reason}"
             if ok:

@@ -119,13 +119,14 @@ def _legal(layer: LinearLayer, options, model) -> dict:
                      else None if model.measured("gemm_epilogue", layer.dtype) else unmeasured("gemm_epilogue"))
     for levels in (1, 2):
         name = f"strassen{levels}"
+        min_rows = (STRASSEN_MIN_ROWS if _strassen_kernels_timed_from(model, name, layer.dtype, STRASSEN_MIN_ROWS)
+                    else STRASSEN_MIN_ROWS_UNMEASURED)
         if options.strassen == "off":
             legal[name] = "strassen='off' (the default: Strassen changes rounding; opt in with 'auto')"
         elif levels > options.strassen_levels:
             legal[name] = f"strassen_levels={options.strassen_levels}"
-        elif layer.m < (rows := STRASSEN_MIN_ROWS if _strassen_kernels_timed_from(model, name, layer.dtype, STRASSEN_MIN_ROWS)
-                        else STRASSEN_MIN_ROWS_UNMEASURED) or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
-            legal[name] = (f"{layer.m} rows x {min(layer.k, layer.n)} features is below {rows} x "
+        elif layer.m < min_rows or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
+            legal[name] = (f"{layer.m} rows x {min(layer.k, layer.n)} features is below {min_rows} x "
                            f"{STRASSEN_MIN_WIDTH}, where Strassen's kernels were timed (smaller: measured slower)")
         else:
             legal[name] = None
