@@ -6,6 +6,7 @@ The grid spans the three regimes: launch-bound (small batch and width), cuBLAS f
 
     python -m benchmarks.mlp --layers 8 --hidden 1024 --batch 64
     python -m benchmarks.mlp --quick --tools eager,compile --out /tmp/benchout
+    python -m benchmarks.mlp --residual --layers 8 --hidden 128 --batch 1024   # h = h + relu(lin(h))
 
 Per cell: FLOPs = 2 * batch * h * h * layers (counted by FlopCounterMode, which gives exactly
 this for addmm); minimum bytes = weights and biases read once + input + output. Activations
@@ -15,6 +16,7 @@ stays a true lower bound.
 Layers are distinct modules (`[Linear, ReLU] * layers` would repeat one Linear), in eval()
 mode under no_grad, fp32 with TF32 off unless --dtype says otherwise.
 """
+import torch
 import torch.nn as nn
 
 from . import common
@@ -35,6 +37,20 @@ def seed_mlp(layers, hidden):
     return nn.Sequential(*mods)
 
 
+class ResidualMLP(nn.Module):
+    """`layers` x (h = h + relu(Linear(h))): the seed network with a ResMLP skip per layer
+    (--residual), which reads each layer's input twice."""
+
+    def __init__(self, layers, hidden):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return h
+
+
 def estimated_bytes(layers, hidden, batch):
     """GPU bytes a cell may need at its peak, to skip cells that cannot fit.
 
@@ -51,14 +67,16 @@ def estimated_bytes(layers, hidden, batch):
     return need
 
 
-def cases(layers, hidden, batch):
+def cases(layers, hidden, batch, residual=False):
+    make = ResidualMLP if residual else seed_mlp
+    extra = {"residual": True} if residual else {}
     out = []
     for n_layers in layers:
         for h in hidden:
             for b in batch:
                 out.append(common.Case(
-                    params={"layers": n_layers, "hidden": h, "batch": b},
-                    make_model=lambda n_layers=n_layers, h=h: seed_mlp(n_layers, h),
+                    params={"layers": n_layers, "hidden": h, "batch": b, **extra},
+                    make_model=lambda n_layers=n_layers, h=h: make(n_layers, h),
                     input_shape=(b, h),
                     est_bytes=estimated_bytes(n_layers, h, b),
                 ))
@@ -70,10 +88,11 @@ def main(argv=None):
     for key, values in GRID.items():
         parser.add_argument(f"--{key}", type=common.csv_ints,
                             help=f"comma list (default {','.join(map(str, values))})")
+    parser.add_argument("--residual", action="store_true", help="h = h + relu(Linear(h)) per layer (ResMLP)")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else GRID
     chosen = {k: getattr(args, k) or grid[k] for k in GRID}
-    common.run_benchmark("mlp", cases(**chosen), args,
+    common.run_benchmark("mlp_residual" if args.residual else "mlp", cases(**chosen, residual=args.residual), args,
                          heatmap_keys=("batch", "hidden", "layers"))
 
 

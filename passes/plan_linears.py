@@ -11,9 +11,11 @@ Strassen layers in a row share one suffix+prefix kernel and never write the acti
 the model chooses by dynamic programming over the chain, not layer by layer.
 
 A chain is a run of Linears where each one's input is the previous one's output after
-pointwise ops only (bias, activation, scaling), read by nothing else. A residual add, a
-reduction or a second reader ends the chain: the model then sees the layer as writing its
-output (`output_read_elsewhere`).
+pointwise ops only (bias, activation, scaling), read by nothing else, or after a residual add
+of the previous Linear's own input (`h + act(lin(h))`, a ResMLP block: h is then read by the
+Linear and the add, nothing else). A reduction or another reader ends the chain: the model
+then sees the layer as writing its output (`output_read_elsewhere`); a residual link writes
+it as well, except inside a fused MLP, which keeps it on chip.
 """
 import operator
 
@@ -71,17 +73,57 @@ def _single_source(node):
     return operands[0] if len(operands) == 1 else None
 
 
+def _residual_add_of(linear: torch.fx.Node):
+    """The add that closes `h + f(lin(h))` for this Linear (f: single-reader pointwise ops), or None."""
+    h, x = linear.args[0], linear
+    while len(x.users) == 1:
+        user = next(iter(x.users))
+        if _single_source(user) is x:
+            x = user
+            continue
+        parts = _residual_parts(user)
+        return user if parts is not None and parts == (x, h) else None
+    return None
+
+
+def _residual_parts(node):
+    """(branch, skip) of a residual add `skip + branch` (either order; no alpha), else None."""
+    if node.op != "call_function" or node.target not in (operator.add, torch.add) or node.kwargs \
+            or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    a, b = node.args
+    for branch, skip in ((a, b), (b, a)):
+        if branch is not skip and len(branch.users) == 1 and len(skip.users) == 2:
+            return branch, skip
+    return None
+
+
+def _input_readers_ok(linear) -> bool:
+    """A chain may enter `linear` where its input is read by it alone, or by it and its residual add."""
+    h = linear.args[0]
+    if not isinstance(h, torch.fx.Node):
+        return False
+    return set(h.users) in ({linear}, {linear, _residual_add_of(linear)})
+
+
 def previous_linear(node: torch.fx.Node):
-    """(the Linear feeding `node` through single-reader pointwise ops only, ops on the way)."""
-    x, ops = node.args[0], 0
-    while isinstance(x, torch.fx.Node) and len(x.users) == 1:
+    """(the Linear feeding `node` through single-reader pointwise ops, and at most one residual
+    add of that Linear's own input, ops on the way, whether the way had a residual add)."""
+    x, ops, skip, add = node.args[0], 0, None, None
+    if not _input_readers_ok(node):
+        return None, 0, False
+    while isinstance(x, torch.fx.Node) and (len(x.users) == 1 or x is node.args[0]):
         if is_planned_linear(x):
-            return x, ops
+            if add is not None and (x.args[0] is not skip or _residual_add_of(x) is not add):
+                return None, 0, False
+            return x, ops, add is not None
         src = _single_source(x)
+        if src is None and add is None and _residual_parts(x) is not None:
+            (src, skip), add = _residual_parts(x), x
         if src is None:
-            return None, 0
+            return None, 0, False
         x, ops = src, ops + 1
-    return None, 0
+    return None, 0, False
 
 
 def _has_bias(node) -> bool:
@@ -143,12 +185,18 @@ def _epilogue_key(node, ops: int) -> tuple:
     """What the `ops` pointwise ops after a Linear compute (targets and constant arguments), so
     the plan can tell identical layers from layers that only have as many ops."""
     key, x = [], node
+
+    def operand(a, prev):
+        if not isinstance(a, torch.fx.Node):
+            return repr(a)
+        return "value" if a is prev else "constant" if a.op == "get_attr" else "skip"
+
     for _ in range(ops):
         if len(x.users) != 1:
             break
-        x = next(iter(x.users))
-        consts = tuple("node" if isinstance(a, torch.fx.Node) else repr(a) for a in x.args)
-        kwargs = tuple(sorted((k, "node" if isinstance(v, torch.fx.Node) else repr(v)) for k, v in x.kwargs.items()))
+        prev, x = x, next(iter(x.users))
+        consts = tuple(operand(a, prev) for a in x.args)
+        kwargs = tuple(sorted((k, operand(v, prev)) for k, v in x.kwargs.items()))
         key.append((getattr(x.target, "__name__", str(x.target)), consts, kwargs))
     return tuple(key)
 
@@ -171,31 +219,33 @@ def _mlp_legal(run: list, options, model) -> str | None:
 
 
 def _chains(gm) -> list:
-    """Lists of (linear node, epilogue op count) in chain order."""
+    """Lists of (linear node, epilogue op count or None at the chain's end, whether the Linear's
+    output is read besides the next Linear's path) in chain order."""
     nodes = [n for n in gm.graph.nodes if is_planned_linear(n)]
     after = {}
     for node in nodes:
-        prev, ops = previous_linear(node)
+        prev, ops, residual = previous_linear(node)
         if prev is not None and prev not in after:
-            after[prev] = (node, ops)
+            after[prev] = (node, ops, residual or len(node.args[0].users) > 1)
     starts = [n for n in nodes if n not in {v[0] for v in after.values()}]
     chains = []
     for start in starts:
         chain, node = [], start
         while node is not None:
             nxt = after.get(node)
-            chain.append((node, nxt[1] if nxt else None))
+            chain.append((node, nxt[1] if nxt else None, nxt[2] if nxt else True))
             node = nxt[0] if nxt else None
         chains.append(chain)
     return chains
 
 
 def _output_ops(node) -> int:
-    """Pointwise ops after the chain's last Linear that its epilogue would take (bias, act)."""
+    """Pointwise ops after the chain's last Linear that its epilogue would take (bias, act, and
+    the residual add of its own input)."""
     ops, x = 0, node
     while len(x.users) == 1:
         user = next(iter(x.users))
-        if _single_source(user) is not x:
+        if _single_source(user) is not x and user is not _residual_add_of(node):
             break
         ops, x = ops + 1, user
     return ops
@@ -212,16 +262,16 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
     plans_meta = gm.meta.setdefault("fxfuse_plans", [])
     for chain in _chains(gm):
         layers = []
-        for node, ops_after in chain:
+        for node, ops_after, read_elsewhere in chain:
             ops = ops_after if ops_after is not None else _output_ops(node)
-            layers.append(_describe(node, ops, read_elsewhere=ops_after is None))
+            layers.append(_describe(node, ops, read_elsewhere=read_elsewhere))
         legal = [_legal(layer, options, model) for layer in layers]
 
         def mlp_legal(i, j, layers=layers):
             return _mlp_legal(layers[i:j + 1], options, model)
 
         plans = plan_chain(model, layers, legal, mlp_legal)
-        for (node, _), layer, plan in zip(chain, layers, plans):
+        for (node, _, _), layer, plan in zip(chain, layers, plans):
             record = {
                 "node": node.name, "chain": chain[0][0].name,
                 "choice": plan.choice, "segment": plan.segment, "layer": layer,

@@ -1,0 +1,133 @@
+"""Residual MLP chains in the cost model's plan (passes/plan_linears.py).
+
+A ResMLP block `h + act(lin(h))` reads h twice. The plan used to end a chain at every residual
+add, so under "auto" each such layer was planned alone and the fused MLP (which keeps h on
+chip) was never offered. These tests check that a residual link continues the chain, that
+only a true residual of the Linear's own input does, that the plan and the fused-MLP pass agree
+on what they fuse, and that results match eager and float64 on fresh random inputs (CPU tensors
+under the Triton interpreter)."""
+import copy
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fxfuse  # noqa: E402
+import fxfuse.cost_model  # noqa: E402
+from fxfuse.mlp_kernel import FusedMLP  # noqa: E402
+
+H100 = str(fxfuse.cost_model.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
+
+pytestmark = pytest.mark.usefixtures("kernel_backend")   # conftest.py: interpreter or GPU
+
+
+class ResMLP(nn.Module):
+    """layers x (h = h + act(lin(h))), in one of several spellings."""
+
+    def __init__(self, width, layers, spelling="x+f", post=None):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.spelling, self.post = spelling, post
+
+    def forward(self, h):
+        for lin in self.lins:
+            y = torch.relu(lin(h))
+            if self.spelling == "x+f":
+                h = h + y
+            elif self.spelling == "f+x":
+                h = y + h
+            elif self.spelling == "torch.add":
+                h = torch.add(h, y)
+            elif self.spelling == "alpha":
+                h = torch.add(h, y, alpha=0.5)
+            if self.post is not None:
+                h = self.post(h)
+        return h
+
+
+def _build(model, x, **options):
+    opt = fxfuse.optimize(model, x, calibration=H100, strict=True, **options)
+    spec = next(iter(opt.specializations.values()))
+    plans = spec.gm.meta.get("fxfuse_plans", [])
+    mlps = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
+    return opt, plans, mlps
+
+
+def _check(opt, model, x):
+    with torch.no_grad():
+        got, want, ref = opt(x), model(x), copy.deepcopy(model).double()(x.double())
+
+    def err(a):
+        return ((a.double() - ref).norm() / ref.norm()).item()
+    assert err(got) < 1e-5 + 2 * err(want), (err(got), err(want))
+
+
+def test_residual_chain_is_one_looped_kernel_under_auto():
+    """6 x (h + relu(lin(h))) at 1100 rows, width 100 (padded lanes): before, 6 library GEMMs and
+    6 pointwise kernels; now one looped kernel, the plan's chain spanning all six layers."""
+    torch.manual_seed(0)
+    model = ResMLP(100, 6).eval()
+    opt, plans, mlps = _build(model, torch.randn(1100, 100))
+    assert [p["choice"] for p in plans] == ["mlp"] * 6
+    assert len({p["chain"] for p in plans}) == 1
+    (mod,) = mlps
+    assert mod.config.looped and len(mod.spec.linears) == 6
+    assert fxfuse.stats(opt)["kernel_launches"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    _check(opt, model, torch.randn(1100, 100))
+
+
+@pytest.mark.parametrize("spelling,post,rows", [("f+x", None, 16), ("torch.add", None, 600), ("x+f", torch.tanh, 600),
+                                                ("f+x", torch.sigmoid, 5)])
+def test_plan_and_pass_agree_on_residual_spellings(spelling, post, rows):
+    torch.manual_seed(1)
+    model = ResMLP(48, 3, spelling, post).eval()
+    opt, plans, mlps = _build(model, torch.randn(rows, 48))
+    assert len({p["chain"] for p in plans}) == 1, "a residual link ended the chain"
+    planned = sum(p["choice"] == "mlp" for p in plans)
+    assert planned == 3 and sum(len(m.spec.linears) for m in mlps) == planned
+    _check(opt, model, torch.randn(rows, 48))
+
+
+def test_add_with_alpha_links_too():
+    """torch.add(h, f(h), alpha=0.5): normalize spells it h + f(h) * 0.5, a residual link with one
+    more op in the branch; planned and fused as one chain, and correct."""
+    torch.manual_seed(2)
+    model = ResMLP(48, 3, "alpha").eval()
+    opt, plans, mlps = _build(model, torch.randn(16, 48))
+    assert len({p["chain"] for p in plans}) == 1
+    assert [p["choice"] for p in plans] == ["mlp"] * 3 and sum(len(m.spec.linears) for m in mlps) == 3
+    _check(opt, model, torch.randn(16, 48))
+
+
+class SkipFromElsewhere(nn.Module):
+    """The add's other operand is not the Linear's input, or the skip has a third reader."""
+
+    def __init__(self, width, third_reader):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.third_reader = third_reader
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.third_reader:
+            h2 = h + torch.relu(self.b(h))
+            return h2 * h.sum(-1, keepdim=True)
+        return x + torch.relu(self.b(h))     # x is not b's input
+
+
+@pytest.mark.parametrize("third_reader", [False, True])
+def test_only_a_residual_of_the_linears_own_input_links(third_reader):
+    torch.manual_seed(3)
+    model = SkipFromElsewhere(40, third_reader).eval()
+    opt, plans, mlps = _build(model, torch.randn(12, 40))
+    chains = {p["chain"] for p in plans}
+    if third_reader:
+        assert len(chains) == 2, "a skip read a third time kept the chain"
+    else:    # a's output feeds b through a single reader: one chain; x + ... is b's epilogue only
+        assert len(chains) == 1
+    planned = sum(p["choice"] == "mlp" for p in plans)
+    assert sum(len(m.spec.linears) for m in mlps) == planned
+    _check(opt, model, torch.randn(12, 40))
