@@ -131,3 +131,25 @@ def test_only_a_residual_of_the_linears_own_input_links(third_reader):
     planned = sum(p["choice"] == "mlp" for p in plans)
     assert sum(len(m.spec.linears) for m in mlps) == planned
     _check(opt, model, torch.randn(12, 40))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,width", [(1, 128), (1024, 128), (777, 100)])
+def test_gpu_residual_chain_under_auto(rows, width):
+    """On the GPU with the shipped calibration: a residual chain is planned and run as fused
+    MLP kernel(s) and matches eager and float64."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        model = ResMLP(width, 8).cuda().eval()
+        opt = fxfuse.optimize(model, torch.randn(rows, width, device="cuda"), strict=True)
+        spec = next(iter(opt.specializations.values()))
+        plans = spec.gm.meta.get("fxfuse_plans", [])
+        mlps = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
+        assert len({p["chain"] for p in plans}) == 1
+        assert sum(len(m.spec.linears) for m in mlps) == sum(p["choice"] == "mlp" for p in plans)
+        for _ in range(2):
+            _check(opt, model, torch.randn(rows, width, device="cuda"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
