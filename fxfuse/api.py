@@ -47,6 +47,21 @@ def _check_model(model) -> None:
             "Call model.eval() before fxfuse.optimize (training support does not exist yet).")
 
 
+def _check_call_path(model) -> None:
+    """What a call runs besides forward(), which tracing would not see: a __call__ overridden on
+    the model's class (only forward() is traced; submodules' calls are traced through), and
+    lazy modules not materialized yet (their shape-inferring pre-hook runs on the first call)."""
+    lazy = next((name or type(model).__name__ for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params()), None)
+    if lazy is not None:
+        raise UnsupportedError(f"{lazy} is a lazy module whose parameters are not materialized yet: call the model "
+                               "once on a real input before fxfuse.optimize")
+    owner = next(c for c in type(model).__mro__ if "__call__" in vars(c))
+    if not owner.__module__.startswith("torch."):   # torch's own (GraphModule's) only wrap Module.__call__
+        raise UnsupportedError(f"{owner.__name__} overrides __call__; fxfuse traces forward() only, so the "
+                               "optimized module would skip what __call__ adds. Move that into forward()")
+
+
 def _check_example_binds(model, args: tuple) -> None:
     """The example input must be a valid call of forward(): caught here, a wrong argument count
     is the user's error, not "an internal error" when verify runs the model (or, with
@@ -122,7 +137,9 @@ def _verify(model, gm, args) -> None:
                         f"output {k}: eager overflows to inf or NaN on the example input where the rewritten "
                         "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
                         "the rewrite on it: optimize with an example input whose eager result is finite")
-                raise FxfuseError(f"output {k}: {problem}; this is a bug in fxfuse, please report it with explain()")
+                raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
+                                  "(Python control flow on a tensor attribute such as requires_grad, or on a "
+                                  "global flag), or this is a bug in fxfuse: please report it with explain()")
 
 
 def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
@@ -222,6 +239,7 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
         for k, a in enumerate(args):
             if isinstance(a, torch.Tensor) and (why := not_plain_tensor(a)):
                 raise UnsupportedError(f"example input {k} {why}; fxfuse's kernels take plain strided tensors")
+        _check_call_path(model)
         hooked = forward_hook_owner(model)
         if hooked:
             raise UnsupportedError(f"{hooked}; tracing does not run hooks, so the optimized graph would "

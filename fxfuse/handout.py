@@ -77,6 +77,16 @@ def inside(segments: list, tensors) -> bool:
     return True
 
 
+def is_size(x) -> bool:
+    """torch.Size stays a leaf: pytree would flatten it and rebuild a plain tuple."""
+    return isinstance(x, torch.Size)
+
+
+def map_tensors(fn, out):
+    """out with fn applied to each tensor, containers (and torch.Size values) as they were."""
+    return torch.utils._pytree.tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, out, is_leaf=is_size)
+
+
 class OutputSlots:
     """A graph copy and the buffers its outputs are copied into, handed to the caller without
     a copy of their own.
@@ -90,7 +100,7 @@ class OutputSlots:
         self.launcher, self.inputs = launcher, inputs
         self.key = None   # the address its first memcpy node reads (runtime's slot_at index)
         self.settled = -1   # the call that last indexed it there
-        self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers)
+        self.leaves, self.tree = torch.utils._pytree.tree_flatten(buffers, is_leaf=is_size)
         self.single = self.tree.is_leaf() and isinstance(buffers, torch.Tensor)   # the usual case: one tensor
         tensors = [t for t in self.leaves if isinstance(t, torch.Tensor)]
         storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values())

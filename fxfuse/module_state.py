@@ -17,6 +17,7 @@ version counter only (copying them would double the model's memory). Inference t
 by identity (and buffers by value).
 """
 import contextlib
+import types
 
 import torch
 import torch.fx
@@ -67,6 +68,44 @@ def _same_attr(a, b) -> bool:
         return False
 
 
+def _held_tensors(attrs: dict, globals_read: dict):
+    """(name, tensor) for the plain tensors (not parameters) a module holds: tensor attributes,
+    tensors inside list/tuple/dict attributes (`self.acc = [torch.zeros(8)]`), and module-level
+    tensors its forward() names. An in-place write on any of them runs once at trace time."""
+    def walk(label, value, depth):
+        if isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.nn.Parameter):
+                yield label, value
+        elif depth < MAX_CONTAINER_DEPTH and isinstance(value, (list, tuple)) and len(value) <= MAX_CONTAINER_ITEMS:
+            for i, item in enumerate(value):
+                yield from walk(f"{label}[{i}]", item, depth + 1)
+        elif depth < MAX_CONTAINER_DEPTH and isinstance(value, dict) and len(value) <= MAX_CONTAINER_ITEMS:
+            for key, item in value.items():
+                yield from walk(f"{label}[{key!r}]", item, depth + 1)
+        elif depth < MAX_CONTAINER_DEPTH and isinstance(value, types.SimpleNamespace):
+            for key, item in list(vars(value).items())[:MAX_CONTAINER_ITEMS]:
+                yield from walk(f"{label}.{key}", item, depth + 1)
+
+    for k, v in attrs.items():
+        yield from walk(k, v, 0)
+    for k, v in globals_read.items():
+        yield from walk(f"forward's global {k}", v, 0)
+
+
+MAX_CONTAINER_DEPTH = 3     # nesting of lists/dicts searched for tensors
+MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not snapshotted
+
+
+def _forward_globals(m: torch.nn.Module) -> dict:
+    """Module-level names type(m).forward reads whose values are tensors or containers of them."""
+    fn = getattr(getattr(type(m), "forward", None), "__func__", getattr(type(m), "forward", None))
+    code, module_globals = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is None or type(m).__module__.startswith("torch."):
+        return {}
+    return {name: module_globals[name] for name in code.co_names
+            if isinstance(module_globals.get(name), (torch.Tensor, list, tuple, dict))}
+
+
 class _Snapshot:
     def __init__(self, model: torch.nn.Module):
         self.modules = []
@@ -77,8 +116,7 @@ class _Snapshot:
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
             # at trace time, and the graph holds the changed tensor as a constant
-            tensors = {k: (v, v.detach().clone()) for k, v in attrs.items()
-                       if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+            tensors = {k: (v, v.detach().clone()) for k, v in _held_tensors(attrs, _forward_globals(m))}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
             params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors))

@@ -7,7 +7,7 @@ import torch.fx
 
 from .errors import UnsupportedError
 from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
-from .handout import HANDOUT_SLOTS, SlotChoice, inside, own_pool_fits, pool_segments
+from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger
 
@@ -199,8 +199,7 @@ class Specialization(SlotChoice):
                 logger.info("own-pool handout capture failed, copying outputs instead: %s", e)
             self.own_pool_slots = False
         with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
-            buffers = torch.utils._pytree.tree_map(   # outside the pool: see the module docstring
-                lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, self.static_out)
+            buffers = map_tensors(torch.empty_like, self.static_out)   # outside the pool: see the module docstring
         into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
         graph, _, inputs = self._capture_one(static_args, pool=self.graph.pool(), into=into)
         return graph, buffers, inputs
@@ -217,9 +216,7 @@ class Specialization(SlotChoice):
             self._constant_storages = _constant_storages(self.gm, self.model_tensors)
         if not self._constant_storages:
             return out
-        return torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()
-            in self._constant_storages else t, out)
+        return map_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in self._constant_storages else t, out)
 
     def __call__(self, args):
         self.calls += 1
@@ -245,8 +242,7 @@ class Specialization(SlotChoice):
             self.handed_out += 1
             return slot.hand_out()
         self.cloned += 1
-        return torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.static_out)
+        return map_tensors(torch.Tensor.clone, self.static_out)
 
 
 def _constant_storages(gm, model_tensors: tuple) -> set:

@@ -140,6 +140,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
     concrete, tensor_args, given_values = split_concrete(model, example_args)
+    inference_mode = torch.is_inference_mode_enabled()
     with _watching_grad_mode() as grad_mode_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
@@ -147,7 +148,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
                                 "the call instead (fxfuse then runs the original module)")
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
-                               "concrete_args": concrete or {}, "reads_grad_mode": bool(grad_mode_reads)}
+                               "concrete_args": concrete or {}, "reads_grad_mode": "grad" in grad_mode_reads,
+                               "reads_inference_mode": inference_mode if "inference" in grad_mode_reads else None}
     return gm
 
 
@@ -156,24 +158,30 @@ _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspat
 
 @contextlib.contextmanager
 def _watching_grad_mode():
-    """Notes whether tracing called torch.is_grad_enabled(): builds run under no_grad, so a
-    forward() that branches on it (`if not torch.is_grad_enabled(): h = h * 2`) is traced on one
-    side, and the runtime must not run that graph with grad mode on (runtime.OptimizedModule).
+    """Notes whether tracing called torch.is_grad_enabled() ("grad") or
+    torch.is_inference_mode_enabled() ("inference"): builds run under no_grad, so a forward()
+    that branches on either (`if not torch.is_grad_enabled(): h = h * 2`) is traced on one side,
+    and the runtime must not run that graph in the other mode (runtime.OptimizedModule).
     Builds run one at a time (runtime.BUILD_LOCK); another thread asking meanwhile only makes
     this conservative."""
-    real, reads = torch.is_grad_enabled, []
+    real = {"grad": torch.is_grad_enabled, "inference": torch.is_inference_mode_enabled}
+    reads = set()
 
-    def watched():
-        caller = sys._getframe(1).f_code.co_filename   # the model's code, not torch's (fx, export,
-        if not caller.startswith(_LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
-            reads.append(caller)
-        return real()
+    def watching(kind):
+        def watched():
+            caller = sys._getframe(1).f_code.co_filename   # the model's code, not torch's (fx, export,
+            if not caller.startswith(_LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
+                reads.add(kind)
+            return real[kind]()
+        return watched
 
-    torch.is_grad_enabled = watched
+    torch.is_grad_enabled = watching("grad")
+    torch.is_inference_mode_enabled = watching("inference")
     try:
         yield reads
     finally:
-        torch.is_grad_enabled = real
+        torch.is_grad_enabled = real["grad"]
+        torch.is_inference_mode_enabled = real["inference"]
 
 
 def _trace(model, example_args, concrete, tensor_args, given_values=True):

@@ -1,0 +1,180 @@
+"""Findings of the sixth fuzzing round (unseen models and calls, CPU), each kept fixed here.
+
+- State a forward() updates in place inside a list, dict, namespace or module-level global was
+  frozen at trace time (torch.fx runs a constant-only `add_` once): later calls were silently
+  wrong and optimize() left the state advanced.
+- A forward() branching on torch.is_inference_mode_enabled() ran its traced branch in the
+  other mode.
+- A returned torch.Size came back as a plain tuple where outputs pass through pytree.
+- Model-side causes were reported as "a bug in fxfuse": an overridden __call__, lazy modules.
+"""
+import copy
+import os
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse.runtime import OptimizedModule  # noqa: E402
+
+COUNTER = torch.zeros(8)   # module-level state, read and updated by GlobalState.forward
+
+
+class HiddenState(nn.Module):
+    def __init__(self, where):
+        super().__init__()
+        self.lin, self.where = nn.Linear(8, 8), where
+        self.holder = {"list": [torch.zeros(8)], "dict": {"acc": torch.zeros(8)}, "tuple": (torch.zeros(8),)}[where]
+
+    def acc(self):
+        return self.holder["acc"] if self.where == "dict" else self.holder[0]
+
+    def forward(self, x):
+        self.acc().add_(1.0)
+        return self.lin(x) + self.acc()
+
+
+class GlobalState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        COUNTER.add_(1.0)
+        return self.lin(x) + COUNTER
+
+
+def _optimize_warned(model, x, **options):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, **options)
+    return opt, [str(w.message) for w in caught if "fxfuse" in str(w.message)]
+
+
+@pytest.mark.parametrize("where", ["list", "dict", "tuple"])
+def test_state_in_a_container_written_in_place_is_refused_and_restored(where):
+    model = HiddenState(where).eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
+    assert torch.equal(model.acc(), torch.zeros(8)), "optimize left the state advanced"
+    with pytest.raises(fxfuse.FxfuseError, match="state"):
+        fxfuse.optimize(HiddenState(where).eval(), torch.randn(4, 8), strict=True)
+
+
+def test_module_level_tensor_written_in_place_is_refused_and_restored():
+    COUNTER.zero_()
+    model = GlobalState().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert opt is model and len(messages) == 1 and "global COUNTER" in messages[0]
+    assert torch.equal(COUNTER, torch.zeros(8))
+
+
+def test_state_read_but_never_written_still_optimizes():
+    class ReadsList(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.scale = nn.Linear(8, 8), [torch.randn(8)]
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * self.scale[0]
+
+    model = ReadsList().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class InferenceBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * (2.0 if torch.is_inference_mode_enabled() else 3.0)
+
+
+def _inference(on: bool):
+    """inference_mode, or no_grad (torch.inference_mode(False) turns grad mode back on)."""
+    return torch.inference_mode() if on else torch.no_grad()
+
+
+@pytest.mark.parametrize("built_in_inference_mode", [False, True])
+def test_forward_branching_on_inference_mode_runs_the_original_in_the_other_mode(built_in_inference_mode):
+    model = InferenceBranch().eval()
+    x = torch.randn(4, 8)
+    with _inference(built_in_inference_mode):
+        opt = fxfuse.optimize(model, x)
+    assert isinstance(opt, OptimizedModule)
+    for mode in (built_in_inference_mode, not built_in_inference_mode, built_in_inference_mode):
+        with _inference(mode), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, want = opt(x), model(x)
+        torch.testing.assert_close(got, want)
+        assert [("is_inference_mode_enabled" in str(w.message)) for w in caught] == \
+            ([True] if mode != built_in_inference_mode else [])
+    assert opt.original_calls["inference"] == 1
+
+
+class ReturnsSize(nn.Module):
+    def __init__(self, batchnorm):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8) if batchnorm else nn.Identity()
+
+    def forward(self, x):
+        h = self.bn(self.lin(x))
+        return h.shape, {"size": h.relu().size(), "y": h.relu()}
+
+
+@pytest.mark.parametrize("batchnorm,options", [(True, {}), (False, {"strassen": "force"}), (False, {})])
+def test_a_returned_torch_size_stays_a_torch_size(batchnorm, options):
+    model = ReturnsSize(batchnorm).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True, **options)
+    with torch.no_grad():
+        shape, rest = opt(x)
+        want = model(x)
+    assert type(shape) is torch.Size and type(rest["size"]) is torch.Size and shape == want[0]
+    torch.testing.assert_close(rest["y"], want[1]["y"])
+
+
+def test_overridden_call_is_refused_with_its_reason():
+    class Scales(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def __call__(self, x):
+            return super().__call__(x * 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = Scales().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8), verify=False)
+    assert opt is model and len(messages) == 1 and "overrides __call__" in messages[0]
+
+
+def test_a_graph_module_is_still_optimized():
+    """torch.fx.GraphModule has a __call__ of its own that only wraps nn.Module's."""
+    model = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval())
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_unmaterialized_lazy_module_says_to_call_the_model_first():
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU()).eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 5))
+    assert opt is model and len(messages) == 1 and "call the model once" in messages[0]
+    model(torch.randn(4, 5))   # materialized: optimized like any Linear
+    opt = fxfuse.optimize(copy.deepcopy(model), torch.randn(4, 5), strict=True)
+    assert isinstance(opt, OptimizedModule)
