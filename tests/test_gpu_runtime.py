@@ -368,3 +368,58 @@ def test_round4_fixes_on_gpu(options):
             for x in (torch.rand(*shape, device="cuda") * 5, torch._neg_view(torch.randn(*shape, device="cuda"))):
                 torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
         assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_a_returned_torch_size_stays_a_size_through_the_graph():
+    """Outputs pass through pytree on the graph path (handout slots, clones): a torch.Size must
+    come back as a Size, not the tuple pytree rebuilds."""
+    class ReturnsSize(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = torch.relu(self.lin(x))
+            return h.shape, {"y": h, "size": h.size()}
+
+    model = ReturnsSize().cuda().eval()
+    x = torch.randn(4, 32, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert _spec(opt).graph is not None
+    with torch.no_grad():
+        kept = [opt(torch.randn(4, 32, device="cuda")) for _ in range(HANDOUT_SLOTS + 2)]   # handed out, then cloned
+        want = model(x)
+        shape, rest = opt(x)
+    assert all(type(k[0]) is torch.Size and type(k[1]["size"]) is torch.Size for k in kept)
+    assert type(shape) is torch.Size and shape == want[0] and rel_err(rest["y"], want[1]["y"]) < 1e-6
+
+
+def test_capture_survives_another_threads_cuda_work():
+    """Builds capture CUDA graphs (the specialization's, and the library timings') while other
+    threads of the program may synchronize and allocate: thread-local capture mode, so their
+    calls neither fail nor invalidate fxfuse's capture."""
+    import threading
+    stop, errors = threading.Event(), []
+
+    def busy():
+        try:
+            while not stop.is_set():
+                torch.empty(1 << 20, device="cuda").add_(1)
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        for width in (64, 96, 160):
+            model = seed_network(width, 3).cuda()
+            x = torch.randn(7, width, device="cuda")
+            opt = fxfuse.optimize(model, x, strict=True)
+            with torch.no_grad():
+                assert rel_err(opt(x), model(x)) < 1e-5
+            assert _spec(opt).graph is not None
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors
