@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
+from benchmarks.mlp import ResidualMLP
 
 DEVICE = "cuda"
 
@@ -115,6 +116,8 @@ def cases():
                 True))
     out.append(("seed 4x512 gemm force b64", lambda: mlp([512] * 5), vec(512), 64, (3,), {"gemm": "force"}, True))
     out.append(("seed 4x256 no graphs b16", lambda: mlp([256] * 5), vec(256), 16, (4,), {"cuda_graphs": False}, True))
+    for h, b in ((100, 1100), (96, 7)):   # residual chains: planned whole (looped / row-wise fused MLP)
+        out.append((f"resmlp 6x{h} b{b}", lambda h=h: ResidualMLP(6, h), vec(h), b, (1, 513, 2 * b + 1), {}, True))
     out.append(("block d96 s13", lambda: Block(96), lambda b, dt: (torch.randn(b, 13, 96, device=DEVICE, dtype=dt),),
                 2, (1, 3), {}, True))
     out.append(("spelled 40", lambda: Spelled(40), vec(40), 6, (1, 11), {}, True))
