@@ -47,19 +47,50 @@ def _check_model(model) -> None:
             "Call model.eval() before fxfuse.optimize (training support does not exist yet).")
 
 
-def _check_call_path(model) -> None:
-    """What a call runs besides forward(), which tracing would not see: a __call__ overridden on
-    the model's class (only forward() is traced; submodules' calls are traced through), and
-    lazy modules not materialized yet (their shape-inferring pre-hook runs on the first call)."""
+def _check_call_path(model, args: tuple) -> None:
+    """What a call runs besides forward(), which tracing would not see: lazy modules not
+    materialized yet (their shape-inferring pre-hook runs on the first call), and a __call__
+    overridden on the model's class (only forward() is traced; submodules' calls are traced
+    through) unless it hands forward() exactly the call's arguments and returns its result
+    (a __call__ defined for type hints, or `__call__ = nn.Module.__call__`)."""
     lazy = next((name or type(model).__name__ for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params()), None)
     if lazy is not None:
         raise UnsupportedError(f"{lazy} is a lazy module whose parameters are not materialized yet: call the model "
                                "once on a real input before fxfuse.optimize")
     owner = next(c for c in type(model).__mro__ if "__call__" in vars(c))
-    if not owner.__module__.startswith("torch."):   # torch's own (GraphModule's) only wrap Module.__call__
-        raise UnsupportedError(f"{owner.__name__} overrides __call__; fxfuse traces forward() only, so the "
-                               "optimized module would skip what __call__ adds. Move that into forward()")
+    if owner.__module__.startswith("torch.") or vars(owner)["__call__"] is torch.nn.Module.__call__:
+        return   # torch's own (GraphModule's) only wrap nn.Module.__call__
+    if not _call_only_forwards(model, args):
+        raise UnsupportedError(f"{owner.__name__} overrides __call__ and changes what forward() receives or "
+                               "returns; fxfuse traces forward() only, so the optimized module would skip it. "
+                               "Move that into forward()")
+
+
+def _call_only_forwards(model, args: tuple) -> bool:
+    """Whether model(*args) gives forward() the very argument objects and returns forward()'s
+    very result (checked with hooks on one call, the model's state kept)."""
+    seen = {}
+
+    def before(module, hook_args, hook_kwargs):
+        seen["args"], seen["kwargs"] = hook_args, hook_kwargs
+
+    def after(module, hook_args, out):
+        seen["out"] = out
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after)]
+    call_args = clone_args(args)
+    try:
+        with torch.no_grad(), kept_state(model):
+            out = model(*call_args)
+    except Exception as e:  # noqa: BLE001 -- the build would meet it too; here it only means "not transparent"
+        logger.info("checking the overridden __call__ failed: %s", e)
+        return False
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ("args" in seen and not seen["kwargs"] and len(seen["args"]) == len(call_args)
+            and all(a is b for a, b in zip(seen["args"], call_args)) and seen.get("out") is out)
 
 
 def _check_example_binds(model, args: tuple) -> None:
@@ -239,7 +270,7 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
         for k, a in enumerate(args):
             if isinstance(a, torch.Tensor) and (why := not_plain_tensor(a)):
                 raise UnsupportedError(f"example input {k} {why}; fxfuse's kernels take plain strided tensors")
-        _check_call_path(model)
+        _check_call_path(model, args)
         hooked = forward_hook_owner(model)
         if hooked:
             raise UnsupportedError(f"{hooked}; tracing does not run hooks, so the optimized graph would "

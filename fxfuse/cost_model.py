@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -89,6 +89,8 @@ class LinearLayer:
     output_read_elsewhere: bool = False     # y is read by something besides the next layer
     bias: bool = True                       # one of the epilogue ops is a bias add
     epilogue: tuple = ()                    # what those ops compute (passes/plan_linears._epilogue_key)
+    epilogue_reads: int = 0                 # other [m, n] tensors the epilogue reads (a residual's skip)
+    epilogue_reads_input: int = 0           # how many of those are the layer's own input (fuse_gemm takes them)
 
     @property
     def elt(self) -> int:
@@ -352,11 +354,12 @@ class CostModel:
         plain = self._component(L.dtype, gemm_work(m, k, n, elt), [("linear", (m, h))])
         if L.epilogue_ops <= 0:
             return plain
-        best = plain + self._pointwise(L.dtype, Work(bytes=elt * (2 * m * n + (n if L.bias else 0))))
+        reads = elt * m * n * L.epilogue_reads
+        best = plain + self._pointwise(L.dtype, Work(bytes=elt * (2 * m * n + (n if L.bias else 0)) + reads))
         if L.bias:   # the bias in cuBLASLt's epilogue; any other op still needs the pointwise kernel
             fused = self._component(L.dtype, gemm_work(m, k, n, elt, bias=True), [("linear_bias", (m, h))])
             if L.epilogue_ops > 1:
-                fused = fused + self._pointwise(L.dtype, Work(bytes=elt * 2 * m * n))
+                fused = fused + self._pointwise(L.dtype, Work(bytes=elt * 2 * m * n + reads))
             best = min(best, fused, key=lambda e: e.us)
         return best
 
@@ -378,8 +381,13 @@ class CostModel:
             return self._library(L)
         if c == "gemm":
             work = gemm_work(L.m, L.k, L.n, L.elt, bias=L.bias, triton=True)
-            return self._component(L.dtype, work, [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))],
+            work = replace(work, bytes=work.bytes + L.elt * L.m * L.n * L.epilogue_reads_input)   # x at the tile
+            gemm = self._component(L.dtype, work, [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))],
                                    prefer_inside=False)
+            others = L.epilogue_reads - L.epilogue_reads_input
+            if others:   # fuse_gemm's epilogue reads no other tensor: the ops from there on run after it
+                gemm = gemm + self._pointwise(L.dtype, Work(bytes=L.elt * L.m * L.n * (2 + others)))
+            return gemm
         if c == "mlp":
             return self.estimate_mlp([L])
         level = _level(c)

@@ -51,7 +51,8 @@ class GemmSpec:
     k: int                   # in features
     n: int                   # out features
     dtype: torch.dtype
-    epilogue: tuple = ()     # Pointwise steps; value 0 is x @ W.T, step j defines value j + 1
+    epilogue: tuple = ()     # Pointwise steps; value 0 is x @ W.T, step j defines value j + 1; operand
+    #                          ("input", 0) is x at the output tile (a residual; needs k == n)
     output: int = 0          # the value stored
 
 
@@ -195,6 +196,8 @@ def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | Non
     for j, s in enumerate(spec.epilogue):
         if s.op not in BY_NAME or any(kind == "value" and not 0 <= ref <= j for kind, ref in s.operands):
             return f"epilogue step {j} ({s.op}) reads a value it cannot see"
+        if spec.k != spec.n and any(kind == "input" for kind, _ in s.operands):
+            return f"epilogue step {j} ({s.op}) reads the input, which is {spec.k} wide, not {spec.n}"
     if not 0 <= spec.output <= len(spec.epilogue):
         return "output is not a value of the epilogue"
     return None
@@ -349,6 +352,12 @@ def _emit_epilogue_and_store(buf, spec: GemmSpec, numels: tuple):
                 args.append(f"k{ref}")
             elif kind == "value":
                 args.append(f"v{ref}")
+            elif kind == "input":   # x at the output tile (k == n): a residual's skip
+                if "input" not in loaded:
+                    loaded.add("input")
+                    buf.line("xin = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :], "
+                             "mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)")
+                args.append("xin")
             else:
                 args.append(literal(ref))
         buf.line(f"v{j + 1} = {BY_NAME[step.op].expr(*args, **dict(step.params))}")

@@ -17,6 +17,7 @@ version counter only (copying them would double the model's memory). Inference t
 by identity (and buffers by value).
 """
 import contextlib
+import dis
 import types
 
 import torch
@@ -68,23 +69,35 @@ def _same_attr(a, b) -> bool:
         return False
 
 
-def _held_tensors(attrs: dict, globals_read: dict):
-    """(name, tensor) for the plain tensors (not parameters) a module holds: tensor attributes,
-    tensors inside list/tuple/dict attributes (`self.acc = [torch.zeros(8)]`), and module-level
-    tensors its forward() names. An in-place write on any of them runs once at trace time."""
+def _held(attrs: dict, globals_read: dict, seen: set):
+    """("tensor" | "container", name, object) for the plain state a module holds besides its
+    parameters and buffers: tensor attributes, the lists, dicts and namespaces among its
+    attributes and the tensors inside them (`self.acc = [torch.zeros(8)]`), and the module-level
+    tensors and containers its forward() reads. torch.fx runs an in-place write on such a
+    tensor (`self.acc[0].add_(1)`) once at trace time, and an item replaced in a container
+    (`self.hist[0] = y`) receives a Proxy; neither reaches the graph. `seen` (ids) skips what an
+    earlier submodule already holds (48 blocks reading one global are one snapshot)."""
     def walk(label, value, depth):
+        if id(value) in seen:
+            return
         if isinstance(value, torch.Tensor):
-            if not isinstance(value, torch.nn.Parameter):
-                yield label, value
-        elif depth < MAX_CONTAINER_DEPTH and isinstance(value, (list, tuple)) and len(value) <= MAX_CONTAINER_ITEMS:
-            for i, item in enumerate(value):
-                yield from walk(f"{label}[{i}]", item, depth + 1)
-        elif depth < MAX_CONTAINER_DEPTH and isinstance(value, dict) and len(value) <= MAX_CONTAINER_ITEMS:
-            for key, item in value.items():
-                yield from walk(f"{label}[{key!r}]", item, depth + 1)
-        elif depth < MAX_CONTAINER_DEPTH and isinstance(value, types.SimpleNamespace):
-            for key, item in list(vars(value).items())[:MAX_CONTAINER_ITEMS]:
-                yield from walk(f"{label}.{key}", item, depth + 1)
+            if not isinstance(value, torch.nn.Parameter) and _comparable(value):
+                seen.add(id(value))
+                yield "tensor", label, value
+            return
+        if depth >= MAX_CONTAINER_DEPTH:
+            return
+        items = (list(enumerate(value)) if isinstance(value, (list, tuple)) else list(value.items())
+                 if isinstance(value, dict) else list(vars(value).items())
+                 if isinstance(value, types.SimpleNamespace) else None)
+        if items is None or len(items) > MAX_CONTAINER_ITEMS:
+            return
+        seen.add(id(value))
+        if not isinstance(value, tuple):
+            yield "container", label, value
+        for key, item in items:
+            yield from walk(f"{label}.{key}" if isinstance(value, types.SimpleNamespace) else
+                            f"{label}[{key!r}]", item, depth + 1)
 
     for k, v in attrs.items():
         yield from walk(k, v, 0)
@@ -92,23 +105,51 @@ def _held_tensors(attrs: dict, globals_read: dict):
         yield from walk(f"forward's global {k}", v, 0)
 
 
+def _comparable(t: torch.Tensor) -> bool:
+    """A tensor whose value the snapshot can copy and compare (not sparse, nested or meta)."""
+    return t.layout == torch.strided and t.device.type != "meta" and not t.is_nested
+
+
+def _contents(container):
+    return list(container) if isinstance(container, list) else dict(vars(container) if isinstance(
+        container, types.SimpleNamespace) else container)
+
+
+def _same_contents(container, saved) -> bool:
+    now = _contents(container)
+    if isinstance(now, list):
+        return len(now) == len(saved) and all(a is b for a, b in zip(now, saved))
+    return now.keys() == saved.keys() and all(now[k] is saved[k] for k in saved)
+
+
+def _put_back(container, saved) -> None:
+    if isinstance(container, list):
+        container[:] = saved
+    else:
+        target = vars(container) if isinstance(container, types.SimpleNamespace) else container
+        target.clear()
+        target.update(saved)
+
+
 MAX_CONTAINER_DEPTH = 3     # nesting of lists/dicts searched for tensors
 MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not snapshotted
 
 
 def _forward_globals(m: torch.nn.Module) -> dict:
-    """Module-level names type(m).forward reads whose values are tensors or containers of them."""
+    """Module-level names type(m).forward reads (LOAD_GLOBAL: not attribute names that happen
+    to match) whose values are tensors or containers."""
     fn = getattr(getattr(type(m), "forward", None), "__func__", getattr(type(m), "forward", None))
     code, module_globals = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is None or type(m).__module__.startswith("torch."):
         return {}
-    return {name: module_globals[name] for name in code.co_names
-            if isinstance(module_globals.get(name), (torch.Tensor, list, tuple, dict))}
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
+    return {name: module_globals[name] for name in names
+            if isinstance(module_globals.get(name), (torch.Tensor, list, tuple, dict, types.SimpleNamespace))}
 
 
 class _Snapshot:
     def __init__(self, model: torch.nn.Module):
-        self.modules = []
+        self.modules, seen = [], set()
         runtimes = [name for name, m in model.named_modules() if getattr(type(m), "fxfuse_runtime", False)]
         for name, m in model.named_modules():
             if name in runtimes:
@@ -116,15 +157,22 @@ class _Snapshot:
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
             # at trace time, and the graph holds the changed tensor as a constant
-            tensors = {k: (v, v.detach().clone()) for k, v in _held_tensors(attrs, _forward_globals(m))}
+            held = list(_held(attrs, _forward_globals(m), seen))
+            tensors = {k: (v, v.detach().clone()) for kind, k, v in held if kind == "tensor"}
+            containers = {k: (v, _contents(v)) for kind, k, v in held if kind == "container"}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
             params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}
-            self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors))
+            self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
+                                 containers))
 
     def restore(self) -> list:
         """Put everything back; the names of what forward() had changed."""
         changed = []
-        for name, m, attrs, buffers, params, modules, tensors in self.modules:
+        for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
+            for k, (c, saved) in containers.items():
+                if not _same_contents(c, saved):
+                    changed.append(f"{name}.{k}")
+                    _put_back(c, saved)
             for k, (t, saved) in tensors.items():
                 if not _same_value(t, saved):
                     changed.append(f"{name}.{k}")

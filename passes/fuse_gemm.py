@@ -5,9 +5,10 @@ Runs after fuse_mlp (chains it fused are gone) and before linear_epilogue and
 fuse_pointwise, so it sees `F.linear(x, W)` (W a get_attr [N, K]) followed by canonical
 pointwise ops. The epilogue grows over the users of the product exactly as a fused MLP's body
 does (fuse_mlp._Region: same legality rules, same lowering), with two limits: it stops at the
-next Linear, and it may not read x (a residual `x + lin(x)` needs x at the output tile's
-coordinates, which the GEMM does not have). Then it is cut back to the longest prefix whose
-only value read outside is its last, since nothing in between is written to memory.
+next Linear, and it reads x only where x is as wide as the product (a residual `x + lin(x)`
+of a square layer: the kernel loads x at the output tile's coordinates, operand "input").
+Then it is cut back to the longest prefix whose only value read outside is its last, since
+nothing in between is written to memory.
 
 Profitability lives in `should_fuse_gemm`, the one place the choice is made for
 gemm="auto" (until the cost model replaces it); "force" fuses every legal Linear (tests,
@@ -61,20 +62,23 @@ class _EpilogueRegion(_Region):
     def joins(self, node) -> bool:
         if node is self.start:
             return super().joins(node)
-        if _linear_parts(node) is not None or any(a is self.x for a in node.args):
+        if _linear_parts(node) is not None:
             return False
+        if any(a is self.x for a in node.args) and _tmeta(self.x).shape[-1] != _tmeta(self.start).shape[-1]:
+            return False   # x is read at the output tile's coordinates: only as wide as the product
         return super().joins(node)
 
 
 def _gemm_spec(spec, region):
     """GemmSpec from the region's MLPSpec: value 0 there is x, value 1 the product; here the
-    product is value 0, so every value id moves down by one."""
+    product is value 0, so every value id moves down by one, and x becomes operand "input"."""
     first, *rest = spec.steps
     assert isinstance(first, Linear) and first.src == 0
     epilogue = []
     for step in rest:
         assert isinstance(step, Pointwise)
-        operands = tuple((kind, ref - 1) if kind == "value" else (kind, ref) for kind, ref in step.operands)
+        operands = tuple(("input", 0) if (kind, ref) == ("value", 0) else (kind, ref - 1) if kind == "value"
+                         else (kind, ref) for kind, ref in step.operands)
         epilogue.append(Pointwise(step.out - 1, step.op, operands, step.params))
     k = _tmeta(region.x).shape[-1]
     return GemmSpec(k=k, n=spec.widths[1], dtype=spec.dtype, epilogue=tuple(epilogue), output=spec.output - 1)

@@ -92,6 +92,9 @@ def _residual_parts(node):
             or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return None
     a, b = node.args
+    shapes = {tuple(getattr(_tmeta(n), "shape", (None,))) for n in (node, a, b)}
+    if len(shapes) != 1:   # a broadcasting add is no residual of the layer's own width
+        return None
     for branch, skip in ((a, b), (b, a)):
         if branch is not skip and len(branch.users) == 1 and len(skip.users) == 2:
             return branch, skip
@@ -139,9 +142,16 @@ def _describe(node, epilogue_ops: int, read_elsewhere: bool) -> LinearLayer:
     w = _tmeta(node.args[1])
     n, k = w.shape
     m = _tmeta(node.args[0]).shape.numel() // max(k, 1)
+    epilogue = _epilogue_key(node, epilogue_ops)
     return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
                        output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node),
-                       epilogue=_epilogue_key(node, epilogue_ops))
+                       epilogue=epilogue, epilogue_reads=_count(epilogue, ("input", "skip")),
+                       epilogue_reads_input=_count(epilogue, ("input",)))
+
+
+def _count(epilogue: tuple, kinds: tuple) -> int:
+    """Operands of these kinds in an epilogue key (_epilogue_key)."""
+    return sum(operand in kinds for _, consts, _ in epilogue for operand in consts)
 
 
 def unmeasured(table: str) -> str:
@@ -189,7 +199,9 @@ def _epilogue_key(node, ops: int) -> tuple:
     def operand(a, prev):
         if not isinstance(a, torch.fx.Node):
             return repr(a)
-        return "value" if a is prev else "constant" if a.op == "get_attr" else "skip"
+        if a.op == "get_attr":   # its size too: a [w] vector and a scalar are different kernels
+            return f"constant{tuple(getattr(_tmeta(a), 'shape', ()))}"
+        return "value" if a is prev else "input" if a is node.args[0] else "skip"
 
     for _ in range(ops):
         if len(x.users) != 1:
@@ -245,10 +257,20 @@ def _output_ops(node) -> int:
     ops, x = 0, node
     while len(x.users) == 1:
         user = next(iter(x.users))
-        if _single_source(user) is not x and user is not _residual_add_of(node):
+        if _single_source(user) is not x and user is not _residual_add_of(node) and not _joins_epilogue(user, x):
             break
         ops, x = ops + 1, user
     return ops
+
+
+def _joins_epilogue(user, x) -> bool:
+    """A pointwise op taking the last layer's value and another tensor of its shape (the skip of
+    `x + mlp(x)`): the fused MLP takes it into its last layer, so that layer differs from the
+    others (the plan must not count it as one more identical layer of a loop)."""
+    if user.op != "call_function" or not is_pointwise_target(user.target) or x not in user.args:
+        return False
+    shape = getattr(_tmeta(x), "shape", None)
+    return shape is not None and getattr(_tmeta(user), "shape", None) == shape
 
 
 def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:

@@ -44,19 +44,47 @@ def test_chain_of_linears_with_activations():
     assert fxfuse.stats(opt)["fused_kernels"] == 3
 
 
-def test_residual_of_the_input_stays_outside_the_gemm():
-    class Residual(nn.Module):
+class Residual(nn.Module):
+    def __init__(self, width_in=19, width_out=19):
+        super().__init__()
+        self.fc = nn.Linear(width_in, width_out)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * 0.5
+
+
+@pytest.mark.parametrize("rows,config", [(7, {}), (300, {}), (40, {"split_k": 2, "rowwise": False})])
+def test_residual_of_the_input_joins_the_epilogue(rows, config, monkeypatch):
+    """x + f(x @ W.T) of a square layer: the kernel reads x at the output tile (operand
+    "input"), so the layer is one launch (row-wise at 7 rows, tl.dot past 256, split-K)."""
+    if config:
+        import fxfuse.passes.fuse_gemm as pass_module
+        real = pass_module.choose_gemm_config
+        monkeypatch.setattr(pass_module, "choose_gemm_config",
+                            lambda m, spec, tf32: real(m, spec, tf32, block_m=16, block_n=16, block_k=16, **config))
+    opt = check(Residual().eval(), torch.randn(rows, 19))
+    (g,) = gemms(opt)
+    assert [s.op for s in g.spec.epilogue] == ["add", "tanh", "mul", "add"]   # bias, tanh, * 0.5, + x
+    assert ("input", 0) in g.spec.epilogue[-1].operands and "xin = tl.load" in g.source
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and g.launches >= 2 and g.fallbacks == 0
+    if config:
+        assert g.config.split_k == 2 and not g.config.rowwise
+
+
+def test_input_of_another_width_stays_outside_the_gemm():
+    """x [.., 19] cannot be read at a [.., 11] output tile: x * mean(...) style ops of another
+    width stay out (here x is only read by a later op of the input's width)."""
+    class Narrowing(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(19, 19)
+            self.fc = nn.Linear(19, 11)
 
         def forward(self, x):
-            return x + torch.tanh(self.fc(x)) * 0.5
+            return torch.relu(self.fc(x)).sum(-1, keepdim=True) + x
 
-    opt = check(Residual().eval(), torch.randn(7, 19))
+    opt = check(Narrowing().eval(), torch.randn(6, 19))
     (g,) = gemms(opt)
-    assert [s.op for s in g.spec.epilogue] == ["add", "tanh", "mul"]   # bias, tanh, * 0.5
-    assert fxfuse.stats(opt)["fused_kernels"] == 2                       # + the residual add kernel
+    assert all(kind != "input" for s in g.spec.epilogue for kind, _ in s.operands)
 
 
 def test_product_read_twice_is_stored_once():

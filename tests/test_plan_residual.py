@@ -153,3 +153,70 @@ def test_gpu_residual_chain_under_auto(rows, width):
             _check(opt, model, torch.randn(rows, width, device="cuda"))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class Gated(nn.Module):
+    """h + g_i * relu(lin_i(h)), g a [w] vector in even layers and a scalar in odd ones."""
+
+    def __init__(self, width, layers=4):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.gates = nn.ParameterList(nn.Parameter(torch.rand(width if i % 2 == 0 else 1)) for i in range(layers))
+
+    def forward(self, h):
+        for lin, g in zip(self.lins, self.gates):
+            h = h + g * torch.relu(lin(h))
+        return h
+
+
+class Broadcast(nn.Module):
+    """A residual add that broadcasts (lin: w -> 1) is no residual of the layer's width."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(width, 1), nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, h):
+        h = h + torch.relu(self.a(h))
+        h = h + torch.relu(self.b(h))
+        return self.c(h)
+
+
+class OuterSkip(nn.Module):
+    """x + mlp(x): the last layer's epilogue takes the skip, so it differs from the others."""
+
+    def __init__(self, width, layers=4):
+        super().__init__()
+        self.mlp = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("make,rows,width", [(Gated, 1100, 100), (Broadcast, 16, 48), (OuterSkip, 1100, 100)])
+def test_review_findings_plan_and_pass_agree(make, rows, width):
+    """The plan chooses "mlp" for exactly the Linears the fused-MLP pass fuses (review of the
+    residual planning: constants of other sizes counted as identical, a broadcasting add linked
+    as a residual, a trailing skip add not counted in the last layer)."""
+    torch.manual_seed(4)
+    model = make(width).eval()
+    opt, plans, mlps = _build(model, torch.randn(rows, width))
+    runs = {}
+    for p in plans:
+        if p["choice"] == "mlp":
+            runs.setdefault((p["chain"], p["segment"]), []).append(p["node"])
+    fused = [[member.split("=")[0] for member in m.members if member.endswith("=linear")] for m in mlps]
+    assert sorted(runs.values()) == sorted(fused)
+    _check(opt, model, torch.randn(rows, width))
+
+
+def test_gemm_estimate_counts_where_the_skip_is_read():
+    """fuse_gemm reads a skip that is the layer's own input inside the kernel (bytes); any other
+    tensor needs a kernel after it."""
+    from fxfuse.cost_model import CostModel, LinearLayer
+    model = CostModel.load(H100, device_name="NVIDIA H100 80GB HBM3")
+    base = dict(m=16, k=1024, n=1024, dtype=torch.float32, epilogue_ops=3)
+    own = model.estimate("gemm", LinearLayer(**base, epilogue_reads=1, epilogue_reads_input=1)).us
+    other = model.estimate("gemm", LinearLayer(**base, epilogue_reads=1)).us
+    plain = model.estimate("gemm", LinearLayer(**base)).us
+    assert plain <= own < other

@@ -178,3 +178,87 @@ def test_unmaterialized_lazy_module_says_to_call_the_model_first():
     model(torch.randn(4, 5))   # materialized: optimized like any Linear
     opt = fxfuse.optimize(copy.deepcopy(model), torch.randn(4, 5), strict=True)
     assert isinstance(opt, OptimizedModule)
+
+
+# --- review of the above (helper): items replaced in containers, uncomparable tensors, __call__ aliases
+
+
+class ReplacesItem(nn.Module):
+    def __init__(self, where):
+        super().__init__()
+        self.lin, self.where = nn.Linear(8, 8), where
+        self.hist = [torch.zeros(8)] if where == "list" else {"n": torch.zeros(())}
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.where == "list":
+            out = y + self.hist[0]
+            self.hist[0] = y.mean(0)       # the item replaced, not written in place
+            return out
+        self.hist["n"] = self.hist["n"] + 1
+        return y * self.hist["n"]
+
+
+@pytest.mark.parametrize("where", ["list", "dict"])
+def test_item_replaced_in_a_container_is_refused_and_put_back(where):
+    model = ReplacesItem(where).eval()
+    before = list(model.hist) if where == "list" else dict(model.hist)
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
+    after = list(model.hist) if where == "list" else dict(model.hist)
+    assert all(a is b for a, b in zip(after, before)) if where == "list" else after == before
+    with torch.no_grad():
+        assert isinstance(model(torch.randn(4, 8)), torch.Tensor)   # no torch.fx Proxy left behind
+
+
+def test_uncomparable_tensors_in_containers_do_not_refuse_the_model():
+    class HoldsSparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.extras = [torch.eye(4).to_sparse(), torch.empty(3, device="meta")]
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    model = HoldsSparse().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages
+
+
+class Typed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:   # for type checkers only
+        return super().__call__(x)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Alias(Typed):
+    __call__ = nn.Module.__call__
+
+
+@pytest.mark.parametrize("make", [Typed, Alias])
+def test_a_call_that_only_forwards_is_optimized(make):
+    model = make().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_snapshot_copies_a_shared_global_once():
+    from fxfuse.module_state import _Snapshot
+
+    class ReadsGlobal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) + COUNTER
+
+    snapshot = _Snapshot(nn.Sequential(*[ReadsGlobal() for _ in range(6)]))
+    assert sum(len(entry[6]) for entry in snapshot.modules) == 1
