@@ -220,3 +220,21 @@ def test_gemm_estimate_counts_where_the_skip_is_read():
     other = model.estimate("gemm", LinearLayer(**base, epilogue_reads=1)).us
     plain = model.estimate("gemm", LinearLayer(**base)).us
     assert plain <= own < other
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [7, 300])
+def test_gpu_residual_in_the_gemm_epilogue(rows):
+    """Compiled: the generated GEMM reads the layer's input at the output tile, one launch per
+    residual layer (row-wise at 7 rows, tl.dot at 300)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        model = ResMLP(96, 3).cuda().eval()
+        opt = fxfuse.optimize(model, torch.randn(rows, 96, device="cuda"), strict=True, gemm="force", fused_mlp="off")
+        assert fxfuse.stats(opt)["fused_kernels"] == 3 and fxfuse.stats(opt)["library_calls"] == 0
+        for _ in range(2):
+            _check(opt, model, torch.randn(rows, 96, device="cuda"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
