@@ -394,10 +394,11 @@ def test_a_returned_torch_size_stays_a_size_through_the_graph():
     assert type(shape) is torch.Size and shape == want[0] and rel_err(rest["y"], want[1]["y"]) < 1e-6
 
 
-def test_capture_survives_another_threads_cuda_work():
+def test_capture_leaves_another_threads_cuda_work_alone():
     """Builds capture CUDA graphs (the specialization's, and the library timings') while other
-    threads of the program may synchronize and allocate: thread-local capture mode, so their
-    calls neither fail nor invalidate fxfuse's capture."""
+    threads of the program may synchronize and allocate: in thread-local capture mode their
+    calls do not fail (in the default global mode they raise in that thread). A capture their
+    work invalidates falls back to running without a graph, with the same results."""
     import threading
     stop, errors = threading.Event(), []
 
@@ -418,7 +419,7 @@ def test_capture_survives_another_threads_cuda_work():
             opt = fxfuse.optimize(model, x, strict=True)
             with torch.no_grad():
                 assert rel_err(opt(x), model(x)) < 1e-5
-            assert _spec(opt).graph is not None
+                assert rel_err(opt(x * 2), model(x * 2)) < 1e-5
     finally:
         stop.set()
         worker.join()
