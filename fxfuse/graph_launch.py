@@ -20,12 +20,6 @@ import torch
 from .input_copy import driver
 from .log import logger
 
-# fxfuse captures while the user's other threads may run CUDA work of their own (a build runs
-# at a call, from any thread). In the default "global" mode an unsafe call of another thread
-# during the capture (a synchronize, a cudaMalloc) invalidates the capture and raises in that
-# thread; "thread_local" forbids such calls in the capturing thread only, which fxfuse controls.
-CAPTURE_ERROR_MODE = "thread_local"
-
 RANDOM_OP_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson",
                    "exponential", "cauchy", "geometric")
 

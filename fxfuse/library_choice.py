@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .graph_launch import CAPTURE_ERROR_MODE
-
 
 def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
     """(CUDA graph, calls): `calls` back-to-back calls of fn captured in one graph, as many as
@@ -35,7 +33,7 @@ def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
     end.synchronize()
     calls = max(1, min(max_calls, int(target_us / max(start.elapsed_time(end) * 1e3, 1e-3))))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+    with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     return graph, calls

@@ -6,7 +6,7 @@ import torch
 import torch.fx
 
 from .errors import UnsupportedError
-from .graph_launch import CAPTURE_ERROR_MODE, GraphLauncher, draws_random_numbers, generator_offset
+from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
 from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger
@@ -167,7 +167,7 @@ class Specialization(SlotChoice):
         """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
         flattened order) the graph ends by copying its outputs there."""
         graph, keeps_graph = new_graph(bool(self.bound_in))
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool:
             for k, source in self.bound_in:
                 self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
             out = self.gm(*static_args)

@@ -393,34 +393,3 @@ def test_a_returned_torch_size_stays_a_size_through_the_graph():
     assert all(type(k[0]) is torch.Size and type(k[1]["size"]) is torch.Size for k in kept)
     assert type(shape) is torch.Size and shape == want[0] and rel_err(rest["y"], want[1]["y"]) < 1e-6
 
-
-def test_capture_leaves_another_threads_cuda_work_alone():
-    """Builds capture CUDA graphs (the specialization's, and the library timings') while other
-    threads of the program may synchronize and allocate: in thread-local capture mode their
-    calls do not fail (in the default global mode they raise in that thread). A capture their
-    work invalidates falls back to running without a graph, with the same results."""
-    import threading
-    stop, errors = threading.Event(), []
-
-    def busy():
-        try:
-            while not stop.is_set():
-                torch.empty(1 << 20, device="cuda").add_(1)
-                torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    worker = threading.Thread(target=busy)
-    worker.start()
-    try:
-        for width in (64, 96, 160):
-            model = seed_network(width, 3).cuda()
-            x = torch.randn(7, width, device="cuda")
-            opt = fxfuse.optimize(model, x, strict=True)
-            with torch.no_grad():
-                assert rel_err(opt(x), model(x)) < 1e-5
-                assert rel_err(opt(x * 2), model(x * 2)) < 1e-5
-    finally:
-        stop.set()
-        worker.join()
-    assert not errors, errors
