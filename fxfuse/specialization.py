@@ -167,7 +167,7 @@ class Specialization(SlotChoice):
         """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
         flattened order) the graph ends by copying its outputs there."""
         graph, keeps_graph = new_graph(bool(self.bound_in))
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool:
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
             for k, source in self.bound_in:
                 self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
             out = self.gm(*static_args)
