@@ -352,7 +352,7 @@ def environment(bench, device, args):
     return {
         "benchmark": bench,
         "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": f"python -m benchmarks.{bench} " + shlex.join(sys.argv[1:]),
+        "command": f"python -m {_main_module(bench)} " + shlex.join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton_version,
@@ -363,6 +363,12 @@ def environment(bench, device, args):
         "timing": args.order,
         "precision": precision_settings(),
     }
+
+
+def _main_module(bench: str) -> str:
+    """The module run with -m (benchmarks.mlp also writes the "mlp_residual" benchmark)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None and spec.name.startswith("benchmarks.") else f"benchmarks.{bench}"
 
 
 def run_benchmark(bench, cases, args, heatmap_keys=None):
