@@ -122,6 +122,28 @@ def _same_contents(container, saved) -> bool:
     return now.keys() == saved.keys() and all(now[k] is saved[k] for k in saved)
 
 
+def _only_memoized(container, saved) -> bool:
+    """Whether forward() only added keys of plain values (real tensors, numbers, strings) to a
+    dict: a cache filled once (`if n not in self.cache: self.cache[n] = torch.arange(n)`), which
+    the graph holds as a constant and eager fills again after it is put back. A replaced entry,
+    one holding a torch.fx Proxy or a fake tensor (a value of the traced input), or anything
+    appended to a list (a history, a call counter) is state. A dict used as a counter
+    (`self.d[len(self.d)] = 1`) passes here and is refused by the check against eager."""
+    now = _contents(container)
+    if isinstance(now, list) or not all(k in now and now[k] is v for k, v in saved.items()):
+        return False
+    added = [k for k in now if k not in saved]
+    return bool(added) and all(_plain(k) and _plain(now[k]) for k in added)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return type(value) in (torch.Tensor, torch.nn.Parameter) and value.device.type != "meta"
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Size))
+
+
 def _put_back(container, saved) -> None:
     if isinstance(container, list):
         container[:] = saved
@@ -171,7 +193,8 @@ class _Snapshot:
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
                 if not _same_contents(c, saved):
-                    changed.append(f"{name}.{k}")
+                    if not _only_memoized(c, saved):
+                        changed.append(f"{name}.{k}")
                     _put_back(c, saved)
             for k, (t, saved) in tensors.items():
                 if not _same_value(t, saved):

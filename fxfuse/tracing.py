@@ -9,6 +9,7 @@ meta so the normalize pass can fold them into constants.
 """
 import collections
 import contextlib
+import dis
 import inspect
 import io
 import logging
@@ -143,6 +144,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     inference_mode = torch.is_inference_mode_enabled()
     with _watching_grad_mode() as grad_mode_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
+    grad_mode_reads |= _mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
@@ -182,6 +184,30 @@ def _watching_grad_mode():
     finally:
         torch.is_grad_enabled = real["grad"]
         torch.is_inference_mode_enabled = real["inference"]
+
+
+def _mode_functions_imported(model) -> set:
+    """{"grad", "inference"}: the mode functions a forward() reaches by a name of its own (a
+    global or closure bound by `from torch import is_grad_enabled`), which _watching_grad_mode
+    cannot replace; counted as read (conservative: the runtime keeps that graph to the traced mode)."""
+    found = set()
+    for m in model.modules():
+        fn = getattr(type(m).forward, "__code__", None) and type(m).forward
+        if fn is None or type(m).__module__.startswith("torch."):
+            continue
+        names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
+        bound = [fn.__globals__.get(name) for name in names] + [_cell(c) for c in fn.__closure__ or ()]
+        for kind, real in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled)):
+            if any(value is real for value in bound):
+                found.add(kind)
+    return found
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:   # an empty cell
+        return None
 
 
 def _trace(model, example_args, concrete, tensor_args, given_values=True):

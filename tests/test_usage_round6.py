@@ -262,3 +262,72 @@ def test_snapshot_copies_a_shared_global_once():
 
     snapshot = _Snapshot(nn.Sequential(*[ReadsGlobal() for _ in range(6)]))
     assert sum(len(entry[6]) for entry in snapshot.modules) == 1
+
+
+class Memo(nn.Module):
+    """A cache filled once (rotary tables, masks): plain values added under new keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cache = nn.Linear(8, 8), {}
+
+    def forward(self, x):
+        if "ramp" not in self.cache:
+            self.cache["ramp"] = torch.arange(8, dtype=torch.float32)
+        return torch.relu(self.lin(x)) + self.cache["ramp"]
+
+
+class Counts(nn.Module):
+    """State in disguise: a list or dict that grows per call, read by the output."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(8, 8), kind
+        self.seen = [] if kind == "list" else {}
+
+    def forward(self, x):
+        if self.kind == "list":
+            self.seen.append(1)
+        else:
+            self.seen[len(self.seen)] = 1
+        return self.lin(x) * len(self.seen)
+
+
+def test_a_memo_cache_filled_at_trace_time_is_optimized_and_emptied_again():
+    model = Memo().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages and model.cache == {}
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_a_growing_container_read_by_the_output_is_refused(kind):
+    model = Counts(kind).eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert opt is model and len(messages) == 1 and len(model.seen) == 0
+
+
+def test_mode_function_imported_by_name_is_watched_too():
+    """`from torch import is_inference_mode_enabled` binds a name the tracing-time watch cannot
+    replace: counted as read from forward()'s own names."""
+    from torch import is_inference_mode_enabled
+
+    class ImportedName(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if is_inference_mode_enabled() else y
+
+    model = ImportedName().eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, x)
+    for mode in (False, True):
+        with _inference(mode), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(opt(x), model(x))
