@@ -9,13 +9,10 @@ meta so the normalize pass can fold them into constants.
 """
 import collections
 import contextlib
-import dis
 import inspect
 import io
 import logging
 import operator
-import os
-import sys
 import time
 import warnings
 
@@ -27,6 +24,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from .concrete_args import one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
+from .mode_watch import mode_functions_imported, watching_mode_reads
 from .transformer_blocks import blocks_given_padding, opaque_blocks
 
 
@@ -142,9 +140,9 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     start = time.perf_counter()
     concrete, tensor_args, given_values = split_concrete(model, example_args)
     inference_mode = torch.is_inference_mode_enabled()
-    with _watching_grad_mode() as grad_mode_reads:
+    with watching_mode_reads() as grad_mode_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
-    grad_mode_reads |= _mode_functions_imported(model)
+    grad_mode_reads |= mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
@@ -153,61 +151,6 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in grad_mode_reads,
                                "reads_inference_mode": inference_mode if "inference" in grad_mode_reads else None}
     return gm
-
-
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-
-
-@contextlib.contextmanager
-def _watching_grad_mode():
-    """Notes whether tracing called torch.is_grad_enabled() ("grad") or
-    torch.is_inference_mode_enabled() ("inference"): builds run under no_grad, so a forward()
-    that branches on either (`if not torch.is_grad_enabled(): h = h * 2`) is traced on one side,
-    and the runtime must not run that graph in the other mode (runtime.OptimizedModule).
-    Builds run one at a time (runtime.BUILD_LOCK); another thread asking meanwhile only makes
-    this conservative."""
-    real = {"grad": torch.is_grad_enabled, "inference": torch.is_inference_mode_enabled}
-    reads = set()
-
-    def watching(kind):
-        def watched():
-            caller = sys._getframe(1).f_code.co_filename   # the model's code, not torch's (fx, export,
-            if not caller.startswith(_LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
-                reads.add(kind)
-            return real[kind]()
-        return watched
-
-    torch.is_grad_enabled = watching("grad")
-    torch.is_inference_mode_enabled = watching("inference")
-    try:
-        yield reads
-    finally:
-        torch.is_grad_enabled = real["grad"]
-        torch.is_inference_mode_enabled = real["inference"]
-
-
-def _mode_functions_imported(model) -> set:
-    """{"grad", "inference"}: the mode functions a forward() reaches by a name of its own (a
-    global or closure bound by `from torch import is_grad_enabled`), which _watching_grad_mode
-    cannot replace; counted as read (conservative: the runtime keeps that graph to the traced mode)."""
-    found = set()
-    for m in model.modules():
-        fn = getattr(type(m).forward, "__code__", None) and type(m).forward
-        if fn is None or type(m).__module__.startswith("torch."):
-            continue
-        names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
-        bound = [fn.__globals__.get(name) for name in names] + [_cell(c) for c in fn.__closure__ or ()]
-        for kind, real in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled)):
-            if any(value is real for value in bound):
-                found.add(kind)
-    return found
-
-
-def _cell(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:   # an empty cell
-        return None
 
 
 def _trace(model, example_args, concrete, tensor_args, given_values=True):

@@ -1,0 +1,69 @@
+"""Whether a forward() asks torch's grad or inference mode while it is traced.
+
+Why: builds trace under no_grad (and in whatever inference mode the building call had), so a
+forward() that branches on the mode (`if not torch.is_grad_enabled(): h = h * 2`) is traced on
+one side only; the runtime must then not run that graph in the other mode
+(runtime.OptimizedModule). Calls through `torch.is_grad_enabled` are seen by replacing it for
+the trace; names a forward() bound itself (`from torch import is_grad_enabled`) by reading
+its globals and closures.
+"""
+import contextlib
+import dis
+import os
+import sys
+
+import torch
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def watching_mode_reads():
+    """Notes whether tracing called torch.is_grad_enabled() ("grad") or
+    torch.is_inference_mode_enabled() ("inference"): builds run under no_grad, so a forward()
+    that branches on either (`if not torch.is_grad_enabled(): h = h * 2`) is traced on one side,
+    and the runtime must not run that graph in the other mode (runtime.OptimizedModule).
+    Builds run one at a time (runtime.BUILD_LOCK); another thread asking meanwhile only makes
+    this conservative."""
+    real = {"grad": torch.is_grad_enabled, "inference": torch.is_inference_mode_enabled}
+    reads = set()
+
+    def watching(kind):
+        def watched():
+            caller = sys._getframe(1).f_code.co_filename   # the model's code, not torch's (fx, export,
+            if not caller.startswith(_LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
+                reads.add(kind)
+            return real[kind]()
+        return watched
+
+    torch.is_grad_enabled = watching("grad")
+    torch.is_inference_mode_enabled = watching("inference")
+    try:
+        yield reads
+    finally:
+        torch.is_grad_enabled = real["grad"]
+        torch.is_inference_mode_enabled = real["inference"]
+
+
+def mode_functions_imported(model) -> set:
+    """{"grad", "inference"}: the mode functions a forward() reaches by a name of its own (a
+    global or closure bound by `from torch import is_grad_enabled`), which watching_mode_reads
+    cannot replace; counted as read (conservative: the runtime keeps that graph to the traced mode)."""
+    found = set()
+    for m in model.modules():
+        fn = getattr(type(m).forward, "__code__", None) and type(m).forward
+        if fn is None or type(m).__module__.startswith("torch."):
+            continue
+        names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
+        bound = [fn.__globals__.get(name) for name in names] + [_cell(c) for c in fn.__closure__ or ()]
+        for kind, real in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled)):
+            if any(value is real for value in bound):
+                found.add(kind)
+    return found
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:   # an empty cell
+        return None
