@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from .module_state import forward_function
+
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,8 +53,8 @@ def mode_functions_imported(model) -> set:
     cannot replace; counted as read (conservative: the runtime keeps that graph to the traced mode)."""
     found = set()
     for m in model.modules():
-        fn = getattr(type(m).forward, "__code__", None) and type(m).forward
-        if fn is None or type(m).__module__.startswith("torch."):
+        fn = forward_function(m)
+        if getattr(fn, "__code__", None) is None or type(m).__module__.startswith("torch."):
             continue
         names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
         bound = [fn.__globals__.get(name) for name in names] + [_cell(c) for c in fn.__closure__ or ()]

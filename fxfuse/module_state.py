@@ -17,7 +17,9 @@ version counter only (copying them would double the model's memory). Inference t
 by identity (and buffers by value).
 """
 import contextlib
+import dataclasses
 import dis
+import inspect
 import types
 
 import torch
@@ -89,20 +91,25 @@ def _held(attrs: dict, globals_read: dict, seen: set):
             return
         items = (list(enumerate(value)) if isinstance(value, (list, tuple)) else list(value.items())
                  if isinstance(value, dict) else list(vars(value).items())
-                 if isinstance(value, types.SimpleNamespace) else None)
+                 if _is_record(value) else None)
         if items is None or len(items) > MAX_CONTAINER_ITEMS:
             return
         seen.add(id(value))
         if not isinstance(value, tuple):
             yield "container", label, value
         for key, item in items:
-            yield from walk(f"{label}.{key}" if isinstance(value, types.SimpleNamespace) else
-                            f"{label}[{key!r}]", item, depth + 1)
+            yield from walk(f"{label}.{key}" if _is_record(value) else f"{label}[{key!r}]", item, depth + 1)
 
     for k, v in attrs.items():
         yield from walk(k, v, 0)
     for k, v in globals_read.items():
         yield from walk(f"forward's global {k}", v, 0)
+
+
+def _is_record(value) -> bool:
+    """A SimpleNamespace or a dataclass instance (a decode state, a config): walked by its fields."""
+    return isinstance(value, types.SimpleNamespace) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__"))
 
 
 def _comparable(t: torch.Tensor) -> bool:
@@ -111,44 +118,35 @@ def _comparable(t: torch.Tensor) -> bool:
 
 
 def _contents(container):
-    return list(container) if isinstance(container, list) else dict(vars(container) if isinstance(
-        container, types.SimpleNamespace) else container)
+    return list(container) if isinstance(container, list) else dict(vars(container) if _is_record(
+        container) else container)
 
 
 def _same_contents(container, saved) -> bool:
     now = _contents(container)
     if isinstance(now, list):
-        return len(now) == len(saved) and all(a is b for a, b in zip(now, saved))
-    return now.keys() == saved.keys() and all(now[k] is saved[k] for k in saved)
+        return len(now) == len(saved) and all(_same_attr(a, b) for a, b in zip(now, saved))
+    return now.keys() == saved.keys() and all(_same_attr(now[k], saved[k]) for k in saved)
 
 
 def _only_memoized(container, saved) -> bool:
-    """Whether forward() only added keys of plain values (real tensors, numbers, strings) to a
-    dict: a cache filled once (`if n not in self.cache: self.cache[n] = torch.arange(n)`), which
-    the graph holds as a constant and eager fills again after it is put back. A replaced entry,
-    one holding a torch.fx Proxy or a fake tensor (a value of the traced input), or anything
-    appended to a list (a history, a call counter) is state. A dict used as a counter
-    (`self.d[len(self.d)] = 1`) passes here and is refused by the check against eager."""
+    """Whether forward() only added keys to a dict: a cache filled on a miss (`if T not in
+    self.cache: self.cache[T] = rotary(T, x.device)`). The graph computes or holds what it read
+    from it, and eager fills it again after it is put back (entries made of torch.fx Proxies
+    or fake tensors never stay in the model). A replaced entry, or anything appended to a list
+    (a history, a call counter), is state. A dict used as a counter (`self.d[len(self.d)] = 1`
+    read by the output) passes here and is refused by the check against eager."""
     now = _contents(container)
     if isinstance(now, list) or not all(k in now and now[k] is v for k, v in saved.items()):
         return False
-    added = [k for k in now if k not in saved]
-    return bool(added) and all(_plain(k) and _plain(now[k]) for k in added)
-
-
-def _plain(value) -> bool:
-    if isinstance(value, torch.Tensor):
-        return type(value) in (torch.Tensor, torch.nn.Parameter) and value.device.type != "meta"
-    if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
-    return isinstance(value, (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Size))
+    return len(now) > len(saved)
 
 
 def _put_back(container, saved) -> None:
     if isinstance(container, list):
         container[:] = saved
     else:
-        target = vars(container) if isinstance(container, types.SimpleNamespace) else container
+        target = vars(container) if _is_record(container) else container
         target.clear()
         target.update(saved)
 
@@ -157,10 +155,20 @@ MAX_CONTAINER_DEPTH = 3     # nesting of lists/dicts searched for tensors
 MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not snapshotted
 
 
+def forward_function(m: torch.nn.Module):
+    """The function type(m).forward runs, under its decorators (@torch.no_grad(), functools.wraps):
+    its code and globals are the model's, the wrapper's are torch's or functools'."""
+    fn = getattr(type(m), "forward", None)
+    try:
+        return inspect.unwrap(fn) if fn is not None else None
+    except ValueError:   # a wrapper chain that loops
+        return fn
+
+
 def _forward_globals(m: torch.nn.Module) -> dict:
     """Module-level names type(m).forward reads (LOAD_GLOBAL: not attribute names that happen
     to match) whose values are tensors or containers."""
-    fn = getattr(getattr(type(m), "forward", None), "__func__", getattr(type(m), "forward", None))
+    fn = forward_function(m)
     code, module_globals = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is None or type(m).__module__.startswith("torch."):
         return {}
@@ -186,10 +194,24 @@ class _Snapshot:
             params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
+        # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
+        # stored there by the trace would reach every later eager call of the class
+        self.class_containers = []
+        for cls in dict.fromkeys(type(m) for m in model.modules()):
+            if cls.__module__.startswith("torch."):
+                continue
+            shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
+            self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))
+                                      for kind, k, v in _held(shared, {}, seen) if kind == "container"]
 
     def restore(self) -> list:
         """Put everything back; the names of what forward() had changed."""
         changed = []
+        for name, c, saved in self.class_containers:
+            if not _same_contents(c, saved):
+                if not _only_memoized(c, saved):
+                    changed.append(name)
+                _put_back(c, saved)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
                 if not _same_contents(c, saved):

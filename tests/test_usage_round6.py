@@ -9,6 +9,7 @@
 - Model-side causes were reported as "a bug in fxfuse": an overridden __call__, lazy modules.
 """
 import copy
+import dataclasses
 import os
 import warnings
 
@@ -331,3 +332,108 @@ def test_mode_function_imported_by_name_is_watched_too():
         with _inference(mode), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.testing.assert_close(opt(x), model(x))
+
+
+# --- third round (helper): decorated forwards, dataclass state, class-level memos, shape-keyed caches
+
+
+@dataclasses.dataclass
+class DecodeState:
+    step: torch.Tensor
+
+
+class DataclassState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.state = nn.Linear(8, 8), DecodeState(torch.zeros(()))
+
+    def forward(self, x):
+        self.state.step.add_(1)
+        return self.lin(x) * self.state.step
+
+
+STEP = torch.zeros(())
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    @torch.no_grad()
+    def forward(self, x):
+        STEP.add_(1)                    # the bytecode scan must read the function under the decorator
+        return self.lin(x) * STEP
+
+
+@pytest.mark.parametrize("make,state", [(DataclassState, lambda m: m.state.step), (DecoratedForward, lambda m: STEP)])
+def test_state_behind_a_dataclass_or_a_decorator_is_refused_and_restored(make, state):
+    STEP.zero_()
+    model = make().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
+    assert state(model).item() == 0
+
+
+class RotaryCache(nn.Module):
+    """Keyed by the sequence length, built on the input's device: under tracing both are
+    Proxies, and the trace adds an entry even when the cache is warm."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.lin, self._cache = nn.Linear(dim, dim), {}
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+    def forward(self, x):
+        t = x.shape[-2]
+        if t not in self._cache:
+            f = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), self.inv_freq)
+            self._cache[t] = torch.cat((f, f), -1).cos()
+        return self.lin(x) * self._cache[t]
+
+
+class ClassMemo(nn.Module):
+    _masks = {}                         # shared by every instance
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if "causal" not in self._masks:
+            self._masks["causal"] = torch.ones(6, 6, device=x.device).tril()
+        return (self.lin(x) @ x.transpose(-1, -2)) * self._masks["causal"]
+
+
+@pytest.mark.parametrize("make,shape,warm", [(RotaryCache, (2, 8, 16), False), (RotaryCache, (2, 8, 16), True),
+                                             (ClassMemo, (2, 6, 8), False)])
+def test_caches_filled_by_the_trace_are_optimized_and_left_clean(make, shape, warm):
+    ClassMemo._masks.clear()
+    model = make().eval()
+    x = torch.randn(*shape)
+    if warm:
+        with torch.no_grad():
+            model(x)
+    before = dict(model._cache if make is RotaryCache else ClassMemo._masks)
+    opt, messages = _optimize_warned(model, x)
+    assert isinstance(opt, OptimizedModule) and not messages
+    after = model._cache if make is RotaryCache else ClassMemo._masks
+    assert after.keys() == before.keys() and all(isinstance(v, torch.Tensor) for v in after.values())
+    x2 = torch.randn(*shape)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x2), model(x2))
+        assert isinstance(make().eval()(x2), torch.Tensor)   # no Proxy left on the class
+
+
+def test_an_equal_value_assigned_to_a_config_entry_is_no_state_change():
+    class Configured(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.cfg = nn.Linear(8, 8), {"scale": 0.25}
+
+        def forward(self, x):
+            self.cfg["scale"] = float("0.25")     # an equal float, another object
+            return self.lin(x) * self.cfg["scale"]
+
+    opt, messages = _optimize_warned(Configured().eval(), torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages
