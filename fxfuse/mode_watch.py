@@ -8,13 +8,12 @@ the trace; names a forward() bound itself (`from torch import is_grad_enabled`) 
 its globals and closures.
 """
 import contextlib
-import dis
 import os
 import sys
 
 import torch
 
-from .module_state import forward_function
+from .module_state import forward_globals
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,11 +52,10 @@ def mode_functions_imported(model) -> set:
     cannot replace; counted as read (conservative: the runtime keeps that graph to the traced mode)."""
     found = set()
     for m in model.modules():
-        fn = forward_function(m)
-        if getattr(fn, "__code__", None) is None or type(m).__module__.startswith("torch."):
+        fn, loaded = forward_globals(m)
+        if fn is None:
             continue
-        names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
-        bound = [fn.__globals__.get(name) for name in names] + [_cell(c) for c in fn.__closure__ or ()]
+        bound = list(loaded.values()) + [_cell(c) for c in fn.__closure__ or ()]
         for kind, real in (("grad", torch.is_grad_enabled), ("inference", torch.is_inference_mode_enabled)):
             if any(value is real for value in bound):
                 found.add(kind)

@@ -142,6 +142,14 @@ def _only_memoized(container, saved) -> bool:
     return len(now) > len(saved)
 
 
+def _restore_container(name: str, container, saved, changed: list) -> None:
+    """Put a container's items back; name it in `changed` unless forward() only memoized."""
+    if not _same_contents(container, saved):
+        if not _only_memoized(container, saved):
+            changed.append(name)
+        _put_back(container, saved)
+
+
 def _put_back(container, saved) -> None:
     if isinstance(container, list):
         container[:] = saved
@@ -165,16 +173,21 @@ def forward_function(m: torch.nn.Module):
         return fn
 
 
-def _forward_globals(m: torch.nn.Module) -> dict:
-    """Module-level names type(m).forward reads (LOAD_GLOBAL: not attribute names that happen
-    to match) whose values are tensors or containers."""
+def forward_globals(m: torch.nn.Module) -> tuple:
+    """(the function under type(m).forward's decorators, {name: value} of the module-level names
+    it loads: LOAD_GLOBAL, not attribute names that happen to match); (None, {}) for torch's own
+    modules and forwards without Python code."""
     fn = forward_function(m)
-    code, module_globals = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    if code is None or type(m).__module__.startswith("torch."):
-        return {}
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
-    return {name: module_globals[name] for name in names
-            if isinstance(module_globals.get(name), (torch.Tensor, list, tuple, dict, types.SimpleNamespace))}
+    if getattr(fn, "__code__", None) is None or type(m).__module__.startswith("torch."):
+        return None, {}
+    names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
+    return fn, {name: fn.__globals__[name] for name in names if name in fn.__globals__}
+
+
+def _forward_state(m: torch.nn.Module) -> dict:
+    """The module-level tensors and containers type(m).forward loads."""
+    return {name: v for name, v in forward_globals(m)[1].items()
+            if isinstance(v, (torch.Tensor, list, tuple, dict)) or _is_record(v)}
 
 
 class _Snapshot:
@@ -187,7 +200,7 @@ class _Snapshot:
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
             # at trace time, and the graph holds the changed tensor as a constant
-            held = list(_held(attrs, _forward_globals(m), seen))
+            held = list(_held(attrs, _forward_state(m), seen))
             tensors = {k: (v, v.detach().clone()) for kind, k, v in held if kind == "tensor"}
             containers = {k: (v, _contents(v)) for kind, k, v in held if kind == "container"}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
@@ -208,16 +221,10 @@ class _Snapshot:
         """Put everything back; the names of what forward() had changed."""
         changed = []
         for name, c, saved in self.class_containers:
-            if not _same_contents(c, saved):
-                if not _only_memoized(c, saved):
-                    changed.append(name)
-                _put_back(c, saved)
+            _restore_container(name, c, saved, changed)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
-                if not _same_contents(c, saved):
-                    if not _only_memoized(c, saved):
-                        changed.append(f"{name}.{k}")
-                    _put_back(c, saved)
+                _restore_container(f"{name}.{k}", c, saved, changed)
             for k, (t, saved) in tensors.items():
                 if not _same_value(t, saved):
                     changed.append(f"{name}.{k}")

@@ -246,8 +246,8 @@ class OptimizedModule(torch.nn.Module):
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
         self._reads_grad_mode |= bool(gm.meta.get("fxfuse_trace", {}).get("reads_grad_mode"))
-        if gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode") is not None and self._traced_inference_mode is None:
-            self._traced_inference_mode = gm.meta["fxfuse_trace"]["reads_inference_mode"]
+        if self._traced_inference_mode is None:
+            self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
@@ -372,11 +372,11 @@ class OptimizedModule(torch.nn.Module):
                                       "inputs requiring grad), or forward() asks torch.is_grad_enabled() and was "
                                       "traced without grad; fxfuse runs inference only: call under "
                                       "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
-        if self._traced_inference_mode is not None and torch.is_inference_mode_enabled() != self._traced_inference_mode:
-            mode = "on" if self._traced_inference_mode else "off"
+        traced = self._traced_inference_mode
+        if traced is not None and torch.is_inference_mode_enabled() != traced:
             return self._run_original("inference", "forward() asks torch.is_inference_mode_enabled() and was traced "
-                                      f"with inference mode {mode}, and this call has it {'off' if self._traced_inference_mode else 'on'}",
-                                      args)
+                                      f"with inference mode {'on' if traced else 'off'}, and this call has it "
+                                      f"{'off' if traced else 'on'}", args)
         try:
             sig = signature(args)
         except UnsupportedInput as e:   # sparse, nested, a tensor subclass: no kernel was built for it

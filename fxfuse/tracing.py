@@ -140,16 +140,16 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     start = time.perf_counter()
     concrete, tensor_args, given_values = split_concrete(model, example_args)
     inference_mode = torch.is_inference_mode_enabled()
-    with watching_mode_reads() as grad_mode_reads:
+    with watching_mode_reads() as mode_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
-    grad_mode_reads |= mode_functions_imported(model)
+    mode_reads |= mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
                                 "the call instead (fxfuse then runs the original module)")
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
-                               "concrete_args": concrete or {}, "reads_grad_mode": "grad" in grad_mode_reads,
-                               "reads_inference_mode": inference_mode if "inference" in grad_mode_reads else None}
+                               "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
+                               "reads_inference_mode": inference_mode if "inference" in mode_reads else None}
     return gm
 
 

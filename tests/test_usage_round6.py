@@ -298,6 +298,7 @@ def test_a_memo_cache_filled_at_trace_time_is_optimized_and_emptied_again():
     model = Memo().eval()
     opt, messages = _optimize_warned(model, torch.randn(4, 8))
     assert isinstance(opt, OptimizedModule) and not messages and model.cache == {}
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
     x = torch.randn(5, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
@@ -416,7 +417,7 @@ def test_caches_filled_by_the_trace_are_optimized_and_left_clean(make, shape, wa
             model(x)
     before = dict(model._cache if make is RotaryCache else ClassMemo._masks)
     opt, messages = _optimize_warned(model, x)
-    assert isinstance(opt, OptimizedModule) and not messages
+    assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
     after = model._cache if make is RotaryCache else ClassMemo._masks
     assert after.keys() == before.keys() and all(isinstance(v, torch.Tensor) for v in after.values())
     x2 = torch.randn(*shape)
@@ -436,4 +437,4 @@ def test_an_equal_value_assigned_to_a_config_entry_is_no_state_change():
             return self.lin(x) * self.cfg["scale"]
 
     opt, messages = _optimize_warned(Configured().eval(), torch.randn(4, 8))
-    assert isinstance(opt, OptimizedModule) and not messages
+    assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
