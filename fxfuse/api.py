@@ -15,6 +15,7 @@ import torch
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import interpreting, kernels_available
 from .log import logger
+from .mode_watch import probe_mode_dependence
 from .module_state import forward_hook_owner, kept_state
 from .options import Options
 from .runtime import OptimizedModule
@@ -128,14 +129,16 @@ def build_graph(model, args: tuple, options: Options):
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
-            _verify(model, gm, args)
+            expected = _verify(model, gm, args)
+            probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _mismatch)
     return gm
 
 
-def _verify(model, gm, args) -> None:
+def _verify(model, gm, args) -> list:
     """Each side runs on its own copy of args: a model that mutates its input (`x.add_(1)`)
     would otherwise feed the rewritten graph an input eager has already changed. The inputs
-    are compared afterwards too, since eager semantics include those writes."""
+    are compared afterwards too, since eager semantics include those writes. Returns eager's
+    flattened outputs."""
     eager_args, graph_args = clone_args(args), clone_args(args)
     eager_out, graph_out = model(*eager_args), gm(*graph_args)
     expected, expected_spec = torch.utils._pytree.tree_flatten(eager_out)
@@ -171,6 +174,7 @@ def _verify(model, gm, args) -> None:
                 raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
                                   "(Python control flow on a tensor attribute such as requires_grad, or on a "
                                   "global flag), or this is a bug in fxfuse: please report it with explain()")
+    return expected
 
 
 def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:

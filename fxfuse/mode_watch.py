@@ -5,7 +5,9 @@ forward() that branches on the mode (`if not torch.is_grad_enabled(): h = h * 2`
 one side only; the runtime must then not run that graph in the other mode
 (runtime.OptimizedModule). Calls through `torch.is_grad_enabled` are seen by replacing it for
 the trace; names a forward() bound itself (`from torch import is_grad_enabled`) by reading
-its globals and closures.
+its globals and closures; and, where the build verifies, by running the model in the other
+mode too (probe_mode_dependence), which catches every other way of asking (a helper that
+imported the function, one stored on the module, `h.is_inference()`).
 """
 import contextlib
 import os
@@ -67,3 +69,31 @@ def _cell(cell):
         return cell.cell_contents
     except ValueError:   # an empty cell
         return None
+
+
+def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> None:
+    """Run eager once with grad mode on and once in the other inference mode than the build's
+    (the build itself runs under no_grad), and mark `reads` (tracing's "fxfuse_trace" record)
+    wherever the output changes: the forward() depends on that mode whichever way it asks,
+    and the runtime then runs the original in the mode the graph was not traced in.
+    `expected` is eager's flattened output in the build's modes; `differs(e, g)` compares
+    one output. A run that raises counts as depending on the mode (conservative: those
+    calls then run the original, which raises the model's own error)."""
+    inference = torch.is_inference_mode_enabled()
+    if not reads.get("reads_grad_mode"):
+        with torch.enable_grad():
+            reads["reads_grad_mode"] = _changes(model, args, expected, differs)
+    if reads.get("reads_inference_mode") is None:
+        with torch.inference_mode(not inference), torch.no_grad():   # inference_mode(False) turns grad on
+            if _changes(model, args, expected, differs):
+                reads["reads_inference_mode"] = inference
+
+
+def _changes(model, args, expected, differs) -> bool:
+    from .tracing import clone_args
+    try:
+        got = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
+    except Exception:  # noqa: BLE001 -- see probe_mode_dependence
+        return True
+    return len(got) != len(expected) or any(differs(e, g.detach() if isinstance(g, torch.Tensor) else g)
+                                            for e, g in zip(expected, got))

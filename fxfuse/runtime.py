@@ -369,12 +369,14 @@ class OptimizedModule(torch.nn.Module):
                                 "stale). Call the original module for such use.")
         if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
-                                      "inputs requiring grad), or forward() asks torch.is_grad_enabled() and was "
-                                      "traced without grad; fxfuse runs inference only: call under "
-                                      "torch.no_grad() or torch.inference_mode() to use the optimized graph", args)
+                                      "inputs requiring grad), or forward()'s result depends on grad mode (it "
+                                      "asks torch.is_grad_enabled() or the like) and was traced without grad; "
+                                      "fxfuse runs inference only: call under torch.no_grad() or "
+                                      "torch.inference_mode() to use the optimized graph", args)
         traced = self._traced_inference_mode
         if traced is not None and torch.is_inference_mode_enabled() != traced:
-            return self._run_original("inference", "forward() asks torch.is_inference_mode_enabled() and was traced "
+            return self._run_original("inference", "forward()'s result depends on inference mode (it asks "
+                                      "torch.is_inference_mode_enabled() or the like) and was traced "
                                       f"with inference mode {'on' if traced else 'off'}, and this call has it "
                                       f"{'off' if traced else 'on'}", args)
         try:

@@ -1,0 +1,105 @@
+"""A forward() whose result depends on grad or inference mode, however it asks.
+
+Tracing watches torch.is_grad_enabled / torch.is_inference_mode_enabled by name; a helper
+that imported the function, a function stored on the module, or `h.is_inference()` escaped
+that watch, and the graph traced in one mode ran in the other: silently wrong. The build's
+verification now also runs the model in the other modes (mode_watch.probe_mode_dependence).
+"""
+import os
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch import is_inference_mode_enabled as imported_inference_mode  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse.runtime import OptimizedModule  # noqa: E402
+
+
+def doubled_in_inference_mode(h):
+    """A helper outside forward(): its name binding escapes the tracing-time watch."""
+    return h * 2.0 if imported_inference_mode() else h
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.grad_on = torch.is_grad_enabled   # bound before tracing replaces torch's
+
+    def hidden(self, x):
+        return torch.relu(self.lin(x)) + 0.5
+
+
+class HelperAsks(Block):
+    def forward(self, x):
+        return doubled_in_inference_mode(self.hidden(x))
+
+
+class TensorAsks(Block):
+    def forward(self, x):
+        h = self.hidden(x)
+        return h * 3.0 if h.is_inference() else h
+
+
+class StoredFunctionAsks(Block):
+    def forward(self, x):
+        h = self.hidden(x)
+        return h * 3.0 if self.grad_on() else h
+
+
+class NeverAsks(Block):
+    def forward(self, x):
+        return self.hidden(x)
+
+
+MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}
+
+
+def _calls(opt, model, x, modes):
+    """Each call's (mode, warnings) after checking it against eager in that mode."""
+    seen = []
+    for mode in modes:
+        with MODES[mode](), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, want = opt(x), model(x)
+        torch.testing.assert_close(got.detach(), want.detach())
+        seen.append((mode, [str(w.message) for w in caught]))
+    return seen
+
+
+@pytest.mark.parametrize("make", [HelperAsks, TensorAsks, StoredFunctionAsks])
+@pytest.mark.parametrize("built_in", ["inference", "no_grad"])
+def test_a_mode_read_the_watch_misses_runs_the_original_in_the_other_mode(make, built_in):
+    model = make().eval().requires_grad_(False)   # frozen: grad-mode calls may use the graph
+    x = torch.randn(5, 8)
+    with MODES[built_in]():
+        opt = fxfuse.optimize(model, x)
+    assert isinstance(opt, OptimizedModule)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    _calls(opt, model, x, ["inference", "no_grad", "grad", built_in])
+    assert sum(opt.original_calls.values()) >= 1   # some mode ran the original
+
+
+def test_a_model_that_never_asks_uses_the_graph_in_every_mode():
+    model = NeverAsks().eval().requires_grad_(False)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, x)
+    trace = next(iter(opt.specializations.values())).gm.meta["fxfuse_trace"]
+    assert not trace["reads_grad_mode"] and trace["reads_inference_mode"] is None
+    seen = _calls(opt, model, x, ["inference", "no_grad", "grad"])
+    assert all(not caught for _, caught in seen)
+    assert not opt.original_calls
+
+
+def test_the_warning_names_the_mode_dependence():
+    model = HelperAsks().eval().requires_grad_(False)
+    x = torch.randn(5, 8)
+    with torch.inference_mode():
+        opt = fxfuse.optimize(model, x)
+    seen = dict(_calls(opt, model, x, ["no_grad"]))
+    assert any("depends on inference mode" in m for m in seen["no_grad"])
