@@ -12,6 +12,7 @@ import inspect
 
 import torch
 
+from .concrete_args import same_default
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import interpreting, kernels_available
 from .log import logger
@@ -53,7 +54,8 @@ def _check_call_path(model, args: tuple) -> None:
     materialized yet (their shape-inferring pre-hook runs on the first call), and a __call__
     overridden on the model's class (only forward() is traced; submodules' calls are traced
     through) unless it hands forward() exactly the call's arguments and returns its result
-    (a __call__ defined for type hints, or `__call__ = nn.Module.__call__`)."""
+    (a __call__ defined for type hints, one that calls self.forward(x), one that spells out
+    forward()'s defaults, or `__call__ = nn.Module.__call__`)."""
     lazy = next((name or type(model).__name__ for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params()), None)
     if lazy is not None:
@@ -63,35 +65,51 @@ def _check_call_path(model, args: tuple) -> None:
     if owner.__module__.startswith("torch.") or vars(owner)["__call__"] is torch.nn.Module.__call__:
         return   # torch's own (GraphModule's) only wrap nn.Module.__call__
     if not _call_only_forwards(model, args):
-        raise UnsupportedError(f"{owner.__name__} overrides __call__ and changes what forward() receives or "
-                               "returns; fxfuse traces forward() only, so the optimized module would skip it. "
-                               "Move that into forward()")
+        raise UnsupportedError(f"{owner.__name__} overrides __call__ and does more than run forward() once on "
+                               "the call's arguments and return its result; fxfuse traces forward() only, so the "
+                               "optimized module would skip that. Move it into forward()")
 
 
 def _call_only_forwards(model, args: tuple) -> bool:
-    """Whether model(*args) gives forward() the very argument objects and returns forward()'s
-    very result (checked with hooks on one call, the model's state kept)."""
-    seen = {}
+    """Whether model(*args) runs forward() once, with the very argument objects (plus, at
+    most, forward()'s own defaults spelled out) and returns forward()'s very result. Checked
+    on one call, the model's state kept, with forward() watched on the instance: that sees a
+    __call__ going through nn.Module.__call__ and one calling self.forward() directly."""
+    runs, own = [], model.__dict__.get("forward")
+    forward = model.forward
 
-    def before(module, hook_args, hook_kwargs):
-        seen["args"], seen["kwargs"] = hook_args, hook_kwargs
+    def watched(*a, **kw):
+        out = forward(*a, **kw)
+        runs.append((a, kw, out))
+        return out
 
-    def after(module, hook_args, out):
-        seen["out"] = out
-
-    handles = [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after)]
     call_args = clone_args(args)
     try:
         with torch.no_grad(), kept_state(model):
-            out = model(*call_args)
+            model.__dict__["forward"] = watched
+            try:
+                out = model(*call_args)
+            finally:
+                if own is None:
+                    del model.__dict__["forward"]
+                else:
+                    model.__dict__["forward"] = own
     except Exception as e:  # noqa: BLE001 -- the build would meet it too; here it only means "not transparent"
         logger.info("checking the overridden __call__ failed: %s", e)
         return False
-    finally:
-        for handle in handles:
-            handle.remove()
-    return ("args" in seen and not seen["kwargs"] and len(seen["args"]) == len(call_args)
-            and all(a is b for a, b in zip(seen["args"], call_args)) and seen.get("out") is out)
+    if len(runs) != 1 or runs[0][2] is not out:
+        return False
+    given, given_kwargs, _ = runs[0]
+    if len(given) < len(call_args) or not all(a is b for a, b in zip(given, call_args)):
+        return False
+    try:
+        bound = inspect.signature(forward).bind(*given, **given_kwargs)
+    except (TypeError, ValueError):
+        return False
+    params = bound.signature.parameters
+    extra = list(bound.arguments.items())[len(call_args):]   # what __call__ added: forward()'s defaults only
+    return all(params[name].kind not in (params[name].VAR_POSITIONAL, params[name].VAR_KEYWORD)
+               and same_default(value, params[name].default) for name, value in extra)
 
 
 def _check_example_binds(model, args: tuple) -> None:

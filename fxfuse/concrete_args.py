@@ -73,6 +73,13 @@ def constant_default(value) -> bool:
     return isinstance(value, PLAIN_TYPES)
 
 
+def same_default(value, default) -> bool:
+    """A keyword-only argument the traced graph assumed: its default itself, or an equal number,
+    string, bool or None (z=1.0 where the default is 1.0)."""
+    return value is default or (type(value) is type(default) and isinstance(value, (int, float, str, type(None)))
+                                and repr(value) == repr(default))   # repr: -0.0 is not 0.0
+
+
 def mutable_defaults(model) -> tuple:
     """(default, its repr) for each default of forward() that constant_default refuses for being
     mutable (a list, dict or set, or a tuple holding one): Python passes the same object on every

@@ -40,7 +40,7 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from .concrete_args import constant_default, mutable_defaults
+from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
@@ -108,13 +108,6 @@ def _autocast_off() -> contextlib.ExitStack:
 
 
 MAX_MISSES_KEPT = 32
-
-
-def _same_default(value, default) -> bool:
-    """A keyword-only argument the traced graph assumed: its default itself, or an equal number,
-    string, bool or None (z=1.0 where the default is 1.0)."""
-    return value is default or (type(value) is type(default) and isinstance(value, (int, float, str, type(None)))
-                                and repr(value) == repr(default))   # repr: -0.0 is not 0.0
 
 
 class _RebuildOnLoad:
@@ -305,12 +298,12 @@ class OptimizedModule(torch.nn.Module):
         if not all(name in given or constant_default(bound.arguments[name]) for name in
                    list(bound.arguments)[:len(bound.args)]):
             return None           # a default filled in before a keyword is not a constant (a function, a tensor)
-        if not all(name in params and _same_default(value, params[name].default)
+        if not all(name in params and same_default(value, params[name].default)
                    for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
             return None           # a keyword-only parameter given a value the traced graph does not have
         positional = list(bound.args)   # keyword-only parameters at their defaults, as traced
         names = [n for n in params if params[n].kind in (params[n].POSITIONAL_ONLY, params[n].POSITIONAL_OR_KEYWORD)]
-        while len(positional) > len(args) and _same_default(positional[-1], params[names[len(positional) - 1]].default):
+        while len(positional) > len(args) and same_default(positional[-1], params[names[len(positional) - 1]].default):
             positional.pop()      # model(x, scale=2.0) with the default 2.0 is model(x): the same specialization
         return tuple(positional)
 
