@@ -44,7 +44,8 @@ from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
-from .module_state import GLOBAL_HOOKS, MODE_FREE, forward_hook_owner, share_memory, version
+from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, plain_attributes, reassigned,
+                           share_memory, structure, structure_changed, version)
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
 
@@ -160,8 +161,9 @@ class OptimizedModule(torch.nn.Module):
         self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._warned: set = set()
-        self._buffer_rebuilds = 0          # rebuilds because buffers moved (warned about at 3)
-        self._buffer_versions = self._parameter_versions = ()   # (_watch_state, after the first build)
+        self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at 3)
+        self._buffer_versions = self._parameter_versions = self._attributes = ()   # (_watch_state, after the first build)
+        self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
@@ -198,11 +200,37 @@ class OptimizedModule(torch.nn.Module):
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
-        self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
+        self._attributes = plain_attributes(model)   # assigned anew after optimize(): rebuild
+        plain_tensors = [v for _, _, v in self._attributes if isinstance(v, torch.Tensor)]
+        self._buffer_versions = tuple((b, b._version) for b in (*model.buffers(), *plain_tensors)
+                                      if version(b) is not None)
+        self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
         self._parameter_versions = tuple((p, p._version) for p in model.parameters() if version(p) is not None)
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
             + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
+
+    def _state_edited(self) -> None:
+        """Drop the specializations if the model changed since the build in a way they baked in:
+        a buffer written in place (BatchNorm statistics after a training call), a parameter,
+        buffer or submodule replaced (`model.lin = nn.Linear(...)`), a plain attribute assigned
+        (`model.scale = 2.0`). REGISTRATIONS moves for any module of the process: then only
+        the identities are compared."""
+        self._registrations_seen = REGISTRATIONS[0]
+        if self._buffer_versions and _moved(self._buffer_versions):
+            reason = "a buffer or tensor attribute of the model changed in place since the build"
+        elif structure_changed(self._structure):
+            reason = "a parameter, buffer or submodule of the model was replaced since the build"
+        elif name := reassigned(self._attributes):
+            reason = f"attribute {name!r} of the model was assigned a new value since the build"
+        else:
+            return
+        self.drop_specializations(reason)
+        self._state_rebuilds += 1
+        if self._state_rebuilds == 3:
+            self._warn_once("buffers", f"fxfuse: the model's buffers or attributes keep changing between calls "
+                            f"({reason}); each change rebuilds the optimized graph (folded and packed copies would be stale). Call the "
+                            "original module for such use.")
 
     def _submodule_training(self) -> bool:
         for m in self._mode_modules:
@@ -270,7 +298,8 @@ class OptimizedModule(torch.nn.Module):
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
-        self._buffer_versions = self._parameter_versions = ()   # watched again from the next build (_watch_state)
+        self._buffer_versions = self._parameter_versions = self._attributes = ()   # watched again from the
+        self._structure = []                                                           # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -353,13 +382,9 @@ class OptimizedModule(torch.nn.Module):
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
-        if self._buffer_versions and _moved(self._buffer_versions):   # e.g. BatchNorm statistics after a training call
-            self.drop_specializations("a buffer of the model changed in place since the build")
-            self._buffer_rebuilds += 1
-            if self._buffer_rebuilds == 3:
-                self._warn_once("buffers", "fxfuse: buffers of the model keep changing in place between calls; "
-                                "each change rebuilds the optimized graph (folded and packed copies would be "
-                                "stale). Call the original module for such use.")
+        if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
+                or self._attributes and reassigned(self._attributes)):
+            self._state_edited()
         if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
                                       "inputs requiring grad), or forward()'s result depends on grad mode (it "

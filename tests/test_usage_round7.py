@@ -81,3 +81,55 @@ def test_a_call_override_that_does_more_is_refused(make):
     opt, messages = _optimize_warned(model, torch.randn(4, 8))
     assert opt is model and len(messages) == 1 and "overrides __call__" in messages[0]
     assert "forward" not in model.__dict__
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale, self.k = torch.tensor(2.0), 3.0
+        self.register_buffer("shift", torch.ones(8))
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.scale * self.k + self.shift
+
+
+EDITS = {
+    "tensor attribute replaced": lambda m: setattr(m, "scale", torch.tensor(5.0)),
+    "tensor attribute in place": lambda m: m.scale.fill_(9.0),
+    "number attribute": lambda m: setattr(m, "k", 7.0),
+    "buffer replaced": lambda m: setattr(m, "shift", torch.randn(8)),
+    "submodule replaced": lambda m: setattr(m, "lin", nn.Linear(8, 8)),
+    "parameter replaced": lambda m: setattr(m.lin, "weight", nn.Parameter(torch.randn(8, 8))),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_editing_the_model_after_optimize_rebuilds(edit):
+    """Each of these was baked into the graph and silently ignored by later calls."""
+    model = Scaled().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        opt(x)
+        built = next(iter(opt.specializations.values()))
+        EDITS[edit](model)
+        torch.testing.assert_close(opt(x), model(x))
+    assert next(iter(opt.specializations.values())) is not built and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert not opt.original_calls
+
+
+def test_modules_built_elsewhere_do_not_rebuild():
+    """Any module's construction moves the registration counter; only this model's own
+    parameters, buffers and children count."""
+    model = Scaled().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        built = next(iter(opt.specializations.values()))
+        other = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        other.extra = nn.Linear(2, 2)
+        torch.testing.assert_close(opt(x), model(x))
+        model.k = 3.0            # an equal value: nothing to rebuild
+        torch.testing.assert_close(opt(x), model(x))
+    assert next(iter(opt.specializations.values())) is built
