@@ -14,7 +14,7 @@ import torch
 
 from .concrete_args import same_default
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
-from .kernel import interpreting, kernels_available
+from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
 from .module_state import forward_hook_owner, kept_state
@@ -143,13 +143,45 @@ def build_graph(model, args: tuple, options: Options):
     options = options.with_(use_kernels=use_kernels)
     with torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
         gm = trace(model, args)
+        traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
+        live = {_storage(t) for t in tensors_read(gm)}
+        gm.meta["fxfuse_copied"] = tuple(t for t in traced_reads if _storage(t) not in live)
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
             expected = _verify(model, gm, args)
             probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _mismatch)
     return gm
+
+
+def tensors_read(gm) -> list:
+    """The parameters, buffers and tensor constants a graph reads: through get_attr nodes and
+    as the state of the modules it calls (of fxfuse's kernel modules only their own tensors:
+    their reference graphs run only where the kernel cannot). A model tensor the traced graph
+    read and the rewritten one reads no storage of lives on in a copy (packed MLP weights and
+    GEMM epilogue vectors, BatchNorm folded into a convolution, Strassen's operands), which an
+    in-place edit of the original leaves stale: runtime.OptimizedModule watches those."""
+    read = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            obj = gm
+            for part in node.target.split("."):
+                obj = getattr(obj, part, None)
+            tensors = [obj] if isinstance(obj, torch.Tensor) else []
+        elif node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            tensors = ([v for v in (*vars(mod).values(), *mod._buffers.values(), *mod._parameters.values())
+                        if isinstance(v, torch.Tensor)] if isinstance(mod, FusedKernel)
+                       else [*mod.parameters(), *mod.buffers()])
+        else:
+            continue
+        read.update((id(t), t) for t in tensors)
+    return list(read.values())
+
+
+def _storage(t: torch.Tensor):
+    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else None
 
 
 def _verify(model, gm, args) -> list:

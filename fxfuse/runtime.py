@@ -218,7 +218,8 @@ class OptimizedModule(torch.nn.Module):
         the identities are compared."""
         self._registrations_seen = REGISTRATIONS[0]
         if self._buffer_versions and _moved(self._buffer_versions):
-            reason = "a buffer or tensor attribute of the model changed in place since the build"
+            reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
+                      "the build")
         elif structure_changed(self._structure):
             reason = "a parameter, buffer or submodule of the model was replaced since the build"
         elif name := reassigned(self._attributes):
@@ -272,6 +273,9 @@ class OptimizedModule(torch.nn.Module):
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
+        watched = {id(t) for t, _ in self._buffer_versions}
+        self._buffer_versions += tuple((t, t._version) for t in gm.meta.get("fxfuse_copied", ())
+                                       if id(t) not in watched and version(t) is not None)
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
         # the temporary tensors in the model after the call

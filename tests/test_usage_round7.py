@@ -133,3 +133,40 @@ def test_modules_built_elsewhere_do_not_rebuild():
         model.k = 3.0            # an equal value: nothing to rebuild
         torch.testing.assert_close(opt(x), model(x))
     assert next(iter(opt.specializations.values())) is built
+
+
+def _chain():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU()).eval()
+
+
+@pytest.mark.parametrize("plan", [{"fused_mlp": "force"}, {"gemm": "force"}, {"strassen": "force"}])
+def test_an_in_place_weight_edit_reaches_the_copies(plan):
+    """An EMA-style update (`p.mul_(0.9).add_(...)` under no_grad, no optimizer) left the packed
+    MLP weights, the GEMM's packed bias and Strassen's operands stale: those copies' sources
+    are watched now (api.tensors_read)."""
+    model = _chain()
+    x = torch.randn(40, 16)
+    opt = fxfuse.optimize(model, x, strict=True, **plan)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        opt(x)
+        for step in range(2):
+            for p in model.parameters():
+                p.mul_(0.9).add_(0.01 * (step + 1))
+            torch.testing.assert_close(opt(x), model(x))
+        model[2].bias.add_(1.0)           # one tensor alone
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_weights_read_live_are_not_watched():
+    """The library GEMMs read the live weights: nothing to rebuild after an in-place edit."""
+    model = _chain()
+    x = torch.randn(40, 16)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        built = next(iter(opt.specializations.values()))
+        assert not built.gm.meta["fxfuse_copied"]
+        model[0].weight.mul_(2.0)
+        torch.testing.assert_close(opt(x), model(x))
+    assert next(iter(opt.specializations.values())) is built
