@@ -148,8 +148,8 @@ def generate(ir: KernelIR, name: str | None = None) -> tuple:
         for st in ir.stores:
             spec = ir.outputs[st.output]
             value = values[st.value]
-            if not is_vector[st.value]:  # a value built only from scalars still fills the block
-                value = f"(tl.zeros([BLOCK], tl.float32) + {value})"
+            if not is_vector[st.value]:  # a value built only from scalars still fills the block;
+                value = f"(tl.full([BLOCK], -0.0, tl.float32) + {value})"   # x + -0.0 is x, also for -0.0
             address = _address(st.index, dim_vars)
             if not any(st.index.strides):  # a one-point space ([], [1, 1]): a block of one address
                 address += " + offs * 0"

@@ -375,6 +375,18 @@ def pack_vectors(vectors: list, device) -> torch.Tensor:
     return buf
 
 
+def epilogue_vectors(vectors: list, n: int, device) -> torch.Tensor:
+    """The kernel's vector operand: a lone fp32 bias (or scalar) as the live tensor itself, so
+    an in-place edit of it after optimize() reaches the kernel with no copy to watch
+    (runtime: api.tensors_read); several vectors, or another dtype, packed (pack_vectors). The
+    kernel masks vector loads to the N columns, so the live [N] vector needs no padding."""
+    if len(vectors) == 1:
+        v = vectors[0].detach()
+        if v.dtype == torch.float32 and v.device == device and v.is_contiguous() and v.numel() in (1, n):
+            return v.reshape(-1)
+    return pack_vectors(vectors, device)
+
+
 class EpilogueGemm(FusedKernel):
     """y = epilogue(x @ W.T) as one launch; a FusedKernel to the rest of fxfuse.
 
@@ -399,7 +411,7 @@ class EpilogueGemm(FusedKernel):
         self.weight = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
         numels = tuple(v.numel() for v in vectors)
         self.source, self.kernel_name = generate_gemm(spec, numels, config)
-        self.register_buffer("packed_vectors", pack_vectors(vectors, weight.device), persistent=False)
+        self.register_buffer("packed_vectors", epilogue_vectors(vectors, spec.n, weight.device), persistent=False)
         self.register_buffer("counters", torch.zeros(1, dtype=torch.int32, device=weight.device), persistent=False)
         self._workspace = None
         self.input_meta = ((None, None, spec.dtype),)
