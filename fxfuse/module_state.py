@@ -71,7 +71,8 @@ for _register in ("register_module_parameter_registration_hook", "register_modul
 def structure(model: torch.nn.Module) -> list:
     """Every submodule's parameters, buffers and children, by identity: what a build baked in
     (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale)."""
-    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()
+            if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: run as one opaque call
 
 
 def structure_changed(saved: list) -> bool:
@@ -83,8 +84,8 @@ def plain_attributes(model: torch.nn.Module) -> tuple:
     """(instance dict, name, value) of each plain attribute a forward() may read: every
     submodule's but nn.Module's own bookkeeping and the ATTRIBUTE_FREE types'. The trace bakes
     the values it read (`h * self.scale`), so assigning one after optimize() needs a rebuild."""
-    return tuple((m.__dict__, k, v) for m in model.modules() if type(m) not in ATTRIBUTE_FREE
-                 for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant"))
+    return tuple((m.__dict__, k, v) for m in model.modules()
+                 if type(m) not in ATTRIBUTE_FREE and not isinstance(m, torch.jit.ScriptModule) for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant"))
 
 
 def reassigned(watched: tuple) -> str | None:
@@ -245,8 +246,9 @@ class _Snapshot:
         self.modules, seen = [], set()
         runtimes = [name for name, m in model.named_modules() if getattr(type(m), "fxfuse_runtime", False)]
         for name, m in model.named_modules():
-            if name in runtimes:
-                continue   # an fxfuse OptimizedModule inside the model: its counters are not model state
+            if name in runtimes or isinstance(m, torch.jit.ScriptModule):
+                continue   # an fxfuse OptimizedModule inside the model: its counters are not model state;
+                #            a TorchScript child runs as one opaque call (its state is not Python's)
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
             # at trace time, and the graph holds the changed tensor as a constant

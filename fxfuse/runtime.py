@@ -173,7 +173,8 @@ class OptimizedModule(torch.nn.Module):
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
         hook = _RebuildOnLoad(self)
-        handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()]
+        handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()
+                   if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: its parent's hook sees its load
         weakref.finalize(self, _remove_hooks, handles)
         self.register_load_state_dict_pre_hook(_load_drops_specializations)
 

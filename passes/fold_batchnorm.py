@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
+from .normalize_layers import keywords_to_positions
+
 CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 
 
@@ -100,6 +102,9 @@ def _functional_batchnorm(gm, node):
 
 def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
+    for node in g.nodes:   # self.bn(input=h), self.conv(input=x): as positional calls
+        if node.op == "call_module" and node.kwargs:
+            keywords_to_positions(gm, node)
     for node in list(g.nodes):
         bn = _functional_batchnorm(gm, node)
         if bn is not None:

@@ -12,6 +12,7 @@ eval-mode Dropout and Identity vanish; shape arithmetic (`x.size(0) * 2`) folds 
 (the runtime guards on shapes); in-place ops become functional when nothing else can observe
 the mutation, and otherwise stay as they are, so eager semantics hold either way.
 """
+import inspect
 import operator
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from fxfuse.ops import POINTWISE, cast, is_pointwise_target
 from fxfuse.tracing import AUGMENTED_NAMES, fxfuse_meta
 
-from .normalize_layers import matmul_as_linear, split_layer
+from .normalize_layers import keywords_to_positions, matmul_as_linear, split_layer
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CAST_METHODS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
                         DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
                         SHAPE_METHODS, Spelling)
@@ -249,12 +250,15 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             node.target = AUGMENTED_TWINS[node.target]   # `n += 1` on a size: a rebinding (and torch.fx
             if node.target is not operator.matmul:        # would print `5 += 1` once n is folded);
                 continue                                  # `h @= W.T` may be a Linear
+        if node.op == "call_module" and node.kwargs:
+            keywords_to_positions(gm, node)   # self.lin(input=x): as self.lin(x), for the layer passes
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
             continue
-        if node.op == "call_function" and node.target in EXPORT_ASSERTS:
-            g.erase_node(node)  # torch.export's dtype/device check: the runtime guards those on every call
+        if (node.op == "call_function" and node.target in EXPORT_ASSERTS
+                or node.op == "call_module" and node.target == "_guards_fn" and not node.users):
+            g.erase_node(node)  # torch.export's dtype/device/shape checks: the runtime guards those on every call
             continue
         if matmul_as_linear(gm, node):
             continue
@@ -386,7 +390,7 @@ def _mutates(gm, node) -> bool:
         return getattr(gm.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":
         return False
-    if node.target is operator.setitem or "out" in node.kwargs:
+    if node.target is operator.setitem or "out" in node.kwargs or _passes_inplace(node):
         return True
     name = getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.startswith("_"):   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x)
@@ -395,6 +399,19 @@ def _mutates(gm, node) -> bool:
         return bool(node.args) and _is_tensor_node(node.args[0])
     schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export
     return bool(schema is not None and schema.is_mutable)
+
+
+def _passes_inplace(node) -> bool:
+    """`F.threshold(h, 0.1, -1.0, inplace=True)`, `F.celu(h, 1.0, True)`: a function with no
+    spelling row whose own `inplace` parameter is set (by keyword or by position)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if not any(a is True for a in node.args):
+        return False
+    try:
+        return inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments.get("inplace") is True
+    except (TypeError, ValueError):   # a builtin without a signature, or one that does not bind
+        return False
 
 
 def _dtype_of(node):

@@ -5,6 +5,7 @@ Why split the bias off: the pointwise passes fuse it with what follows (activati
 and the Linear passes (fused GEMM, fused MLP, Strassen, the cost model) look for F.linear
 nodes: every spelling of the same product must reach them as the same two nodes.
 """
+import inspect
 import operator
 
 import torch
@@ -126,3 +127,18 @@ def split_layer(gm, node) -> bool:
     node.replace_all_uses_with(out)
     g.erase_node(node)
     return True
+
+
+def keywords_to_positions(gm, node) -> None:
+    """A module call's keyword arguments that are the next positional parameters of its
+    forward() (`self.bn(input=h)`, `self.conv(input=x)`) become positional: the layer passes
+    (BatchNorm folding, Linear splitting) read args[0]."""
+    try:
+        params = list(inspect.signature(gm.get_submodule(node.target).forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    following = names[len(node.args):len(node.args) + len(node.kwargs)]
+    if set(following) == set(node.kwargs) and len(following) == len(node.kwargs):
+        node.args = tuple(node.args) + tuple(node.kwargs[n] for n in following)
+        node.kwargs = {}

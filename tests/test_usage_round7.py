@@ -2,7 +2,14 @@
 
 - A __call__ override that only runs forward() was refused when it called self.forward(x)
   directly or spelled out forward()'s defaults.
+- A model edited after optimize (an attribute assigned, a submodule or parameter replaced, a
+  weight the graph holds a copy of changed in place) kept computing with the old values.
+- `F.threshold(h, ..., inplace=True)` (a function with no spelling row) was treated as pure:
+  dropped when its result was unused, fused around otherwise.
+- A TorchScript child module, and `self.conv(input=x)` before a BatchNorm, failed inside.
+- A scalar-only fused store turned -0.0 into +0.0.
 """
+import torch.nn.functional as F  # noqa: E402
 import os
 import warnings
 
@@ -170,3 +177,85 @@ def test_weights_read_live_are_not_watched():
         model[0].weight.mul_(2.0)
         torch.testing.assert_close(opt(x), model(x))
     assert next(iter(opt.specializations.values())) is built
+
+
+class InplaceFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        a = h * 2
+        F.threshold(h, 0.1, -1.0, inplace=True)   # result unused: only the write matters
+        y = F.celu(h, 0.5, True)                   # inplace by position
+        return a + h + 1, y
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_functions_written_in_place_by_their_inplace_argument(verify):
+    model = InplaceFunctions().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8), verify=verify)
+    assert isinstance(opt, OptimizedModule) and not messages
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        for got, want in zip(opt(x), model(x)):
+            torch.testing.assert_close(got, want)
+
+
+class ScriptedChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.sub = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+
+    def forward(self, x):
+        return self.l2(F.gelu(self.sub(self.l1(x))))
+
+
+def test_a_torchscript_child_runs_as_one_call():
+    model = ScriptedChild().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.sub[0].weight.mul_(2.0)
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class KeywordLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = F.relu(self.bn(input=self.conv(input=x))).mean((2, 3))
+        return self.l2(input=F.relu(self.l1(input=h)))
+
+
+def test_layers_called_with_input_keyword_are_folded_and_fused():
+    model = KeywordLayers().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    opt = fxfuse.optimize(model, torch.randn(2, 3, 6, 6), strict=True, gemm="force")
+    gm = next(iter(opt.specializations.values())).gm
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in gm.modules())   # folded into the conv
+    assert fxfuse.stats(opt)["library_calls"] <= 3    # conv, mean and nothing for the Linears
+    x = torch.randn(3, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_scalar_only_store_keeps_negative_zero():
+    class Negate(nn.Module):
+        def forward(self, x, t):
+            return x * t, -t
+
+    model = Negate().eval()
+    opt = fxfuse.optimize(model, (torch.randn(4, 8), torch.tensor(1.5)), strict=True)
+    with torch.no_grad():
+        _, neg = opt(torch.randn(4, 8), torch.tensor(0.0))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1 and torch.signbit(neg).item()
