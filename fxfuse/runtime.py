@@ -85,6 +85,17 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def _torch_flags() -> tuple:
+    """Process-wide settings a build bakes in: the default dtype (`torch.ones(3)`, `int * 0.1`)
+    and whether fp32 matmuls and convolutions may use TF32 (kernel precision; cuBLAS's choice
+    captured in a CUDA graph)."""
+    return torch.get_default_dtype(), _cublas_tf32(), _cudnn_tf32()
+
+
+_cublas_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
+_cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
+
+
 def _moved(watched: tuple) -> bool:
     """Whether a (tensor, version at build) pair's tensor changed in place since."""
     for t, seen in watched:
@@ -225,6 +236,8 @@ class OptimizedModule(torch.nn.Module):
             reason = "a parameter, buffer or submodule of the model was replaced since the build"
         elif name := reassigned(self._attributes):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
+        elif _torch_flags() != self._flags:   # factories and promotion follow the default dtype; TF32 is
+            reason = "torch's default dtype or TF32 setting changed since the build"   # baked into kernels and graphs
         else:
             return
         self.drop_specializations(reason)
@@ -262,6 +275,7 @@ class OptimizedModule(torch.nn.Module):
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
         first = not self.specializations
+        self._flags = _torch_flags()
         with BUILD_LOCK, _autocast_off():   # in the model's own dtypes; autocast calls run the original
             gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
@@ -388,7 +402,7 @@ class OptimizedModule(torch.nn.Module):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
-                or self._attributes and reassigned(self._attributes)):
+                or self._attributes and reassigned(self._attributes) or _torch_flags() != self._flags):
             self._state_edited()
         if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "

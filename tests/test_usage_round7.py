@@ -259,3 +259,41 @@ def test_a_scalar_only_store_keeps_negative_zero():
     with torch.no_grad():
         _, neg = opt(torch.randn(4, 8), torch.tensor(0.0))
     assert fxfuse.stats(opt)["fused_kernels"] >= 1 and torch.signbit(neg).item()
+
+
+class PromotesWithTheDefault(nn.Module):
+    def forward(self, n):
+        return n * 0.1 + torch.ones(3)
+
+
+def test_a_new_default_dtype_rebuilds():
+    model = PromotesWithTheDefault().eval()
+    n = torch.arange(6).reshape(2, 3)
+    opt = fxfuse.optimize(model, n, strict=True)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        got, want = opt(n), model(n)
+        assert got.dtype == want.dtype == torch.float64
+        torch.testing.assert_close(got, want)
+    finally:
+        torch.set_default_dtype(before)
+    assert opt(n).dtype == torch.float32
+
+
+def test_a_changed_tf32_setting_rebuilds():
+    """A graph built with TF32 allowed keeps its kernels' precision; turning TF32 off must not
+    leave the user with TF32 results."""
+    model = _chain()
+    x = torch.randn(8, 16)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        opt = fxfuse.optimize(model, x, strict=True, gemm="force")
+        built = next(iter(opt.specializations.values()))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+        assert next(iter(opt.specializations.values())) is not built
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
