@@ -229,3 +229,26 @@ def test_linear_relu_keeps_nan_wherever_it_may_be_chosen():
             want = torch.relu(torch.nn.functional.linear(x, w, b))
             got = linear_relu(x, w, b)
             assert torch.equal(torch.isnan(got), torch.isnan(want)), (dtype, m, k, n)
+
+
+@pytest.mark.parametrize("plan", [{"gemm": "force"}, {"fused_mlp": "force"}, {"strassen": "force"}])
+def test_in_place_weight_edits_reach_the_replayed_graph(plan):
+    """Weights edited in place after optimize (an EMA update under no_grad): the generated GEMM
+    reads W and a lone fp32 bias live, so its CUDA graph sees the edit with no rebuild; the
+    fused MLP's packed weights and Strassen's operands are copies, watched, and rebuilt."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU()).cuda().eval()
+    x = torch.randn(64 if "strassen" not in plan else 512, 256, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True, **plan)
+    spec = next(iter(opt.specializations.values()))
+    assert spec.graph is not None and fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for step in range(2):
+            for p in model.parameters():
+                p.mul_(0.9).add_(0.01 * (step + 1))
+            assert rel_err(opt(x), model(x)) < 1e-5
+        model[2].bias.add_(1.0)
+        assert rel_err(opt(x), model(x)) < 1e-5
+    copied = spec.gm.meta["fxfuse_copied"]
+    assert bool(copied) == ("gemm" not in plan)   # plans as forced: only copies are watched
+    assert (next(iter(opt.specializations.values())) is not spec) == bool(copied)
