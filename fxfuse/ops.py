@@ -147,6 +147,20 @@ _TABLE = [
         ("beta", "threshold"), beta=1.0, threshold=20.0),
     _op("hardsigmoid", F.hardsigmoid, 1, lambda a: _clamp(f"({a} / 6.0 + 0.5)", 0.0, 1.0)),
     _op("hardswish", F.hardswish, 1, lambda a: f"({a} * {_clamp(f'({a} + 3.0)', 0.0, 6.0)} / 6.0)"),
+    # as ATen computes them, NaN and signed zeros included (softshrink keeps a zero's sign: a * 0)
+    _op("celu", F.celu, 1, lambda a, alpha=1.0: (
+        f"tl.where({a} > 0, {a}, {literal(alpha)} * _expm1({a} * {literal(1.0 / alpha)}))"), ("alpha",), alpha=1.0),
+    _op("softsign", F.softsign, 1, lambda a: f"_div({a}, 1.0 + tl.abs({a}))"),
+    _op("logsigmoid", F.logsigmoid, 1, lambda a: f"(tl.where({a} < 0, {a}, 0.0) - _log1p(tl.exp(-tl.abs({a}))))"),
+    _op("tanhshrink", F.tanhshrink, 1, lambda a: f"({a} - _tanh({a}))"),
+    _op("hardshrink", F.hardshrink, 1, lambda a, lambd=0.5: (
+        f"tl.where({a} >= {literal(-lambd)}, tl.where({a} <= {literal(lambd)}, 0.0, {a}), {a})"),
+        ("lambd",), lambd=0.5),
+    _op("softshrink", F.softshrink, 1, lambda a, lambd=0.5: (
+        f"tl.where({a} > {literal(lambd)}, {a} - {literal(lambd)}, "
+        f"tl.where({a} < {literal(-lambd)}, {a} + {literal(lambd)}, {a} * 0.0))"), ("lambd",), lambd=0.5),
+    _op("threshold", F.threshold, 1, lambda a, threshold, value: (
+        f"tl.where({a} <= {literal(threshold)}, {literal(value)}, {a})"), ("threshold", "value")),
     _op("cast", cast, 1, lambda a, dtype: _cast_expr(a, dtype), ("dtype",)),
 ]
 

@@ -56,6 +56,9 @@ ACTIVATION_PARAMS = {  # canonical: (F spelling, its parameter names after input
     F.hardsigmoid: ((), nn.Hardsigmoid), F.hardswish: ((), nn.Hardswish),
     F.gelu: (("approximate",), nn.GELU), F.leaky_relu: (("negative_slope",), nn.LeakyReLU),
     F.elu: (("alpha",), nn.ELU), F.softplus: (("beta", "threshold"), nn.Softplus),
+    F.celu: (("alpha",), nn.CELU), F.softsign: ((), nn.Softsign), F.logsigmoid: ((), nn.LogSigmoid),
+    F.tanhshrink: ((), nn.Tanhshrink), F.hardshrink: (("lambd",), nn.Hardshrink),
+    F.softshrink: (("lambd",), nn.Softshrink), F.threshold: (("threshold", "value"), nn.Threshold),
 }
 
 
@@ -74,8 +77,12 @@ def _build_function_spellings() -> dict:
     for op, canon in INPLACE_OPERATORS.items():
         table[op] = Spelling(canon, _OPERANDS.get(canon, ("input", "other")), inplace=True)
     for canon, (params, _) in ACTIVATION_PARAMS.items():
-        if canon in (F.gelu, F.leaky_relu, F.elu, F.softplus):
+        if canon in (F.gelu, F.leaky_relu, F.elu, F.softplus, F.celu, F.threshold):
             table[canon] = Spelling(canon, ("input",) + params + ("inplace",))
+        elif canon in (F.softsign, F.logsigmoid, F.tanhshrink, F.hardshrink, F.softshrink):
+            table[canon] = Spelling(canon, ("input",) + params)
+    table[F.threshold_] = Spelling(F.threshold, ("input", "threshold", "value"), inplace=True)
+    table[torch.celu_] = Spelling(F.celu, ("input", "alpha"), inplace=True)
     table[F.relu_] = Spelling(torch.relu, ("input",), inplace=True)
     table[F.leaky_relu_] = Spelling(F.leaky_relu, ("input", "negative_slope"), inplace=True)
     table[F.elu_] = Spelling(F.elu, ("input", "alpha"), inplace=True)

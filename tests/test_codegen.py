@@ -225,6 +225,11 @@ UNARY_CASES = [  # (op name, params, torch function)
     ("pow", {"exponent": -1.0}, lambda t: t ** -1), ("pow", {"exponent": 0.0}, lambda t: t ** 0),
     ("pow", {"exponent": 0.5}, lambda t: t ** 0.5), ("pow", {"exponent": 5.0}, lambda t: t ** 5),
     ("pow", {"exponent": 1.5}, lambda t: t ** 1.5),
+    ("celu", {"alpha": 0.7}, lambda t: F.celu(t, 0.7)), ("softsign", {}, F.softsign),
+    ("logsigmoid", {}, F.logsigmoid), ("tanhshrink", {}, F.tanhshrink),
+    ("hardshrink", {"lambd": 0.5}, lambda t: F.hardshrink(t, 0.5)),
+    ("softshrink", {"lambd": 0.5}, lambda t: F.softshrink(t, 0.5)),
+    ("threshold", {"threshold": 0.05, "value": -1.0}, lambda t: F.threshold(t, 0.05, -1.0)),
 ]
 
 
@@ -370,3 +375,13 @@ def test_pow_is_accurate_to_fp32_rounding_over_a_wide_range(exponent):
         torch.testing.assert_close(opt(x), model(x))
         torch.testing.assert_close(opt(-x), model(-x), equal_nan=True)   # negative bases: sign or nan
     assert_fast_path(opt)
+
+
+@pytest.mark.parametrize("name,params,fn", [c for c in UNARY_CASES if c[0] in (
+    "celu", "softsign", "logsigmoid", "tanhshrink", "hardshrink", "softshrink", "threshold")])
+def test_shrink_and_threshold_keep_the_sign_of_zero(name, params, fn):
+    """softshrink's zeros keep their input's sign (ATen computes x * 0), hardshrink's are +0:
+    a later 1 / y or copysign tells them apart."""
+    x = torch.tensor([-0.0, 0.0, -0.3, 0.3, -1e-30, 1e-30, 0.5, -0.5])
+    got, want = _unary_kernel(name, params, x), fn(x)
+    assert torch.equal(torch.signbit(got), torch.signbit(want)), (got, want)
