@@ -121,6 +121,10 @@ def cases():
     out.append(("block d96 s13", lambda: Block(96), lambda b, dt: (torch.randn(b, 13, 96, device=DEVICE, dtype=dt),),
                 2, (1, 3), {}, True))
     out.append(("spelled 40", lambda: Spelled(40), vec(40), 6, (1, 11), {}, True))
+    out.append(("shrink acts 72 gemm force", lambda: nn.Sequential(   # activations added on 2026-11-25
+        nn.Linear(72, 72), nn.CELU(0.5), nn.Linear(72, 72), nn.Softshrink(0.1), nn.Linear(72, 72), nn.Tanhshrink(),
+        nn.Linear(72, 72), nn.LogSigmoid(), nn.Linear(72, 72), nn.Softsign(), nn.Linear(72, 72), nn.Hardshrink(0.05),
+        nn.Linear(72, 72), nn.Threshold(0.01, -0.5)), vec(72), 33, (1, 200), {"gemm": "force"}, True))
     out.append(("convnet 3x17x19", ConvNet, lambda b, dt: (torch.randn(b, 3, 17, 19, device=DEVICE, dtype=dt),),
                 4, (1,), {}, True))
     out.append(("two heads 24", lambda: TwoHeads(24),
