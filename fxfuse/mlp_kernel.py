@@ -12,7 +12,7 @@ this module packs the weights in the order the kernel reads them (`pack`) and is
 the graph calls (FusedMLP). The names of mlp_spec are re-exported here for the passes.
 
 Precision: fp32 tl.dot uses input_precision="ieee" unless TF32 was allowed when the chain was
-built (torch.backends.cuda.matmul.allow_tf32); fp16/bf16 feed tl.dot in their own type and
+built (precision.matmul_allows_tf32: torch.backends.cuda.matmul.allow_tf32 or fp32_precision); fp16/bf16 feed tl.dot in their own type and
 accumulate in fp32; the row-wise form computes in fp32. Epilogues compute in fp32.
 """
 import torch

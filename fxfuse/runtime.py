@@ -44,6 +44,7 @@ from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
+from .precision import baked_settings
 from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, plain_attributes, reassigned,
                            share_memory, structure, structure_changed, version)
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
@@ -83,17 +84,6 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def _torch_flags() -> tuple:
-    """Process-wide settings a build bakes in: the default dtype (`torch.ones(3)`, `int * 0.1`)
-    and whether fp32 matmuls and convolutions may use TF32 (kernel precision; cuBLAS's choice
-    captured in a CUDA graph)."""
-    return torch.get_default_dtype(), _cublas_tf32(), _cudnn_tf32()
-
-
-_cublas_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
-_cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
 
 
 def _moved(watched: tuple) -> bool:
@@ -236,8 +226,8 @@ class OptimizedModule(torch.nn.Module):
             reason = "a parameter, buffer or submodule of the model was replaced since the build"
         elif name := reassigned(self._attributes):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
-        elif _torch_flags() != self._flags:   # factories and promotion follow the default dtype; TF32 is
-            reason = "torch's default dtype or TF32 setting changed since the build"   # baked into kernels and graphs
+        elif baked_settings() != self._flags:   # factories and promotion follow the default dtype; TF32 is
+            reason = "torch's default dtype or fp32 precision (TF32) setting changed since the build"   # baked into kernels and graphs
         else:
             return
         self.drop_specializations(reason)
@@ -275,7 +265,7 @@ class OptimizedModule(torch.nn.Module):
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
         first = not self.specializations
-        self._flags = _torch_flags()
+        self._flags = baked_settings()
         with BUILD_LOCK, _autocast_off():   # in the model's own dtypes; autocast calls run the original
             gm = self._build(self.original, args, self.options)
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
@@ -402,7 +392,7 @@ class OptimizedModule(torch.nn.Module):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
-                or self._attributes and reassigned(self._attributes) or _torch_flags() != self._flags):
+                or self._attributes and reassigned(self._attributes) or baked_settings() != self._flags):
             self._state_edited()
         if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "

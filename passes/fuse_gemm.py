@@ -19,6 +19,7 @@ import torch.fx
 
 from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm
 from fxfuse.mlp_kernel import Linear, Pointwise
+from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta
 
 from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta, replace_region
@@ -90,7 +91,7 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         gm.meta["fxfuse_skipped"] = True
         return gm
     use_kernels = True if options is None or options.use_kernels is None else options.use_kernels
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    allow_tf32 = matmul_allows_tf32()
     g = gm.graph
     mutated = _mutated_values(gm)
     order = {n: k for k, n in enumerate(g.nodes)}

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from fxfuse.mlp_kernel import (FusedMLP, KERNEL_DTYPES, Linear, MLPSpec, Pointwise, choose_config, why_not_kernel,
                                why_slow)
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target
+from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
@@ -283,7 +284,7 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         gm.meta["fxfuse_skipped"] = True
         return gm
     use_kernels = True if options is None or options.use_kernels is None else options.use_kernels
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    allow_tf32 = matmul_allows_tf32()
     g = gm.graph
     mutated = _mutated_values(gm)
     order = {n: k for k, n in enumerate(g.nodes)}

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from fxfuse.library_choice import bias_in_library_gemm, relu_in_library_gemm, split_k_library_gemm, split_k_mm
 from fxfuse.ops import is_pointwise_target
+from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta
 
 LIBRARY_EPILOGUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -104,7 +105,7 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         n = meta.shape[-1]
         batch = meta.shape.numel() // max(n, 1)
         k = linear.args[1].meta["tensor_meta"].shape[-1]
-        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        allow_tf32 = matmul_allows_tf32()
         relu = _lone_relu(add) if _epilogue_safe(meta.dtype, k, n) and batch > 0 else None
         if relu is not None:
             fused, reason = relu_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)

@@ -27,6 +27,7 @@ from fxfuse.chain_plan import plan_chain
 from fxfuse.cost_model import CostModel, LinearLayer
 from fxfuse.mlp_spec import FMA_ONE_TILE, MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
 from fxfuse.ops import POINTWISE, is_pointwise_target
+from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
 # Where Strassen's prefix/suffix kernels were calibrated (benchmarks/autotune.py: 256, 1024 and
@@ -222,7 +223,7 @@ def _mlp_legal(run: list, options, model) -> str | None:
     widest = max(max(l.k, l.n) for l in run)
     if widest > MLP_MAX_WIDTH:
         return f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
-    fma = run[0].dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    fma = run[0].dtype == torch.float32 and not matmul_allows_tf32()
     if fma and run[0].m > MLP_ROWWISE_MAX_BATCH and widest > MLP_MAX_TILE and (
             widest > FMA_ONE_TILE or len(run) < 2 or len({(l.k, l.n, l.epilogue, l.bias) for l in run}) > 1):
         return (f"fp32 IEEE past the row-wise batches: only a run of identical layers up to {FMA_ONE_TILE} "
