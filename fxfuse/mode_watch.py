@@ -12,12 +12,14 @@ imported the function, one stored on the module, `h.is_inference()`).
 import contextlib
 import os
 import sys
+import warnings
 
 import torch
 
+from .errors import FxfuseWarning
 from .module_state import forward_globals
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextlib.contextmanager
@@ -34,7 +36,7 @@ def watching_mode_reads():
     def watching(kind):
         def watched():
             caller = sys._getframe(1).f_code.co_filename   # the model's code, not torch's (fx, export,
-            if not caller.startswith(_LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
+            if not caller.startswith(LIBRARY_DIRS):       # MultiheadAttention's fast-path test)
                 reads.add(kind)
             return real[kind]()
         return watched
@@ -80,6 +82,20 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
     one output. A run that raises counts as depending on the mode (conservative: those
     calls then run the original, which raises the model's own error)."""
     inference = torch.is_inference_mode_enabled()
+    # an fxfuse OptimizedModule inside the model would warn about (and count) these calls as
+    # its own user's: its bookkeeping is put back and its warnings are not shown
+    inner = [(m, set(m._warned), m.original_calls.copy()) for m in model.modules()
+             if getattr(type(m), "fxfuse_runtime", False)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FxfuseWarning)
+            _probe(model, args, expected, reads, differs, inference)
+    finally:
+        for m, warned, calls in inner:
+            m._warned, m.original_calls = warned, calls
+
+
+def _probe(model, args, expected, reads, differs, inference) -> None:
     if not reads.get("reads_grad_mode"):
         with torch.enable_grad():
             reads["reads_grad_mode"] = _changes(model, args, expected, differs)

@@ -46,13 +46,6 @@ MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
 # ^ module types whose forward does not read self.training: forward() need not check their mode per call
 
 
-ATTRIBUTE_FREE = {torch.nn.Linear, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Identity,
-                  torch.nn.ReLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Mish, torch.nn.Hardswish,
-                  torch.nn.Hardsigmoid, torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d,
-                  torch.nn.Dropout3d, torch.nn.AlphaDropout}
-# ^ module types whose forward reads no plain attribute that changes its result (ReLU's
-#   `inplace`, Dropout's `p` in eval mode): assigning one after optimize() needs no rebuild
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_tensor_constant"}
 _MISSING = object()
 
 REGISTRATIONS = [0]   # parameters, buffers and submodules assigned to any module of this process
@@ -78,23 +71,6 @@ def structure(model: torch.nn.Module) -> list:
 def structure_changed(saved: list) -> bool:
     return any(len(now) != len(then) or any(now.get(k, _MISSING) is not v for k, v in then.items())
                for m, *dicts in saved for now, then in zip((m._parameters, m._buffers, m._modules), dicts))
-
-
-def plain_attributes(model: torch.nn.Module) -> tuple:
-    """(instance dict, name, value) of each plain attribute a forward() may read: every
-    submodule's but nn.Module's own bookkeeping and the ATTRIBUTE_FREE types'. The trace bakes
-    the values it read (`h * self.scale`), so assigning one after optimize() needs a rebuild."""
-    return tuple((m.__dict__, k, v) for m in model.modules()
-                 if type(m) not in ATTRIBUTE_FREE and not isinstance(m, torch.jit.ScriptModule) for k, v in m.__dict__.items() if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant"))
-
-
-def reassigned(watched: tuple) -> str | None:
-    """The first watched attribute (plain_attributes) no longer the same object or an equal value."""
-    for d, k, v in watched:
-        now = d.get(k, _MISSING)
-        if now is not v and not _same_attr(now, v):
-            return k
-    return None
 
 
 def version(t: torch.Tensor) -> int | None:

@@ -45,8 +45,9 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .precision import baked_settings
-from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, plain_attributes, reassigned,
-                           share_memory, structure, structure_changed, version)
+from .attribute_reads import merge_reads, plain_attributes, reassigned
+from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, structure,
+                           structure_changed, version)
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
 
@@ -110,6 +111,7 @@ def _autocast_off() -> contextlib.ExitStack:
 
 
 MAX_MISSES_KEPT = 32
+REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts towards the "keep changing" warning
 
 
 class _RebuildOnLoad:
@@ -164,6 +166,7 @@ class OptimizedModule(torch.nn.Module):
         self._warned: set = set()
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at 3)
         self._buffer_versions = self._parameter_versions = self._attributes = ()   # (_watch_state, after the first build)
+        self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
@@ -202,10 +205,7 @@ class OptimizedModule(torch.nn.Module):
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
-        self._attributes = plain_attributes(model)   # assigned anew after optimize(): rebuild
-        plain_tensors = [v for _, _, v in self._attributes if isinstance(v, torch.Tensor)]
-        self._buffer_versions = tuple((b, b._version) for b in (*model.buffers(), *plain_tensors)
-                                      if version(b) is not None)
+        self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
         self._parameter_versions = tuple((p, p._version) for p in model.parameters() if version(p) is not None)
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
@@ -230,8 +230,11 @@ class OptimizedModule(torch.nn.Module):
             reason = "torch's default dtype or fp32 precision (TF32) setting changed since the build"   # baked into kernels and graphs
         else:
             return
+        served = sum(spec.calls for spec in self.specializations.values())
         self.drop_specializations(reason)
-        self._state_rebuilds += 1
+        # counted while the builds serve few calls each: a change per epoch (train, then
+        # evaluate) is the usual case, a change per call the one worth a warning
+        self._state_rebuilds = self._state_rebuilds + 1 if served < REBUILD_SERVED_CALLS else 1
         if self._state_rebuilds == 3:
             self._warn_once("buffers", f"fxfuse: the model's buffers or attributes keep changing between calls "
                             f"({reason}); each change rebuilds the optimized graph (folded and packed copies would be stale). Call the "
@@ -278,8 +281,15 @@ class OptimizedModule(torch.nn.Module):
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
+        # plain attributes the traces read: assigned anew after optimize() (or a tensor one
+        # written in place) they rebuild, and so do the model tensors only copies of are read
+        self._attribute_reads = merge_reads(self._attribute_reads,
+                                            gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
+        self._attributes = plain_attributes(self.original, self._attribute_reads)
+        plain_tensors = [v for _, _, v in self._attributes if isinstance(v, torch.Tensor)]
         watched = {id(t) for t, _ in self._buffer_versions}
-        self._buffer_versions += tuple((t, t._version) for t in gm.meta.get("fxfuse_copied", ())
+        self._buffer_versions += tuple((t, t._version) for t in dict.fromkeys((*gm.meta.get("fxfuse_copied", ()),
+                                                                               *plain_tensors))
                                        if id(t) not in watched and version(t) is not None)
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
@@ -308,6 +318,7 @@ class OptimizedModule(torch.nn.Module):
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._buffer_versions = self._parameter_versions = self._attributes = ()   # watched again from the
+        self._attribute_reads = {}
         self._structure = []                                                           # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -425,7 +436,8 @@ class OptimizedModule(torch.nn.Module):
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
             return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
                                       "ones run the original module without trying", args)
-        if not self.specializations:      # dropped (load_state_dict, buffers moved): build from the new state
+        rebuild = not self.specializations
+        if rebuild:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
             reason = describe_mismatch(next(iter(self.specializations)), sig)
@@ -445,7 +457,8 @@ class OptimizedModule(torch.nn.Module):
             e = as_fxfuse_error(e, "building a specialization")
             if self.options.strict:
                 raise e
-            message = f"no specialization for a new input ({reason}): {e}"
+            message = (f"no specialization for a new input ({reason}): {e}" if not rebuild else
+                       f"rebuilding after a change to the model (weights, buffers, attributes) failed: {e}")
             key = "build:" + re.sub(r"\d+", "#", str(e).splitlines()[0] if str(e) else type(e).__name__)
             self._failed_builds[sig] = (key, message)   # not built again; one warning per cause, not per shape
             self._count_original(key, message)

@@ -24,6 +24,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from .concrete_args import one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
+from .attribute_reads import recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .transformer_blocks import blocks_given_padding, opaque_blocks
 
@@ -140,7 +141,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     start = time.perf_counter()
     concrete, tensor_args, given_values = split_concrete(model, example_args)
     inference_mode = torch.is_inference_mode_enabled()
-    with watching_mode_reads() as mode_reads:
+    with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
     mode_reads |= mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
@@ -149,7 +150,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                                 "the call instead (fxfuse then runs the original module)")
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
-                               "reads_inference_mode": inference_mode if "inference" in mode_reads else None}
+                               "reads_inference_mode": inference_mode if "inference" in mode_reads else None,
+                               "attribute_reads": attribute_reads}
     return gm
 
 

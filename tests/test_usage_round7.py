@@ -297,3 +297,90 @@ def test_a_changed_tf32_setting_rebuilds():
         assert next(iter(opt.specializations.values())) is not built
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+class Bookkeeping(nn.Module):
+    """forward() reads `scale` through a helper and `shift` through a property; `calls` and
+    `last_loss` are the user's bookkeeping, never read by forward()."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale, self._shift, self.calls, self.last_loss = 2.0, 0.5, 0, None
+
+    @property
+    def shift(self):
+        return self._shift
+
+    def scaled(self, h):
+        return h * self.scale
+
+    def forward(self, x):
+        return self.scaled(torch.relu(self.lin(x))) + self.shift
+
+
+def test_attributes_forward_never_reads_do_not_rebuild():
+    """Watching every attribute rebuilt on each call of a loop that writes `model.calls = i`
+    (about a build per call); the trace now records what forward() reads."""
+    model = Bookkeeping().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    built = next(iter(opt.specializations.values()))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for i in range(4):
+            model.calls, model.last_loss, model.new_attribute = i, torch.tensor(float(i)), i
+            torch.testing.assert_close(opt(x), model(x))
+        assert next(iter(opt.specializations.values())) is built
+        for name, value in (("scale", 3.0), ("_shift", -1.0)):   # read through a helper and a property
+            setattr(model, name, value)
+            torch.testing.assert_close(opt(x), model(x))
+            assert next(iter(opt.specializations.values())) is not built
+            built = next(iter(opt.specializations.values()))
+
+
+class ReadsItsDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.k = nn.Linear(8, 8), 2.0
+
+    def forward(self, x):
+        return self.lin(x) * vars(self)["k"]
+
+
+def test_a_forward_reading_its_dict_watches_every_attribute():
+    model = ReadsItsDict().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model.k = 5.0
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_optimizing_a_model_around_an_optimized_one_leaves_the_inner_quiet():
+    """The build's mode probe calls the inner OptimizedModule with grad on: not the user's call."""
+    inner_model = _chain()
+    x = torch.randn(4, 16)
+    inner = fxfuse.optimize(inner_model, x, strict=True)
+    outer_model = nn.Sequential(inner, nn.Linear(16, 16), nn.ReLU()).eval()
+    outer, messages = _optimize_warned(outer_model, x)
+    assert isinstance(outer, OptimizedModule) and not messages and not inner.original_calls
+    with torch.no_grad():
+        torch.testing.assert_close(outer(x), outer_model(x))
+
+
+def test_a_change_per_epoch_does_not_warn():
+    """Training then evaluating rebuilds once per epoch; only changes between nearly every
+    call earn the 'keep changing' warning."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(8, 6), strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            model.train()
+            model(torch.randn(8, 6))         # moves the BatchNorm statistics
+            model.eval()
+            with torch.no_grad():
+                for _ in range(10):
+                    x = torch.randn(8, 6)
+                    torch.testing.assert_close(opt(x), model(x))
+    assert not [w for w in caught if "keep changing" in str(w.message)]

@@ -1,0 +1,124 @@
+"""Which plain attributes of the model a trace read, so that assigning one later rebuilds.
+
+Why: a trace bakes the plain attributes forward() reads into the graph (`h * self.scale` holds
+the number, `if self.use_bias:` the branch taken), so `model.scale = 2.0` after optimize() must
+rebuild (runtime.OptimizedModule). Watching every attribute would also rebuild, on every call,
+a model whose user writes bookkeeping onto it between calls (`model.calls = i`), at a build's
+cost per call. So for the model's own classes the trace records what it reads:
+`recording_attribute_reads` gives each such module, for the trace only, a subclass of its class
+whose __getattribute__ notes the instance attributes read (helpers and properties included).
+torch's own modules are leaves of the trace whose attributes the passes read directly (a
+LeakyReLU's slope); there everything but the ATTRIBUTE_FREE types' is watched. Where the
+recording cannot be trusted (a class with __slots__, forward() reading self.__dict__, an
+instance the recording does not know), every attribute of that module is watched.
+"""
+import contextlib
+import sys
+
+import torch
+
+from .mode_watch import LIBRARY_DIRS
+from .module_state import _same_attr
+
+ATTRIBUTE_FREE = {torch.nn.Linear, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Identity,
+                  torch.nn.ReLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Mish, torch.nn.Hardswish,
+                  torch.nn.Hardsigmoid, torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d,
+                  torch.nn.Dropout3d, torch.nn.AlphaDropout}
+# ^ module types whose forward reads no plain attribute that changes its result (ReLU's
+#   `inplace`, Dropout's `p` in eval mode): assigning one after optimize() needs no rebuild
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+_MISSING = object()
+ALL = None            # a module's entry in the reads: watch every attribute
+_RECORDING: dict = {}  # id(module) -> the set its reads go into, while a trace records
+_SUBCLASSES: dict = {}
+
+
+def _recording_subclass(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        def __getattribute__(self, name):
+            d = object.__getattribute__(self, "__dict__")
+            if name in d or name == "__dict__":
+                reads = _RECORDING.get(id(self), _MISSING)
+                if reads is _MISSING:       # a copy made during the trace: nothing can be trusted
+                    _RECORDING["unknown"] = True
+                elif reads is not ALL:
+                    if name == "__dict__":   # the model's vars(self), self.__dict__[k]: any attribute may be
+                        if not sys._getframe(1).f_code.co_filename.startswith(LIBRARY_DIRS):   # read (torch.fx
+                            _RECORDING[id(self)] = ALL                                        # walks it itself)
+                    else:
+                        reads.add(name)
+            return super(sub, self).__getattribute__(name)
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _SUBCLASSES[cls] = sub
+    return _SUBCLASSES[cls]
+
+
+def _records(m: torch.nn.Module) -> bool:
+    cls = type(m)
+    return not (cls.__module__.startswith("torch.") or isinstance(m, torch.jit.ScriptModule)
+                or getattr(cls, "fxfuse_runtime", False))
+
+
+@contextlib.contextmanager
+def recording_attribute_reads(model: torch.nn.Module):
+    """Yields a dict filled when the block ends: id(module) -> names of its instance attributes
+    read in the block (ALL: watch every one), for the model's own classes; None where nothing
+    recorded can be trusted. Builds run one at a time (runtime.BUILD_LOCK)."""
+    reads, swapped = {}, []
+    try:
+        for m in dict.fromkeys(model.modules()):
+            if not _records(m):
+                continue
+            cls = type(m)
+            try:
+                m.__class__ = _recording_subclass(cls)
+            except TypeError:          # __slots__ or another layout: no recording possible
+                reads[id(m)] = ALL
+                continue
+            swapped.append((m, cls))
+            _RECORDING[id(m)] = set()
+        yield reads
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+        unknown = _RECORDING.pop("unknown", False)
+        for m, _ in swapped:
+            reads[id(m)] = _RECORDING.pop(id(m), ALL)
+        _RECORDING.clear()
+        if unknown:
+            reads.clear()
+            reads["all"] = True
+
+
+def merge_reads(into: dict | None, new: dict) -> dict | None:
+    """The union of two builds' reads (None: everything is watched)."""
+    if into is None or new.get("all"):
+        return None
+    for k, names in new.items():
+        into[k] = ALL if names is ALL or into.get(k, set()) is ALL else into.get(k, set()) | names
+    return into
+
+
+def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
+    """(instance dict, name, value) of each plain attribute a rebuild must follow: those the
+    traces read on the model's own classes (`reads`, from recording_attribute_reads; None:
+    all), and all of torch's modules' but nn.Module's bookkeeping and the ATTRIBUTE_FREE types'."""
+    out = []
+    for m in dict.fromkeys(model.modules()):
+        if type(m) in ATTRIBUTE_FREE or isinstance(m, torch.jit.ScriptModule):
+            continue
+        names = ALL if reads is None or not _records(m) else reads.get(id(m), set())
+        out += [(m.__dict__, k, v) for k, v in m.__dict__.items()
+                if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant") and (names is ALL or k in names)]
+    return tuple(out)
+
+
+def reassigned(watched: tuple) -> str | None:
+    """The first watched attribute (plain_attributes) no longer the same object or an equal value."""
+    for d, k, v in watched:
+        now = d.get(k, _MISSING)
+        if now is not v and not _same_attr(now, v):
+            return k
+    return None

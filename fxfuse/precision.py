@@ -1,0 +1,36 @@
+"""What torch's fp32 precision settings allow, read so that neither of torch's two APIs breaks it.
+
+Why: torch 2.9 added `torch.backends.{cuda.matmul,cudnn.conv}.fp32_precision` ("ieee" / "tf32",
+"none" meaning inherited) beside the legacy `allow_tf32` switches, and once a program sets the
+new one, reading a legacy getter raises RuntimeError ("mix of the legacy and new APIs"). The new
+getter reflects the legacy setters and `torch.set_float32_matmul_precision` too, so it is read
+first; the legacy one only where the new one does not exist.
+"""
+import torch
+
+_NEW_GETTER = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def _setting(backend: str, op: str, legacy) -> object:
+    if _NEW_GETTER is not None:
+        try:
+            return _NEW_GETTER(backend, op)
+        except RuntimeError:   # a torch built without that backend (cudnn on a CPU build)
+            return None
+    try:
+        return legacy()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def matmul_allows_tf32() -> bool:
+    """Whether fp32 matmuls may run in TF32 (the generated GEMMs and fused MLPs follow it)."""
+    return _setting("cuda", "matmul", lambda: torch._C._get_cublas_allow_tf32()) in ("tf32", True)
+
+
+def baked_settings() -> tuple:
+    """The process-wide settings a build bakes in (runtime: a change rebuilds): the default
+    dtype (`torch.ones(3)`, `int * 0.1`) and the fp32 precision of matmuls and convolutions
+    (kernel precision; cuBLAS's and cuDNN's choice captured in a CUDA graph)."""
+    return (torch.get_default_dtype(), _setting("cuda", "matmul", lambda: torch._C._get_cublas_allow_tf32()),
+            _setting("cudnn", "conv", lambda: torch._C._get_cudnn_allow_tf32()))
