@@ -74,7 +74,8 @@ def recording_attribute_reads(model: torch.nn.Module):
             cls = type(m)
             try:
                 m.__class__ = _recording_subclass(cls)
-            except TypeError:          # __slots__ or another layout: no recording possible
+            except Exception:  # noqa: BLE001 -- __slots__, another layout, an __init_subclass__ that refuses
+                # (a registry of subclass names): no recording possible, every attribute is watched
                 reads[id(m)] = ALL
                 continue
             swapped.append((m, cls))
