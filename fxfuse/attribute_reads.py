@@ -13,6 +13,7 @@ recording cannot be trusted (a class with __slots__, forward() reading self.__di
 instance the recording does not know), every attribute of that module is watched.
 """
 import contextlib
+import operator
 import sys
 
 import torch
@@ -103,23 +104,42 @@ def merge_reads(into: dict | None, new: dict) -> dict | None:
 
 
 def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
-    """(instance dict, name, value) of each plain attribute a rebuild must follow: those the
-    traces read on the model's own classes (`reads`, from recording_attribute_reads; None:
-    all), and all of torch's modules' but nn.Module's bookkeeping and the ATTRIBUTE_FREE types'."""
+    """Per module with any to watch: (its instance dict, an itemgetter of the names, their
+    values now) for the plain attributes a rebuild must follow: those the traces read on the
+    model's own classes (`reads`, from recording_attribute_reads; None: all), and all of torch's
+    modules' but nn.Module's bookkeeping and the ATTRIBUTE_FREE types'. An OptimizedModule
+    inside the model keeps its own watch (its counters are not the model's)."""
     out = []
     for m in dict.fromkeys(model.modules()):
-        if type(m) in ATTRIBUTE_FREE or isinstance(m, torch.jit.ScriptModule):
+        if (type(m) in ATTRIBUTE_FREE or isinstance(m, torch.jit.ScriptModule)
+                or getattr(type(m), "fxfuse_runtime", False)):
             continue
         names = ALL if reads is None or not _records(m) else reads.get(id(m), set())
-        out += [(m.__dict__, k, v) for k, v in m.__dict__.items()
-                if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant") and (names is ALL or k in names)]
+        keys = tuple(k for k in m.__dict__ if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant")
+                     and (names is ALL or k in names))
+        if keys:
+            get = operator.itemgetter(*keys)
+            out.append((m.__dict__, get, get(m.__dict__), keys))   # one key: the value itself, not a tuple
     return tuple(out)
 
 
+def watched_values(watched: tuple) -> list:
+    return [v for _, _, values, keys in watched for v in (values if len(keys) > 1 else (values,))]
+
+
 def reassigned(watched: tuple) -> str | None:
-    """The first watched attribute (plain_attributes) no longer the same object or an equal value."""
-    for d, k, v in watched:
-        now = d.get(k, _MISSING)
-        if now is not v and not _same_attr(now, v):
-            return k
+    """The first watched attribute (plain_attributes) no longer the same object or an equal
+    value (a float by its repr: -0.0 is not 0.0). Per call: one C-level lookup and identity
+    compare per module."""
+    for d, get, values, keys in watched:
+        try:
+            now = get(d)
+        except KeyError:                 # deleted
+            return next(k for k in keys if k not in d)
+        if now is values if len(keys) == 1 else all(map(operator.is_, now, values)):   # the usual case
+            continue
+        now, values = (now, values) if len(keys) > 1 else ((now,), (values,))
+        for k, v, w in zip(keys, now, values):
+            if v is not w and not _same_attr(v, w):
+                return k
     return None

@@ -86,22 +86,33 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
     # its own user's: its bookkeeping is put back and its warnings are not shown
     inner = [(m, set(m._warned), m.original_calls.copy()) for m in model.modules()
              if getattr(type(m), "fxfuse_runtime", False)]
+    # grad mode on records nothing with every parameter frozen for the probe (a large model's
+    # activations would be kept for a backward pass that never comes)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     try:
+        for p in trainable:
+            p.requires_grad_(False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FxfuseWarning)
             _probe(model, args, expected, reads, differs, inference)
     finally:
+        for p in trainable:
+            p.requires_grad_(True)
         for m, warned, calls in inner:
             m._warned, m.original_calls = warned, calls
 
 
 def _probe(model, args, expected, reads, differs, inference) -> None:
-    if not reads.get("reads_grad_mode"):
-        with torch.enable_grad():
-            reads["reads_grad_mode"] = _changes(model, args, expected, differs)
-    if reads.get("reads_inference_mode") is None:
-        with torch.inference_mode(not inference), torch.no_grad():   # inference_mode(False) turns grad on
-            if _changes(model, args, expected, differs):
+    """The three other (grad, inference) combinations a call may have; a difference in one
+    that turns grad on marks grad, one in the other inference mode marks inference."""
+    for grad, other in ((True, False), (False, True), (True, True)):
+        if (not grad or reads.get("reads_grad_mode")) and (not other or reads.get("reads_inference_mode") is not None):
+            continue   # everything this run could mark is marked already
+        with torch.inference_mode(inference != other), torch.set_grad_enabled(grad):   # inference_mode(False)
+            changed = _changes(model, args, expected, differs)                      # turns grad on: set after it
+        if changed:
+            reads["reads_grad_mode"] = reads.get("reads_grad_mode") or grad
+            if other and reads.get("reads_inference_mode") is None:
                 reads["reads_inference_mode"] = inference
 
 

@@ -92,6 +92,8 @@ def _same_attr(a, b) -> bool:
         return True
     if isinstance(a, (torch.Tensor, torch.fx.Proxy)) or isinstance(b, (torch.Tensor, torch.fx.Proxy)):
         return False
+    if type(a) is float and type(b) is float:
+        return repr(a) == repr(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 -- values that cannot be compared count as changed

@@ -15,7 +15,7 @@ def _setting(backend: str, op: str, legacy) -> object:
     if _NEW_GETTER is not None:
         try:
             return _NEW_GETTER(backend, op)
-        except RuntimeError:   # a torch built without that backend (cudnn on a CPU build)
+        except RuntimeError:   # a backend this torch does not know (checked once per call: keep it rare)
             return None
     try:
         return legacy()
@@ -33,4 +33,14 @@ def baked_settings() -> tuple:
     dtype (`torch.ones(3)`, `int * 0.1`) and the fp32 precision of matmuls and convolutions
     (kernel precision; cuBLAS's and cuDNN's choice captured in a CUDA graph)."""
     return (torch.get_default_dtype(), _setting("cuda", "matmul", lambda: torch._C._get_cublas_allow_tf32()),
-            _setting("cudnn", "conv", lambda: torch._C._get_cudnn_allow_tf32()))
+            _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()))   # cuDNN's: torch.backends.cudnn.conv
+
+
+if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple per setting
+    def settings_changed(saved: tuple) -> bool:
+        """Whether baked_settings() differs from `saved` (runtime: every call)."""
+        return (torch.get_default_dtype() is not saved[0] or _NEW_GETTER("cuda", "matmul") != saved[1]
+                or _NEW_GETTER("cuda", "conv") != saved[2])
+else:
+    def settings_changed(saved: tuple) -> bool:
+        return baked_settings() != saved

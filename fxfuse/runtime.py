@@ -44,8 +44,8 @@ from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
-from .precision import baked_settings
-from .attribute_reads import merge_reads, plain_attributes, reassigned
+from .precision import baked_settings, settings_changed
+from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
 from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, structure,
                            structure_changed, version)
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
@@ -217,7 +217,12 @@ class OptimizedModule(torch.nn.Module):
         a buffer written in place (BatchNorm statistics after a training call), a parameter,
         buffer or submodule replaced (`model.lin = nn.Linear(...)`), a plain attribute assigned
         (`model.scale = 2.0`). REGISTRATIONS moves for any module of the process: then only
-        the identities are compared."""
+        the identities are compared. Under BUILD_LOCK: a build in another thread finishes (and
+        is dropped) first, or it would install a graph of the old state after the drop."""
+        with BUILD_LOCK:
+            self._drop_if_edited()
+
+    def _drop_if_edited(self) -> None:
         self._registrations_seen = REGISTRATIONS[0]
         if self._buffer_versions and _moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
@@ -237,8 +242,8 @@ class OptimizedModule(torch.nn.Module):
         self._state_rebuilds = self._state_rebuilds + 1 if served < REBUILD_SERVED_CALLS else 1
         if self._state_rebuilds == 3:
             self._warn_once("buffers", f"fxfuse: the model's buffers or attributes keep changing between calls "
-                            f"({reason}); each change rebuilds the optimized graph (folded and packed copies would be stale). Call the "
-                            "original module for such use.")
+                            f"({reason}); each change rebuilds the optimized graph (folded and packed copies "
+                            "would be stale). Call the original module for such use.")
 
     def _submodule_training(self) -> bool:
         for m in self._mode_modules:
@@ -286,7 +291,7 @@ class OptimizedModule(torch.nn.Module):
         self._attribute_reads = merge_reads(self._attribute_reads,
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
         self._attributes = plain_attributes(self.original, self._attribute_reads)
-        plain_tensors = [v for _, _, v in self._attributes if isinstance(v, torch.Tensor)]
+        plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         watched = {id(t) for t, _ in self._buffer_versions}
         self._buffer_versions += tuple((t, t._version) for t in dict.fromkeys((*gm.meta.get("fxfuse_copied", ()),
                                                                                *plain_tensors))
@@ -403,7 +408,7 @@ class OptimizedModule(torch.nn.Module):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
-                or self._attributes and reassigned(self._attributes) or baked_settings() != self._flags):
+                or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()
         if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
