@@ -103,3 +103,20 @@ def test_the_warning_names_the_mode_dependence():
         opt = fxfuse.optimize(model, x)
     seen = dict(_calls(opt, model, x, ["no_grad"]))
     assert any("depends on inference mode" in m for m in seen["no_grad"])
+
+
+class GradAndNotInference(Block):
+    def forward(self, x):
+        h = self.hidden(x)
+        return h * 3.0 if torch.is_grad_enabled() and not imported_inference_mode() else h
+
+
+def test_the_default_mode_is_probed_after_an_inference_mode_build():
+    """Built under inference_mode, the probe runs (grad on, inference off) too: the mode a plain
+    call without any context has."""
+    model = GradAndNotInference().eval().requires_grad_(False)
+    x = torch.randn(5, 8)
+    with torch.inference_mode():
+        opt = fxfuse.optimize(model, x)
+    _calls(opt, model, x, ["grad", "no_grad", "inference"])
+    assert sum(opt.original_calls.values()) >= 1

@@ -384,3 +384,69 @@ def test_a_change_per_epoch_does_not_warn():
                     x = torch.randn(8, 6)
                     torch.testing.assert_close(opt(x), model(x))
     assert not [w for w in caught if "keep changing" in str(w.message)]
+
+
+class TiedLinear(nn.Module):
+    """One weight read by a fused-MLP layer (a packed copy) and by a plain matmul (live)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) @ self.lin.weight
+
+
+def test_a_tied_weight_read_live_elsewhere_still_reaches_its_copy():
+    model = TiedLinear().eval()
+    x = torch.randn(5, 16)
+    opt = fxfuse.optimize(model, x, strict=True, fused_mlp="force")
+    with torch.no_grad():
+        opt(x)
+        model.lin.weight.mul_(2.0)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.sigmoid(self.lin(x))
+
+
+class ChecksItsChildType(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.lin = Gate(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * self.gate(x) if type(self.gate) is Gate else h
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_type_checks_in_forward_see_the_real_class(verify):
+    """The attribute recording runs the trace on subclasses; `type(self.gate) is Gate` took the
+    other branch (a false refusal with verify, a wrong answer without)."""
+    model = ChecksItsChildType().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8), verify=verify)
+    assert isinstance(opt, OptimizedModule) and not messages
+    assert type(model.gate) is Gate
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_an_inner_optimized_module_building_new_shapes_does_not_rebuild_the_outer():
+    inner = fxfuse.optimize(_chain(), torch.randn(4, 16), strict=True)
+    outer_model = nn.Sequential(inner, nn.Linear(16, 16), nn.ReLU()).eval()
+    outer = fxfuse.optimize(outer_model, torch.randn(4, 16), strict=True)
+    built = next(iter(outer.specializations.values()))
+    with torch.no_grad():
+        for rows in (3, 5, 7):
+            inner(torch.randn(rows, 16))        # the inner one builds and counts on its own
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(outer(x), outer_model(x))
+    assert next(iter(outer.specializations.values())) is built
