@@ -19,7 +19,7 @@ import sys
 import torch
 
 from .mode_watch import LIBRARY_DIRS
-from .module_state import _same_attr
+from .module_state import same_attr
 
 ATTRIBUTE_FREE = {torch.nn.Linear, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Identity,
                   torch.nn.ReLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Mish, torch.nn.Hardswish,
@@ -65,8 +65,9 @@ def _records(m: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def recording_attribute_reads(model: torch.nn.Module):
     """Yields a dict filled when the block ends: id(module) -> names of its instance attributes
-    read in the block (ALL: watch every one), for the model's own classes; None where nothing
-    recorded can be trusted. Builds run one at a time (runtime.BUILD_LOCK)."""
+    read in the block (ALL: watch every one), for the model's own classes; {"all": True} where
+    nothing recorded can be trusted. The classes are restored however the block ends. Builds
+    run one at a time (runtime.BUILD_LOCK)."""
     reads, swapped = {}, []
     try:
         for m in dict.fromkeys(model.modules()):
@@ -140,6 +141,6 @@ def reassigned(watched: tuple) -> str | None:
             continue
         now, values = (now, values) if len(keys) > 1 else ((now,), (values,))
         for k, v, w in zip(keys, now, values):
-            if v is not w and not _same_attr(v, w):
+            if v is not w and not same_attr(v, w):
                 return k
     return None

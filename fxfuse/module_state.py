@@ -85,7 +85,7 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _same_attr(a, b) -> bool:
+def same_attr(a, b) -> bool:
     """The same object, or an equal plain value (torch.export rebuilds some modules' bookkeeping
     lists, e.g. LSTM's _flat_weights_names, with the same contents)."""
     if a is b:
@@ -154,8 +154,8 @@ def _contents(container):
 def _same_contents(container, saved) -> bool:
     now = _contents(container)
     if isinstance(now, list):
-        return len(now) == len(saved) and all(_same_attr(a, b) for a, b in zip(now, saved))
-    return now.keys() == saved.keys() and all(_same_attr(now[k], saved[k]) for k in saved)
+        return len(now) == len(saved) and all(same_attr(a, b) for a, b in zip(now, saved))
+    return now.keys() == saved.keys() and all(same_attr(now[k], saved[k]) for k in saved)
 
 
 def _only_memoized(container, saved) -> bool:
@@ -265,7 +265,7 @@ class _Snapshot:
                     changed.append(f"{name}.{k}")
                 del m.__dict__[k]
             for k, v in attrs.items():
-                if k not in m.__dict__ or not _same_attr(m.__dict__[k], v):
+                if k not in m.__dict__ or not same_attr(m.__dict__[k], v):
                     changed.append(f"{name}.{k}")
                     m.__dict__[k] = v
             for k, (b, saved) in buffers.items():
