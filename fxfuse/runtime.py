@@ -168,6 +168,7 @@ class OptimizedModule(torch.nn.Module):
         self._buffer_versions = self._parameter_versions = self._attributes = ()   # (_watch_state, after the first build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
+        self._children, self._child_counts = (), 0   # submodule dicts: a deletion fires no hook (_watch_state)
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
@@ -207,6 +208,8 @@ class OptimizedModule(torch.nn.Module):
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
         self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
+        self._children = tuple(m._modules for m, _, _, children in self._structure if children)   # live dicts
+        self._child_counts = sum(map(len, self._children))
         self._parameter_versions = tuple((p, p._version) for p in model.parameters() if version(p) is not None)
         self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
@@ -223,7 +226,7 @@ class OptimizedModule(torch.nn.Module):
             self._drop_if_edited()
 
     def _drop_if_edited(self) -> None:
-        self._registrations_seen = REGISTRATIONS[0]
+        self._registrations_seen, self._child_counts = REGISTRATIONS[0], sum(map(len, self._children))
         if self._buffer_versions and _moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
                       "the build")
@@ -324,7 +327,7 @@ class OptimizedModule(torch.nn.Module):
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._buffer_versions = self._parameter_versions = self._attributes = ()   # watched again from the
         self._attribute_reads = {}
-        self._structure = []                                                           # next build (_watch_state)
+        self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -408,6 +411,7 @@ class OptimizedModule(torch.nn.Module):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
+                or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()
         if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):

@@ -450,3 +450,28 @@ def test_an_inner_optimized_module_building_new_shapes_does_not_rebuild_the_oute
             x = torch.randn(4, 16)
             torch.testing.assert_close(outer(x), outer_model(x))
     assert next(iter(outer.specializations.values())) is built
+
+
+@pytest.mark.parametrize("edit", ["del", "pop", "insert", "del attribute"])
+def test_removing_or_inserting_a_submodule_rebuilds(edit):
+    """torch fires no registration hook for these: the runtime counts each module's children."""
+    class WithHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+            self.head = nn.Linear(8, 8)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x) if hasattr(self, "head") else x
+
+    model = WithHead().eval()
+    spare = nn.Linear(8, 8)   # built before optimize: no registration later
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        opt(x)
+        {"del": lambda: model.layers.__delitem__(0), "pop": lambda: model.layers.pop(1),
+         "insert": lambda: model.layers.insert(0, spare), "del attribute": lambda: delattr(model, "head")}[edit]()
+        torch.testing.assert_close(opt(x), model(x))
