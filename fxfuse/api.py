@@ -21,7 +21,7 @@ from .module_state import forward_hook_owner, kept_state
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
-from .tracing import clone_args, trace
+from .tracing import autocast_enabled, clone_args, trace
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -72,18 +72,22 @@ def _check_call_path(model, args: tuple) -> None:
 
 def _call_only_forwards(model, args: tuple) -> bool:
     """Whether model(*args) runs forward() once, with the very argument objects (plus, at
-    most, forward()'s own defaults spelled out) and returns forward()'s very result. Checked
+    most, forward()'s own defaults spelled out), unchanged and outside autocast, and returns
+    forward()'s very result, unchanged. Checked
     on one call, the model's state kept, with forward() watched on the instance: that sees a
     __call__ going through nn.Module.__call__ and one calling self.forward() directly."""
     runs, own = [], model.__dict__.get("forward")
     forward = model.forward
+    call_args = clone_args(args)
+    before = clone_args(call_args)
 
     def watched(*a, **kw):
+        # what forward() receives must be the call's values as given, outside autocast
+        same_in = not autocast_enabled() and not any(_differs_at_all(b, x) for b, x in zip(before, a))
         out = forward(*a, **kw)
-        runs.append((a, kw, out))
+        runs.append((a, kw, out, same_in, clone_args(torch.utils._pytree.tree_leaves(out))))
         return out
 
-    call_args = clone_args(args)
     try:
         with torch.no_grad(), kept_state(model):
             model.__dict__["forward"] = watched
@@ -99,7 +103,9 @@ def _call_only_forwards(model, args: tuple) -> bool:
         return False
     if len(runs) != 1 or runs[0][2] is not out:
         return False
-    given, given_kwargs, _ = runs[0]
+    given, given_kwargs, _, same_in, produced = runs[0]
+    if not same_in or any(_differs_at_all(p, o) for p, o in zip(produced, torch.utils._pytree.tree_leaves(out))):
+        return False   # __call__ edited the input before forward() or the result after it, in place
     if len(given) < len(call_args) or not all(a is b for a, b in zip(given, call_args)):
         return False
     try:

@@ -71,6 +71,25 @@ class ChangesTheResult(Masked):
         return self.forward(x) + 1
 
 
+class EditsTheResultInPlace(Masked):
+    def __call__(self, x):
+        out = super().__call__(x)
+        out.mul_(2.0)
+        return out
+
+
+class EditsTheInputInPlace(Masked):
+    def __call__(self, x):
+        x.mul_(2.0)
+        return super().__call__(x)
+
+
+class UnderAutocast(Masked):
+    def __call__(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().__call__(x)
+
+
 @pytest.mark.parametrize("make", [CallsForwardDirectly, SpellsOutDefaults, PassesEverything])
 def test_a_call_override_that_only_runs_forward_is_optimized(make):
     model = make().eval()
@@ -82,7 +101,8 @@ def test_a_call_override_that_only_runs_forward_is_optimized(make):
         torch.testing.assert_close(opt(x), model(x))
 
 
-@pytest.mark.parametrize("make", [ChangesAnArgument, RunsForwardTwice, ChangesTheResult])
+@pytest.mark.parametrize("make", [ChangesAnArgument, RunsForwardTwice, ChangesTheResult, EditsTheResultInPlace,
+                                  EditsTheInputInPlace, UnderAutocast])
 def test_a_call_override_that_does_more_is_refused(make):
     model = make().eval()
     opt, messages = _optimize_warned(model, torch.randn(4, 8))
