@@ -62,7 +62,7 @@ def _check_call_path(model, args: tuple) -> None:
         raise UnsupportedError(f"{lazy} is a lazy module whose parameters are not materialized yet: call the model "
                                "once on a real input before fxfuse.optimize")
     owner = next(c for c in type(model).__mro__ if "__call__" in vars(c))
-    if owner.__module__.startswith("torch.") or vars(owner)["__call__"] is torch.nn.Module.__call__:
+    if (owner.__module__ or "").startswith("torch.") or vars(owner)["__call__"] is torch.nn.Module.__call__:
         return   # torch's own (GraphModule's) only wrap nn.Module.__call__
     if not _call_only_forwards(model, args):
         raise UnsupportedError(f"{owner.__name__} overrides __call__ and does more than run forward() once on "
@@ -134,22 +134,7 @@ def _check_example_binds(model, args: tuple) -> None:
 
 
 def build_graph(model, args: tuple, options: Options):
-    """Trace, rewrite, and verify one specialization; returns the rewritten GraphModule.
-
-    With verify on, the trace records which plain attributes forward() reads (attribute_reads:
-    the model's modules run as recording subclasses during the trace). A forward() asking
-    `type(self.sub) is Sub` would see the subclass; the verification catches that as a
-    mismatch, and the build runs again without the recording (every attribute watched)."""
-    try:
-        return _build_graph(model, args, options, record_attributes=options.verify)
-    except OutputMismatch as e:
-        if not options.verify:
-            raise
-        logger.info("verification failed with attribute recording (%s); building without it", e)
-        return _build_graph(model, args, options, record_attributes=False)
-
-
-def _build_graph(model, args: tuple, options: Options, record_attributes: bool):
+    """Trace, rewrite, and verify one specialization; returns the rewritten GraphModule."""
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
 
     use_kernels, warning = options.use_kernels, None
@@ -163,7 +148,7 @@ def _build_graph(model, args: tuple, options: Options, record_attributes: bool):
                        "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
     with torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
-        gm = trace(model, args, record_attributes)
+        gm = trace(model, args)
         traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         traced = {_storage(t) for t in traced_reads}

@@ -19,7 +19,8 @@ import torch
 from .errors import FxfuseWarning
 from .module_state import forward_globals
 
-LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+# ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
 
 
 @contextlib.contextmanager

@@ -207,7 +207,7 @@ def forward_globals(m: torch.nn.Module) -> tuple:
     it loads: LOAD_GLOBAL, not attribute names that happen to match); (None, {}) for torch's own
     modules and forwards without Python code."""
     fn = forward_function(m)
-    if getattr(fn, "__code__", None) is None or type(m).__module__.startswith("torch."):
+    if getattr(fn, "__code__", None) is None or (type(m).__module__ or "").startswith("torch."):
         return None, {}
     names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
     return fn, {name: fn.__globals__[name] for name in names if name in fn.__globals__}
@@ -241,7 +241,7 @@ class _Snapshot:
         # stored there by the trace would reach every later eager call of the class
         self.class_containers = []
         for cls in dict.fromkeys(type(m) for m in model.modules()):
-            if cls.__module__.startswith("torch."):
+            if (cls.__module__ or "").startswith("torch."):
                 continue
             shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
             self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))

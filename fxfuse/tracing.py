@@ -135,15 +135,14 @@ def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
     mark_data_dependent_shapes(gm)
 
 
-def trace(model: torch.nn.Module, example_args: tuple, record_attributes: bool = True) -> torch.fx.GraphModule:
-    """Return a GraphModule equivalent to model on inputs like example_args, with shapes;
-    with record_attributes, its meta says which plain attributes the trace read (else all).
+def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
+    """Return a GraphModule equivalent to model on inputs like example_args, with shapes; its
+    meta says what the trace read (the grad/inference mode, the model's attribute names).
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
     concrete, tensor_args, given_values = split_concrete(model, example_args)
     inference_mode = torch.is_inference_mode_enabled()
-    recording = recording_attribute_reads(model) if record_attributes else contextlib.nullcontext({"all": True})
-    with watching_mode_reads() as mode_reads, recording as attribute_reads:
+    with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads:
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
     mode_reads |= mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]

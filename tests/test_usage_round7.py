@@ -448,8 +448,9 @@ class ChecksItsChildType(nn.Module):
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_type_checks_in_forward_see_the_real_class(verify):
-    """The attribute recording runs the trace on subclasses; `type(self.gate) is Gate` took the
-    other branch (a false refusal with verify, a wrong answer without)."""
+    """An attribute recording that ran the trace on subclasses made `type(self.gate) is Gate`
+    take the other branch (a false refusal with verify, a wrong answer without); the names
+    are now collected without touching the model."""
     model = ChecksItsChildType().eval()
     opt, messages = _optimize_warned(model, torch.randn(4, 8), verify=verify)
     assert isinstance(opt, OptimizedModule) and not messages
@@ -495,3 +496,36 @@ def test_removing_or_inserting_a_submodule_rebuilds(edit):
         {"del": lambda: model.layers.__delitem__(0), "pop": lambda: model.layers.pop(1),
          "insert": lambda: model.layers.insert(0, spare), "del attribute": lambda: delattr(model, "head")}[edit]()
         torch.testing.assert_close(opt(x), model(x))
+
+
+class Registered(nn.Module):
+    REGISTRY: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Registered.REGISTRY[cls.__name__] = cls
+
+
+class Net(Registered):
+    temperature = 1.0   # a class default
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature + getattr(self, "bias_shift", 0.0)
+
+
+def test_the_recording_leaves_the_model_and_its_classes_alone():
+    """Names are collected by a profile hook: no subclass reaches a registry, and class-level
+    attributes the model reads are watched on the class and on the instance."""
+    model = Net().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    assert Registered.REGISTRY == {"Net": Net} and type(model) is Net and Net.__subclasses__() == []
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for edit in (lambda: setattr(Net, "temperature", 0.5), lambda: setattr(model, "temperature", 0.25)):
+            edit()
+            torch.testing.assert_close(opt(x), model(x))
+    Net.temperature = 1.0
