@@ -19,6 +19,7 @@ by identity (and buffers by value).
 import contextlib
 import dataclasses
 import dis
+import functools
 import inspect
 import types
 
@@ -261,8 +262,8 @@ class _Snapshot:
                     with torch.no_grad(), torch.inference_mode(t.is_inference()):
                         t.copy_(saved)
             for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
-                if not k.startswith("_tensor_constant"):   # torch.fx's own: constants it put on the root
-                    changed.append(f"{name}.{k}")
+                if not k.startswith("_tensor_constant") and not _cached(m, k):   # torch.fx's own constants;
+                    changed.append(f"{name}.{k}")                                 # a cached_property's cache
                 del m.__dict__[k]
             for k, v in attrs.items():
                 if k not in m.__dict__ or not same_attr(m.__dict__[k], v):
@@ -288,6 +289,13 @@ class _Snapshot:
                 m._modules.clear()
                 m._modules.update(modules)
         return list(dict.fromkeys(changed))
+
+
+def _cached(m: torch.nn.Module, k: str) -> bool:
+    """A functools.cached_property filled by the trace with a real value (not a Proxy): a memo,
+    emptied again like a memo dict; eager fills it anew on its next call."""
+    return (isinstance(inspect.getattr_static(type(m), k, None), functools.cached_property)
+            and not any(isinstance(v, torch.fx.Proxy) for v in torch.utils._pytree.tree_leaves(m.__dict__[k])))
 
 
 @contextlib.contextmanager

@@ -529,3 +529,29 @@ def test_the_recording_leaves_the_model_and_its_classes_alone():
             edit()
             torch.testing.assert_close(opt(x), model(x))
     Net.temperature = 1.0
+
+
+def test_a_cached_property_filled_by_the_trace_is_a_memo():
+    """functools.cached_property stores its value in the instance dict on first use: the trace
+    filled it, and the model was refused as writing state."""
+    import functools
+
+    class WithTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @functools.cached_property
+        def table(self):
+            return torch.linspace(0.5, 1.5, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * self.table
+
+    model = WithTable().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages and "table" not in model.__dict__
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        torch.testing.assert_close(opt(x), model(x))   # eager cached it meanwhile: one rebuild, same answer
