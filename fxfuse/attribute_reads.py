@@ -16,7 +16,10 @@ whose attributes the passes read directly after the trace (a LeakyReLU's slope),
 Where a profiler is already installed, nothing is recorded and every attribute is watched.
 """
 import contextlib
+import importlib.util
+import inspect
 import operator
+import os
 import sys
 
 import torch
@@ -34,38 +37,99 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _MISSING = object()
 
 
+def _other_code_prefixes() -> tuple:
+    """Code that runs during a trace but is not the model's: the libraries torch and fxfuse
+    bring (their names would make common attribute names such as `name` or `cache` look
+    read); the standard library is told apart in _other_code."""
+    found = []
+    for name in ("sympy", "numpy", "triton", "networkx", "tabulate", "typing_extensions", "mpmath", "filelock",
+                 "fsspec", "jinja2", "markupsafe", "packaging", "_pytest", "pluggy", "importlib_metadata"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin:   # a package's folder, or a one-file module itself
+            found.append(os.path.join(os.path.dirname(spec.origin), "") if spec.submodule_search_locations
+                         else spec.origin)
+    return LIBRARY_DIRS + tuple(found) + ("<frozen", "<eval_with_key")
+
+
+OTHER_CODE = _other_code_prefixes()
+STDLIB = os.path.join(os.path.dirname(os.__file__), "")
+
+
+def _other_code(filename: str) -> bool:
+    return filename.startswith(OTHER_CODE) or (filename.startswith(STDLIB) and "-packages" not in filename)
+
+
+DYNAMIC = {"getattr", "vars", "__dict__", "attrgetter", "getattr_static", "__getattribute__"}
+# ^ a model's code using one of these may read attributes by computed names: watch them all
+
+
+def _strings(const):
+    if isinstance(const, str):
+        if len(const) < 200:
+            yield const
+            yield from const.split(".")
+    elif isinstance(const, (tuple, frozenset)):
+        for c in const:
+            yield from _strings(c)
+
+
 def _names_of(code) -> set:
     names = set(code.co_names)
     for const in code.co_consts:
-        if isinstance(const, str) and len(const) < 200:
-            names.add(const)
-            names.update(const.split("."))
+        names.update(_strings(const))
     return names
 
 
 @contextlib.contextmanager
 def recording_attribute_reads(model: torch.nn.Module):
     """Yields a dict filled when the block ends: {"names": the names the model's code running
-    in the block could read}, or {"all": True} (another profiler is installed: watch all)."""
-    reads = {}
-    if sys.getprofile() is not None:
+    in the block could read}, or {"all": True}: that code reads attributes by computed names
+    (DYNAMIC), or both a profiler and a tracer are installed (no hook left to use)."""
+    reads, codes, own = {}, set(), _class_code(model)
+
+    def hook(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            name = code.co_filename
+            # code compiled from a string ("<string>": dataclass and namedtuple methods, torch's
+            # generated code) counts only where it is a method of the model's own classes
+            if not _other_code(name) and (not name.startswith("<") or name.startswith("<ipython") or code in own):
+                codes.add(code)
+
+    if sys.getprofile() is None:   # this thread's only: builds run in the calling thread
+        install, remove = (lambda: sys.setprofile(hook)), (lambda: sys.setprofile(None))
+    elif sys.gettrace() is None:   # a profiler is on (cProfile): a trace hook that traces no lines
+        install, remove = (lambda: sys.settrace(hook)), (lambda: sys.settrace(None))
+    else:
         reads["all"] = True
         yield reads
         return
-    codes = set()
-
-    def profile(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            if not code.co_filename.startswith(LIBRARY_DIRS):
-                codes.add(code)
-
-    sys.setprofile(profile)
+    install()
     try:
         yield reads
     finally:
-        sys.setprofile(None)
-        reads["names"] = set().union(*map(_names_of, codes))
+        remove()
+        names = set().union(*map(_names_of, codes))
+        if names & DYNAMIC:
+            reads["all"] = True
+        else:
+            reads["names"] = names
+
+
+def _class_code(model: torch.nn.Module) -> set:
+    """The code objects of the functions and properties defined on the model's own classes."""
+    found = set()
+    for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not (c.__module__ or "").startswith("torch.")}:
+        for value in vars(cls).values():
+            fns = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
+            for fn in fns:
+                code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+                if code is not None:
+                    found.add(code)
+    return found
 
 
 def merge_reads(into: dict | None, new: dict) -> dict | None:
@@ -77,8 +141,9 @@ def merge_reads(into: dict | None, new: dict) -> dict | None:
 
 
 def _own_class(m) -> bool:
-    cls = type(m)
-    return not (cls.__module__ or "").startswith("torch.")
+    """The model's own class, all the way down: a subclass of a torch module (`class
+    MyLeaky(nn.LeakyReLU)`) runs torch's forward, which reads attributes no hook sees."""
+    return not any((c.__module__ or "").startswith("torch.") for c in type(m).__mro__[:-2])
 
 
 def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
@@ -99,12 +164,12 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                      and (not narrowed or k in names))
         if keys:
             out.append(_entry(m.__dict__, keys))
-        if narrowed and _own_class(m):
-            for cls in type(m).__mro__:
-                if cls in classes or cls.__module__ is None or cls.__module__.startswith(("torch.", "builtins")):
+        if _own_class(m):   # its class attributes too (`Net.temperature = 0.5`)
+            for cls in type(m).__mro__[:-2]:
+                if cls in classes:
                     continue
                 classes.add(cls)
-                class_keys = tuple(k for k in vars(cls) if k in names and not k.startswith("__"))
+                class_keys = tuple(k for k in vars(cls) if (names is None or k in names) and not k.startswith("__"))
                 if class_keys:
                     out.append(_entry(vars(cls), class_keys))
                     absent += [(m.__dict__, k) for k in class_keys if k not in m.__dict__]

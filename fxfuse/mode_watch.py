@@ -87,20 +87,20 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
     # its own user's: its bookkeeping is put back and its warnings are not shown
     inner = [(m, set(m._warned), m.original_calls.copy()) for m in model.modules()
              if getattr(type(m), "fxfuse_runtime", False)]
-    # grad mode on records nothing with every parameter frozen for the probe (a large model's
-    # activations would be kept for a backward pass that never comes)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    # with grad on, autograd saves nothing for this thread's runs (a large model's activations
+    # would be kept for a backward pass that never comes); the parameters stay as they are
+    # (freezing them would have frozen them for other threads training meanwhile)
     try:
-        for p in trainable:
-            p.requires_grad_(False)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
             warnings.simplefilter("ignore", FxfuseWarning)
             _probe(model, args, expected, reads, differs, inference)
     finally:
-        for p in trainable:
-            p.requires_grad_(True)
         for m, warned, calls in inner:
             m._warned, m.original_calls = warned, calls
+
+
+def _drop(_):
+    return None
 
 
 def _probe(model, args, expected, reads, differs, inference) -> None:

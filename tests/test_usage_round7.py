@@ -555,3 +555,51 @@ def test_a_cached_property_filled_by_the_trace_is_a_memo():
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
         torch.testing.assert_close(opt(x), model(x))   # eager cached it meanwhile: one rebuild, same answer
+
+
+class MyLeaky(nn.LeakyReLU):
+    """A user subclass that keeps torch's forward: torch's code reads negative_slope."""
+
+
+class NamesInATuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.a, self.b = nn.Linear(8, 8), 1.0, 2.0
+
+    def forward(self, x):
+        h = self.lin(x)
+        for name in ("a", "b"):
+            h = h * getattr(self, name)
+        return h
+
+
+@pytest.mark.parametrize("make,edit", [
+    (lambda: nn.Sequential(nn.Linear(8, 8), MyLeaky(0.1)), lambda m: setattr(m[1], "negative_slope", 0.5)),
+    (NamesInATuple, lambda m: setattr(m, "b", 5.0)),
+], ids=["torch-forward-subclass", "names-in-a-tuple"])
+def test_attributes_read_where_no_name_shows_are_still_watched(make, edit):
+    model = make().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        opt(x)
+        edit(model)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_profiler_around_optimize_keeps_the_recording_precise():
+    import cProfile
+    model = Bookkeeping().eval()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    finally:
+        profiler.disable()
+    built = next(iter(opt.specializations.values()))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for i in range(3):
+            model.calls = i
+            torch.testing.assert_close(opt(x), model(x))
+    assert next(iter(opt.specializations.values())) is built
