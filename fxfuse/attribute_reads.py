@@ -94,9 +94,10 @@ def recording_attribute_reads(model: torch.nn.Module):
         if event == "call":
             code = frame.f_code
             name = code.co_filename
-            # code compiled from a string ("<string>": dataclass and namedtuple methods, torch's
-            # generated code) counts only where it is a method of the model's own classes
-            if not _other_code(name) and (not name.startswith("<") or name.startswith("<ipython") or code in own):
+            # code compiled from a string counts, except what libraries generate that way: the
+            # exec'd wrappers (`<module>`, dataclasses' `__create_fn__`) and the dunder methods
+            # they make (a dataclass's __init__/__eq__), unless a method of the model's classes
+            if not _other_code(name) and (not name.startswith("<") or code in own or not _generated(code.co_name)):
                 codes.add(code)
 
     if sys.getprofile() is None:   # this thread's only: builds run in the calling thread
@@ -119,16 +120,21 @@ def recording_attribute_reads(model: torch.nn.Module):
             reads["names"] = names
 
 
+def _generated(name: str) -> bool:
+    return name in ("<module>", "__create_fn__", "_") or (name.startswith("__") and name.endswith("__"))
+
+
 def _class_code(model: torch.nn.Module) -> set:
     """The code objects of the functions and properties defined on the model's own classes."""
     found = set()
     for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not (c.__module__ or "").startswith("torch.")}:
         for value in vars(cls).values():
-            fns = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
-            for fn in fns:
-                code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
-                if code is not None:
-                    found.add(code)
+            try:
+                fns = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
+                found.update(c for fn in fns if callable(fn)
+                             for c in [getattr(inspect.unwrap(fn), "__code__", None)] if c is not None)
+            except Exception:  # noqa: BLE001 -- a lazy proxy whose attributes raise: not a method
+                continue
     return found
 
 

@@ -292,10 +292,23 @@ class _Snapshot:
 
 
 def _cached(m: torch.nn.Module, k: str) -> bool:
-    """A functools.cached_property filled by the trace with a real value (not a Proxy): a memo,
-    emptied again like a memo dict; eager fills it anew on its next call."""
-    return (isinstance(inspect.getattr_static(type(m), k, None), functools.cached_property)
-            and not any(isinstance(v, torch.fx.Proxy) for v in torch.utils._pytree.tree_leaves(m.__dict__[k])))
+    """A functools.cached_property filled by the trace with a real value (not a Proxy) that its
+    function gives again (not a random draw, a clock, a counter): a memo, emptied again like a
+    memo dict; eager fills it anew, with the same value, on its next call."""
+    prop = inspect.getattr_static(type(m), k, None)
+    if not isinstance(prop, functools.cached_property):
+        return False
+    value = torch.utils._pytree.tree_leaves(m.__dict__[k])
+    if any(isinstance(v, torch.fx.Proxy) for v in value):
+        return False
+    try:
+        with torch.no_grad():
+            again = torch.utils._pytree.tree_leaves(prop.func(m))
+    except Exception:  # noqa: BLE001 -- it cannot be recomputed here: not known to be a memo
+        return False
+    return len(again) == len(value) and all(
+        _same_value(a, v) if isinstance(a, torch.Tensor) and isinstance(v, torch.Tensor) else same_attr(a, v)
+        for a, v in zip(again, value))
 
 
 @contextlib.contextmanager

@@ -603,3 +603,48 @@ def test_a_profiler_around_optimize_keeps_the_recording_precise():
             model.calls = i
             torch.testing.assert_close(opt(x), model(x))
     assert next(iter(opt.specializations.values())) is built
+
+
+def test_a_cached_property_that_draws_anew_is_not_a_memo():
+    import functools
+
+    class RandomProjection(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @functools.cached_property
+        def proj(self):
+            return torch.randn(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) @ self.proj
+
+    model = RandomProjection().eval()
+    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        first, again = opt(x), opt(x)
+        torch.testing.assert_close(first, again)
+        torch.testing.assert_close(first, model(x))
+
+
+def test_model_code_compiled_from_a_string_is_watched():
+    """A script run with exec (or `python -`, `python -c`): its code's file is '<string>'."""
+    namespace = {"nn": nn, "torch": torch}
+    exec(
+        "def scaled(m, h):\n"
+        "    return h * m.scale\n"
+        "class FromString(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin, self.scale = nn.Linear(8, 8), 2.0\n"
+        "    def forward(self, x):\n"
+        "        return scaled(self, torch.relu(self.lin(x)))\n", namespace)
+    model = namespace["FromString"]().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        opt(x)
+        model.scale = 3.0
+        torch.testing.assert_close(opt(x), model(x))
