@@ -13,11 +13,11 @@ import inspect
 import torch
 
 from .concrete_args import same_default
-from .errors import FxfuseError, OutputMismatch, UnsupportedError, as_fxfuse_error, warn
+from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .module_state import forward_hook_owner, kept_state
+from .module_state import forward_hook_owner, kept_state, same_value
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
@@ -73,9 +73,9 @@ def _check_call_path(model, args: tuple) -> None:
 def _call_only_forwards(model, args: tuple) -> bool:
     """Whether model(*args) runs forward() once, with the very argument objects (plus, at
     most, forward()'s own defaults spelled out), unchanged and outside autocast, and returns
-    forward()'s very result, unchanged. Checked
-    on one call, the model's state kept, with forward() watched on the instance: that sees a
-    __call__ going through nn.Module.__call__ and one calling self.forward() directly."""
+    forward()'s very result, unchanged. Checked on one call, the model's state kept, with
+    forward() watched on the instance: that sees a __call__ going through nn.Module.__call__
+    and one calling self.forward() directly."""
     runs, own = [], model.__dict__.get("forward")
     forward = model.forward
     call_args = clone_args(args)
@@ -230,26 +230,22 @@ def _verify(model, gm, args) -> list:
                         f"output {k}: eager overflows to inf or NaN on the example input where the rewritten "
                         "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
                         "the rewrite on it: optimize with an example input whose eager result is finite")
-                raise OutputMismatch(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
+                raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
                                   "(Python control flow on a tensor attribute such as requires_grad, or on a "
                                   "global flag), or this is a bug in fxfuse: please report it with explain()")
     return expected
 
 
 def _differs_at_all(e, g) -> bool:
-    """Eager against eager in another mode: any difference (a branch on the mode may change the
-    result by less than the verification's tolerance). NaN equals NaN. Not torch.testing: it
-    imports sympy, which optimize() otherwise never pays for."""
-    if not isinstance(e, torch.Tensor) or not isinstance(g, torch.Tensor):
-        try:
-            return type(e) is not type(g) or bool(e != g)
-        except Exception:  # noqa: BLE001 -- values that cannot be compared
-            return True
-    if e.shape != g.shape or e.dtype != g.dtype or e.device != g.device:
+    """Any difference, NaN equal to NaN: eager against eager in another mode (a branch on the
+    mode may change the result by less than the verification's tolerance), and what forward()
+    received or returned against what the call passed or got."""
+    if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor):
+        return not same_value(e, g)
+    try:
+        return type(e) is not type(g) or bool(e != g)
+    except Exception:  # noqa: BLE001 -- values that cannot be compared
         return True
-    if e.is_floating_point() or e.is_complex():
-        return not bool(((e == g) | (e.isnan() & g.isnan())).all())
-    return not torch.equal(e, g)
 
 
 def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:

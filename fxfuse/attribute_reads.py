@@ -8,12 +8,15 @@ cost per call. So the trace notes, by name, what the model's code could have rea
 `recording_attribute_reads` collects, through a profile hook on this thread, the code objects
 of every function of the model's own code that runs during the trace (forward, helpers,
 properties, __getattr__ overrides), and their attribute and global names and string constants
-(`getattr(self, "scale")`, `vars(self)["k"]`, attrgetter paths) are the names read. Nothing of
-the model changes for it (an earlier recording subclass leaked into class registries and
-other threads' pickling). On the model's own classes and the ATTRIBUTE_FREE types the
-attributes so named are watched, on the instance and on the class; on torch's other modules,
-whose attributes the passes read directly after the trace (a LeakyReLU's slope), all are.
-Where a profiler is already installed, nothing is recorded and every attribute is watched.
+(`self.scale`, `"scale"`, names in tuple constants) are the names read; code that reads by
+computed names (getattr, vars, __dict__: DYNAMIC) has every attribute watched. The standard
+library, the libraries torch brings and code they generate from strings do not count as the
+model's. Nothing of the model changes for it (an earlier recording subclass leaked into class
+registries and other threads' pickling). On the model's own classes and the ATTRIBUTE_FREE
+types the attributes so named are watched, on the instance and on the class; on torch's other
+modules, whose attributes the passes read directly after the trace (a LeakyReLU's slope), and
+subclasses running torch's forward, all are. Under a profiler the hook is a trace function
+that fires on calls only; with both a profiler and a tracer on, every attribute is watched.
 """
 import contextlib
 import importlib.util
@@ -127,7 +130,7 @@ def _generated(name: str) -> bool:
 def _class_code(model: torch.nn.Module) -> set:
     """The code objects of the functions and properties defined on the model's own classes."""
     found = set()
-    for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not (c.__module__ or "").startswith("torch.")}:
+    for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not _torch_class(c)}:
         for value in vars(cls).values():
             try:
                 fns = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
@@ -146,10 +149,14 @@ def merge_reads(into: dict | None, new: dict) -> dict | None:
     return into
 
 
+def _torch_class(cls) -> bool:
+    return (cls.__module__ or "").startswith("torch.")
+
+
 def _own_class(m) -> bool:
     """The model's own class, all the way down: a subclass of a torch module (`class
     MyLeaky(nn.LeakyReLU)`) runs torch's forward, which reads attributes no hook sees."""
-    return not any((c.__module__ or "").startswith("torch.") for c in type(m).__mro__[:-2])
+    return not any(map(_torch_class, type(m).__mro__[:-2]))
 
 
 def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:

@@ -20,10 +20,6 @@ class GuardError(FxfuseError):
     """A call's inputs do not match any specialization and no new one may be built."""
 
 
-class OutputMismatch(FxfuseError):
-    """The rewritten graph's output differs from eager's on the example (api._verify)."""
-
-
 class CodegenError(FxfuseError):
     """A fused group could not be turned into a kernel (names the node and the reason)."""
 

@@ -75,10 +75,10 @@ def _cell(cell):
 
 
 def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> None:
-    """Run eager once with grad mode on and once in the other inference mode than the build's
-    (the build itself runs under no_grad), and mark `reads` (tracing's "fxfuse_trace" record)
-    wherever the output changes: the forward() depends on that mode whichever way it asks,
-    and the runtime then runs the original in the mode the graph was not traced in.
+    """Run eager in the three other (grad, inference) combinations than the build's (which runs
+    under no_grad), and mark `reads` (tracing's "fxfuse_trace" record) wherever the output
+    changes: the forward() depends on that mode whichever way it asks, and the runtime then
+    runs the original in the modes the graph was not traced in.
     `expected` is eager's flattened output in the build's modes; `differs(e, g)` compares
     one output. A run that raises counts as depending on the mode (conservative: those
     calls then run the original, which raises the model's own error)."""

@@ -78,8 +78,9 @@ def version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
+def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype, device and values, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
@@ -257,7 +258,7 @@ class _Snapshot:
             for k, (c, saved) in containers.items():
                 _restore_container(f"{name}.{k}", c, saved, changed)
             for k, (t, saved) in tensors.items():
-                if not _same_value(t, saved):
+                if not same_value(t, saved):
                     changed.append(f"{name}.{k}")
                     with torch.no_grad(), torch.inference_mode(t.is_inference()):
                         t.copy_(saved)
@@ -273,7 +274,7 @@ class _Snapshot:
                 if m._buffers.get(k) is not b:
                     changed.append(f"{name}.{k}")
                     m._buffers[k] = b
-                if b is not None and not _same_value(b, saved):
+                if b is not None and not same_value(b, saved):
                     changed.append(f"{name}.{k}")
                     with torch.no_grad(), torch.inference_mode(b.is_inference()):
                         b.copy_(saved)
@@ -307,7 +308,7 @@ def _cached(m: torch.nn.Module, k: str) -> bool:
     except Exception:  # noqa: BLE001 -- it cannot be recomputed here: not known to be a memo
         return False
     return len(again) == len(value) and all(
-        _same_value(a, v) if isinstance(a, torch.Tensor) and isinstance(v, torch.Tensor) else same_attr(a, v)
+        same_value(a, v) if isinstance(a, torch.Tensor) and isinstance(v, torch.Tensor) else same_attr(a, v)
         for a, v in zip(again, value))
 
 

@@ -23,16 +23,20 @@ def _setting(backend: str, op: str, legacy) -> object:
         return None
 
 
+def _matmul() -> object:
+    return _setting("cuda", "matmul", lambda: torch._C._get_cublas_allow_tf32())
+
+
 def matmul_allows_tf32() -> bool:
     """Whether fp32 matmuls may run in TF32 (the generated GEMMs and fused MLPs follow it)."""
-    return _setting("cuda", "matmul", lambda: torch._C._get_cublas_allow_tf32()) in ("tf32", True)
+    return _matmul() in ("tf32", True)
 
 
 def baked_settings() -> tuple:
     """The process-wide settings a build bakes in (runtime: a change rebuilds): the default
     dtype (`torch.ones(3)`, `int * 0.1`) and the fp32 precision of matmuls and convolutions
     (kernel precision; cuBLAS's and cuDNN's choice captured in a CUDA graph)."""
-    return (torch.get_default_dtype(), _setting("cuda", "matmul", lambda: torch._C._get_cublas_allow_tf32()),
+    return (torch.get_default_dtype(), _matmul(),
             _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()))   # cuDNN's: torch.backends.cudnn.conv
 
 

@@ -40,14 +40,14 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
 from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
-from .precision import baked_settings, settings_changed
-from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
 from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, structure,
                            structure_changed, version)
+from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
 
@@ -234,8 +234,9 @@ class OptimizedModule(torch.nn.Module):
             reason = "a parameter, buffer or submodule of the model was replaced since the build"
         elif name := reassigned(self._attributes):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
-        elif baked_settings() != self._flags:   # factories and promotion follow the default dtype; TF32 is
-            reason = "torch's default dtype or fp32 precision (TF32) setting changed since the build"   # baked into kernels and graphs
+        elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
+            # the fp32 precision is baked into the kernels and the CUDA graph's library calls
+            reason = "torch's default dtype or fp32 precision (TF32) setting changed since the build"
         else:
             return
         served = sum(spec.calls for spec in self.specializations.values())
