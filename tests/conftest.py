@@ -143,3 +143,12 @@ def kernel_backend(request):
             pytest.skip("needs CUDA with compiled Triton kernels (TRITON_INTERPRET unset or 0)")
     elif not interpreting():
         pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+def optimize_warned(model, x, **options):
+    """(fxfuse.optimize's result, the fxfuse warnings it gave)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, **options)
+    return opt, [str(w.message) for w in caught if "fxfuse" in str(w.message)]

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import fxfuse  # noqa: E402
+from conftest import optimize_warned  # noqa: E402
 from fxfuse.runtime import OptimizedModule  # noqa: E402
 
 COUNTER = torch.zeros(8)   # module-level state, read and updated by GlobalState.forward
@@ -49,17 +50,10 @@ class GlobalState(nn.Module):
         return self.lin(x) + COUNTER
 
 
-def _optimize_warned(model, x, **options):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt = fxfuse.optimize(model, x, **options)
-    return opt, [str(w.message) for w in caught if "fxfuse" in str(w.message)]
-
-
 @pytest.mark.parametrize("where", ["list", "dict", "tuple"])
 def test_state_in_a_container_written_in_place_is_refused_and_restored(where):
     model = HiddenState(where).eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
     assert torch.equal(model.acc(), torch.zeros(8)), "optimize left the state advanced"
     with pytest.raises(fxfuse.FxfuseError, match="state"):
@@ -69,7 +63,7 @@ def test_state_in_a_container_written_in_place_is_refused_and_restored(where):
 def test_module_level_tensor_written_in_place_is_refused_and_restored():
     COUNTER.zero_()
     model = GlobalState().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert opt is model and len(messages) == 1 and "global COUNTER" in messages[0]
     assert torch.equal(COUNTER, torch.zeros(8))
 
@@ -84,7 +78,7 @@ def test_state_read_but_never_written_still_optimizes():
             return torch.relu(self.lin(x)) * self.scale[0]
 
     model = ReadsList().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
     x = torch.randn(5, 8)
     with torch.no_grad():
@@ -158,7 +152,7 @@ def test_overridden_call_is_refused_with_its_reason():
             return self.lin(x)
 
     model = Scales().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8), verify=False)
+    opt, messages = optimize_warned(model, torch.randn(4, 8), verify=False)
     assert opt is model and len(messages) == 1 and "overrides __call__" in messages[0]
 
 
@@ -174,7 +168,7 @@ def test_a_graph_module_is_still_optimized():
 
 def test_unmaterialized_lazy_module_says_to_call_the_model_first():
     model = nn.Sequential(nn.LazyLinear(8), nn.ReLU()).eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 5))
+    opt, messages = optimize_warned(model, torch.randn(4, 5))
     assert opt is model and len(messages) == 1 and "call the model once" in messages[0]
     model(torch.randn(4, 5))   # materialized: optimized like any Linear
     opt = fxfuse.optimize(copy.deepcopy(model), torch.randn(4, 5), strict=True)
@@ -204,7 +198,7 @@ class ReplacesItem(nn.Module):
 def test_item_replaced_in_a_container_is_refused_and_put_back(where):
     model = ReplacesItem(where).eval()
     before = list(model.hist) if where == "list" else dict(model.hist)
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
     after = list(model.hist) if where == "list" else dict(model.hist)
     assert all(a is b for a, b in zip(after, before)) if where == "list" else after == before
@@ -223,7 +217,7 @@ def test_uncomparable_tensors_in_containers_do_not_refuse_the_model():
             return torch.relu(self.lin(x))
 
     model = HoldsSparse().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert isinstance(opt, OptimizedModule) and not messages
 
 
@@ -246,7 +240,7 @@ class Alias(Typed):
 @pytest.mark.parametrize("make", [Typed, Alias])
 def test_a_call_that_only_forwards_is_optimized(make):
     model = make().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
 
 
@@ -296,7 +290,7 @@ class Counts(nn.Module):
 
 def test_a_memo_cache_filled_at_trace_time_is_optimized_and_emptied_again():
     model = Memo().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert isinstance(opt, OptimizedModule) and not messages and model.cache == {}
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     x = torch.randn(5, 8)
@@ -307,7 +301,7 @@ def test_a_memo_cache_filled_at_trace_time_is_optimized_and_emptied_again():
 @pytest.mark.parametrize("kind", ["list", "dict"])
 def test_a_growing_container_read_by_the_output_is_refused(kind):
     model = Counts(kind).eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert opt is model and len(messages) == 1 and len(model.seen) == 0
 
 
@@ -371,7 +365,7 @@ class DecoratedForward(nn.Module):
 def test_state_behind_a_dataclass_or_a_decorator_is_refused_and_restored(make, state):
     STEP.zero_()
     model = make().eval()
-    opt, messages = _optimize_warned(model, torch.randn(4, 8))
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
     assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
     assert state(model).item() == 0
 
@@ -416,7 +410,7 @@ def test_caches_filled_by_the_trace_are_optimized_and_left_clean(make, shape, wa
         with torch.no_grad():
             model(x)
     before = dict(model._cache if make is RotaryCache else ClassMemo._masks)
-    opt, messages = _optimize_warned(model, x)
+    opt, messages = optimize_warned(model, x)
     assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
     after = model._cache if make is RotaryCache else ClassMemo._masks
     assert after.keys() == before.keys() and all(isinstance(v, torch.Tensor) for v in after.values())
@@ -436,5 +430,5 @@ def test_an_equal_value_assigned_to_a_config_entry_is_no_state_change():
             self.cfg["scale"] = float("0.25")     # an equal float, another object
             return self.lin(x) * self.cfg["scale"]
 
-    opt, messages = _optimize_warned(Configured().eval(), torch.randn(4, 8))
+    opt, messages = optimize_warned(Configured().eval(), torch.randn(4, 8))
     assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
