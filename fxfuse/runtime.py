@@ -37,7 +37,6 @@ from collections import Counter
 
 import torch
 import torch.fx
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
@@ -74,17 +73,6 @@ def _traced_in_this_thread() -> bool:
 
 
 _TRACE_CODE = torch.fx.Tracer.trace.__code__
-
-
-OPTIMIZER_STEPS = [0]   # steps of any torch.optim optimizer in this process (_count_optimizer_step)
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    OPTIMIZER_STEPS[0] += 1
-
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _moved(watched: tuple) -> bool:
@@ -165,11 +153,10 @@ class OptimizedModule(torch.nn.Module):
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._warned: set = set()
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at 3)
-        self._buffer_versions = self._parameter_versions = self._attributes = ()   # (_watch_state, after the first build)
+        self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._children, self._child_counts = (), 0   # submodule dicts: a deletion fires no hook (_watch_state)
-        self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
@@ -210,8 +197,6 @@ class OptimizedModule(torch.nn.Module):
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
         self._children = tuple(m._modules for m, _, _, children in self._structure if children)   # live dicts
         self._child_counts = sum(map(len, self._children))
-        self._parameter_versions = tuple((p, p._version) for p in model.parameters() if version(p) is not None)
-        self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
             + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
 
@@ -267,13 +252,6 @@ class OptimizedModule(torch.nn.Module):
         self._hook_ids_scanned = now
         return self._hooked
 
-    def _parameters_moved(self) -> bool:
-        """After any optimizer step in the process (one integer compare per call otherwise):
-        whether one of the model's parameters changed in place since the build. Not checked
-        per call: 16 version counters cost ~1 us, a tenth of a small model's call."""
-        self._optimizer_steps_seen = OPTIMIZER_STEPS[0]
-        return _moved(self._parameter_versions)
-
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
         first = not self.specializations
@@ -326,8 +304,7 @@ class OptimizedModule(torch.nn.Module):
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
-        self._buffer_versions = self._parameter_versions = self._attributes = ()   # watched again from the
-        self._attribute_reads = {}
+        self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
         self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -406,8 +383,6 @@ class OptimizedModule(torch.nn.Module):
         if self._writes_in_place and share_memory(args):
             return self._run_original("aliased", "two inputs share memory and the graph writes one in place "
                                       "(fusion assumed distinct inputs)", args)
-        if OPTIMIZER_STEPS[0] != self._optimizer_steps_seen and self._parameters_moved():
-            self.drop_specializations("a parameter changed in place (an optimizer step) since the build")
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")

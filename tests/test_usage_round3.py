@@ -65,7 +65,7 @@ def test_the_models_own_buffers_and_parameters_are_returned_as_eager_returns_the
 @pytest.mark.parametrize("plan", [{}, {"gemm": "force"}, {"fused_mlp": "force"}, {"strassen": "force"}])
 def test_an_optimizer_step_rebuilds(plan):
     """Fuzz: packed, folded and Strassen copies went stale after an in-place parameter update;
-    an optimizer step is now seen (other in-place edits are documented as not seen)."""
+    an optimizer step is seen (runtime: the version counters of tensors the graph holds copies of)."""
     model = mlp()
     x = torch.randn(5, 13)
     opt = fxfuse.optimize(model, x, strict=True, **plan)

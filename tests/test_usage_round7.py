@@ -113,6 +113,7 @@ class InplaceFunctions(nn.Module):
         a = h * 2
         F.threshold(h, 0.1, -1.0, inplace=True)   # result unused: only the write matters
         y = F.celu(h, 0.5, True)                   # inplace by position
+        F.rrelu(y, 0.1, 0.3, False, True)          # no spelling row: its inplace argument is the write
         return a + h + 1, y
 
 
