@@ -10,6 +10,13 @@ the ratio; then the geometric mean, the worst cell, and which cells of the seed 
 because a geomean over a subset says little about the grid: small cells, bound by launches,
 gain most.
 
+`--issue3` prints issue 3's small-batch view instead: for every cell of batch <= 64, the
+fxfuse column against 3x over torch.compile's reduce-overhead mode and against eager in a CUDA
+graph, with the cell's floor (benchmarks.common.floor_of: FLOPs at the library's measured
+matmul rate, bytes at the measured copy bandwidth, one launch). Where a third of compile's
+time lies below a bytes floor, no plan can reach 3x there; below a FLOP floor, only fewer
+FLOPs (Strassen) could.
+
 Several files are read as one grid (e.g. the small and the large cells of two calls made
 one after the other); a cell present in more than one file is taken from the last.
 """
@@ -56,13 +63,55 @@ def summary(cells: dict, layers: int) -> tuple:
     return rows, lines
 
 
+SMALL_BATCH = 64       # issue 3: "for batch <= 64 with 8 layers"
+TARGET_OVER_RO = 3.0
+
+
+def issue3(records: list, tool: str, layers: int) -> tuple:
+    """(table rows, closing lines) of issue 3's small-batch targets, the last file winning."""
+    cells = {}
+    for data in records:
+        for cell in data.get("cells", []):
+            p, results = cell.get("params", {}), cell.get("results", {})
+            us = {k: r["us"] for k, r in results.items() if r.get("status") == "ok" and r.get("us")}
+            if p.get("layers") == layers and p.get("batch", 0) <= SMALL_BATCH and {tool, "compile-ro"} <= set(us):
+                cells[(p["hidden"], p["batch"])] = (us, cell.get("floor_us"), cell.get("floor_bound"))
+    rows, met, graph_ok, out_of_reach = [], 0, 0, []
+    for (h, b), (us, floor, bound) in sorted(cells.items()):
+        target = us["compile-ro"] / TARGET_OVER_RO
+        if us[tool] <= target:
+            verdict, met = "met", met + 1
+        elif floor and target < floor:
+            verdict = ("out of reach: below the bytes floor" if bound == "bytes" else
+                       f"out of reach: below the {bound} floor at the library's rate")
+            out_of_reach.append(f"{h}x{b}")
+        else:
+            verdict = "missed"
+        graph = us.get("cudagraph")
+        graph_ok += graph is not None and us[tool] <= graph
+        rows.append([h, b, f"{us['compile-ro']:.1f}", f"{target:.1f}", f"{us[tool]:.1f}",
+                     f"{us['compile-ro'] / us[tool]:.2f}x", "-" if floor is None else f"{floor:.1f} ({bound})",
+                     "-" if graph is None else f"{graph:.1f}", verdict])
+    lines = [f"batch <= {SMALL_BATCH}, {layers} layers: {met} of {len(rows)} cells at least {TARGET_OVER_RO:g}x "
+             f"over compile-ro; {len(out_of_reach)} out of reach ({', '.join(out_of_reach) or 'none'}); "
+             f"{tool} no slower than eager in a CUDA graph in {graph_ok} of {len(rows)}"]
+    return rows, lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="mlp_*.json records of benchmarks.mlp")
     ap.add_argument("--tool", default="fxfuse-auto", help="the fxfuse column (default fxfuse-auto)")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--issue3", action="store_true", help="issue 3's batch <= 64 targets instead of the geomean")
     args = ap.parse_args(argv)
     records = [json.load(open(f)) for f in args.files]
+    if args.issue3:
+        rows, lines = issue3(records, args.tool, args.layers)
+        print(tabulate(rows, headers=["hidden", "batch", "compile-ro us", "3x target", f"{args.tool} us",
+                                      "over ro", "floor us", "cudagraph us", "verdict"], tablefmt="github"))
+        print("\n".join(lines))
+        return
     cells = speedups(records, args.tool, args.layers)
     rows, lines = summary(cells, args.layers)
     print(tabulate(rows, headers=["hidden", "batch", "best other", "its us", f"{args.tool} us", "speedup"],

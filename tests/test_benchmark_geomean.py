@@ -1,7 +1,7 @@
 """benchmarks.geomean: issue 6's headline from records, with the seed grid's coverage."""
 import math
 
-from benchmarks.geomean import speedups, summary
+from benchmarks.geomean import issue3, speedups, summary
 
 
 def record(cells):
@@ -30,3 +30,19 @@ def test_a_slower_cell_is_counted_and_failed_columns_skipped():
                               (8, 512, 64, {"cudagraph": 40.0, "fxfuse-auto": None})])], "fxfuse-auto", 8)
     assert list(cells) == [(512, 16)]
     assert "cells slower than the best other tool: 1" in summary(cells, 8)[1][0]
+
+
+def test_issue3_view_names_met_missed_and_out_of_reach_cells():
+    data = record([(8, 128, 1, {"compile-ro": 90.0, "cudagraph": 30.0, "fxfuse-auto": 12.0}),      # met
+                   (8, 1024, 64, {"compile-ro": 135.0, "cudagraph": 240.0, "fxfuse-auto": 68.0}),  # missed
+                   (8, 4096, 1, {"compile-ro": 240.0, "cudagraph": 230.0, "fxfuse-auto": 235.0}),  # below the floor
+                   (8, 128, 256, {"compile-ro": 90.0, "fxfuse-auto": 17.0})])                      # batch > 64
+    floors = {(1024, 64): (21.0, "flops"), (4096, 1): (178.0, "bytes")}
+    for cell in data["cells"]:
+        p = cell["params"]
+        cell["floor_us"], cell["floor_bound"] = floors.get((p["hidden"], p["batch"]), (2.6, "launch"))
+    rows, lines = issue3([data], "fxfuse-auto", 8)
+    assert [(r[0], r[1], r[-1]) for r in rows] == [
+        (128, 1, "met"), (1024, 64, "missed"), (4096, 1, "out of reach: below the bytes floor")]
+    assert lines == ["batch <= 64, 8 layers: 1 of 3 cells at least 3x over compile-ro; 1 out of reach (4096x1); "
+                     "fxfuse-auto no slower than eager in a CUDA graph in 2 of 3"]
