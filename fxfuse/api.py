@@ -31,6 +31,10 @@ def _as_args(example_input) -> tuple:
     if isinstance(example_input, torch.Tensor):
         return (example_input,)
     if isinstance(example_input, (tuple, list)):
+        if any(isinstance(a, (list, tuple)) for a in example_input) and not any(
+                isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(example_input)):  # [[1.0, 2.0]]
+            raise UnsupportedError("example_input holds no tensor (a list of numbers?): give a tensor, e.g. "
+                                   "torch.tensor(...), or a tuple of the forward's arguments")
         return tuple(example_input)
     raise UnsupportedError(f"example_input must be a tensor or a tuple of tensors, "
                            f"got {type(example_input).__name__}")
@@ -42,6 +46,10 @@ def _check_model(model) -> None:
     if isinstance(model, torch.jit.ScriptModule):
         raise UnsupportedError("fxfuse.optimize takes an eager nn.Module, not a TorchScript module "
                                "(torch.jit.script / torch.jit.trace): neither torch.fx nor torch.export traces one")
+    if any(cls.__name__ == "_StatefulGraphModule" for cls in type(model).__mro__):   # ExportedProgram.module()
+        raise UnsupportedError("fxfuse.optimize takes an eager nn.Module, not the module of a torch.export "
+                               "ExportedProgram (its mode is fixed at export, torch refuses its eval(), and it "
+                               "checks its inputs in a forward pre-hook): optimize the model before exporting it")
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
     if training:
         raise UnsupportedError(

@@ -17,11 +17,23 @@ from .ir import KernelIR
 from .kernel_cache import default_cache
 
 
+TRUE_WORDS = ("1", "true", "yes", "on", "y")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A yes/no environment variable read as Triton reads its own (TRITON_INTERPRET): 1, true,
+    yes, on, y in any case are on; unset or empty is the default; anything else is off."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value in TRUE_WORDS
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels in its interpreter: the same reading of TRITON_INTERPRET as
+    Triton's (TRITON_INTERPRET=false once counted as on here, and CPU builds failed inside Triton)."""
+    return env_flag("TRITON_INTERPRET", False)
 
 
-PDL_ENABLED = os.environ.get("FXFUSE_PDL", "1") != "0"   # escape hatch; the benchmarks' A/B switch
+PDL_ENABLED = env_flag("FXFUSE_PDL", True)   # escape hatch; the benchmarks' A/B switch
 _pdl_devices: dict = {}
 
 

@@ -5,11 +5,17 @@ of its own unless FXFUSE_LOG is set, in which case a stderr handler is attached 
 """
 import logging
 import os
+import warnings
 
 logger = logging.getLogger("fxfuse")
 logger.addHandler(logging.NullHandler())
 
 _level = os.environ.get("FXFUSE_LOG", "").strip().upper()
+if _level in ("1", "TRUE", "YES", "ON", "Y"):
+    _level = "INFO"
+elif _level and _level not in ("DEBUG", "INFO", "WARNING", "ERROR", "0", "FALSE", "NO", "OFF", "N"):
+    warnings.warn(f"FXFUSE_LOG={os.environ['FXFUSE_LOG']!r} is none of debug, info, warning, error (or 1/0): "
+                  "fxfuse logs nothing", stacklevel=2)
 if _level in ("DEBUG", "INFO", "WARNING", "ERROR"):
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[fxfuse %(levelname)s] %(message)s"))

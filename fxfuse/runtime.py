@@ -23,8 +23,10 @@ or, after any torch.optim step, a parameter; other in-place edits of parameters 
 under no_grad, `w.data.mul_()`) are not seen: call fxfuse.optimize again.
 
 Calls that run the original module instead, with one warning (GuardError under strict=True):
-training mode, a forward hook, autocast, torch.jit.trace, grad-recording calls, inputs
-aliasing each other where the graph writes in place, and specializations used up.
+training mode, a forward hook, autocast, torch.jit.trace, grad-recording calls, torch.func
+transforms and forward-mode AD, inputs aliasing each other where the graph writes in place,
+and specializations used up. torch.compile and torch.export of opt (or of a model holding it)
+trace the original module, as torch.jit.trace does.
 """
 import contextlib
 import inspect
@@ -57,6 +59,16 @@ if not hasattr(_FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: 
 
 def _holds_proxy(args, kwargs) -> bool:
     return any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values()))
+
+
+# torch.compiler.is_compiling() costs two Python calls per call (~0.15 us of a ~3.3 us path):
+# Dynamo folds is_dynamo_compiling() to True where it traces (it knows the function, not the
+# name), and non-strict torch.export sets the flag read second (after the call, so that Dynamo
+# never reads, and guards on, the flag's value while it compiles)
+_dynamo_traces = torch.compiler.is_dynamo_compiling
+_COMPILER = torch.compiler
+_functorch_active = torch._C._are_functorch_transforms_active   # vmap, jvp, jacfwd, grad of torch.func
+_FORWARD_AD = torch.autograd.forward_ad   # _current_level >= 0 inside a dual_level(): inputs may carry tangents
 
 
 def _traced_in_this_thread() -> bool:
@@ -180,6 +192,12 @@ class OptimizedModule(torch.nn.Module):
     @training.setter
     def training(self, mode: bool) -> None:
         pass   # opt.train() / opt.eval() reach the original as a child
+
+    def __setattr__(self, name, value) -> None:
+        if name == "original" and "original" in self.__dict__.get("_modules", {}):
+            raise AttributeError("an fxfuse OptimizedModule's original module cannot be replaced: its graphs were "
+                                 "built from that model. Call fxfuse.optimize(new_model, example_input) instead.")
+        super().__setattr__(name, value)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
@@ -346,6 +364,8 @@ class OptimizedModule(torch.nn.Module):
         """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
         opt nor a global one, no TorchScript tracing, opt not torch.compile'd): a small model's
         call is bound by the host."""
+        if _dynamo_traces() or _COMPILER._is_compiling_flag:   # torch.compile and torch.export trace the original:
+            return self.original(*args, **kwargs)   # fxfuse's runtime is no graph (Triton's launcher, CUDA graphs)
         d = self.__dict__
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
@@ -360,6 +380,8 @@ class OptimizedModule(torch.nn.Module):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if _FX_TRACE_STATE._is_fx_tracing_flag and _holds_proxy(args, kwargs):
+            return self.original(*args, **kwargs)   # a traced parent calls opt.forward(proxy): trace the original
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = self._positional(args, kwargs)
             if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError
@@ -402,6 +424,10 @@ class OptimizedModule(torch.nn.Module):
                                       "torch.is_inference_mode_enabled() or the like) and was traced "
                                       f"with inference mode {'on' if traced else 'off'}, and this call has it "
                                       f"{'off' if traced else 'on'}", args)
+        if _functorch_active() or _FORWARD_AD._current_level >= 0:
+            return self._run_original("transform", "a torch.func transform (vmap, jvp, jacfwd) or forward-mode AD "
+                                      "(torch.autograd.forward_ad) is active; the optimized graph's kernels take "
+                                      "plain tensors and would drop batching and tangents", args)
         try:
             sig = signature(args)
         except UnsupportedInput as e:   # sparse, nested, a tensor subclass: no kernel was built for it

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.fx
+from torch.nn.utils import parametrize
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
@@ -353,6 +354,15 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
 
     def proxy(self, node):
         return _AugmentedAssignmentProxy(node, self)
+
+    def is_leaf_module(self, m, module_qualified_name) -> bool:
+        """torch.nn's modules stay call_module nodes, except a parametrized one (weight_norm,
+        spectral_norm, register_parametrization): traced through, its Linear is an F.linear
+        whose weight the parametrization computes in the graph, and fuses like any Linear;
+        kept whole, it was one opaque call that nothing fused into."""
+        if parametrize.is_parametrized(m):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
 
     def create_arg(self, a):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:

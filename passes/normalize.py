@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from fxfuse.ops import POINTWISE, cast, is_pointwise_target
 from fxfuse.tracing import AUGMENTED_NAMES, fxfuse_meta
 
-from .normalize_layers import keywords_to_positions, matmul_as_linear, split_layer
+from .normalize_layers import broadcast_drops_unit_view, keywords_to_positions, matmul_as_linear, split_layer
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CAST_METHODS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
                         DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
                         SHAPE_METHODS, Spelling)
@@ -312,6 +312,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         else:
             _replace(g, node, *call)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
+    for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
+        broadcast_drops_unit_view(node, is_pointwise_target)
     g.eliminate_dead_code(is_impure_node=_is_impure)
     g.lint()
     gm.recompile()
@@ -328,7 +330,15 @@ def _is_impure(node) -> bool:
         return True
     if node.op == "call_function" and (is_pointwise_target(node.target) or node.target in FRESH_FUNCTIONS):
         return False
+    if node.op == "call_method" and node.target in PURE_METHODS:
+        return False
     return node.is_impure() or node.op in ("call_module", "call_method")
+
+
+# Tensor methods that only view or describe their operand: dead, they go (a W.t() whose
+# Linear became F.linear(x, W) was kept and counted as a library call)
+PURE_METHODS = {"t", "transpose", "permute", "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze",
+                "expand", "expand_as", "flatten", "unflatten", "narrow", "select", "contiguous", "size", "dim"}
 
 
 def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:

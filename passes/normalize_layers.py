@@ -142,3 +142,48 @@ def keywords_to_positions(gm, node) -> None:
     if set(following) == set(node.kwargs) and len(following) == len(node.kwargs):
         node.args = tuple(node.args) + tuple(node.kwargs[n] for n in following)
         node.kwargs = {}
+
+
+UNIT_VIEW_METHODS = {"unsqueeze", "view", "reshape"}
+UNIT_VIEW_FUNCTIONS = {operator.getitem, torch.unsqueeze, torch.reshape, aten.unsqueeze.default,
+                       aten.view.default, aten.reshape.default}
+
+
+def unit_view_of_constant(node):
+    """The constant (get_attr) that node views with leading unit dimensions added and nothing
+    else changed (`g[None]`, `b[None, :]`, `g.unsqueeze(0)`, `g.view(1, -1)`, `g.reshape(1, n)`),
+    else None."""
+    is_view = (node.op == "call_method" and node.target in UNIT_VIEW_METHODS
+               or node.op == "call_function" and node.target in UNIT_VIEW_FUNCTIONS)
+    if not is_view or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    base = node.args[0]
+    while base.op != "get_attr" and unit_view_of_constant(base) is not None:   # g[None][None]
+        base = base.args[0]
+    shapes = [n.meta.get("tensor_meta") for n in (base, node)]
+    if base.op != "get_attr" or not all(isinstance(m, torch.fx.passes.shape_prop.TensorMetadata) for m in shapes):
+        return None
+    before, after = (tuple(m.shape) for m in shapes)
+    extra = len(after) - len(before)
+    return base if extra > 0 and after == (1,) * extra + before else None
+
+
+def broadcast_drops_unit_view(node, is_pointwise) -> bool:
+    """`h * g[None]` is `h * g` where g is a constant: a view adding leading unit dimensions to
+    an operand of pointwise ops changes nothing where another operand of each of them has at
+    least the view's rank (broadcasting adds those dimensions anyway). The fused kernels take
+    such constants as epilogue vectors, the view not (it split a Linear's epilogue off into a
+    kernel of its own). Replaces the view by the constant; the view is left dead."""
+    base = unit_view_of_constant(node)
+    if base is None or not node.users:
+        return False
+    rank = len(node.meta["tensor_meta"].shape)
+
+    def other_rank(user):
+        ranks = [len(a.meta["tensor_meta"].shape) for a in user.all_input_nodes
+                 if a is not node and isinstance(a.meta.get("tensor_meta"), torch.fx.passes.shape_prop.TensorMetadata)]
+        return max(ranks, default=-1)
+    if not all(u.op == "call_function" and is_pointwise(u.target) and other_rank(u) >= rank for u in node.users):
+        return False
+    node.replace_all_uses_with(base)
+    return True

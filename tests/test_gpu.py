@@ -252,3 +252,23 @@ def test_in_place_weight_edits_reach_the_replayed_graph(plan):
     copied = spec.gm.meta["fxfuse_copied"]
     assert bool(copied) == ("gemm" not in plan)   # plans as forced: only copies are watched
     assert (next(iter(opt.specializations.values())) is not spec) == bool(copied)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_around_an_optimized_module_on_gpu(backend):
+    """torch.compile of a model holding opt compiles the original module's code (Dynamo once
+    traced into fxfuse's runtime and failed inside Triton's launcher); opt still runs its own
+    graph when called by itself."""
+    model = seed_network(256, 4).cuda()
+    x = torch.randn(16, 256, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True)
+    head = nn.Linear(256, 10).cuda().eval()
+    compiled = torch.compile(nn.Sequential(opt, head).eval(), backend=backend)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for _ in range(3):
+            fresh = torch.randn(16, 256, device="cuda")
+            assert rel_err(compiled(fresh), head(model(fresh))) < 1e-5
+        assert rel_err(opt(fresh), model(fresh)) < 1e-6
+    assert sum(opt.original_calls.values()) == 0 and opt.miss_count == 0
+    torch._dynamo.reset()
