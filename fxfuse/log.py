@@ -13,10 +13,10 @@ logger.addHandler(logging.NullHandler())
 _level = os.environ.get("FXFUSE_LOG", "").strip().upper()
 if _level in ("1", "TRUE", "YES", "ON", "Y"):
     _level = "INFO"
-elif _level and _level not in ("DEBUG", "INFO", "WARNING", "ERROR", "0", "FALSE", "NO", "OFF", "N"):
-    warnings.warn(f"FXFUSE_LOG={os.environ['FXFUSE_LOG']!r} is none of debug, info, warning, error (or 1/0): "
+elif _level and _level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "0", "FALSE", "NO", "OFF", "N"):
+    warnings.warn(f"FXFUSE_LOG={os.environ['FXFUSE_LOG']!r} is none of debug, info, warning, error, critical (or 1/0): "
                   "fxfuse logs nothing", stacklevel=2)
-if _level in ("DEBUG", "INFO", "WARNING", "ERROR"):
+if _level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[fxfuse %(levelname)s] %(message)s"))
     logger.addHandler(_handler)

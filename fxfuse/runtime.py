@@ -194,10 +194,22 @@ class OptimizedModule(torch.nn.Module):
         pass   # opt.train() / opt.eval() reach the original as a child
 
     def __setattr__(self, name, value) -> None:
-        if name == "original" and "original" in self.__dict__.get("_modules", {}):
-            raise AttributeError("an fxfuse OptimizedModule's original module cannot be replaced: its graphs were "
-                                 "built from that model. Call fxfuse.optimize(new_model, example_input) instead.")
+        self._refuse_replacing(name)
         super().__setattr__(name, value)
+
+    def __delattr__(self, name) -> None:
+        self._refuse_replacing(name)
+        super().__delattr__(name)
+
+    def add_module(self, name, module) -> None:
+        self._refuse_replacing(name)
+        super().add_module(name, module)
+
+    def _refuse_replacing(self, name) -> None:
+        if name == "original" and "original" in self.__dict__.get("_modules", {}):
+            raise AttributeError("an fxfuse OptimizedModule's original module cannot be replaced or deleted: its "
+                                 "graphs were built from that model. Call fxfuse.optimize(new_model, "
+                                 "example_input) instead.")
 
     def __reduce_ex__(self, protocol):
         raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
@@ -364,24 +376,24 @@ class OptimizedModule(torch.nn.Module):
         """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
         opt nor a global one, no TorchScript tracing, opt not torch.compile'd): a small model's
         call is bound by the host."""
-        if _dynamo_traces() or _COMPILER._is_compiling_flag:   # torch.compile and torch.export trace the original:
-            return self.original(*args, **kwargs)   # fxfuse's runtime is no graph (Triton's launcher, CUDA graphs)
         d = self.__dict__
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
                                       "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
-        if _FX_TRACE_STATE._is_fx_tracing_flag and (BUILD_LOCK._is_owned() or _holds_proxy(args, kwargs)
-                                                    or _traced_in_this_thread()):
-            return self.original(*args, **kwargs)   # optimize() of a model that holds opt, or the user's fx
-        #   trace of one: trace through the original (the guards cannot read proxies); another thread's trace: forward waits
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                 or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None):
             return super().__call__(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        if _FX_TRACE_STATE._is_fx_tracing_flag and _holds_proxy(args, kwargs):
-            return self.original(*args, **kwargs)   # a traced parent calls opt.forward(proxy): trace the original
+        # torch.compile and torch.export trace the original (fxfuse's runtime is no graph: Triton's
+        # launcher, CUDA graphs); so do optimize() of a model that holds opt and the user's torch.fx
+        # trace of one (the guards cannot read proxies; another thread's trace: the call waits).
+        # Here, not in __call__: opt.compile(), torch.compile(opt.forward), a parent calling
+        # opt.forward and opt's own hooks (through nn.Module.__call__) come through forward too.
+        if _dynamo_traces() or _COMPILER._is_compiling_flag or _FX_TRACE_STATE._is_fx_tracing_flag and (
+                BUILD_LOCK._is_owned() or _holds_proxy(args, kwargs) or _traced_in_this_thread()):
+            return self.original(*args, **kwargs)
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = self._positional(args, kwargs)
             if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError

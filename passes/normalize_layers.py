@@ -157,6 +157,8 @@ def unit_view_of_constant(node):
                or node.op == "call_function" and node.target in UNIT_VIEW_FUNCTIONS)
     if not is_view or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
+    if node.target is operator.getitem and not _only_unit_indices(node.args[1]):
+        return None      # table[None, idx] looks up rows, whatever its shape says
     base = node.args[0]
     while base.op != "get_attr" and unit_view_of_constant(base) is not None:   # g[None][None]
         base = base.args[0]
@@ -165,7 +167,14 @@ def unit_view_of_constant(node):
         return None
     before, after = (tuple(m.shape) for m in shapes)
     extra = len(after) - len(before)
-    return base if extra > 0 and after == (1,) * extra + before else None
+    # a 0-dim constant promotes dtypes as a scalar does, and its [1] view as a tensor does: kept
+    return base if before and extra > 0 and after == (1,) * extra + before else None
+
+
+def _only_unit_indices(index) -> bool:
+    """An index of None, ... and whole slices only (g[None], b[None, :], g[..., None, :])."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in items)
 
 
 def broadcast_drops_unit_view(node, is_pointwise) -> bool:

@@ -90,10 +90,42 @@ def test_torch_compile_and_export_of_opt_or_of_a_model_holding_it_trace_the_orig
         assert torch.allclose(opt(x), model(x), atol=1e-6) and sum(opt.original_calls.values()) == 0
 
 
+def test_every_way_into_opt_under_compile_or_export_keeps_eager_semantics():
+    """opt.compile(), torch.compile(opt.forward) and a parent calling opt.forward reached the
+    runtime inside Dynamo; a forward hook on opt was skipped under compile and export."""
+    model, x = mlp(), torch.randn(5, 13)
+    opt = optimized(model, x)
+
+    class CallsForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = opt
+
+        def forward(self, x):
+            return self.inner.forward(x)
+    with torch.no_grad():
+        expected = model(x)
+        for run in (lambda: torch.compile(opt.forward, backend="eager")(x),
+                    lambda: torch.compile(CallsForward().eval(), backend="eager")(x)):
+            torch._dynamo.reset()
+            torch.testing.assert_close(run(), expected)
+        opt.register_forward_hook(lambda mod, args, out: out * 0 + 7.0)
+        parent = nn.Sequential(opt, nn.Identity()).eval()
+        torch._dynamo.reset()
+        for run in (lambda: opt(x), lambda: torch.compile(parent, backend="eager")(x),
+                    lambda: torch.export.export(parent, (x,), strict=False).module()(x)):
+            assert (run() == 7.0).all()
+        opt.compile(backend="eager")
+        assert (opt(x) == 7.0).all()
+    torch._dynamo.reset()
+
+
 def test_the_original_module_cannot_be_replaced():
     opt = optimized(mlp(), torch.randn(5, 13))
-    with pytest.raises(AttributeError, match="fxfuse.optimize"):
-        opt.original = mlp()
+    for replace in (lambda: setattr(opt, "original", mlp()), lambda: delattr(opt, "original"),
+                    lambda: opt.add_module("original", mlp())):
+        with pytest.raises(AttributeError, match="fxfuse.optimize"):
+            replace()
     opt.some_attribute = 1    # other attributes are set as on any module
 
 
@@ -141,6 +173,49 @@ def test_constant_views_and_transposes_stay_inside_the_fused_mlp(expr):
     with torch.no_grad():
         x = torch.randn(7, 13)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class Looked(nn.Module):
+    """A constant indexed, not only viewed: `pos[None, positions]` has the shape of `pos[None]`
+    when len(positions) == len(pos); a 0-dim constant's [1] view promotes dtypes as a tensor."""
+
+    def __init__(self, expr):
+        super().__init__()
+        self.expr = expr
+        self.register_buffer("pos", torch.arange(4.0) * 3)
+        self.register_buffer("s", torch.tensor(2.0))
+
+    def forward(self, x, positions):
+        return eval(self.expr, {"torch": torch}, {"x": x, "positions": positions, "self": self})
+
+
+@pytest.mark.parametrize("expr, x", [("x + self.pos[None, positions]", torch.zeros(2, 4)),
+                                     ("x * self.s[None] + 1", torch.full((3,), 60000.0, dtype=torch.float16))])
+def test_indexed_constants_and_0_dim_constants_keep_their_meaning(expr, x):
+    model = Looked(expr).eval()
+    opt = fxfuse.optimize(model, (x, torch.arange(4)))
+    with torch.no_grad():
+        positions = torch.tensor([0, 0, 1, 2])
+        got, expected = opt(x, positions), model(x, positions)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
+
+
+def test_a_parametrized_module_other_than_linear_or_conv_stays_whole():
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    torch.nn.utils.parametrizations.weight_norm(mha.out_proj)   # traced through, it was 26 library calls
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+    block, x = Block().eval(), torch.randn(2, 5, 16)
+    opt = fxfuse.optimize(block, x)
+    assert fxfuse.stats(opt)["library_calls"] <= 2
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), block(x))
 
 
 def test_a_unit_view_stays_where_broadcasting_would_not_add_its_dimension():
