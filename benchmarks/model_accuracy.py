@@ -22,6 +22,7 @@ copy, replay, output clone), so it compares with the call, overhead included.
 import argparse
 import glob
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -44,8 +45,9 @@ def measured_cells(results_dir) -> dict:
     cells = {}
     for path in sorted(glob.glob(str(Path(results_dir) / "mlp_*.json"))):
         data = json.load(open(path))
-        if data.get("dtype", "fp32") != "fp32":
-            continue
+        if data.get("dtype", "fp32") != "fp32" or not re.fullmatch(r"mlp_\d{8}-\d{6}", Path(path).stem) \
+                or "--residual" in data.get("command", ""):
+            continue   # mlp_residual_*: another model (and it sorted after every seed record as "latest")
         for cell in data["cells"]:
             p = cell.get("params", {})
             key = (p.get("layers"), p.get("hidden"), p.get("batch"))
@@ -69,13 +71,15 @@ def oracle_gap(runs, choice):
 
 
 def plan_for(model, layers_n, hidden, batch):
-    """The plan passes/plan_linears.py would make for the seed network with strassen="auto"."""
-    from fxfuse.passes.plan_linears import STRASSEN_MIN_ROWS, STRASSEN_MIN_WIDTH, MLP_MAX_WIDTH
+    """The plan passes/plan_linears.py makes for the seed network with strassen="auto": its own
+    legality rules (a simplified copy once planned fp32 width-256 chains as a fused MLP, which
+    the pass refuses, and compared an estimate of a plan that never runs)."""
+    from fxfuse.options import Options
+    from fxfuse.passes.plan_linears import _legal, _mlp_legal
+    options = Options(strassen="auto", strassen_levels=2)
     layers = [LinearLayer(batch, hidden, hidden, torch.float32, 2, i == layers_n - 1) for i in range(layers_n)]
-    big = batch >= STRASSEN_MIN_ROWS and hidden >= STRASSEN_MIN_WIDTH
-    legal = [{"library": None, "gemm": None, "strassen1": None if big else "small",
-              "strassen2": None if big else "small"} for _ in layers]
-    plans = plan_chain(model, layers, legal, lambda i, j: None if hidden <= MLP_MAX_WIDTH else "wide")
+    legal = [_legal(layer, options, model) for layer in layers]
+    plans = plan_chain(model, layers, legal, lambda i, j: _mlp_legal(layers[i:j + 1], options, model))
     seen, total = set(), 0.0
     for p in plans:
         key = p.segment or id(p)
