@@ -143,7 +143,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     start = time.perf_counter()
     concrete, tensor_args, given_values = split_concrete(model, example_args)
     inference_mode = torch.is_inference_mode_enabled()
-    with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads:
+    with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
+            _parametrization_cache_off():
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
     mode_reads |= mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
@@ -155,6 +156,20 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                                "reads_inference_mode": inference_mode if "inference" in mode_reads else None,
                                "attribute_reads": attribute_reads}
     return gm
+
+
+@contextlib.contextmanager
+def _parametrization_cache_off():
+    """Inside torch.nn.utils.parametrize.cached(), a parametrized weight is read from (or put
+    into) torch's cache: traced there, the graph held the cached tensor as a constant that no
+    later edit reached, or torch's cache kept a tracing Proxy that the user's own eager calls
+    then returned. Off while tracing, the trace records the parametrization's computation."""
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
 
 
 def _trace(model, example_args, concrete, tensor_args, given_values=True):

@@ -255,3 +255,23 @@ def test_a_parametrized_linear_fuses_its_epilogue_and_reads_its_parameters_live(
         torch.testing.assert_close(opt(x), model(x))
         source.mul_(1.5)                       # an edit of the parametrization's own parameter
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_builds_inside_parametrize_cached_trace_the_parametrization():
+    """Inside parametrize.cached() the trace read torch's cached weight (a constant no later edit
+    reached) or left a tracing Proxy in that cache, which eager calls then returned."""
+    from torch.nn.utils import parametrize
+    first = torch.nn.utils.parametrizations.weight_norm(nn.Linear(13, 33))
+    model, x = Epilogue("torch.relu(self.l1(x))", first).eval(), torch.randn(7, 13)
+    with torch.no_grad(), parametrize.cached():
+        opt = optimized(model, x)
+        assert type(model(torch.randn(3, 13))) is torch.Tensor
+        first.parametrizations.weight.original1.mul_(1.5)
+        for batch in (7, 3):        # 3: a specialization built inside the context
+            x = torch.randn(batch, 13)
+            assert type(opt(x)) is torch.Tensor
+        first.parametrizations.weight.original1.mul_(2.0)
+    with torch.no_grad():
+        for batch in (7, 3):
+            x = torch.randn(batch, 13)
+            torch.testing.assert_close(opt(x), model(x))
