@@ -93,6 +93,20 @@ class TwoHeads(nn.Module):
         return {"out": out + x, "first": out[:, :3], "h": h}
 
 
+class NormedScaled(nn.Module):
+    """weight_norm Linears (traced through: the weight computed in the graph) and a per-feature
+    scale spelled g[None] (folded into broadcasting, so the epilogue stays fused); 2026-11-26."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.l1 = nn.utils.parametrizations.weight_norm(nn.Linear(d, d))
+        self.l2 = nn.utils.parametrizations.weight_norm(nn.Linear(d, d))
+        self.g = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)) * self.g[None]) + x
+
+
 def mlp(widths, act=nn.ReLU, bias=True):
     mods = []
     for i, o in zip(widths, widths[1:]):
@@ -132,6 +146,7 @@ def cases():
     out.append(("two heads 24", lambda: TwoHeads(24),
                 lambda b, dt: (torch.randn(b, 24, device=DEVICE, dtype=dt), torch.randn(b, 24, device=DEVICE, dtype=dt)),
                 5, (1, 9), {}, True))
+    out.append(("weight-normed scaled 200", lambda: NormedScaled(200), vec(200), 24, (1, 130), {}, True))
     return out
 
 
