@@ -186,6 +186,11 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
         raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
+        if isinstance(fx_error, TypeError) and "as parameter" in str(fx_error) and "cannot assign" in str(fx_error):
+            raise StateWriteError(   # `self.lin.bias += 0.1`: torch.fx cannot assign its Proxy to the parameter;
+                "forward() changes the module's state: it assigns to a parameter (an augmented assignment such "   # export
+                "as `self.lin.bias += 0.1`); fxfuse's graphs keep no state between calls, so the original "  # would run
+                "module runs") from fx_error                                                 # and apply the write
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
         if given_values:
             raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
@@ -195,6 +200,7 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
             raise UnsupportedError(f"{padded[0]} is given a key-padding mask: torch.export records its slow "
                                    "path, which differs from eager's inference fast path at padded positions "
                                    "(zeros, NaN for a fully padded sequence)") from fx_error
+        versions = [(name, p, p._version) for name, p in model.named_parameters()]
         try:
             gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
         except UnsupportedError:
@@ -210,6 +216,11 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
                 f"{_root_cause(fx_error)}; torch.export(strict=False) failed with "
                 f"{type(export_error).__name__}: {_first_line(export_error).rstrip('.')}{_root_cause(export_error)}. "
                 f"{advice}.") from export_error
+        written = next((name for name, p, v in versions if p._version != v), None)
+        if written is not None:   # before the graph runs: shape propagation and the check would write again
+            raise StateWriteError(f"forward() changes the module's state: it writes into the parameter {written} "
+                                  "in place (torch.export's trace applied the write once); fxfuse's graphs keep no "
+                                  "state between calls, so the original module runs")
     return gm, how
 
 

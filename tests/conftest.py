@@ -27,7 +27,7 @@ NO_MLP = ({"fused_mlp": "off"} if "fused_mlp" in {f.name for f in dataclasses.fi
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")   # as Triton reads it
 
 
 def pytest_configure(config):

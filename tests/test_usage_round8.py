@@ -275,3 +275,30 @@ def test_builds_inside_parametrize_cached_trace_the_parametrization():
         for batch in (7, 3):
             x = torch.randn(batch, 13)
             torch.testing.assert_close(opt(x), model(x))
+
+
+class BiasBump(nn.Module):
+    def __init__(self, guarded=False):
+        super().__init__()
+        self.lin, self.guarded = nn.Linear(4, 4), guarded
+
+    def forward(self, x):
+        if self.guarded:
+            if x.shape[0] > 1:        # Python control flow on a size: symbolic_trace fails, torch.export records it
+                self.lin.bias.add_(0.1)
+        else:
+            self.lin.bias += 0.1      # torch.fx cannot assign its Proxy to the parameter
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("guarded, applied", [(False, 0), (True, 1)])
+def test_a_forward_writing_a_parameter_is_refused_before_the_graph_runs(guarded, applied):
+    """optimize() ran such a forward six times (export, shape propagation, the checks) and left
+    the bias 0.6 higher; now it stops after the trace (export applies the write once)."""
+    model = BiasBump(guarded).eval()
+    before = model.lin.bias.detach().clone()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fxfuse.optimize(model, torch.randn(2, 4)) is model
+    assert [str(w.message) for w in caught if "changes the module's state" in str(w.message)]
+    torch.testing.assert_close(model.lin.bias.detach(), before + 0.1 * applied)
