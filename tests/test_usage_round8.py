@@ -302,3 +302,13 @@ def test_a_forward_writing_a_parameter_is_refused_before_the_graph_runs(guarded,
         assert fxfuse.optimize(model, torch.randn(2, 4)) is model
     assert [str(w.message) for w in caught if "changes the module's state" in str(w.message)]
     torch.testing.assert_close(model.lin.bias.detach(), before + 0.1 * applied)
+
+
+def test_strassen_auto_alone_may_choose_two_levels():
+    """The default strassen_levels was 1 for "auto" too, so the benchmarks' 2-level plans needed
+    an option users had no reason to set."""
+    from fxfuse.options import Options
+    assert Options.from_kwargs(strassen="auto").strassen_levels == 2
+    assert Options.from_kwargs(strassen="force").strassen_levels == 1
+    assert Options.from_kwargs().strassen_levels == 1
+    assert Options.from_kwargs(strassen="auto", strassen_levels=1).strassen_levels == 1
