@@ -275,6 +275,12 @@ def _joins_epilogue(user, x) -> bool:
 
 
 def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:   # explain() says why no candidate but the library applies, forced or not
+        w = node.args[1] if is_bias_free_linear(node) and len(node.args) > 1 else None
+        if isinstance(w, torch.fx.Node) and w.op != "get_attr":
+            fxfuse_meta(node)["decision"] = (
+                "library GEMM: its weight is computed in the graph (a parametrization such as weight_norm, or "
+                "other values); the generated GEMM, fused MLP and Strassen take a weight the model holds")
     if options is None or all(mode != "auto" for mode in (options.strassen, options.gemm, options.fused_mlp)):
         gm.meta["fxfuse_skipped"] = True
         return gm
