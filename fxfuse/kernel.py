@@ -6,25 +6,15 @@ inputs are exactly what the kernel was built for; otherwise it runs the referenc
 kernel never sees shapes, strides or dtypes it was not generated for.
 """
 import contextlib
-import os
 import threading
 
 import torch
 import torch.fx
 
 from .codegen import block_size, generate, num_warps, streams
+from .env import env_flag
 from .ir import KernelIR
 from .kernel_cache import default_cache
-
-
-TRUE_WORDS = ("1", "true", "yes", "on", "y")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A yes/no environment variable read as Triton reads its own (TRITON_INTERPRET): 1, true,
-    yes, on, y in any case are on; unset or empty is the default; anything else (" 1" too) is off."""
-    value = os.environ.get(name, "").lower()   # not stripped: Triton reads " 1" as off
-    return default if not value else value in TRUE_WORDS
 
 
 def interpreting() -> bool:

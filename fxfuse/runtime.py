@@ -18,9 +18,11 @@ Outputs: a tensor returned by one call is never overwritten by the next; handout
 Weights: a specialization holds copies of some weights (BatchNorm folded into Linear/Conv,
 packed fused-MLP weights, Strassen's combined blocks), so new weights need a new build. A
 load_state_dict on the model (or on the OptimizedModule, whose state_dict is the original's)
-drops every specialization and the next call rebuilds, and so does a buffer changed in place
-or, after any torch.optim step, a parameter; other in-place edits of parameters (`w.mul_()`
-under no_grad, `w.data.mul_()`) are not seen: call fxfuse.optimize again.
+drops every specialization and the next call rebuilds, and so does an in-place change of a
+buffer or of a parameter a copy was made from (version counters, read per call), a
+parameter, buffer or submodule replaced, or an attribute forward() reads assigned; edits
+through `.data` are not seen (torch gives `.data` a version counter of its own): call
+fxfuse.optimize again.
 
 Calls that run the original module instead, with one warning (GuardError under strict=True):
 training mode, a forward hook, autocast, torch.jit.trace, grad-recording calls, torch.func
@@ -31,17 +33,17 @@ trace the original module, as torch.jit.trace does.
 import contextlib
 import inspect
 import re
-import sys
 import threading
 import time
 import weakref
 from collections import Counter
 
 import torch
-import torch.fx
 from torch.utils.hooks import RemovableHandle
 
 from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
+from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, dynamo_traces, functorch_active, holds_proxy,
+                           traced_in_this_thread)
 from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
@@ -51,41 +53,6 @@ from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
-
-_FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
-if not hasattr(_FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: never seen as tracing
-    _FX_TRACE_STATE = type("NotTracing", (), {"_is_fx_tracing_flag": False})
-
-
-def _holds_proxy(args, kwargs) -> bool:
-    return any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values()))
-
-
-# torch.compiler.is_compiling() costs two Python calls per call (~0.15 us of a ~3.3 us path):
-# Dynamo folds is_dynamo_compiling() to True where it traces (it knows the function, not the
-# name), and non-strict torch.export sets the flag read second (after the call, so that Dynamo
-# never reads, and guards on, the flag's value while it compiles)
-_dynamo_traces = torch.compiler.is_dynamo_compiling
-_COMPILER = torch.compiler
-_functorch_active = torch._C._are_functorch_transforms_active   # vmap, jvp, jacfwd, grad of torch.func
-_FORWARD_AD = torch.autograd.forward_ad   # _current_level >= 0 inside a dual_level(): inputs may carry tangents
-
-
-def _traced_in_this_thread() -> bool:
-    """Whether a torch.fx Tracer.trace is on this thread's stack: a traced forward() may call opt
-    with concrete tensors only (`self.inner(self.prompt)`); the specialization's own submodule
-    calls would then go through fx's patched nn.Module.__call__ and fail (NameError: not a
-    submodule of the traced root). Only asked while fx traces somewhere (rare)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _TRACE_CODE:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_TRACE_CODE = torch.fx.Tracer.trace.__code__
-
 
 def _moved(watched: tuple) -> bool:
     """Whether a (tensor, version at build) pair's tensor changed in place since."""
@@ -391,8 +358,8 @@ class OptimizedModule(torch.nn.Module):
         # trace of one (the guards cannot read proxies; another thread's trace: the call waits).
         # Here, not in __call__: opt.compile(), torch.compile(opt.forward), a parent calling
         # opt.forward and opt's own hooks (through nn.Module.__call__) come through forward too.
-        if _dynamo_traces() or _COMPILER._is_compiling_flag or _FX_TRACE_STATE._is_fx_tracing_flag and (
-                BUILD_LOCK._is_owned() or _holds_proxy(args, kwargs) or _traced_in_this_thread()):
+        if dynamo_traces() or COMPILER._is_compiling_flag or FX_TRACE_STATE._is_fx_tracing_flag and (
+                BUILD_LOCK._is_owned() or holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = self._positional(args, kwargs)
@@ -436,7 +403,7 @@ class OptimizedModule(torch.nn.Module):
                                       "torch.is_inference_mode_enabled() or the like) and was traced "
                                       f"with inference mode {'on' if traced else 'off'}, and this call has it "
                                       f"{'off' if traced else 'on'}", args)
-        if _functorch_active() or _FORWARD_AD._current_level >= 0:
+        if functorch_active() or FORWARD_AD._current_level >= 0:
             return self._run_original("transform", "a torch.func transform (vmap, jvp, jacfwd) or forward-mode AD "
                                       "(torch.autograd.forward_ad) is active; the optimized graph's kernels take "
                                       "plain tensors and would drop batching and tangents", args)

@@ -27,25 +27,10 @@ from .errors import TraceError, UnsupportedError
 from .log import logger
 from .attribute_reads import recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
+from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
+from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_versions, refuse_state_writes,
+                           refuse_written_parameters)
 from .transformer_blocks import blocks_given_padding, opaque_blocks
-
-
-def fxfuse_meta(node: torch.fx.Node) -> dict:
-    """fxfuse's own facts about a node live under one key, never as node attributes."""
-    return node.meta.setdefault("fxfuse", {})
-
-
-def tensor_meta(node):
-    """ShapeProp's TensorMetadata of a node (None for non-nodes and nodes without it)."""
-    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
-
-
-def fetch_attr(gm: torch.nn.Module, target: str):
-    """The object a get_attr target ("layer.0.weight") names in gm."""
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -186,11 +171,9 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
         raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
-        if isinstance(fx_error, TypeError) and "as parameter" in str(fx_error) and "cannot assign" in str(fx_error):
-            raise StateWriteError(   # `self.lin.bias += 0.1`: torch.fx cannot assign its Proxy to the parameter;
-                "forward() changes the module's state: it assigns to a parameter (an augmented assignment such "   # export
-                "as `self.lin.bias += 0.1`); fxfuse's graphs keep no state between calls, so the original "  # would run
-                "module runs") from fx_error                                                 # and apply the write
+        refused = assigns_parameter(fx_error)
+        if refused is not None:
+            raise refused from fx_error
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
         if given_values:
             raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
@@ -200,7 +183,7 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
             raise UnsupportedError(f"{padded[0]} is given a key-padding mask: torch.export records its slow "
                                    "path, which differs from eager's inference fast path at padded positions "
                                    "(zeros, NaN for a fully padded sequence)") from fx_error
-        versions = [(name, p, p._version) for name, p in model.named_parameters()]
+        versions = parameter_versions(model)
         try:
             gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
         except UnsupportedError:
@@ -216,65 +199,8 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
                 f"{_root_cause(fx_error)}; torch.export(strict=False) failed with "
                 f"{type(export_error).__name__}: {_first_line(export_error).rstrip('.')}{_root_cause(export_error)}. "
                 f"{advice}.") from export_error
-        written = next((name for name, p, v in versions if p._version != v), None)
-        if written is not None:   # before the graph runs: shape propagation and the check would write again
-            raise StateWriteError(f"forward() changes the module's state: it writes into the parameter {written} "
-                                  "in place (torch.export's trace applied the write once); fxfuse's graphs keep no "
-                                  "state between calls, so the original module runs")
+        refuse_written_parameters(versions)   # before the graph runs: shape propagation and the checks write again
     return gm, how
-
-
-AUGMENTED_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
-                   "matmul")   # the operators of Python's augmented assignments (`v += y` is operator.iadd)
-AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in AUGMENTED_NAMES if name != "matmul"}   # writes
-VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "narrow", "select",
-                "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as", "diagonal", "as_strided",
-                "split", "chunk", "unbind", "detach", "movedim", "swapaxes", "unfold"}
-VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
-                  torch.narrow, torch.select, torch.t, torch.permute, torch.diagonal, torch.split, torch.chunk,
-                  torch.unbind, torch.detach, torch.movedim}
-
-
-def _writes_in_place(n: torch.fx.Node):
-    """The tensor an in-place node writes into (`b += 0.1`, `b.add_(1)`, `torch.relu_(b)`,
-    `b[0] = 1`, `out=b`), else None."""
-    if n.op == "call_function" and (n.target in AUGMENTED_OPERATORS or n.target is operator.setitem):
-        return n.args[0] if n.args else None
-    if "out" in n.kwargs:
-        return n.kwargs["out"]
-    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-    in_place = isinstance(name, str) and ((name.endswith("_") and not name.startswith("_"))
-                                          or (name.startswith("__i") and name.endswith("__")))
-    if in_place or n.kwargs.get("inplace") is True:
-        return n.args[0] if n.args else None
-    return None
-
-
-def _root_attribute(a) -> str | None:
-    """The get_attr target a value is a view of (through view ops), else None."""
-    while isinstance(a, torch.fx.Node):
-        if a.op == "get_attr":
-            return a.target
-        is_view = (a.op == "call_method" and a.target in VIEW_METHODS) or (
-            a.op == "call_function" and (a.target in VIEW_FUNCTIONS or (a.target is getattr and a.args[1] in ("T", "mT", "data"))))
-        if not is_view or not a.args:
-            return None
-        a = a.args[0]
-    return None
-
-
-def refuse_state_writes(gm: torch.fx.GraphModule) -> None:
-    """A forward() that writes into a parameter of the model (`self.lin.bias += 0.1`,
-    `self.lin.weight[0].add_(1)`) changes the module's state; fxfuse's graphs keep none. Refused
-    before anything runs: shape propagation and the check against eager would each apply the
-    write, and module_state, which compares and restores buffers and tensor attributes by value
-    (a scratch buffer written and reset in forward() passes), keeps no copy of the parameters."""
-    for n in gm.graph.nodes:
-        target = _root_attribute(_writes_in_place(n))
-        if target is not None and isinstance(fetch_attr(gm, target), torch.nn.Parameter):
-            raise StateWriteError(f"forward() changes the module's state: node {n.name} writes into the parameter "
-                                  f"{target} in place; fxfuse's graphs keep no state between calls, so the original "
-                                  "module runs")
 
 
 def _check_traceable_forward(model) -> None:
@@ -402,10 +328,6 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
 
 
 autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call
-
-
-class StateWriteError(UnsupportedError):
-    """forward() writes into a parameter or buffer of the model."""
 
 
 class AutocastInForward(UnsupportedError):

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.ops import POINTWISE, cast, is_pointwise_target
-from fxfuse.tracing import AUGMENTED_NAMES, fxfuse_meta
+from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
+from fxfuse.tracing import fxfuse_meta
 
 from .normalize_layers import broadcast_drops_unit_view, keywords_to_positions, matmul_as_linear, split_layer
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CAST_METHODS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
@@ -337,8 +338,7 @@ def _is_impure(node) -> bool:
 
 # Tensor methods that only view or describe their operand: dead, they go (a W.t() whose
 # Linear became F.linear(x, W) was kept and counted as a library call)
-PURE_METHODS = {"t", "transpose", "permute", "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze",
-                "expand", "expand_as", "flatten", "unflatten", "narrow", "select", "contiguous", "size", "dim"}
+PURE_METHODS = VIEW_METHODS | {"contiguous", "size", "dim"}
 
 
 def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:

@@ -22,7 +22,7 @@ import torch.nn as nn  # noqa: E402
 
 import fxfuse  # noqa: E402
 from fxfuse.errors import UnsupportedError  # noqa: E402
-from fxfuse.kernel import env_flag  # noqa: E402
+from fxfuse.env import env_flag  # noqa: E402
 
 
 def mlp():

@@ -1,0 +1,45 @@
+"""What a call of an optimized module is part of, asked first on every call (OptimizedModule.forward).
+
+torch.compile, torch.export and torch.fx traces record the original module (fxfuse's runtime
+is no graph: Triton's launcher, CUDA graphs); torch.func transforms and forward-mode AD hand in
+wrapped or dual tensors that the kernels would strip. Each check is one attribute read or one
+C call: forward() runs them on every call.
+"""
+import sys
+
+import torch
+import torch.fx
+
+FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
+if not hasattr(FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: never seen as tracing
+    FX_TRACE_STATE = type("NotTracing", (), {"_is_fx_tracing_flag": False})
+
+
+def holds_proxy(args, kwargs) -> bool:
+    return any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values()))
+
+
+# torch.compiler.is_compiling() costs two Python calls per call (~0.15 us of a ~3.3 us path):
+# Dynamo folds is_dynamo_compiling() to True where it traces (it knows the function, not the
+# name), and non-strict torch.export sets the flag read second (after the call, so that Dynamo
+# never reads, and guards on, the flag's value while it compiles)
+dynamo_traces = torch.compiler.is_dynamo_compiling
+COMPILER = torch.compiler
+functorch_active = torch._C._are_functorch_transforms_active   # vmap, jvp, jacfwd, grad of torch.func
+FORWARD_AD = torch.autograd.forward_ad   # _current_level >= 0 inside a dual_level(): inputs may carry tangents
+
+
+def traced_in_this_thread() -> bool:
+    """Whether a torch.fx Tracer.trace is on this thread's stack: a traced forward() may call opt
+    with concrete tensors only (`self.inner(self.prompt)`); the specialization's own submodule
+    calls would then go through fx's patched nn.Module.__call__ and fail (NameError: not a
+    submodule of the traced root). Only asked while fx traces somewhere (rare)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _TRACE_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_TRACE_CODE = torch.fx.Tracer.trace.__code__

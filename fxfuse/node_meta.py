@@ -1,0 +1,24 @@
+"""fxfuse's facts about graph nodes: its own meta key, torch.fx's tensor meta, get_attr targets.
+
+Tracing, the passes and the state-write check read these; they import nothing of fxfuse.
+"""
+import torch
+import torch.fx
+
+
+def fxfuse_meta(node: torch.fx.Node) -> dict:
+    """fxfuse's own facts about a node live under one key, never as node attributes."""
+    return node.meta.setdefault("fxfuse", {})
+
+
+def tensor_meta(node):
+    """ShapeProp's TensorMetadata of a node (None for non-nodes and nodes without it)."""
+    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+def fetch_attr(gm: torch.nn.Module, target: str):
+    """The object a get_attr target ("layer.0.weight") names in gm."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

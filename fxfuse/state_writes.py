@@ -1,0 +1,97 @@
+"""forward() writing into the model's parameters: found before the graph runs, and refused.
+
+fxfuse's graphs keep no state between calls, and module_state, which compares and restores
+buffers and tensor attributes by value, keeps no copy of the parameters: a write that ran
+during optimize() (shape propagation, the checks against eager) would stay in the model. So
+the write is found in the traced graph (refuse_state_writes), in torch.fx's failure to trace an
+augmented assignment to a parameter (assigns_parameter), or, where only torch.export could
+trace forward(), in the parameters' version counters right after the export
+(refuse_written_parameters).
+"""
+import operator
+
+import torch
+import torch.fx
+
+from .errors import UnsupportedError
+from .node_meta import fetch_attr
+
+
+class StateWriteError(UnsupportedError):
+    """forward() writes into a parameter or buffer of the model."""
+
+
+AUGMENTED_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+                   "matmul")   # the operators of Python's augmented assignments (`v += y` is operator.iadd)
+AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in AUGMENTED_NAMES if name != "matmul"}   # writes
+VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "narrow", "select",
+                "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as", "diagonal", "as_strided",
+                "split", "chunk", "unbind", "detach", "movedim", "swapaxes", "unfold"}
+VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
+                  torch.narrow, torch.select, torch.t, torch.permute, torch.diagonal, torch.split, torch.chunk,
+                  torch.unbind, torch.detach, torch.movedim}
+
+
+def _writes_in_place(n: torch.fx.Node):
+    """The tensor an in-place node writes into (`b += 0.1`, `b.add_(1)`, `torch.relu_(b)`,
+    `b[0] = 1`, `out=b`), else None."""
+    if n.op == "call_function" and (n.target in AUGMENTED_OPERATORS or n.target is operator.setitem):
+        return n.args[0] if n.args else None
+    if "out" in n.kwargs:
+        return n.kwargs["out"]
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+    in_place = isinstance(name, str) and ((name.endswith("_") and not name.startswith("_"))
+                                          or (name.startswith("__i") and name.endswith("__")))
+    if in_place or n.kwargs.get("inplace") is True:
+        return n.args[0] if n.args else None
+    return None
+
+
+def _root_attribute(a) -> str | None:
+    """The get_attr target a value is a view of (through view ops), else None."""
+    while isinstance(a, torch.fx.Node):
+        if a.op == "get_attr":
+            return a.target
+        is_view = (a.op == "call_method" and a.target in VIEW_METHODS) or (
+            a.op == "call_function" and (a.target in VIEW_FUNCTIONS or (a.target is getattr and a.args[1] in ("T", "mT", "data"))))
+        if not is_view or not a.args:
+            return None
+        a = a.args[0]
+    return None
+
+
+def refuse_state_writes(gm: torch.fx.GraphModule) -> None:
+    """A forward() that writes into a parameter of the model (`self.lin.bias += 0.1`,
+    `self.lin.weight[0].add_(1)`) changes the module's state; fxfuse's graphs keep none. Refused
+    before anything runs: shape propagation and the check against eager would each apply the
+    write, and module_state, which compares and restores buffers and tensor attributes by value
+    (a scratch buffer written and reset in forward() passes), keeps no copy of the parameters."""
+    for n in gm.graph.nodes:
+        target = _root_attribute(_writes_in_place(n))
+        if target is not None and isinstance(fetch_attr(gm, target), torch.nn.Parameter):
+            raise StateWriteError(f"forward() changes the module's state: node {n.name} writes into the parameter "
+                                  f"{target} in place; fxfuse's graphs keep no state between calls, so the original "
+                                  "module runs")
+
+
+def assigns_parameter(error: BaseException) -> StateWriteError | None:
+    """`self.lin.bias += 0.1`: torch.fx cannot assign its Proxy to the parameter and raises a
+    TypeError; torch.export, tried next, would run forward() and apply the write."""
+    if isinstance(error, TypeError) and "cannot assign" in str(error) and "as parameter" in str(error):
+        return StateWriteError("forward() changes the module's state: it assigns to a parameter (an augmented "
+                               "assignment such as `self.lin.bias += 0.1`); fxfuse's graphs keep no state between "
+                               "calls, so the original module runs")
+    return None
+
+
+def parameter_versions(model: torch.nn.Module) -> list:
+    return [(name, p, p._version) for name, p in model.named_parameters()]
+
+
+def refuse_written_parameters(versions: list) -> None:
+    """After torch.export traced forward() (which applies a write once), before the graph runs."""
+    written = next((name for name, p, v in versions if p._version != v), None)
+    if written is not None:
+        raise StateWriteError(f"forward() changes the module's state: it writes into the parameter {written} "
+                              "in place (torch.export's trace applied the write once); fxfuse's graphs keep no "
+                              "state between calls, so the original module runs")
