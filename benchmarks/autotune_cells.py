@@ -118,23 +118,31 @@ def pointwise_cells(dtype, grid, device, args):
                  lambda rows=rows: run(rows)) for rows in grid["rows"]]
 
 
-def gemm_cells(dtype, grid, device, args):
-    """fxfuse's epilogue GEMM, relu(x @ W.T + b), in the config fxfuse would choose for m."""
+def gemm_cells(dtype, grid, device, args, tf32x3=False):
+    """fxfuse's epilogue GEMM, relu(x @ W.T + b), in the config fxfuse would choose for m
+    (tf32x3: the fp32 GEMM in 3xTF32, table gemm_tf32x3, over its own rows and up to the
+    grid's widest layer: it competes with Strassen there)."""
     from fxfuse.gemm_kernel import EpilogueGemm, GemmSpec, Pointwise, choose_gemm_config
+    table = "gemm_tf32x3" if tf32x3 else "gemm_epilogue"
 
     def run(m, h):
         model = nn.Sequential(nn.Linear(h, h), nn.ReLU()).eval().to(device=device, dtype=dtype)
         spec = GemmSpec(h, h, dtype, (Pointwise(1, "add", (("value", 0), ("vector", 0))),
                                       Pointwise(2, "relu", (("value", 1),))), 2)
         mod = EpilogueGemm(spec, model[0].weight, [model[0].bias], torch.fx.symbolic_trace(model), (),
-                           config=choose_gemm_config(m, spec, allow_tf32=False))
+                           config=choose_gemm_config(m, spec, allow_tf32=False, tf32x3=tf32x3))
         x = randn(m, h, dtype=dtype, device=device)
-        check_close(mod(x), model(x), dtype, "the epilogue GEMM")
+        check_close(mod(x), model(x), dtype, f"the epilogue GEMM ({mod.config.precision})")
         us = per_call_us(lambda: mod(x), device, args)
         assert_fast_path([mod])
-        return {"gemm_epilogue": us}
-    return [Cell("gemm", dtype, {"m": m, "h": h}, ("gemm_epilogue",), lambda m=m, h=h: run(m, h))
-            for h in grid["h"] if h <= grid["gemm_max_h"] for m in grid["m"]]
+        return {table: us}
+    rows = grid["x3_m"] if tf32x3 else grid["m"]
+    return [Cell("gemm_x3" if tf32x3 else "gemm", dtype, {"m": m, "h": h}, (table,), lambda m=m, h=h: run(m, h))
+            for h in grid["h"] if tf32x3 or h <= grid["gemm_max_h"] for m in rows]
+
+
+def gemm_x3_cells(dtype, grid, device, args):
+    return gemm_cells(dtype, grid, device, args, tf32x3=True)
 
 
 def strassen_cells(dtype, grid, device, args):
@@ -196,5 +204,5 @@ def mlp_cells(dtype, grid, device, args):
 
 
 SECTIONS = {"linear": linear_cells, "bmm": bmm_cells, "pointwise": pointwise_cells, "gemm": gemm_cells,
-            "strassen": strassen_cells, "mlp": mlp_cells}
-NEEDS_KERNELS = {"pointwise", "gemm", "strassen", "mlp"}
+            "gemm_x3": gemm_x3_cells, "strassen": strassen_cells, "mlp": mlp_cells}
+NEEDS_KERNELS = {"pointwise", "gemm", "gemm_x3", "strassen", "mlp"}

@@ -131,6 +131,8 @@ TOOLS = [
     fxfuse_tool("fxfuse-mlp", "fxfuse mlp", default=False, fused_mlp="force"),
     fxfuse_tool("fxfuse-nomlp", "fxfuse no-mlp", default=False, fused_mlp="off", strassen="auto", strassen_levels=2),
     fxfuse_tool("fxfuse-auto", "fxfuse auto", default=False, strassen="auto", strassen_levels=2),
+    fxfuse_tool("fxfuse-all", "fxfuse all", default=False, strassen="auto", strassen_levels=2, tf32x3="auto"),
+    fxfuse_tool("fxfuse-x3", "fxfuse x3", default=False, tf32x3="auto"),
     fxfuse_tool("fxfuse-s1", "fxfuse S1", default=False, strassen="force", strassen_levels=1),
     fxfuse_tool("fxfuse-s2", "fxfuse S2", default=False, strassen="force", strassen_levels=2),
 ]

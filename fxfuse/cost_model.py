@@ -9,6 +9,7 @@ Candidates (CANDIDATES):
   library    cuBLAS F.linear + one generated pointwise kernel for the epilogue (or the bias
              in cuBLASLt's epilogue: both spellings are costed, the cheaper one counts)
   gemm       one Triton GEMM with the epilogue fused (fxfuse.gemm_kernel.EpilogueGemm)
+  gemm_x3    the same GEMM in fp32 on tensor cores, 3xTF32 (option tf32x3, fxfuse/tf32x3.py)
   strassenL  prefix kernel -> torch.bmm of 7**L products -> suffix kernel (passes/strassen.py)
   mlp        layers i..j as ONE kernel (fxfuse.mlp_kernel.FusedMLP)
 
@@ -44,7 +45,7 @@ from fxfuse.calibration import (CALIBRATION_DIR, DTYPE_NAMES, ENV_VAR, GEMM_AXES
                                 TABLE_AXES, CalibrationError, CalibrationWarning, _grid_problems, _positive,
                                 _read_file, _shipped_file, calibration_name, device_slug, validate_calibration)
 
-CANDIDATES = ("library", "gemm", "strassen1", "strassen2", "mlp")
+CANDIDATES = ("library", "gemm", "gemm_x3", "strassen1", "strassen2", "mlp")
 SIBLING_DTYPE = {"float16": "bfloat16", "bfloat16": "float16"}   # same tensor-core rate and size
 MLP_BLOCK_M = 16        # mlp_spec.choose_config: one program per row up to MLP_ROWWISE_MAX rows, then 16
 logger = logging.getLogger("fxfuse.cost_model")
@@ -184,8 +185,8 @@ def _table_work(name, coords, elt, entry, sms) -> Work:
     if name == "mlp":
         return mlp_work(coords[0], [(coords[1], coords[1])] * int(entry.get("layers", 8)), elt, sms)
     m, h = coords
-    if name in ("linear", "linear_bias", "gemm_epilogue"):
-        return gemm_work(m, h, h, elt, bias=name != "linear", triton=name == "gemm_epilogue")
+    if name in ("linear", "linear_bias", "gemm_epilogue", "gemm_tf32x3"):
+        return gemm_work(m, h, h, elt, bias=name != "linear", triton=name.startswith("gemm"))
     if name.startswith("bmm"):
         return bmm_work({"bmm7": 1, "bmm49": 2}[name], m, h, h, elt)
     level, part = int(name[8]), name.split("_")[1]
@@ -379,11 +380,12 @@ class CostModel:
         h = math.sqrt(L.k * L.n)
         if c == "library":
             return self._library(L)
-        if c == "gemm":
+        if c in ("gemm", "gemm_x3"):   # gemm_x3 only from its own table (plan_linears: legal where measured)
             work = gemm_work(L.m, L.k, L.n, L.elt, bias=L.bias, triton=True)
             work = replace(work, bytes=work.bytes + L.elt * L.m * L.n * L.epilogue_reads_input)   # x at the tile
-            gemm = self._component(L.dtype, work, [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))],
-                                   prefer_inside=False)
+            tables = ([("gemm_tf32x3", (L.m, h))] if c == "gemm_x3"
+                      else [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))])
+            gemm = self._component(L.dtype, work, tables, prefer_inside=False)
             others = L.epilogue_reads - L.epilogue_reads_input
             if others:   # fuse_gemm's epilogue reads no other tensor: the ops from there on run after it
                 gemm = gemm + self._pointwise(L.dtype, Work(bytes=L.elt * L.m * L.n * (2 + others)))

@@ -27,7 +27,9 @@ a GEMV that reads W once over many programs (few output columns each), which is 
 small-batch layer is bound by. For fp32 IEEE it also serves batches up to 256 (16 to 64 rows
 per program): there tl.dot is FMA code too, and measured slower (_rowwise_config).
 
-Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was allowed;
+Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was allowed, or
+"tf32x3" where the plan chose it (option tf32x3, fxfuse/tf32x3.py: the tl.dot form on tensor
+cores, tiles by _tf32x3_tiles);
 fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes in fp32.
 Only builtins of triton.language are used (tl.full, not tl.zeros), see mlp_kernel.
 """
@@ -143,18 +145,29 @@ def _rowwise_stages(block_m: int, block_n: int, block_k: int, dtype: torch.dtype
     return min(ROWWISE_STAGES, ROWWISE_STAGE_BYTES // per_stage)
 
 
-def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **override) -> GemmConfig:
+def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3: bool = False,
+                       **override) -> GemmConfig:
     """Tile sizes and split-K for a batch of m rows: one place, apart from correctness.
 
     Up to ROWWISE_MAX_BATCH rows (fp32 IEEE: ROWWISE_FP32_MAX_BATCH) the row-wise form
     (_rowwise_config). Else rows per tile follow
     the batch (32..64, or 128 for tensor-core dtypes at large batch), 32 x 32 tiles for fp32
     layers too narrow to fill a quarter of the SMs with 64 x 64 (gemm_probe: batch 64, width
-    128: 5.7 us vs 14.0 us), split-K by _split_k. `override` sets fields (tests, the probe).
+    128: 5.7 us vs 14.0 us), split-K by _split_k. fp32 with tf32x3 (and TF32 not allowed):
+    tensor-core tiles of _tf32x3_tiles past ROWWISE_MAX_BATCH rows. `override` sets fields
+    (tests, the probe).
     """
-    tensor_cores = spec.dtype != torch.float32 or allow_tf32
+    tf32x3 = tf32x3 and spec.dtype == torch.float32 and not allow_tf32
+    tensor_cores = spec.dtype != torch.float32 or allow_tf32 or tf32x3
     if m <= (ROWWISE_MAX_BATCH if tensor_cores else ROWWISE_FP32_MAX_BATCH) and override.get("rowwise", True):
         cfg = _rowwise_config(m, spec, allow_tf32)
+        cfg.update(override)
+        return GemmConfig(**cfg)
+    if tf32x3:
+        block_m, block_n, warps, stages = _tf32x3_tiles(m, spec.n)
+        _, split = _split_k(m, spec.n, spec.k, block_m, block_n, 32)
+        cfg = dict(block_m=block_m, block_n=block_n, block_k=32, split_k=split, num_warps=warps,
+                   num_stages=stages, precision="tf32x3")
         cfg.update(override)
         return GemmConfig(**cfg)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if (m <= 64 or not tensor_cores) else 128
@@ -169,6 +182,21 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, **overr
                precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee")
     cfg.update(override)
     return GemmConfig(**cfg)
+
+
+def _tf32x3_tiles(m: int, n: int) -> tuple:
+    """(block_m, block_n, warps, stages) of the tf32x3 tl.dot form, K steps of 32. From
+    benchmarks/tf32x3_probe.py on the H100 (one layer relu(x @ W.T + b), per call in a CUDA
+    graph, split-K by _split_k): 128 x 128 with 8 warps won from 1024 rows at width >= 1024
+    (1024 x 2048: 111 us vs 121-125 for the 64-row tiles; 4096 x 8192: 6.9 ms, 79 TFLOP/s) and
+    from 256 rows at width >= 2048 (256 x 2048: 38.9 vs 44.9-51.8); below, 64 x 128 at width
+    >= 4096 (64 x 8192: 174 vs 199), else 64 x 64 (64 x 2048: 17.8; 256 x 1024: 17.1 vs 25.1
+    with 128 x 128; 1024 x 512: 15.9 vs 18.3); 32 x 64 up to 32 rows."""
+    if m >= 4096 or (m >= 1024 and n >= 1024) or (m >= 256 and n >= 2048):
+        return 128, 128, 8, 4
+    if m <= 32:
+        return 32, 64, 4, 4
+    return (64, 128, 4, 3) if n >= 4096 else (64, 64, 4, 3)
 
 
 def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> tuple:

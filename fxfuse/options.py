@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 from .errors import OptionError
 
 
-MODES = ("off", "auto", "force")   # strassen, gemm, fused_mlp: never, where the cost model says, always
+MODES = ("off", "auto", "force")   # strassen, gemm, fused_mlp, tf32x3: never, where the cost model says, always
 MAX_STRASSEN_LEVELS = 3
 
 
@@ -36,11 +36,18 @@ class Options:
     None: 2 with "auto" (every layer gets 0, 1 or 2, each checked against `tolerance`), else 1.
     The default was 1 for both, so `strassen="auto"` alone never took the 2-level plans that
     won the large cells (8 x 8192 at batch 4096, H100: 67.3 ms against 76.3 with one level)."""
+    tf32x3: str = "off"
+    """fp32 GEMMs on tensor cores as three TF32 products (3xTF32, fxfuse/tf32x3.py): "off", "auto"
+    (where the cost model measured it faster), "force" (every generated fp32 GEMM). Not IEEE
+    fp32, but as close: H100, random data, 1.5-3.2e-7 relative error against float64 where
+    cuBLAS fp32 gave 1.1e-7 to 1.6e-6, at 78 TFLOP/s against 51.6. Each layer is checked on
+    the example input against `tolerance`, like Strassen. Ignored where TF32 is allowed (the
+    generated GEMMs then run plain TF32) and for fp16/bf16."""
     calibration: str | None = None
     """Cost-model calibration file (from `python -m benchmarks.autotune`); None: $FXFUSE_CALIBRATION,
     else the shipped file for this GPU, else the roofline."""
     tolerance: float | None = None
-    """Relative error (Frobenius, vs float64) a Strassen layer may have on the example input
+    """Relative error (Frobenius, vs float64) a Strassen or tf32x3 layer may have on the example input
     (None: 3x the classical product's, at least 1e-5 fp32 / 1e-2 fp16, bf16)."""
 
     def __post_init__(self):
@@ -68,7 +75,7 @@ class Options:
             raise OptionError("option calibration='': expected a file path, or None for the default")
         if opts.max_specializations < 1:
             raise OptionError("max_specializations must be at least 1")
-        for name in ("strassen", "gemm", "fused_mlp"):
+        for name in ("strassen", "gemm", "fused_mlp", "tf32x3"):
             if getattr(opts, name) not in MODES:
                 raise OptionError(f"option {name}={getattr(opts, name)!r}; expected one of {MODES}")
         if not 1 <= opts.strassen_levels <= MAX_STRASSEN_LEVELS:

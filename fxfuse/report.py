@@ -9,6 +9,7 @@ import torch.fx
 from tabulate import tabulate
 
 from .api import node_kind
+from .cost_model import CANDIDATES
 from .kernel import FusedKernel
 from .runtime import OptimizedModule
 
@@ -106,7 +107,7 @@ def node_table(gm: torch.fx.GraphModule) -> str:
                     tablefmt="simple", maxcolwidths=[None, None, None, 48, 56, None])
 
 
-PLAN_COLUMNS = ("library", "gemm", "strassen1", "strassen2", "mlp")
+PLAN_COLUMNS = CANDIDATES   # library, gemm, gemm_x3, strassen1, strassen2, mlp
 
 
 def plan_table(gm) -> str:
@@ -125,7 +126,7 @@ def plan_table(gm) -> str:
                      f"next best {losers[0][1]}: {why}" if losers else why])
     head = f"cost model: {gm.meta.get('fxfuse_cost_model', '?')}; estimated us per layer ('-': not legal, see reasons)"
     return head + "\n" + tabulate(rows, headers=["linear", "m x k->n", *PLAN_COLUMNS, "choice", "why"],
-                                   tablefmt="simple", maxcolwidths=[None] * 8 + [60])
+                                   tablefmt="simple", maxcolwidths=[None] * (3 + len(PLAN_COLUMNS)) + [60])
 
 
 def _measured_line(spec, gm) -> str:

@@ -20,11 +20,13 @@ import torch.fx
 from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm
 from fxfuse.mlp_kernel import Linear, Pointwise
 from fxfuse.precision import matmul_allows_tf32
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.tf32x3 import measure_tf32x3
+from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta
 
 from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta, replace_region
 from .fuse_pointwise import _mutated_values
 from .plan_linears import planned_choice
+from .strassen import _LayerProbe
 
 
 
@@ -95,6 +97,7 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     mutated = _mutated_values(gm)
     order = {n: k for k, n in enumerate(g.nodes)}
+    guard = _tf32x3_guard(gm, options, allow_tf32)
     changed = False
     for start in list(g.nodes):
         if getattr(start, "_erased", False) or _linear_parts(start) is None or not isinstance(start.args[0], torch.fx.Node) \
@@ -110,16 +113,22 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         spec, weights, vectors, members = _lower(gm, region)
         gspec = _gemm_spec(spec, region)
-        config = choose_gemm_config(region.batch, gspec, allow_tf32)
+        choice = planned_choice(start)
+        x3 = start in guard and guard[start]["ok"]
+        config = choose_gemm_config(region.batch, gspec, allow_tf32, tf32x3=x3)
         problem = why_not_gemm(gspec, config)
         if problem:
             _note(start, f"no fused GEMM: {problem}")
             continue
-        choice = planned_choice(start)
         if choice is None:
             ok, reason = should_fuse_gemm(region.batch, gspec.k, gspec.n, gspec.dtype, allow_tf32)
         else:
-            ok, reason = choice == "gemm", f"the cost model chose {choice}"
+            ok, reason = choice in ("gemm", "gemm_x3"), f"the cost model chose {choice}"
+        if start in guard:
+            reason += "; " + _guard_text(guard[start])
+            if choice == "gemm_x3" and not x3:   # the IEEE GEMM was not what the plan chose: the library runs it
+                ok = False
+                _note(start, reason)
         if mode == "force":
             ok, reason = True, f"forced by gemm='force'; auto: {'yes' if ok else 'no'}, {reason}"
         if not ok:
@@ -134,6 +143,42 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         gm.delete_all_unused_submodules()
         gm.recompile()
     return gm
+
+
+def _tf32x3_guard(gm, options, allow_tf32: bool) -> dict:
+    """Linear node -> fxfuse.tf32x3.measure_tf32x3 on its input from the example, for the
+    Linears that would run in 3xTF32: planned "gemm_x3", or every fp32 one with tf32x3="force".
+    Numerics are legality, so they are checked here, like Strassen's; random data where no
+    example was recorded."""
+    if options is None or options.tf32x3 == "off" or allow_tf32:
+        return {}
+    nodes = {n: n for n in gm.graph.nodes if _linear_parts(n) is not None and isinstance(_linear_parts(n)[1], torch.fx.Node)
+             and getattr(_tmeta(n), "dtype", None) == torch.float32
+             and (planned_choice(n) == "gemm_x3" or (options.tf32x3 == "force" and planned_choice(n) in (None, "gemm")))}
+    found = {}
+
+    def measure(node, x, w):
+        found[node] = measure_tf32x3(x.reshape(-1, x.shape[-1]), w, options.tolerance)
+        found[node]["measured_on"] = on
+
+    example = gm.meta.get("fxfuse_example_args")
+    with torch.no_grad():
+        if nodes and example is not None:
+            on = "the example input"
+            _LayerProbe(gm, nodes, measure).run(*example)
+        for node in nodes:
+            if node not in found:
+                on = "random data (no example input recorded)"
+                x, w = _linear_parts(node)[:2]
+                dev = fxfuse_meta(node).get("device", torch.device("cpu"))
+                measure(node, torch.randn(_tmeta(x).shape, device=dev), _fetch(gm, w.target))
+    return found
+
+
+def _guard_text(rec: dict) -> str:
+    verdict = "3xTF32" if rec["ok"] else "no 3xTF32: its error exceeds the tolerance"
+    return (f"{verdict} (error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e}, classical "
+            f"{rec['classical_error']:.1e}, on {rec['measured_on']})")
 
 
 def _note(node, text: str) -> None:

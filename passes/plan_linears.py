@@ -170,6 +170,9 @@ def _legal(layer: LinearLayer, options, model) -> dict:
     legal = {"library": None}
     legal["gemm"] = ("gemm='off' or fuse=False" if not options.fuse or options.gemm == "off"
                      else None if model.measured("gemm_epilogue", layer.dtype) else unmeasured("gemm_epilogue"))
+    legal["gemm_x3"] = _tf32x3_legal(layer, options, model)
+    if legal["gemm_x3"] is None and options.tf32x3 == "force":
+        legal["gemm"] = "tf32x3='force': the generated fp32 GEMM runs as gemm_x3"
     for levels in (1, 2):
         name = f"strassen{levels}"
         min_rows = (STRASSEN_MIN_ROWS if _strassen_kernels_timed_from(model, name, layer.dtype, STRASSEN_MIN_ROWS)
@@ -184,6 +187,22 @@ def _legal(layer: LinearLayer, options, model) -> dict:
         else:
             legal[name] = None
     return legal
+
+
+def _tf32x3_legal(layer: LinearLayer, options, model) -> str | None:
+    """None where the generated GEMM may run in 3xTF32 (fxfuse/tf32x3.py), else why not. The
+    numerics guard on the example input is fuse_gemm's (legality that needs the data)."""
+    if options.tf32x3 == "off":
+        return "tf32x3='off' (the default: 3xTF32 is not IEEE fp32; opt in with 'auto')"
+    if not options.fuse or options.gemm == "off":
+        return "gemm='off' or fuse=False"
+    if layer.dtype != torch.float32:
+        return f"{layer.dtype} runs on tensor cores already"
+    if matmul_allows_tf32():
+        return "TF32 is allowed: the generated GEMM runs plain TF32"
+    if options.tf32x3 == "auto" and not model.measured("gemm_tf32x3", layer.dtype):
+        return unmeasured("gemm_tf32x3")
+    return None
 
 
 def _strassen_kernels_timed_from(model, name: str, dtype, rows: int) -> bool:
@@ -281,7 +300,7 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
             fxfuse_meta(node)["decision"] = (
                 "library GEMM: its weight is computed in the graph (a parametrization such as weight_norm, or "
                 "other values); the generated GEMM, fused MLP and Strassen take a weight the model holds")
-    if options is None or all(mode != "auto" for mode in (options.strassen, options.gemm, options.fused_mlp)):
+    if options is None or all(mode != "auto" for mode in (options.strassen, options.gemm, options.fused_mlp, options.tf32x3)):
         gm.meta["fxfuse_skipped"] = True
         return gm
     device = next((fxfuse_meta(n).get("device") for n in gm.graph.nodes if fxfuse_meta(n).get("device")), None)

@@ -1,0 +1,170 @@
+"""3xTF32 (option tf32x3, fxfuse/tf32x3.py) on the CPU: the split, the numerics guard, the plan's
+candidate and the kernel config it builds. The interpreter ignores input_precision, so the
+kernel's own numerics are checked by the GPU test (tests/test_gpu_tf32x3.py)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxfuse
+from fxfuse.cost_model import CostModel, LinearLayer
+from fxfuse.errors import OptionError
+from fxfuse.gemm_kernel import EpilogueGemm, GemmSpec, choose_gemm_config
+from fxfuse.tf32x3 import measure_tf32x3, round_to_tf32, split_tf32, tf32x3_linear, truncate_to_tf32
+
+from test_cost_model import calibration, grid, lib_us, write
+
+
+def test_split_keeps_21_bits_and_leaves_specials_alone():
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.logspace(-20, 20, 4096)
+    hi, lo = split_tf32(x)
+    assert torch.equal(round_to_tf32(hi), hi) and torch.equal(truncate_to_tf32(lo), lo)   # both are TF32 values
+    assert ((hi + lo - x).abs() / x.abs()).max() < 2.0 ** -20
+    assert not torch.equal(hi, x)                                                        # the split did something
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])
+    hi, lo = split_tf32(special)
+    assert torch.equal(hi[:2], special[:2]) and hi[2].isnan() and torch.equal(lo, torch.zeros(5))
+    assert round_to_tf32(torch.tensor([1.0 + 2.0 ** -11])).item() == 1.0 + 2.0 ** -10    # ties away from zero
+
+
+def test_emulation_is_fp32_accurate_where_tf32_is_not():
+    torch.manual_seed(1)
+    x, w = torch.randn(37, 300), torch.randn(53, 300)
+    ref = x.double() @ w.double().t()
+    err = lambda y: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+    tf32 = torch.nn.functional.linear(round_to_tf32(x), round_to_tf32(w))
+    assert err(tf32x3_linear(x, w)) < 1e-6 < 1e-4 < err(tf32)
+    rec = measure_tf32x3(x, w)
+    assert rec["ok"] and rec["tolerance"] == 1e-5 and rec["error"] < 1e-6
+    assert not measure_tf32x3(x, w, tolerance=0.0)["ok"]
+
+
+def test_option_values():
+    with pytest.raises(OptionError, match="tf32x3"):
+        fxfuse.optimize(nn.Linear(4, 4), torch.randn(2, 4), tf32x3="on")
+
+
+def test_config_uses_tensor_core_tiles_past_the_row_wise_batches():
+    spec = GemmSpec(2048, 2048, torch.float32)
+    assert choose_gemm_config(256, spec, tf32x3=True).precision == "tf32x3"
+    assert (choose_gemm_config(256, spec, tf32x3=True).block_m, choose_gemm_config(256, spec, tf32x3=True).block_n) \
+        == (128, 128)
+    assert choose_gemm_config(64, GemmSpec(1024, 1024, torch.float32), tf32x3=True).block_m == 64
+    small = choose_gemm_config(8, spec, tf32x3=True)
+    assert small.rowwise and small.precision == "ieee"             # <= 16 rows: the row-wise GEMV form
+    assert choose_gemm_config(256, spec, allow_tf32=True, tf32x3=True).precision == "tf32"
+    assert choose_gemm_config(256, GemmSpec(64, 64, torch.float16), tf32x3=True).precision == "ieee"   # unused there
+
+
+def x3_calibration(factor=0.5):
+    """gemm_x3 measured at `factor` x the library, the IEEE GEMM at 2x."""
+    return calibration(gemm_epilogue=grid(lambda m, h: 2 * lib_us(m, h)),
+                       gemm_tf32x3=grid(lambda m, h: factor * lib_us(m, h)))
+
+
+def test_cost_model_prices_gemm_x3_from_its_own_table():
+    model = CostModel.from_dict(x3_calibration())
+    layer = LinearLayer(256, 1024, 1024, torch.float32)
+    assert model.estimate("gemm_x3", layer).us < model.estimate("library", layer).us < model.estimate("gemm", layer).us
+
+
+def _plans(opt):
+    return next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+
+
+def _gemms(opt):
+    gm = next(iter(opt.specializations.values())).gm
+    return [m for m in gm.modules() if isinstance(m, EpilogueGemm)]
+
+
+def seed(h=48, layers=3):
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(h, h), nn.ReLU())]).eval()
+
+
+@pytest.mark.parametrize("batch", [40, 19])
+def test_auto_plans_and_builds_tf32x3_gemms(tmp_path, batch):
+    """Where its table says so, every layer runs as one 3xTF32 GEMM; results match eager; the
+    plan table and the decision line say it, with the guard's error."""
+    model = seed(h=48, layers=3)
+    x = torch.randn(batch, 48)
+    opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", calibration=str(write(tmp_path, x3_calibration())))
+    assert [p["choice"] for p in _plans(opt)] == ["gemm_x3"] * 3
+    gemms = _gemms(opt)
+    assert len(gemms) == 3 and all(g.config.precision == "tf32x3" and not g.config.rowwise for g in gemms)
+    assert fxfuse.stats(opt)["library_calls"] == 0
+    with torch.no_grad():
+        fresh = torch.randn(batch, 48)
+        torch.testing.assert_close(opt(fresh), model(fresh))
+    report = fxfuse.explain(opt)
+    assert "gemm_x3" in report and "3xTF32 (error" in report and "tf32x3" in report
+
+
+def test_off_by_default_and_the_reason_is_shown(tmp_path):
+    model, x = seed(), torch.randn(40, 48)
+    opt = fxfuse.optimize(model, x, fused_mlp="off", calibration=str(write(tmp_path, x3_calibration())))
+    assert all(p["choice"] != "gemm_x3" for p in _plans(opt))
+    assert all("tf32x3='off'" in p["reasons"]["gemm_x3"] for p in _plans(opt))
+    assert all(g.config.precision == "ieee" for g in _gemms(opt))
+
+
+def test_unmeasured_table_is_never_chosen_but_force_builds_it(tmp_path):
+    model, x = seed(), torch.randn(40, 48)
+    path = str(write(tmp_path, calibration(gemm_epilogue=grid(lambda m, h: 0.5 * lib_us(m, h)))))
+    opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", calibration=path)
+    assert all("no 'gemm_tf32x3' table" in p["reasons"]["gemm_x3"] for p in _plans(opt))
+    assert all(g.config.precision == "ieee" for g in _gemms(opt)) and len(_gemms(opt)) == 3
+    forced = fxfuse.optimize(model, x, tf32x3="force", gemm="force", fused_mlp="off", calibration=path)
+    assert len(_gemms(forced)) == 3 and all(g.config.precision == "tf32x3" for g in _gemms(forced))
+    with torch.no_grad():
+        torch.testing.assert_close(forced(x), model(x))
+
+
+def test_guard_failure_keeps_ieee_and_says_why(tmp_path):
+    """tolerance=0: 3xTF32's error cannot pass; the planned layers go to the library (auto) or
+    to the IEEE GEMM (gemm='force'), and explain() says why."""
+    model, x = seed(), torch.randn(40, 48)
+    path = str(write(tmp_path, x3_calibration()))
+    opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", tolerance=0.0, calibration=path)
+    assert _gemms(opt) == [] and fxfuse.stats(opt)["library_calls"] == 3
+    assert "no 3xTF32: its error exceeds" in fxfuse.explain(opt)
+    forced = fxfuse.optimize(model, x, tf32x3="auto", gemm="force", fused_mlp="off", tolerance=0.0, calibration=path)
+    assert len(_gemms(forced)) == 3 and all(g.config.precision == "ieee" for g in _gemms(forced))
+
+
+def test_tf32_allowed_or_half_precision_never_uses_it(tmp_path):
+    path = str(write(tmp_path, x3_calibration()))
+    model, x = seed(), torch.randn(40, 48)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", calibration=path)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert all("TF32 is allowed" in p["reasons"]["gemm_x3"] for p in _plans(opt))
+    assert all(g.config.precision == "tf32" for g in _gemms(opt))
+    half = fxfuse.optimize(seed().half(), x.half(), tf32x3="force", fused_mlp="off", calibration=path)
+    assert all("float16 runs on tensor cores" in p["reasons"]["gemm_x3"] for p in _plans(half))
+
+
+def test_residual_chain_and_odd_sizes(tmp_path):
+    """A residual MLP block with odd widths and a 3-D input: 3xTF32 GEMMs where planned, the
+    skip in the epilogue, results as eager."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(37, 37), nn.Linear(37, 29)
+
+        def forward(self, x):
+            return self.b(x + torch.tanh(self.a(x)))
+    torch.manual_seed(3)
+    model, x = Block().eval(), torch.randn(3, 11, 37)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", calibration=str(write(tmp_path, x3_calibration())))
+    assert [p["choice"] for p in _plans(opt)] == ["gemm_x3", "gemm_x3"]
+    assert all(g.config.precision == "tf32x3" for g in _gemms(opt)) and len(_gemms(opt)) == 2
+    with torch.no_grad():
+        fresh = torch.randn(3, 11, 37)
+        torch.testing.assert_close(opt(fresh), model(fresh))
