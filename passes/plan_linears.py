@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fxfuse.chain_plan import plan_chain
 from fxfuse.cost_model import CostModel, LinearLayer
+from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH
 from fxfuse.mlp_spec import FMA_ONE_TILE, MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
@@ -200,6 +201,8 @@ def _tf32x3_legal(layer: LinearLayer, options, model) -> str | None:
         return f"{layer.dtype} runs on tensor cores already"
     if matmul_allows_tf32():
         return "TF32 is allowed: the generated GEMM runs plain TF32"
+    if layer.m <= GEMM_ROWWISE_MAX_BATCH:
+        return f"{layer.m} rows: the generated GEMM is the row-wise GEMV form there, IEEE fp32 (no tl.dot to split)"
     if options.tf32x3 == "auto" and not model.measured("gemm_tf32x3", layer.dtype):
         return unmeasured("gemm_tf32x3")
     return None

@@ -168,3 +168,10 @@ def test_residual_chain_and_odd_sizes(tmp_path):
     with torch.no_grad():
         fresh = torch.randn(3, 11, 37)
         torch.testing.assert_close(opt(fresh), model(fresh))
+
+
+def test_row_wise_batches_keep_the_ieee_gemv(tmp_path):
+    model, x = seed(), torch.randn(5, 48)
+    opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", calibration=str(write(tmp_path, x3_calibration())))
+    assert all("row-wise GEMV" in p["reasons"]["gemm_x3"] for p in _plans(opt))
+    assert all(g.config.precision == "ieee" for g in _gemms(opt))
