@@ -11,6 +11,7 @@ schema in fxfuse/calibration/README.md). Tables (per dtype; times are per call i
   bmm7, bmm49           torch.bmm of Strassen's 7 (49) products for the layer m x h x h
   gemm_epilogue         fxfuse's Triton GEMM with bias + ReLU in its epilogue (EpilogueGemm)
   gemm_tf32x3           the same in fp32 3xTF32 on tensor cores (option tf32x3), h up to 8192
+  bmm7_tf32x3, bmm49_tf32x3   Strassen's products in 3xTF32 (fxfuse.tf32x3.bmm_tf32x3), Strassen rows
   pointwise             a generated fxfuse kernel, relu(x + b), against bytes moved
   strassenL_prefix/_fused/_suffix   the pointwise kernels around the bmm, timed in a real chain
   mlp                   fxfuse's fused MLP (FusedMLP), 8 x (Linear(w, w), ReLU), whole kernel
@@ -62,7 +63,7 @@ QUICK = dict(m=(1, 64, 1024), h=(256, 1024, 4096), bmm_min_h=1024, gemm_max_h=40
 CPU = dict(m=(1, 16, 64), h=(64, 128), bmm_min_h=64, gemm_max_h=128, x3_m=(16, 64), rows=(1, 16, 256),
            widths=(32,), strassen_m=(64,), strassen_h=(64,))
 PLAN = [("linear", "fp32"), ("bmm", "fp32"), ("pointwise", "fp32"), ("gemm", "fp32"), ("gemm_x3", "fp32"),
-        ("strassen", "fp32"),
+        ("bmm_x3", "fp32"), ("strassen", "fp32"),
         ("linear", "bf16"), ("bmm", "bf16"), ("pointwise", "bf16"), ("gemm", "bf16"),
         ("linear", "fp16"), ("bmm", "fp16"), ("mlp", "fp32"), ("mlp", "bf16"), ("mlp", "fp16")]
 # the fused MLP compiles longest: last

@@ -80,14 +80,28 @@ def linear_cells(dtype, grid, device, args):
             for h in grid["h"] for m in grid["m"]]
 
 
-def bmm_cells(dtype, grid, device, args):
+def bmm_cells(dtype, grid, device, args, tf32x3=False):
+    """Strassen's product call: torch.bmm, or (tf32x3) fxfuse.tf32x3.bmm_tf32x3 over the
+    Strassen rows, checked against torch.bmm first."""
+    from fxfuse.tf32x3 import bmm_tf32x3
+    suffix = "_tf32x3" if tf32x3 else ""
+
     def run(level, m, h):
         s, r = 1 << level, 7 ** level
         a = randn(r, -(-m // s), h // s, dtype=dtype, device=device)
         b = randn(r, h // s, h // s, dtype=dtype, device=device)
-        return {f"bmm{r}": per_call_us(lambda: torch.bmm(a, b), device, args)}
-    return [Cell(f"bmm{7 ** lv}", dtype, {"m": m, "h": h}, (f"bmm{7 ** lv}",), lambda lv=lv, m=m, h=h: run(lv, m, h))
-            for lv in (1, 2) for h in grid["h"] if h >= grid["bmm_min_h"] for m in grid["m"]]
+        fn = bmm_tf32x3 if tf32x3 else torch.bmm
+        if tf32x3:
+            check_close(fn(a, b), torch.bmm(a, b), dtype, "the 3xTF32 batched GEMM")
+        return {f"bmm{r}{suffix}": per_call_us(lambda: fn(a, b), device, args)}
+    rows = grid["strassen_m"] if tf32x3 else grid["m"]
+    return [Cell(f"bmm{7 ** lv}{suffix}", dtype, {"m": m, "h": h}, (f"bmm{7 ** lv}{suffix}",),
+                 lambda lv=lv, m=m, h=h: run(lv, m, h))
+            for lv in (1, 2) for h in grid["h"] if h >= grid["bmm_min_h"] for m in rows]
+
+
+def bmm_x3_cells(dtype, grid, device, args):
+    return bmm_cells(dtype, grid, device, args, tf32x3=True)
 
 
 class AddRelu(nn.Module):
@@ -204,5 +218,5 @@ def mlp_cells(dtype, grid, device, args):
 
 
 SECTIONS = {"linear": linear_cells, "bmm": bmm_cells, "pointwise": pointwise_cells, "gemm": gemm_cells,
-            "gemm_x3": gemm_x3_cells, "strassen": strassen_cells, "mlp": mlp_cells}
-NEEDS_KERNELS = {"pointwise", "gemm", "gemm_x3", "strassen", "mlp"}
+            "gemm_x3": gemm_x3_cells, "bmm_x3": bmm_x3_cells, "strassen": strassen_cells, "mlp": mlp_cells}
+NEEDS_KERNELS = {"pointwise", "gemm", "gemm_x3", "bmm_x3", "strassen", "mlp"}

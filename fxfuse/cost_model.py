@@ -10,7 +10,8 @@ Candidates (CANDIDATES):
              in cuBLASLt's epilogue: both spellings are costed, the cheaper one counts)
   gemm       one Triton GEMM with the epilogue fused (fxfuse.gemm_kernel.EpilogueGemm)
   gemm_x3    the same GEMM in fp32 on tensor cores, 3xTF32 (option tf32x3, fxfuse/tf32x3.py)
-  strassenL  prefix kernel -> torch.bmm of 7**L products -> suffix kernel (passes/strassen.py)
+  strassenL  prefix kernel -> torch.bmm of 7**L products -> suffix kernel (passes/strassen.py);
+             the products in 3xTF32 where the layer says so (LinearLayer.x3_products)
   mlp        layers i..j as ONE kernel (fxfuse.mlp_kernel.FusedMLP)
 
 Where a number comes from: every cost is a roofline (FLOPs at the matmul ceiling, bytes at
@@ -47,6 +48,9 @@ from fxfuse.calibration import (CALIBRATION_DIR, DTYPE_NAMES, ENV_VAR, GEMM_AXES
 
 CANDIDATES = ("library", "gemm", "gemm_x3", "strassen1", "strassen2", "mlp")
 SIBLING_DTYPE = {"float16": "bfloat16", "bfloat16": "float16"}   # same tensor-core rate and size
+X3_PREFERENCE = 1.10    # gemm_x3's estimate is charged 10% more: IEEE wins near-ties. H100, 8 x 1024 at batch 64:
+#                         3xTF32 measured 8.7 vs 8.9 us per layer alone, 76.2 vs 68.7 us in the chain (the
+#                         row-wise IEEE GEMM streams its weights before the previous layer ends, PDL)
 MLP_BLOCK_M = 16        # mlp_spec.choose_config: one program per row up to MLP_ROWWISE_MAX rows, then 16
 logger = logging.getLogger("fxfuse.cost_model")
 
@@ -92,6 +96,7 @@ class LinearLayer:
     epilogue: tuple = ()                    # what those ops compute (passes/plan_linears._epilogue_key)
     epilogue_reads: int = 0                 # other [m, n] tensors the epilogue reads (a residual's skip)
     epilogue_reads_input: int = 0           # how many of those are the layer's own input (fuse_gemm takes them)
+    x3_products: bool = False               # Strassen's product call runs in 3xTF32 (option tf32x3)
 
     @property
     def elt(self) -> int:
@@ -188,7 +193,7 @@ def _table_work(name, coords, elt, entry, sms) -> Work:
     if name in ("linear", "linear_bias", "gemm_epilogue", "gemm_tf32x3"):
         return gemm_work(m, h, h, elt, bias=name != "linear", triton=name.startswith("gemm"))
     if name.startswith("bmm"):
-        return bmm_work({"bmm7": 1, "bmm49": 2}[name], m, h, h, elt)
+        return bmm_work({"bmm7": 1, "bmm49": 2}[name.split("_")[0]], m, h, h, elt)
     level, part = int(name[8]), name.split("_")[1]
     return strassen_kernel_work(part, level, m, h, h, elt)
 
@@ -389,11 +394,13 @@ class CostModel:
             others = L.epilogue_reads - L.epilogue_reads_input
             if others:   # fuse_gemm's epilogue reads no other tensor: the ops from there on run after it
                 gemm = gemm + self._pointwise(L.dtype, Work(bytes=L.elt * L.m * L.n * (2 + others)))
-            return gemm
+            return replace(gemm, us=gemm.us * X3_PREFERENCE) if c == "gemm_x3" else gemm
         if c == "mlp":
             return self.estimate_mlp([L])
         level = _level(c)
         work = bmm_work(level, L.m, L.k, L.n, L.elt)
+        if L.x3_products:
+            return self._component(L.dtype, work, [(f"bmm{7 ** level}_tf32x3", (L.m, h))])
         return self._component(L.dtype, work, [(f"bmm{7 ** level}", (L.m, h)), ("linear", (L.m, h))])
 
     def _tail(self, c: str, L: LinearLayer, next_: str | None) -> Estimate:

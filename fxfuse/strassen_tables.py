@@ -197,14 +197,15 @@ def padded_right_operands(weight: torch.Tensor, n: int, algorithm: str = "strass
 
 
 def strassen_linear(x2d: torch.Tensor, right: torch.Tensor, n: int, out_features: int,
-                    algorithm: str = "strassen") -> torch.Tensor:
+                    algorithm: str = "strassen", bmm=torch.bmm) -> torch.Tensor:
     """F.linear(x2d, W) for x2d [B, K] via n levels, with `right` = padded_right_operands(W):
     zero-pad x, prefix, one bmm, suffix, slice. The torch twin of what passes/strassen.py
-    builds, used by its numerics guard."""
+    builds, used by its numerics guard (bmm: the products as the built graph computes them,
+    e.g. fxfuse.tf32x3.tf32x3_bmm)."""
     s = 1 << n
     B, K = x2d.shape
     xp = torch.nn.functional.pad(x2d, (0, _ceil_to(K, s) - K, 0, _ceil_to(B, s) - B))
-    products = torch.bmm(prefix_ref(xp, n, algorithm=algorithm), right)
+    products = bmm(prefix_ref(xp, n, algorithm=algorithm), right)
     return suffix_ref(products, n, out_dtype=x2d.dtype, algorithm=algorithm)[:B, :out_features]
 
 
@@ -215,7 +216,7 @@ def relative_error(got: torch.Tensor, ref64: torch.Tensor) -> float:
 
 
 def measure_levels(x2d: torch.Tensor, weight: torch.Tensor, max_levels: int, tolerance=None,
-                   factor: float = 3.0, floor: float = 1e-5) -> dict:
+                   factor: float = 3.0, floor: float = 1e-5, bmm=torch.bmm) -> dict:
     """The numerics guard of one Linear on one input: the most levels (max_levels .. 1) whose
     error against float64 is within tolerance (default: factor x the classical product's
     error measured the same way, at least floor). Returns levels (0: none passed), right
@@ -226,7 +227,7 @@ def measure_levels(x2d: torch.Tensor, weight: torch.Tensor, max_levels: int, tol
     out = {"levels": 0, "right": None, "classical_error": classical, "tolerance": tol, "errors_by_levels": {}}
     for n in range(max_levels, 0, -1):
         right = padded_right_operands(weight, n)
-        err = relative_error(strassen_linear(x2d, right, n, weight.shape[0]), ref64)
+        err = relative_error(strassen_linear(x2d, right, n, weight.shape[0], bmm=bmm), ref64)
         out["errors_by_levels"][n] = err
         if err <= tol:
             out.update(levels=n, right=right, error=err)

@@ -63,3 +63,72 @@ def measure_tf32x3(x2d: torch.Tensor, weight: torch.Tensor, tolerance=None, fact
     tol = tolerance if tolerance is not None else max(factor * classical, floor)
     err = relative_error(tf32x3_linear(x2d, weight), ref64)
     return {"ok": err <= tol, "error": err, "classical_error": classical, "tolerance": tol}
+
+
+def tf32x3_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(a, b) as bmm_tf32x3 computes it, emulated in IEEE fp32 (Strassen's guard)."""
+    ah, al = split_tf32(a.float())
+    bh, bl = split_tf32(b.float())
+    return (torch.bmm(al, bh) + torch.bmm(ah, bl)) + torch.bmm(ah, bh)
+
+
+# ---------------------------------------------------------------------------- the batched kernel
+# Strassen's one product call, P = A @ R over 7^L products (passes/strassen.py), in 3xTF32. A
+# fixed kernel, not generated: nothing of it depends on the model but the sizes, which are
+# arguments. Defined at import like library_choice's kernel; Triton compiles it on first use.
+
+import triton                    # noqa: E402  (after the torch-only part above, which the guard uses)
+import triton.language as tl     # noqa: E402
+
+from .kernel import kernels_available, launch_context, triton_cdiv   # noqa: E402
+
+
+@triton.jit
+def _bmm_tf32x3_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + batch * s_ab + offs_m.to(tl.int64)[:, None] * s_am
+    b_cols = b_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        a = tl.load(a_rows + k[None, :] * s_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_cols + k[:, None] * s_bk, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
+    c = c_ptr + batch * s_cb + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
+    tl.store(c, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def bmm_tiles(m: int, n: int) -> tuple:
+    """(block_m, block_n, warps, stages): 128 x 128 where each product fills such tiles (the
+    7^L products give the grid its width), else 64 x 64, or 32 x 64 for <= 32 rows; the tf32x3
+    GEMM's tiles (gemm_kernel._tf32x3_tiles), K steps of 32."""
+    if m >= 128 and n >= 128:
+        return 128, 128, 8, 4
+    return (32, 64, 4, 4) if m <= 32 else (64, 64, 4, 3)
+
+
+def bmm_tf32x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm for fp32 [r, m, k] @ [r, k, n] in 3xTF32 on the GPU (or the interpreter);
+    anything else (another dtype, no kernels on this device) is torch.bmm itself."""
+    if not (a.dtype == b.dtype == torch.float32 and a.dim() == b.dim() == 3 and a.device == b.device
+            and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1] and kernels_available(a.device)):
+        return torch.bmm(a, b)
+    r, m, k = a.shape
+    n = b.shape[2]
+    c = torch.empty((r, m, n), dtype=torch.float32, device=a.device)
+    if c.numel() == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    bm, bn, warps, stages = bmm_tiles(m, n)
+    with launch_context(a.device):
+        _bmm_tf32x3_kernel[(triton_cdiv(m, bm), triton_cdiv(n, bn), r)](
+            a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, num_warps=warps, num_stages=stages)
+    return c

@@ -18,6 +18,7 @@ then sees the layer as writing its output (`output_read_elsewhere`); a residual 
 it as well, except inside a fused MLP, which keeps it on chip.
 """
 import operator
+from dataclasses import replace
 
 import torch
 import torch.fx
@@ -190,22 +191,31 @@ def _legal(layer: LinearLayer, options, model) -> dict:
     return legal
 
 
-def _tf32x3_legal(layer: LinearLayer, options, model) -> str | None:
-    """None where the generated GEMM may run in 3xTF32 (fxfuse/tf32x3.py), else why not. The
-    numerics guard on the example input is fuse_gemm's (legality that needs the data)."""
+def _tf32x3_legal(layer: LinearLayer, options, model, table: str = "gemm_tf32x3") -> str | None:
+    """None where the generated GEMM (table gemm_tf32x3) or Strassen's product call (bmm7_tf32x3,
+    bmm49_tf32x3) may run in 3xTF32 (fxfuse/tf32x3.py), else why not. The numerics guard on
+    the example input is the rewriting pass's (legality that needs the data)."""
     if options.tf32x3 == "off":
         return "tf32x3='off' (the default: 3xTF32 is not IEEE fp32; opt in with 'auto')"
-    if not options.fuse or options.gemm == "off":
+    if table == "gemm_tf32x3" and (not options.fuse or options.gemm == "off"):
         return "gemm='off' or fuse=False"
     if layer.dtype != torch.float32:
         return f"{layer.dtype} runs on tensor cores already"
     if matmul_allows_tf32():
         return "TF32 is allowed: the generated GEMM runs plain TF32"
-    if layer.m <= GEMM_ROWWISE_MAX_BATCH:
+    if table == "gemm_tf32x3" and layer.m <= GEMM_ROWWISE_MAX_BATCH:
         return f"{layer.m} rows: the generated GEMM is the row-wise GEMV form there, IEEE fp32 (no tl.dot to split)"
-    if options.tf32x3 == "auto" and not model.measured("gemm_tf32x3", layer.dtype):
-        return unmeasured("gemm_tf32x3")
+    if options.tf32x3 == "auto" and not model.measured(table, layer.dtype):
+        return unmeasured(table)
     return None
+
+
+def _with_tf32x3_products(layer: LinearLayer, options, model) -> LinearLayer:
+    """The layer marked for Strassen products in 3xTF32 where both levels' tables allow it (the
+    model then prices strassenL's product call from bmm{7^L}_tf32x3)."""
+    ok = options.strassen != "off" and all(_tf32x3_legal(layer, options, model, t) is None
+                                           for t in ("bmm7_tf32x3", "bmm49_tf32x3"))
+    return replace(layer, x3_products=True) if ok else layer
 
 
 def _strassen_kernels_timed_from(model, name: str, dtype, rows: int) -> bool:
@@ -315,7 +325,7 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
         layers = []
         for node, ops_after, read_elsewhere in chain:
             ops = ops_after if ops_after is not None else _output_ops(node)
-            layers.append(_describe(node, ops, read_elsewhere=read_elsewhere))
+            layers.append(_with_tf32x3_products(_describe(node, ops, read_elsewhere=read_elsewhere), options, model))
         legal = [_legal(layer, options, model) for layer in layers]
 
         def mlp_legal(i, j, layers=layers):

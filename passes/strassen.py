@@ -34,7 +34,9 @@ product; a layer whose Strassen error exceeds the tolerance is retried with fewe
 otherwise stays classical. Everything lands in node.meta["fxfuse"] (explain() shows
 "decision"). Created nodes get tensor_meta here (from meta tensors), so the pipeline needs no
 shape re-propagation after this pass. fp32 stays IEEE: the bmm is torch's, so
-torch.backends.cuda.matmul.allow_tf32 decides, and the kernels add in fp32. Inherent to the
+torch.backends.cuda.matmul.allow_tf32 decides, and the kernels add in fp32; with option tf32x3
+the product call is fxfuse.tf32x3.bmm_tf32x3 where the plan marked the layer (x3_products), and
+the guard measures that. Inherent to the
 algorithm: the prefix adds row blocks (A11 + A22, ...), so a NaN or inf in one row of x
 reaches other rows of y, where the classical product keeps it in its own row (the decision
 says so; strassen="off" where such rows must stay isolated).
@@ -47,7 +49,9 @@ import torch
 import torch.fx
 
 from fxfuse.ops import FLOAT_DTYPES
+from fxfuse.precision import matmul_allows_tf32
 from fxfuse.strassen_tables import measure_levels
+from fxfuse.tf32x3 import tf32x3_bmm
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta
 
 from .fuse_pointwise import _mutated_values
@@ -83,7 +87,7 @@ def why_not_strassen(node: torch.fx.Node, mutated: set) -> str | None:
 def _measure(layer: Layer, x: torch.Tensor, weight: torch.Tensor, max_levels: int, tolerance) -> None:
     """Choose layer.levels (0 = classical) by the numerics guard; fill layer.record."""
     found = measure_levels(x.reshape(layer.B, layer.K), weight, max_levels, tolerance,
-                           TOLERANCE_FACTOR, ERROR_FLOOR[layer.dtype])
+                           TOLERANCE_FACTOR, ERROR_FLOOR[layer.dtype], bmm=tf32x3_bmm if layer.tf32x3 else torch.bmm)
     layer.levels, layer.right = found.pop("levels"), found.pop("right")
     layer.record.update(found)
 
@@ -164,6 +168,9 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if reason is not None:
             fxfuse_meta(node).update({"strassen": False, "decision": reason})
             continue
+        plan = fxfuse_meta(node).get("plan")
+        layer.tf32x3 = (plan["layer"].x3_products if plan is not None else
+                        options.tf32x3 == "force" and xm.dtype == torch.float32 and not matmul_allows_tf32())
         candidates.append(layer)
     if not candidates:
         return gm
@@ -190,7 +197,8 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                     "extra_weight_bytes": extra})
         rec["decision"] = (f"Strassen {layer.levels} level(s), {7 ** layer.levels} products of "
                            f"[{layer.Bp >> layer.levels}x{layer.Kp >> layer.levels}]x"
-                           f"[{layer.Kp >> layer.levels}x{layer.Np >> layer.levels}] in one bmm ({why}); "
+                           f"[{layer.Kp >> layer.levels}x{layer.Np >> layer.levels}] in one "
+                           f"{'3xTF32 batched GEMM' if layer.tf32x3 else 'bmm'} ({why}); "
                            f"{padding}; "
                            f"error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e} "
                            f"(classical {rec['classical_error']:.1e}) on {rec['measured_on']}; "

@@ -17,6 +17,7 @@ from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.strassen_tables import block_position, combine_ir, levels, prefix_ref, suffix_ref
+from fxfuse.tf32x3 import bmm_tf32x3
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta, tensor_metadata
 
 from .fuse_pointwise import why_not_fusible
@@ -38,6 +39,7 @@ class Layer:
     levels: int = 0                       # 0: stays classical
     max_levels: int | None = None         # the cost model's choice (None: options.strassen_levels)
     right: torch.Tensor | None = None     # R [7^L, Kp/s, Np/s] once accepted
+    tf32x3: bool = False                  # the product call in 3xTF32 (fxfuse.tf32x3.bmm_tf32x3)
     record: dict = field(default_factory=dict)
 
     @property
@@ -131,7 +133,7 @@ class _Rewriter:
     def _call(self, fn, args, kwargs=None) -> torch.fx.Node:
         node = self.g.call_function(fn, args, kwargs or {})
         metas = [self._meta_of(a) if isinstance(a, torch.fx.Node) else a for a in args]
-        if fn is torch.bmm:   # torch's meta bmm checks through torch._check, which imports sympy:
+        if fn in (torch.bmm, bmm_tf32x3):   # torch's meta bmm checks through torch._check, which imports sympy:
             a, b = metas      # ~3 s in a fresh process on the H100 host (optimize_time_probe)
             assert a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1], (a.shape, b.shape)
             result = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device="meta")
@@ -187,7 +189,7 @@ class _Rewriter:
             if prefix is None:
                 prefix = self._standalone_prefix(layer)
             right = self._const("strassen_right", layer.right)
-            products = self._call(torch.bmm, (prefix, right))
+            products = self._call(bmm_tf32x3 if layer.tf32x3 else torch.bmm, (prefix, right))
             products.meta["fxfuse"] = dict(layer.record)
             call, outputs = self._tail(layer, products, members, stored, nxt)
             if nxt is not None:

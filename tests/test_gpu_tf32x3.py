@@ -78,3 +78,22 @@ def test_residual_block_three_d():
     with torch.no_grad():
         ours, eager = _errors(opt, model, torch.randn_like(x))
     assert ours < max(3 * eager, 1e-6)
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_strassen_products_in_tf32x3_on_gpu(levels):
+    """Strassen with its product call in 3xTF32: as accurate as Strassen with cuBLAS's fp32 bmm."""
+    from fxfuse.tf32x3 import bmm_tf32x3
+    torch.manual_seed(2)
+    model = seed_network(2048, 3).cuda()
+    x = torch.randn(512, 2048, device="cuda")
+    kw = dict(strict=True, strassen="force", strassen_levels=levels, fused_mlp="off", gemm="off")
+    x3 = fxfuse.optimize(model, x, tf32x3="force", **kw)
+    ieee = fxfuse.optimize(model, x, **kw)
+    gm = next(iter(x3.specializations.values())).gm
+    assert sum(n.target is bmm_tf32x3 for n in gm.graph.nodes) == 3
+    with torch.no_grad():
+        fresh = torch.randn_like(x)
+        ours, eager = _errors(x3, model, fresh)
+        theirs, _ = _errors(ieee, model, fresh)
+    assert ours < max(3 * theirs, 3 * eager, 1e-6), (ours, theirs, eager)

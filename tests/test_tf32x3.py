@@ -175,3 +175,65 @@ def test_row_wise_batches_keep_the_ieee_gemv(tmp_path):
     opt = fxfuse.optimize(model, x, tf32x3="auto", fused_mlp="off", calibration=str(write(tmp_path, x3_calibration())))
     assert all("row-wise GEMV" in p["reasons"]["gemm_x3"] for p in _plans(opt))
     assert all(g.config.precision == "ieee" for g in _gemms(opt))
+
+
+# ---------------------------------------------------------------------------- Strassen's products
+
+def _targets(opt):
+    gm = next(iter(opt.specializations.values())).gm
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_batched_kernel_matches_bmm_on_odd_sizes_and_strides():
+    from fxfuse.tf32x3 import bmm_tf32x3, tf32x3_bmm
+    torch.manual_seed(4)
+    a, b = torch.randn(7, 37, 50), torch.randn(7, 50, 29)
+    torch.testing.assert_close(bmm_tf32x3(a, b), torch.bmm(a, b))
+    torch.testing.assert_close(tf32x3_bmm(a, b), torch.bmm(a, b))
+    at = torch.randn(3, 70, 33).transpose(1, 2)           # [3, 33, 70], not contiguous
+    bt = torch.randn(3, 20, 70).transpose(1, 2)           # [3, 70, 20]
+    torch.testing.assert_close(bmm_tf32x3(at, bt), torch.bmm(at, bt))
+    assert bmm_tf32x3(torch.randn(2, 0, 5), torch.randn(2, 5, 3)).shape == (2, 0, 3)
+    torch.testing.assert_close(bmm_tf32x3(torch.randn(2, 4, 0), torch.randn(2, 0, 3)), torch.zeros(2, 4, 3))
+    half = torch.randn(2, 4, 8).half()
+    torch.testing.assert_close(bmm_tf32x3(half, half.transpose(1, 2)), torch.bmm(half, half.transpose(1, 2)))
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_forced_strassen_runs_its_products_in_tf32x3(levels):
+    from fxfuse.tf32x3 import bmm_tf32x3
+    model, x = seed(h=44, layers=2), torch.randn(2, 19, 44)
+    opt = fxfuse.optimize(model, x, strassen="force", strassen_levels=levels, tf32x3="force", fused_mlp="off",
+                          gemm="off")
+    targets = _targets(opt)
+    assert targets.count(bmm_tf32x3) == 2 and torch.bmm not in targets
+    assert "3xTF32 batched GEMM" in fxfuse.explain(opt)
+    with torch.no_grad():
+        fresh = torch.randn(2, 19, 44)
+        torch.testing.assert_close(opt(fresh), model(fresh))
+    plain = fxfuse.optimize(model, x, strassen="force", strassen_levels=levels, fused_mlp="off", gemm="off")
+    assert _targets(plain).count(torch.bmm) == 2 and bmm_tf32x3 not in _targets(plain)
+
+
+def test_cost_model_prices_strassen_products_from_the_tf32x3_tables():
+    fast = calibration(bmm7=grid(lambda m, h: 10 * lib_us(m, h)), bmm49=grid(lambda m, h: 10 * lib_us(m, h)),
+                       bmm7_tf32x3=grid(lambda m, h: 0.1 * lib_us(m, h)),
+                       bmm49_tf32x3=grid(lambda m, h: 0.1 * lib_us(m, h)))
+    model = CostModel.from_dict(fast)
+    ieee, x3 = LinearLayer(1024, 4096, 4096, torch.float32), LinearLayer(1024, 4096, 4096, torch.float32, x3_products=True)
+    for c in ("strassen1", "strassen2"):
+        assert model.estimate(c, x3).us < model.estimate("library", x3).us < model.estimate(c, ieee).us
+
+
+def test_plan_marks_layers_for_tf32x3_products_only_where_measured(tmp_path):
+    from fxfuse.options import Options
+    from passes.plan_linears import _with_tf32x3_products
+    layer = LinearLayer(1024, 4096, 4096, torch.float32)
+    tables = dict(bmm7_tf32x3=grid(lib_us), bmm49_tf32x3=grid(lib_us))
+    measured, unmeasured = CostModel.from_dict(calibration(**tables)), CostModel.from_dict(calibration())
+    assert _with_tf32x3_products(layer, Options(strassen="auto", tf32x3="auto"), measured).x3_products
+    assert not _with_tf32x3_products(layer, Options(strassen="auto", tf32x3="auto"), unmeasured).x3_products
+    assert _with_tf32x3_products(layer, Options(strassen="auto", tf32x3="force"), unmeasured).x3_products
+    assert not _with_tf32x3_products(layer, Options(strassen="auto"), measured).x3_products
+    half = LinearLayer(1024, 4096, 4096, torch.float16)
+    assert not _with_tf32x3_products(half, Options(strassen="auto", tf32x3="force"), measured).x3_products

@@ -23,7 +23,7 @@ CALIBRATION_DIR = Path(__file__).parent     # this folder: the shipped *.json fi
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 GEMM_AXES = ("m", "h")
 TABLE_AXES = {"linear": GEMM_AXES, "linear_bias": GEMM_AXES, "gemm_epilogue": GEMM_AXES, "gemm_tf32x3": GEMM_AXES,
-              "bmm7": GEMM_AXES, "bmm49": GEMM_AXES, "pointwise": ("bytes",), "mlp": ("m", "width"),
+              "bmm7": GEMM_AXES, "bmm49": GEMM_AXES, "bmm7_tf32x3": GEMM_AXES, "bmm49_tf32x3": GEMM_AXES, "pointwise": ("bytes",), "mlp": ("m", "width"),
               **{f"strassen{lv}_{part}": GEMM_AXES for lv in (1, 2) for part in ("prefix", "fused", "suffix")}}
 
 
