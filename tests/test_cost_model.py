@@ -47,7 +47,8 @@ def chain(m, h, layers, **kw):
 
 
 def everything_legal(layers, without=()):
-    return [{c: None for c in CANDIDATES if c != "mlp" and c not in without} for _ in layers]
+    """All but the fused MLP (given separately) and gemm_x3 (opt-in: tests/test_tf32x3.py)."""
+    return [{c: None for c in CANDIDATES if c not in ("mlp", "gemm_x3") and c not in without} for _ in layers]
 
 
 # ---------------------------------------------------------------------------- Estimate

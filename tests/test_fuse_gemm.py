@@ -61,7 +61,7 @@ def test_residual_of_the_input_joins_the_epilogue(rows, config, monkeypatch):
         import fxfuse.passes.fuse_gemm as pass_module
         real = pass_module.choose_gemm_config
         monkeypatch.setattr(pass_module, "choose_gemm_config",
-                            lambda m, spec, tf32: real(m, spec, tf32, block_m=16, block_n=16, block_k=16, **config))
+                            lambda m, spec, tf32, **kw: real(m, spec, tf32, block_m=16, block_n=16, block_k=16, **config, **kw))
     opt = check(Residual().eval(), torch.randn(rows, 19))
     (g,) = gemms(opt)
     assert [s.op for s in g.spec.epilogue] == ["add", "tanh", "mul", "add"]   # bias, tanh, * 0.5, + x
