@@ -237,3 +237,13 @@ def test_plan_marks_layers_for_tf32x3_products_only_where_measured(tmp_path):
     assert not _with_tf32x3_products(layer, Options(strassen="auto"), measured).x3_products
     half = LinearLayer(1024, 4096, 4096, torch.float16)
     assert not _with_tf32x3_products(half, Options(strassen="auto", tf32x3="force"), measured).x3_products
+
+
+def test_strassen_stores_its_tf32x3_operand_k_major():
+    from fxfuse.tf32x3 import bmm_tf32x3
+    model, x = seed(h=44, layers=1), torch.randn(19, 44)
+    opt = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off")
+    gm = next(iter(opt.specializations.values())).gm
+    (call,) = [n for n in gm.graph.nodes if n.target is bmm_tf32x3]
+    right = getattr(gm, call.args[1].target)
+    assert right.stride(1) == 1 and right.stride(2) == right.shape[1]
