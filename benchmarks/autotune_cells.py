@@ -83,19 +83,20 @@ def linear_cells(dtype, grid, device, args):
 def bmm_cells(dtype, grid, device, args, tf32x3=False):
     """Strassen's product call: torch.bmm, or (tf32x3) fxfuse.tf32x3.bmm_tf32x3 over the
     Strassen rows, checked against torch.bmm first."""
-    from fxfuse.tf32x3 import bmm_tf32x3
+    from fxfuse.tf32x3 import bmm_tf32x3, split_tf32
     suffix = "_tf32x3" if tf32x3 else ""
 
     def run(level, m, h):
         s, r = 1 << level, 7 ** level
         a = randn(r, -(-m // s), h // s, dtype=dtype, device=device)
         b = randn(r, h // s, h // s, dtype=dtype, device=device)
-        if tf32x3:   # K-major, as the Strassen pass stores it for this kernel (strassen_rewrite._k_major)
-            b = b.transpose(1, 2)
-        fn = bmm_tf32x3 if tf32x3 else torch.bmm
-        if tf32x3:
-            check_close(fn(a, b), torch.bmm(a, b), dtype, "the 3xTF32 batched GEMM")
-        return {f"bmm{r}{suffix}": per_call_us(lambda: fn(a, b), device, args)}
+        if not tf32x3:
+            return {f"bmm{r}": per_call_us(lambda: torch.bmm(a, b), device, args)}
+        # as the Strassen pass stores it for this kernel: TF32 parts, K-major (strassen_rewrite._k_major)
+        b = b.transpose(1, 2)
+        hi, lo = (p.transpose(1, 2).contiguous().transpose(1, 2) for p in split_tf32(b))
+        check_close(bmm_tf32x3(a, hi, lo), torch.bmm(a, b), dtype, "the 3xTF32 batched GEMM")
+        return {f"bmm{r}{suffix}": per_call_us(lambda: bmm_tf32x3(a, hi, lo), device, args)}
     rows = grid["strassen_m"] if tf32x3 else grid["m"]
     return [Cell(f"bmm{7 ** lv}{suffix}", dtype, {"m": m, "h": h}, (f"bmm{7 ** lv}{suffix}",),
                  lambda lv=lv, m=m, h=h: run(lv, m, h))

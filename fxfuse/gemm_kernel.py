@@ -9,7 +9,8 @@ Kernel: a classical tiled GEMM (pid -> an output tile [BLOCK_M, BLOCK_N] and a K
 loop over BLOCK_K steps, fp32 accumulate, pipelined loads), then the epilogue on the tile:
 pointwise steps of fxfuse.ops over the product, numbers and constant vectors (bias [N]),
 described exactly like a fused MLP's epilogue (mlp_spec.Pointwise; value 0 is x @ W.T).
-W is read in place ([N, K], as nn.Linear stores it): no copy of the weights.
+W is read in place ([N, K], as nn.Linear stores it): no copy of the weights (except its two
+TF32 parts where a tf32x3 config has split_weights).
 
 Split-K without a second kernel ("serial split-K", CUTLASS's semaphore): each of SPLIT_K
 programs of a tile stores its fp32 partial to a workspace, then increments the tile's counter
@@ -29,7 +30,7 @@ per program): there tl.dot is FMA code too, and measured slower (_rowwise_config
 
 Precision as in mlp_kernel: fp32 uses input_precision="ieee" unless TF32 was allowed, or
 "tf32x3" where the plan chose it (option tf32x3, fxfuse/tf32x3.py: the tl.dot form on tensor
-cores, tiles by _tf32x3_tiles);
+cores, tiles by tf32x3.gemm_tiles; from 256 rows with W's parts split once, `split_weights`);
 fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes in fp32.
 Only builtins of triton.language are used (tl.full, not tl.zeros), see mlp_kernel.
 """
@@ -43,6 +44,7 @@ from .codegen import HEADER, IndentedBuffer
 from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, resolved, triton_cdiv
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
+from .tf32x3 import gemm_tiles, split_dot_source, split_tf32
 
 GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SPLIT_K = 16
@@ -69,6 +71,7 @@ class GemmConfig:
     precision: str = "ieee"
     rowwise: bool = False    # broadcast-multiply-reduce product (small batch), else tl.dot
     pipelined: bool = False  # row-wise K loop as tl.range(num_stages=num_stages): loads staged through shared memory (_rowwise_stages)
+    split_weights: bool = False  # tf32x3 with W's TF32 parts made once (fxfuse/tf32x3.py): three plain TF32 dots
 
 
 ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
@@ -154,7 +157,7 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3:
     the batch (32..64, or 128 for tensor-core dtypes at large batch), 32 x 32 tiles for fp32
     layers too narrow to fill a quarter of the SMs with 64 x 64 (gemm_probe: batch 64, width
     128: 5.7 us vs 14.0 us), split-K by _split_k. fp32 with tf32x3 (and TF32 not allowed):
-    tensor-core tiles of _tf32x3_tiles past ROWWISE_MAX_BATCH rows. `override` sets fields
+    tensor-core tiles of tf32x3.gemm_tiles past ROWWISE_MAX_BATCH rows. `override` sets fields
     (tests, the probe).
     """
     tf32x3 = tf32x3 and spec.dtype == torch.float32 and not allow_tf32
@@ -164,10 +167,10 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3:
         cfg.update(override)
         return GemmConfig(**cfg)
     if tf32x3:
-        block_m, block_n, warps, stages = _tf32x3_tiles(m, spec.n)
+        block_m, block_n, warps, stages, split_weights = gemm_tiles(m, spec.n)
         _, split = _split_k(m, spec.n, spec.k, block_m, block_n, 32)
         cfg = dict(block_m=block_m, block_n=block_n, block_k=32, split_k=split, num_warps=warps,
-                   num_stages=stages, precision="tf32x3")
+                   num_stages=stages, precision="tf32x3", split_weights=split_weights)
         cfg.update(override)
         return GemmConfig(**cfg)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if (m <= 64 or not tensor_cores) else 128
@@ -182,21 +185,6 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3:
                precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee")
     cfg.update(override)
     return GemmConfig(**cfg)
-
-
-def _tf32x3_tiles(m: int, n: int) -> tuple:
-    """(block_m, block_n, warps, stages) of the tf32x3 tl.dot form, K steps of 32. From
-    benchmarks/tf32x3_probe.py on the H100 (one layer relu(x @ W.T + b), per call in a CUDA
-    graph, split-K by _split_k): 128 x 128 with 8 warps won from 1024 rows at width >= 1024
-    (1024 x 2048: 111 us vs 121-125 for the 64-row tiles; 4096 x 8192: 6.9 ms, 79 TFLOP/s) and
-    from 256 rows at width >= 2048 (256 x 2048: 38.9 vs 44.9-51.8); below, 64 x 128 at width
-    >= 4096 (64 x 8192: 174 vs 199), else 64 x 64 (64 x 2048: 17.8; 256 x 1024: 17.1 vs 25.1
-    with 128 x 128; 1024 x 512: 15.9 vs 18.3); 32 x 64 up to 32 rows."""
-    if m >= 4096 or (m >= 1024 and n >= 1024) or (m >= 256 and n >= 2048):
-        return 128, 128, 8, 4
-    if m <= 32:
-        return 32, 64, 4, 4
-    return (64, 128, 4, 3) if n >= 4096 else (64, 64, 4, 3)
 
 
 def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> tuple:
@@ -247,7 +235,7 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
     dot_kw = f", input_precision=\"{c.precision}\"" if spec.dtype == torch.float32 else ""
     buf = IndentedBuffer()
     buf.line("@triton.jit")
-    buf.line(f"def {name}(x_ptr, w_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, M, stride_xm, stride_om, "
+    buf.line(f"def {name}(x_ptr, w_ptr, wl_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, M, stride_xm, stride_om, "
              "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):")
     with buf.indent():
         buf.line(f"# y[M, {spec.n}] = epilogue(x[M, {spec.k}] @ W[{spec.n}, {spec.k}].T); split-K {c.split_k} "
@@ -268,11 +256,17 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
         else:
             buf.line("x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm")
             buf.line(f"w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
+            load_w = "{b} = tl.load(w_cols + {k}[:, None], mask={ok}[:, None] & n_ok[None, :], other=0.0)"
+            init, dot = "acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)", f"acc = tl.dot({{a}}, {{b}}, acc=acc{dot_kw})"
+            if c.split_weights:
+                buf.line(f"wl_cols = wl_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
+                load_w += "; " + load_w.replace("{b} =", "{b}_lo =").replace("w_cols", "wl_cols")
+                init, dot = init + "; " + init.replace("acc =", "acc_lo ="), split_dot_source("{a}", "{b}")
             _emit_k_steps(buf, spec, c, k0, k_split,
                           "{a} = tl.load(x_rows + {k}[None, :], mask=m_ok[:, None] & {ok}[None, :], other=0.0)",
-                          "{b} = tl.load(w_cols + {k}[:, None], mask={ok}[:, None] & n_ok[None, :], other=0.0)",
-                          "acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)",
-                          f"acc = tl.dot({{a}}, {{b}}, acc=acc{dot_kw})", "{}")
+                          load_w, init, dot, "{}")
+            if c.split_weights:
+                buf.line("acc += tl.where(acc_lo == acc_lo, acc_lo, 0.0)   # low parts' NaN of 0 * inf: not eager's")
         if c.split_k > 1:
             _emit_split_k_fixup(buf, c)
             with buf.indent():
@@ -437,6 +431,9 @@ class EpilogueGemm(FusedKernel):
         self.origin = "gemm_epilogue"
         self.use_kernel = use_kernel
         self.weight = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
+        self.weight_lo = self.weight   # the kernel's wl_ptr; read only with split_weights
+        if config.split_weights:       # TF32 high and low parts, made once (derived copies: the runtime watches W)
+            self.weight, self.weight_lo = split_tf32(self.weight)
         numels = tuple(v.numel() for v in vectors)
         self.source, self.kernel_name = generate_gemm(spec, numels, config)
         self.register_buffer("packed_vectors", epilogue_vectors(vectors, spec.n, weight.device), persistent=False)
@@ -488,7 +485,7 @@ class EpilogueGemm(FusedKernel):
             ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
             pdl = {"launch_pdl": True} if self.use_pdl and pdl_available(x.device) else {}
             with launch_context(x.device):
-                self.compiled()[grid](x2, self.weight, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
+                self.compiled()[grid](x2, self.weight, self.weight_lo, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
                                       out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                                       USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl)
             self.launches += 1

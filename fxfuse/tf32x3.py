@@ -72,6 +72,58 @@ def tf32x3_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.bmm(al, bh) + torch.bmm(ah, bl)) + torch.bmm(ah, bh)
 
 
+# ---------------------------------------------------------------------------- kernel choices
+
+def gemm_tiles(m: int, n: int) -> tuple:
+    """(block_m, block_n, warps, stages, split_weights) of the generated GEMM in tf32x3, K steps
+    of 32 (gemm_kernel.choose_gemm_config adds split-K).
+
+    split_weights (from 256 rows): W's TF32 parts are made once, so the kernel splits only x,
+    in registers, and issues three plain TF32 dots; the builtin tf32x3 dot splits both tiles
+    at every K step and sends the split W tile back through shared memory. H100, one layer in
+    a CUDA graph, no split-K (benchmarks/tf32x3_tiles_probe.py): 4096 x 4096 1158 us with
+    128 x 256 tiles against 1800 for the builtin's best (119 vs 76 TFLOP/s); 1024 x 8192 1137
+    vs 1764; 1024 x 2048 86.7 (128 x 128) vs 115.5; 1024 x 1024 31.2 (64 x 64) vs 36.1;
+    256 x 4096 116.9 (64 x 64) vs 156.8. Tiles: the largest whose count still gives every SM
+    one (128 x 256, then 128 x 128, else 64 x 64).
+
+    Below 256 rows the builtin (W read once, not twice): 64 x 128 at width >= 4096 (64 x 8192:
+    174 vs 199 us), else 64 x 64 (64 x 2048: 17.8); 32 x 64 up to 32 rows
+    (benchmarks/tf32x3_probe.py)."""
+    if m >= 256:
+        return (*split_tiles(m, n), True)
+    if m <= 32:
+        return 32, 64, 4, 4, False
+    return (64, 128, 4, 3, False) if n >= 4096 else (64, 64, 4, 3, False)
+
+
+SPLIT_MIN_TILES = 116   # ~ the H100's 132 SMs less an eighth: 1024 x 2048 has 128 tiles of 128 x 128 and took them
+
+
+def split_tiles(m: int, n: int, batch: int = 1) -> tuple:
+    """(block_m, block_n, warps, stages) of the split-weights form: the largest tile of which
+    `batch` products of [m, n] still have SPLIT_MIN_TILES."""
+    for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 128, 8, 4)):
+        if batch * -(-m // bm) * -(-n // bn) >= SPLIT_MIN_TILES:
+            return bm, bn, warps, stages
+    return 64, 64, 4, 4
+
+
+def split_dot_source(a: str, b: str) -> str:
+    """One line of Triton source: acc += a @ b in 3xTF32 with b's parts given (b and b_lo),
+    a split here. The low products go to their own accumulator acc_lo: added into the large
+    running acc, the tensor core's accumulation dropped them (2.9e-5 relative error at width
+    4096 against 2.4e-7, tf32x3_tiles_probe); the caller adds acc_lo at the end. A NaN stays
+    in a_hi (the rounding must not turn a NaN with low payload bits into inf)."""
+    hi, lo = f"{a}_hi", f"{a}_lo"
+    return "; ".join([
+        f"{hi} = tl.where({a} != {a}, {a}, (({a}.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True))",
+        f"{lo} = {a} - {hi}",
+        f"acc_lo = tl.dot({lo}, {b}, acc=acc_lo, input_precision=\"tf32\")",
+        f"acc_lo = tl.dot({hi}, {b}_lo, acc=acc_lo, input_precision=\"tf32\")",
+        f"acc = tl.dot({hi}, {b}, acc=acc, input_precision=\"tf32\")"])
+
+
 # ---------------------------------------------------------------------------- the batched kernel
 # Strassen's one product call, P = A @ R over 7^L products (passes/strassen.py), in 3xTF32. A
 # fixed kernel, not generated: nothing of it depends on the model but the sizes, which are
@@ -84,8 +136,8 @@ from .kernel import kernels_available, launch_context, triton_cdiv   # noqa: E40
 
 
 @triton.jit
-def _bmm_tf32x3_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -94,31 +146,36 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_b
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + batch * s_ab + offs_m.to(tl.int64)[:, None] * s_am
     b_cols = b_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
+    bl_cols = bl_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    acc_lo = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         a = tl.load(a_rows + k[None, :] * s_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_cols + k[:, None] * s_bk, mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
+        b_ok = (k[:, None] < K) & (offs_n[None, :] < N)
+        b = tl.load(b_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
+        if SPLIT:   # b and b_lo: the TF32 parts of B, made once (split_dot_source says why)
+            b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
+            a_hi = tl.where(a != a, a, ((a.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True))
+            a_lo = a - a_hi
+            acc_lo = tl.dot(a_lo, b, acc=acc_lo, input_precision="tf32")
+            acc_lo = tl.dot(a_hi, b_lo, acc=acc_lo, input_precision="tf32")
+            acc = tl.dot(a_hi, b, acc=acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
+    acc += tl.where(acc_lo == acc_lo, acc_lo, 0.0)
     c = c_ptr + batch * s_cb + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
     tl.store(c, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def bmm_tiles(m: int, n: int) -> tuple:
-    """(block_m, block_n, warps, stages): 128 x 128 where each product fills such tiles (the
-    7^L products give the grid its width), else 64 x 64, or 32 x 64 for <= 32 rows; the tf32x3
-    GEMM's tiles (gemm_kernel._tf32x3_tiles), K steps of 32."""
-    if m >= 128 and n >= 128:
-        return 128, 128, 8, 4
-    return (32, 64, 4, 4) if m <= 32 else (64, 64, 4, 3)
-
-
-def bmm_tf32x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm for fp32 [r, m, k] @ [r, k, n] in 3xTF32 on the GPU (or the interpreter);
-    anything else (another dtype, no kernels on this device) is torch.bmm itself."""
+def bmm_tf32x3(a: torch.Tensor, b: torch.Tensor, b_lo: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.bmm for fp32 [r, m, k] @ [r, k, n] in 3xTF32 on the GPU (or the interpreter); with
+    b_lo, b and b_lo are B's TF32 parts (split_tf32, same strides: K-major is fastest), made
+    once by the caller. Anything else (another dtype, no kernels on this device) is torch.bmm."""
     if not (a.dtype == b.dtype == torch.float32 and a.dim() == b.dim() == 3 and a.device == b.device
-            and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1] and kernels_available(a.device)):
-        return torch.bmm(a, b)
+            and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1] and kernels_available(a.device)
+            and (b_lo is None or (b_lo.shape == b.shape and b_lo.stride() == b.stride() and b_lo.device == b.device))):
+        return torch.bmm(a, b if b_lo is None else b + b_lo)
     r, m, k = a.shape
     n = b.shape[2]
     c = torch.empty((r, m, n), dtype=torch.float32, device=a.device)
@@ -126,9 +183,9 @@ def bmm_tf32x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return c
     if k == 0:
         return c.zero_()
-    bm, bn, warps, stages = bmm_tiles(m, n)
+    bm, bn, warps, stages = split_tiles(m, n, r)
     with launch_context(a.device):
         _bmm_tf32x3_kernel[(triton_cdiv(m, bm), triton_cdiv(n, bn), r)](
-            a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, num_warps=warps, num_stages=stages)
+            a, b, b if b_lo is None else b_lo, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, SPLIT=b_lo is not None, num_warps=warps, num_stages=stages)
     return c

@@ -17,7 +17,7 @@ from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.strassen_tables import block_position, combine_ir, levels, prefix_ref, suffix_ref
-from fxfuse.tf32x3 import bmm_tf32x3
+from fxfuse.tf32x3 import bmm_tf32x3, split_tf32
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta, tensor_metadata
 
 from .fuse_pointwise import why_not_fusible
@@ -141,7 +141,7 @@ class _Rewriter:
         node = self.g.call_function(fn, args, kwargs or {})
         metas = [self._meta_of(a) if isinstance(a, torch.fx.Node) else a for a in args]
         if fn in (torch.bmm, bmm_tf32x3):   # torch's meta bmm checks through torch._check, which imports sympy:
-            a, b = metas      # ~3 s in a fresh process on the H100 host (optimize_time_probe)
+            a, b = metas[:2]  # ~3 s in a fresh process on the H100 host (optimize_time_probe)
             assert a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1], (a.shape, b.shape)
             result = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device="meta")
         else:
@@ -195,8 +195,11 @@ class _Rewriter:
             prefix = self.fed.get(lin)
             if prefix is None:
                 prefix = self._standalone_prefix(layer)
-            right = self._const("strassen_right", _k_major(layer.right) if layer.tf32x3 else layer.right)
-            products = self._call(bmm_tf32x3 if layer.tf32x3 else torch.bmm, (prefix, right))
+            if layer.tf32x3:   # R's TF32 parts, made once, K-major (bmm_tf32x3's fast form)
+                parts = [self._const("strassen_right", _k_major(p)) for p in split_tf32(layer.right)]
+                products = self._call(bmm_tf32x3, (prefix, *parts))
+            else:
+                products = self._call(torch.bmm, (prefix, self._const("strassen_right", layer.right)))
             products.meta["fxfuse"] = dict(layer.record)
             call, outputs = self._tail(layer, products, members, stored, nxt)
             if nxt is not None:

@@ -97,3 +97,18 @@ def test_strassen_products_in_tf32x3_on_gpu(levels):
         ours, eager = _errors(x3, model, fresh)
         theirs, _ = _errors(ieee, model, fresh)
     assert ours < max(3 * theirs, 3 * eager, 1e-6), (ours, theirs, eager)
+
+
+def test_split_weight_form_keeps_inf_and_nan_as_eager():
+    torch.manual_seed(3)
+    model = seed_network(512, 2).cuda()
+    x = torch.randn(1024, 512, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True, gemm="force", tf32x3="force", fused_mlp="off")
+    assert all(g.config.split_weights for g in _gemms(opt)) and len(_gemms(opt)) == 2
+    fresh = torch.randn_like(x)
+    fresh[3, 5], fresh[7, 1], fresh[9] = float("inf"), float("nan"), 1.0
+    with torch.no_grad():
+        got, want = opt(fresh), model(fresh)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    ok = want.isfinite()
+    assert ((got[ok] - want[ok]).abs() <= 1e-4 * want[ok].abs().max()).all()

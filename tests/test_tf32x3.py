@@ -48,10 +48,12 @@ def test_option_values():
 
 def test_config_uses_tensor_core_tiles_past_the_row_wise_batches():
     spec = GemmSpec(2048, 2048, torch.float32)
-    assert choose_gemm_config(256, spec, tf32x3=True).precision == "tf32x3"
-    assert (choose_gemm_config(256, spec, tf32x3=True).block_m, choose_gemm_config(256, spec, tf32x3=True).block_n) \
-        == (128, 128)
-    assert choose_gemm_config(64, GemmSpec(1024, 1024, torch.float32), tf32x3=True).block_m == 64
+    at256 = choose_gemm_config(256, spec, tf32x3=True)
+    assert at256.precision == "tf32x3" and at256.split_weights and (at256.block_m, at256.block_n) == (64, 64)
+    big = choose_gemm_config(4096, GemmSpec(4096, 4096, torch.float32), tf32x3=True)
+    assert big.split_weights and (big.block_m, big.block_n) == (128, 256)
+    at64 = choose_gemm_config(64, GemmSpec(1024, 1024, torch.float32), tf32x3=True)
+    assert at64.block_m == 64 and not at64.split_weights and at64.precision == "tf32x3"
     small = choose_gemm_config(8, spec, tf32x3=True)
     assert small.rowwise and small.precision == "ieee"             # <= 16 rows: the row-wise GEMV form
     assert choose_gemm_config(256, spec, allow_tf32=True, tf32x3=True).precision == "tf32"
@@ -245,5 +247,25 @@ def test_strassen_stores_its_tf32x3_operand_k_major():
     opt = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off")
     gm = next(iter(opt.specializations.values())).gm
     (call,) = [n for n in gm.graph.nodes if n.target is bmm_tf32x3]
-    right = getattr(gm, call.args[1].target)
-    assert right.stride(1) == 1 and right.stride(2) == right.shape[1]
+    hi, lo = (getattr(gm, a.target) for a in call.args[1:])
+    assert hi.stride(1) == 1 and hi.stride(2) == hi.shape[1] and lo.stride() == hi.stride()
+    assert torch.equal(split_tf32(hi + lo)[0], hi)        # the TF32 parts of R
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_split_weight_form_past_256_rows(special):
+    """300 rows: the GEMM takes W's TF32 parts made once (split_weights) and splits x in the
+    kernel; results as eager, inf and NaN in x included (the low products' NaN of 0 * inf is
+    not eager's and is dropped)."""
+    torch.manual_seed(5)
+    model, x = seed(h=40, layers=2), torch.randn(300, 40)
+    opt = fxfuse.optimize(model, x, gemm="force", tf32x3="force", fused_mlp="off")
+    gemms = _gemms(opt)
+    assert len(gemms) == 2 and all(g.config.split_weights for g in gemms)
+    w, w_hi, w_lo = model[0].weight.detach(), gemms[0].weight, gemms[0].weight_lo
+    assert not torch.equal(w_hi, w) and ((w_hi + w_lo - w).abs() <= 2.0 ** -21 * w.abs()).all()
+    fresh = torch.randn(300, 40)
+    if special:
+        fresh[3, 5], fresh[7, 1], fresh[9] = float("inf"), float("nan"), 1.0
+    with torch.no_grad():
+        torch.testing.assert_close(opt(fresh), model(fresh), equal_nan=True)
