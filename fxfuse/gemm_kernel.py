@@ -261,12 +261,10 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
             if c.split_weights:
                 buf.line(f"wl_cols = wl_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
                 load_w += "; " + load_w.replace("{b} =", "{b}_lo =").replace("w_cols", "wl_cols")
-                init, dot = init + "; " + init.replace("acc =", "acc_lo ="), split_dot_source("{a}", "{b}")
+                dot = split_dot_source("{a}", "{b}")
             _emit_k_steps(buf, spec, c, k0, k_split,
                           "{a} = tl.load(x_rows + {k}[None, :], mask=m_ok[:, None] & {ok}[None, :], other=0.0)",
                           load_w, init, dot, "{}")
-            if c.split_weights:
-                buf.line("acc += tl.where(acc_lo == acc_lo, acc_lo, 0.0)   # low parts' NaN of 0 * inf: not eager's")
         if c.split_k > 1:
             _emit_split_k_fixup(buf, c)
             with buf.indent():

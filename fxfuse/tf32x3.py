@@ -101,9 +101,10 @@ SPLIT_MIN_TILES = 116   # ~ the H100's 132 SMs less an eighth: 1024 x 2048 has 1
 
 
 def split_tiles(m: int, n: int, batch: int = 1) -> tuple:
-    """(block_m, block_n, warps, stages) of the split-weights form: the largest tile of which
-    `batch` products of [m, n] still have SPLIT_MIN_TILES."""
-    for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 128, 8, 4)):
+    """(block_m, block_n, warps, stages) of the split-weights form: 128 x 128 where `batch`
+    products of [m, n] still have SPLIT_MIN_TILES of them, else 64 x 64 (128 x 256 does not
+    fit: the running sum and the step's partial are two [BM, BN] fp32 tiles in registers)."""
+    for bm, bn, warps, stages in ((128, 128, 8, 3),):
         if batch * -(-m // bm) * -(-n // bn) >= SPLIT_MIN_TILES:
             return bm, bn, warps, stages
     return 64, 64, 4, 4
@@ -111,17 +112,22 @@ def split_tiles(m: int, n: int, batch: int = 1) -> tuple:
 
 def split_dot_source(a: str, b: str) -> str:
     """One line of Triton source: acc += a @ b in 3xTF32 with b's parts given (b and b_lo),
-    a split here. The low products go to their own accumulator acc_lo: added into the large
-    running acc, the tensor core's accumulation dropped them (2.9e-5 relative error at width
-    4096 against 2.4e-7, tf32x3_tiles_probe); the caller adds acc_lo at the end. A NaN stays
-    in a_hi (the rounding must not turn a NaN with low payload bits into inf)."""
-    hi, lo = f"{a}_hi", f"{a}_lo"
+    a split here. Each K step's three products start from zero on the tensor cores and are
+    added to the running acc in IEEE fp32: accumulated on the tensor cores across K, the sum
+    lost precision in proportion to K (H100, 4096 x 4096: 2.9e-5 relative error with one
+    accumulator, 9.6e-6 with the low products in a second one, against 2.4e-7 for the builtin
+    and 1.1e-6 for cuBLAS; tf32x3_tiles_probe). The low products' NaN (0 * inf where x or W
+    holds inf) is dropped before the high product is added, as Triton's builtin does; a NaN
+    stays in a_hi (the rounding must not turn a NaN with low payload bits into inf)."""
+    hi, lo, part = f"{a}_hi", f"{a}_lo", f"{a}_part"
     return "; ".join([
         f"{hi} = tl.where({a} != {a}, {a}, (({a}.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True))",
         f"{lo} = {a} - {hi}",
-        f"acc_lo = tl.dot({lo}, {b}, acc=acc_lo, input_precision=\"tf32\")",
-        f"acc_lo = tl.dot({hi}, {b}_lo, acc=acc_lo, input_precision=\"tf32\")",
-        f"acc = tl.dot({hi}, {b}, acc=acc, input_precision=\"tf32\")"])
+        f"{part} = tl.dot({lo}, {b}, input_precision=\"tf32\")",
+        f"{part} = tl.dot({hi}, {b}_lo, acc={part}, input_precision=\"tf32\")",
+        f"{part} = tl.where({part} == {part}, {part}, 0.0)",
+        f"{part} = tl.dot({hi}, {b}, acc={part}, input_precision=\"tf32\")",
+        f"acc += {part}"])
 
 
 # ---------------------------------------------------------------------------- the batched kernel
@@ -148,7 +154,6 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s
     b_cols = b_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
     bl_cols = bl_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    acc_lo = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         a = tl.load(a_rows + k[None, :] * s_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
@@ -158,12 +163,12 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s
             b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
             a_hi = tl.where(a != a, a, ((a.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True))
             a_lo = a - a_hi
-            acc_lo = tl.dot(a_lo, b, acc=acc_lo, input_precision="tf32")
-            acc_lo = tl.dot(a_hi, b_lo, acc=acc_lo, input_precision="tf32")
-            acc = tl.dot(a_hi, b, acc=acc, input_precision="tf32")
+            part = tl.dot(a_lo, b, input_precision="tf32")
+            part = tl.dot(a_hi, b_lo, acc=part, input_precision="tf32")
+            part = tl.where(part == part, part, 0.0)
+            acc += tl.dot(a_hi, b, acc=part, input_precision="tf32")
         else:
             acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
-    acc += tl.where(acc_lo == acc_lo, acc_lo, 0.0)
     c = c_ptr + batch * s_cb + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
     tl.store(c, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 

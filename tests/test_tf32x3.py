@@ -51,7 +51,7 @@ def test_config_uses_tensor_core_tiles_past_the_row_wise_batches():
     at256 = choose_gemm_config(256, spec, tf32x3=True)
     assert at256.precision == "tf32x3" and at256.split_weights and (at256.block_m, at256.block_n) == (64, 64)
     big = choose_gemm_config(4096, GemmSpec(4096, 4096, torch.float32), tf32x3=True)
-    assert big.split_weights and (big.block_m, big.block_n) == (128, 256)
+    assert big.split_weights and (big.block_m, big.block_n) == (128, 128)
     at64 = choose_gemm_config(64, GemmSpec(1024, 1024, torch.float32), tf32x3=True)
     assert at64.block_m == 64 and not at64.split_weights and at64.precision == "tf32x3"
     small = choose_gemm_config(8, spec, tf32x3=True)
