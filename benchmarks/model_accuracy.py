@@ -35,6 +35,10 @@ from fxfuse.cost_model import CostModel, LinearLayer
 CANDIDATE_COLUMNS = {"fxfuse-lib": "library", "fxfuse-gemm": "gemm", "fxfuse-mlp": "mlp",
                      "fxfuse-s1": "strassen1", "fxfuse-s2": "strassen2"}
 PLAN_COLUMNS = ("fxfuse-auto", "fxfuse")
+# --all: every candidate on (strassen="auto", tf32x3="auto"); Strassen's products then run in 3xTF32
+ALL_CANDIDATE_COLUMNS = {"fxfuse-lib": "library", "fxfuse-gemm": "gemm", "fxfuse-gemm3": "gemm_x3",
+                         "fxfuse-mlp": "mlp", "fxfuse-s1x3": "strassen1", "fxfuse-s2x3": "strassen2"}
+ALL_PLAN_COLUMNS = ("fxfuse-all",)
 HERE = Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "results" / "nvidia-h100-80gb-hbm3"
 DEFAULT_CALIBRATION = HERE.parent / "fxfuse" / "calibration" / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json"
@@ -58,26 +62,28 @@ def measured_cells(results_dir) -> dict:
     return cells
 
 
-def oracle_gap(runs, choice):
+def oracle_gap(runs, choice, candidate_columns=CANDIDATE_COLUMNS, plan_columns=PLAN_COLUMNS):
     """(gap of the plan over the fastest candidate, best candidate, its us, record) inside the
     latest run with candidate columns; None where no run has them and the plan's time."""
     for name, cols in reversed(runs):
-        candidates = {CANDIDATE_COLUMNS[c]: us for c, us in cols.items() if c in CANDIDATE_COLUMNS}
-        plan_us = candidates.get(choice) or next((cols[c] for c in PLAN_COLUMNS if c in cols), None)
+        candidates = {candidate_columns[c]: us for c, us in cols.items() if c in candidate_columns}
+        plan_us = candidates.get(choice) or next((cols[c] for c in plan_columns if c in cols), None)
         if candidates and plan_us:
             best, best_us = min({**candidates, choice: plan_us}.items(), key=lambda kv: kv[1])
             return plan_us / best_us - 1, best, best_us, name
     return None
 
 
-def plan_for(model, layers_n, hidden, batch):
-    """The plan passes/plan_linears.py makes for the seed network with strassen="auto": its own
-    legality rules (a simplified copy once planned fp32 width-256 chains as a fused MLP, which
-    the pass refuses, and compared an estimate of a plan that never runs)."""
+def plan_for(model, layers_n, hidden, batch, every_candidate=False):
+    """The plan passes/plan_linears.py makes for the seed network with strassen="auto" (and
+    tf32x3="auto" with every_candidate): its own legality rules (a simplified copy once planned
+    fp32 width-256 chains as a fused MLP, which the pass refuses, and compared an estimate of a
+    plan that never runs)."""
     from fxfuse.options import Options
-    from fxfuse.passes.plan_linears import _legal, _mlp_legal
-    options = Options(strassen="auto", strassen_levels=2)
-    layers = [LinearLayer(batch, hidden, hidden, torch.float32, 2, i == layers_n - 1) for i in range(layers_n)]
+    from fxfuse.passes.plan_linears import _legal, _mlp_legal, _with_tf32x3_products
+    options = Options(strassen="auto", strassen_levels=2, tf32x3="auto" if every_candidate else "off")
+    layers = [_with_tf32x3_products(LinearLayer(batch, hidden, hidden, torch.float32, 2, i == layers_n - 1),
+                                    options, model) for i in range(layers_n)]
     legal = [_legal(layer, options, model) for layer in layers]
     plans = plan_chain(model, layers, legal, lambda i, j: _mlp_legal(layers[i:j + 1], options, model))
     seen, total = set(), 0.0
@@ -94,15 +100,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(DEFAULT_RESULTS))
     ap.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
+    ap.add_argument("--all", action="store_true", help="every candidate on: the fxfuse-all plan against the "
+                    "lib, gemm, gemm3, mlp, s1x3 and s2x3 columns")
     args = ap.parse_args(argv)
     model = CostModel.load(args.calibration)
+    candidate_columns, plan_columns = ((ALL_CANDIDATE_COLUMNS, ALL_PLAN_COLUMNS) if args.all
+                                       else (CANDIDATE_COLUMNS, PLAN_COLUMNS))
     rows, gaps, ratios = [], [], []
     for (layers_n, hidden, batch), runs in sorted(measured_cells(args.results).items()):
-        plan_us = next((cols[c] for _, cols in reversed(runs) for c in PLAN_COLUMNS if c in cols), None)
+        plan_us = next((cols[c] for _, cols in reversed(runs) for c in plan_columns if c in cols), None)
         if plan_us is None or layers_n is None:
             continue
-        choice, estimate = plan_for(model, layers_n, hidden, batch)
-        found = oracle_gap(runs, choice)
+        choice, estimate = plan_for(model, layers_n, hidden, batch, every_candidate=args.all)
+        found = oracle_gap(runs, choice, candidate_columns, plan_columns)
         if found is None:
             continue
         gap, best, best_us, record = found

@@ -133,6 +133,9 @@ TOOLS = [
     fxfuse_tool("fxfuse-auto", "fxfuse auto", default=False, strassen="auto", strassen_levels=2),
     fxfuse_tool("fxfuse-all", "fxfuse all", default=False, strassen="auto", strassen_levels=2, tf32x3="auto"),
     fxfuse_tool("fxfuse-x3", "fxfuse x3", default=False, tf32x3="auto"),
+    fxfuse_tool("fxfuse-gemm3", "fxfuse gemm x3", default=False, gemm="force", tf32x3="force", fused_mlp="off"),
+    fxfuse_tool("fxfuse-s1x3", "fxfuse S1 x3", default=False, strassen="force", strassen_levels=1, tf32x3="force"),
+    fxfuse_tool("fxfuse-s2x3", "fxfuse S2 x3", default=False, strassen="force", strassen_levels=2, tf32x3="force"),
     fxfuse_tool("fxfuse-s1", "fxfuse S1", default=False, strassen="force", strassen_levels=1),
     fxfuse_tool("fxfuse-s2", "fxfuse S2", default=False, strassen="force", strassen_levels=2),
 ]

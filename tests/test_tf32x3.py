@@ -269,3 +269,18 @@ def test_split_weight_form_past_256_rows(special):
         fresh[3, 5], fresh[7, 1], fresh[9] = float("inf"), float("nan"), 1.0
     with torch.no_grad():
         torch.testing.assert_close(opt(fresh), model(fresh), equal_nan=True)
+
+
+def test_in_place_weight_edit_after_optimize_reaches_the_split_copies():
+    """The split-weights GEMM holds TF32 parts of W (copies): an in-place edit of W after
+    optimize() must not leave them stale (the runtime rebuilds, with its one warning)."""
+    torch.manual_seed(6)
+    model, x = seed(h=40, layers=2), torch.randn(300, 40)
+    opt = fxfuse.optimize(model, x, gemm="force", tf32x3="force", fused_mlp="off")
+    assert all(g.config.split_weights for g in _gemms(opt))
+    with torch.no_grad():
+        model[0].weight.mul_(-2.0)
+        fresh = torch.randn(300, 40)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(opt(fresh), model(fresh))
