@@ -27,10 +27,12 @@ TF32_DROPPED_BITS = 13        # fp32 has 23 stored mantissa bits, TF32 10
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     """fp32 -> the nearest TF32 value (ties away from zero), still stored as fp32; inf and nan
-    stay as they are (a finite value next to the largest fp32 may round to inf, as on the GPU)."""
+    stay as they are, and a finite value next to the largest fp32, which would round to inf,
+    is truncated instead (so its low part stays finite; the kernels' split does the same)."""
     bits = t.contiguous().view(torch.int32)
-    rounded = (bits + (1 << (TF32_DROPPED_BITS - 1))) & ~((1 << TF32_DROPPED_BITS) - 1)
-    return torch.where(torch.isfinite(t), rounded.view(torch.float32), t)
+    rounded = ((bits + (1 << (TF32_DROPPED_BITS - 1))) & ~((1 << TF32_DROPPED_BITS) - 1)).view(torch.float32)
+    rounded = torch.where(torch.isinf(rounded), truncate_to_tf32(t), rounded)
+    return torch.where(torch.isfinite(t), rounded, t)
 
 
 def truncate_to_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -118,10 +120,14 @@ def split_dot_source(a: str, b: str) -> str:
     accumulator, 9.6e-6 with the low products in a second one, against 2.4e-7 for the builtin
     and 1.1e-6 for cuBLAS; tf32x3_tiles_probe). The low products' NaN (0 * inf where x or W
     holds inf) is dropped before the high product is added, as Triton's builtin does; a NaN
-    stays in a_hi (the rounding must not turn a NaN with low payload bits into inf)."""
+    stays in a_hi (the rounding must not turn a NaN with low payload bits into inf), and a
+    value that rounds to inf (within 2^-11 of the largest fp32) is truncated instead, as
+    round_to_tf32 does (`hi == hi * 2` holds for 0 and inf: 0 truncates to itself)."""
     hi, lo, part = f"{a}_hi", f"{a}_lo", f"{a}_part"
     return "; ".join([
-        f"{hi} = tl.where({a} != {a}, {a}, (({a}.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True))",
+        f"{hi} = (({a}.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)",
+        f"{hi} = tl.where({a} != {a}, {a}, tl.where({hi} == {hi} * 2.0, ({a}.to(tl.int32, bitcast=True) & -8192)"
+        f".to(tl.float32, bitcast=True), {hi}))",
         f"{lo} = {a} - {hi}",
         f"{part} = tl.dot({lo}, {b}, input_precision=\"tf32\")",
         f"{part} = tl.dot({hi}, {b}_lo, acc={part}, input_precision=\"tf32\")",
@@ -161,7 +167,9 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s
         b = tl.load(b_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
         if SPLIT:   # b and b_lo: the TF32 parts of B, made once (split_dot_source says why)
             b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
-            a_hi = tl.where(a != a, a, ((a.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True))
+            a_hi = ((a.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+            a_hi = tl.where(a != a, a, tl.where(a_hi == a_hi * 2.0, (a.to(tl.int32, bitcast=True) & -8192)
+                                                .to(tl.float32, bitcast=True), a_hi))
             a_lo = a - a_hi
             part = tl.dot(a_lo, b, input_precision="tf32")
             part = tl.dot(a_hi, b_lo, acc=part, input_precision="tf32")

@@ -124,7 +124,7 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             ok, reason = should_fuse_gemm(region.batch, gspec.k, gspec.n, gspec.dtype, allow_tf32)
         else:
             ok, reason = choice in ("gemm", "gemm_x3"), f"the cost model chose {choice}"
-        if start in guard:
+        if start in guard and (config.precision == "tf32x3" or not x3):   # not the row-wise GEMV's IEEE
             reason += "; " + _guard_text(guard[start])
             if choice == "gemm_x3" and not x3:   # the IEEE GEMM was not what the plan chose: the library runs it
                 ok = False
@@ -147,14 +147,15 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
 
 def _tf32x3_guard(gm, options, allow_tf32: bool) -> dict:
     """Linear node -> fxfuse.tf32x3.measure_tf32x3 on its input from the example, for the
-    Linears that would run in 3xTF32: planned "gemm_x3", or every fp32 one with tf32x3="force".
+    Linears that would run in 3xTF32: planned "gemm_x3", or every fp32 one with tf32x3="force"
+    (gemm="force" builds a GEMM for the ones the plan left to the library too).
     Numerics are legality, so they are checked here, like Strassen's; random data where no
     example was recorded."""
     if options is None or options.tf32x3 == "off" or allow_tf32:
         return {}
     nodes = {n: n for n in gm.graph.nodes if _linear_parts(n) is not None and isinstance(_linear_parts(n)[1], torch.fx.Node)
              and getattr(_tmeta(n), "dtype", None) == torch.float32
-             and (planned_choice(n) == "gemm_x3" or (options.tf32x3 == "force" and planned_choice(n) in (None, "gemm")))}
+             and (planned_choice(n) == "gemm_x3" or options.tf32x3 == "force")}
     found = {}
 
     def measure(node, x, w):

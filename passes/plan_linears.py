@@ -199,8 +199,10 @@ def _tf32x3_legal(layer: LinearLayer, options, model, table: str = "gemm_tf32x3"
         return "tf32x3='off' (the default: 3xTF32 is not IEEE fp32; opt in with 'auto')"
     if table == "gemm_tf32x3" and (not options.fuse or options.gemm == "off"):
         return "gemm='off' or fuse=False"
-    if layer.dtype != torch.float32:
+    if layer.dtype in (torch.float16, torch.bfloat16):
         return f"{layer.dtype} runs on tensor cores already"
+    if layer.dtype != torch.float32:
+        return f"{layer.dtype}: 3xTF32 stands in for fp32 products only"
     if matmul_allows_tf32():
         return "TF32 is allowed: the generated GEMM runs plain TF32"
     if table == "gemm_tf32x3" and layer.m <= GEMM_ROWWISE_MAX_BATCH:
@@ -211,10 +213,10 @@ def _tf32x3_legal(layer: LinearLayer, options, model, table: str = "gemm_tf32x3"
 
 
 def _with_tf32x3_products(layer: LinearLayer, options, model) -> LinearLayer:
-    """The layer marked for Strassen products in 3xTF32 where both levels' tables allow it (the
-    model then prices strassenL's product call from bmm{7^L}_tf32x3)."""
-    ok = options.strassen != "off" and all(_tf32x3_legal(layer, options, model, t) is None
-                                           for t in ("bmm7_tf32x3", "bmm49_tf32x3"))
+    """The layer marked for Strassen products in 3xTF32 where the tables of the levels it may
+    get allow it (the model then prices strassenL's product call from bmm{7^L}_tf32x3)."""
+    tables = ("bmm7_tf32x3", "bmm49_tf32x3")[:max(1, min(2, options.strassen_levels))]
+    ok = options.strassen != "off" and all(_tf32x3_legal(layer, options, model, t) is None for t in tables)
     return replace(layer, x3_products=True) if ok else layer
 
 

@@ -284,3 +284,54 @@ def test_in_place_weight_edit_after_optimize_reaches_the_split_copies():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.testing.assert_close(opt(fresh), model(fresh))
+
+
+# ---------------------------------------------------------------------------- fuzz26's findings
+
+def test_force_reaches_layers_the_plan_left_to_the_library(tmp_path):
+    """tf32x3='force' with gemm='force': every fp32 GEMM runs 3xTF32, also where the plan (which
+    runs with the default fused_mlp='auto') chose the library for the layer."""
+    model = nn.Sequential(nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 48)).eval()
+    slow = str(write(tmp_path, calibration(gemm_tf32x3=grid(lambda m, h: 3 * lib_us(m, h)))))
+    for kw in ({}, {"calibration": slow}):
+        opt = fxfuse.optimize(model, torch.randn(300, 48), tf32x3="force", gemm="force", **kw)
+        assert [g.config.precision for g in _gemms(opt)] == ["tf32x3", "tf32x3"]
+
+
+def test_row_wise_gemm_under_force_does_not_claim_tf32x3():
+    model = nn.Sequential(nn.Linear(40, 40), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(8, 40), gemm="force", tf32x3="force", fused_mlp="off")
+    assert [g.config.precision for g in _gemms(opt)] == ["ieee"]
+    assert "3xTF32 (error" not in fxfuse.explain(opt)
+
+
+def test_fp64_reason_names_the_dtype(tmp_path):
+    model = seed().double()
+    opt = fxfuse.optimize(model, torch.randn(40, 48, dtype=torch.float64), tf32x3="force", fused_mlp="off",
+                          calibration=str(write(tmp_path, x3_calibration())))
+    assert all("float64: 3xTF32 stands in for fp32" in p["reasons"]["gemm_x3"] for p in _plans(opt))
+
+
+def test_values_next_to_the_fp32_limit_stay_finite():
+    """|x| within 2^-11 of the largest fp32 would round to inf in the split: truncated instead."""
+    assert torch.isfinite(split_tf32(torch.tensor([3.4028e38, -3.4025e38]))[0]).all()
+    model = nn.Linear(40, 8).eval()
+    with torch.no_grad():
+        model.weight.mul_(1e-3)
+    opt = fxfuse.optimize(model, torch.randn(300, 40), gemm="force", tf32x3="force", fused_mlp="off")
+    assert all(g.config.split_weights for g in _gemms(opt))
+    x = torch.randn(300, 40)
+    x[4, 3] = 3.4025e38
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)
+
+
+def test_one_level_strassen_needs_only_the_one_level_table():
+    from fxfuse.options import Options
+    from passes.plan_linears import _with_tf32x3_products
+    layer = LinearLayer(1024, 4096, 4096, torch.float32)
+    model = CostModel.from_dict(calibration(bmm7_tf32x3=grid(lib_us)))
+    assert _with_tf32x3_products(layer, Options(strassen="auto", strassen_levels=1, tf32x3="auto"), model).x3_products
+    assert not _with_tf32x3_products(layer, Options(strassen="auto", tf32x3="auto"), model).x3_products
