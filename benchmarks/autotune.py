@@ -55,12 +55,12 @@ from . import common
 from .autotune_cells import MLP_LAYERS, NEEDS_KERNELS, SECTIONS, randn
 
 FULL = dict(m=(1, 16, 64, 256, 1024, 4096), h=(128, 256, 512, 1024, 2048, 4096, 8192), bmm_min_h=1024,
-            gemm_max_h=4096, x3_m=(16, 32, 64, 128, 256, 1024, 4096),
+            gemm_max_h=4096, x3_m=(32, 64, 128, 256, 1024, 4096),
             rows=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), widths=(64, 128, 256),
             strassen_m=(256, 1024, 4096), strassen_h=(2048, 4096, 8192))
 QUICK = dict(m=(1, 64, 1024), h=(256, 1024, 4096), bmm_min_h=1024, gemm_max_h=4096, x3_m=(64, 1024),
              rows=(1, 64, 4096, 65536), widths=(64, 128), strassen_m=(1024,), strassen_h=(2048,))
-CPU = dict(m=(1, 16, 64), h=(64, 128), bmm_min_h=64, gemm_max_h=128, x3_m=(16, 64), rows=(1, 16, 256),
+CPU = dict(m=(1, 16, 64), h=(64, 128), bmm_min_h=64, gemm_max_h=128, x3_m=(32, 64), rows=(1, 16, 256),
            widths=(32,), strassen_m=(64,), strassen_h=(64,))
 PLAN = [("linear", "fp32"), ("bmm", "fp32"), ("pointwise", "fp32"), ("gemm", "fp32"), ("gemm_x3", "fp32"),
         ("bmm_x3", "fp32"), ("strassen", "fp32"),
@@ -198,8 +198,8 @@ def plan(args, device) -> tuple:
     for axis in ("m", "h"):
         if getattr(args, axis):   # the Strassen rows too: re-measuring one m re-measures all its tables
             grid[axis] = grid[f"strassen_{axis}"] = tuple(common.csv_ints(getattr(args, axis)))
-            if axis == "m":
-                grid["x3_m"] = grid["m"]
+            if axis == "m":   # 3xTF32 only past the row-wise batches (gemm_kernel.ROWWISE_MAX_BATCH)
+                grid["x3_m"] = tuple(m for m in grid["m"] if m > 16)
     if args.widths:
         grid["widths"] = tuple(common.csv_ints(args.widths))
     dtypes = (args.dtypes or ("fp32" if args.quick or device.type == "cpu" else "fp32,bf16,fp16")).split(",")

@@ -83,7 +83,7 @@ def linear_cells(dtype, grid, device, args):
 def bmm_cells(dtype, grid, device, args, tf32x3=False):
     """Strassen's product call: torch.bmm, or (tf32x3) fxfuse.tf32x3.bmm_tf32x3 over the
     Strassen rows, checked against torch.bmm first."""
-    from fxfuse.tf32x3 import bmm_tf32x3, split_tf32
+    from fxfuse.tf32x3 import bmm_tf32x3, stored_parts
     suffix = "_tf32x3" if tf32x3 else ""
 
     def run(level, m, h):
@@ -94,7 +94,7 @@ def bmm_cells(dtype, grid, device, args, tf32x3=False):
             return {f"bmm{r}": per_call_us(lambda: torch.bmm(a, b), device, args)}
         # as the Strassen pass stores it for this kernel: TF32 parts, K-major (strassen_rewrite._k_major)
         b = b.transpose(1, 2)
-        hi, lo = (p.transpose(1, 2).contiguous().transpose(1, 2) for p in split_tf32(b))
+        hi, lo = (p.transpose(1, 2).contiguous().transpose(1, 2) for p in stored_parts(b))
         check_close(bmm_tf32x3(a, hi, lo), torch.bmm(a, b), dtype, "the 3xTF32 batched GEMM")
         return {f"bmm{r}{suffix}": per_call_us(lambda: bmm_tf32x3(a, hi, lo), device, args)}
     rows = grid["strassen_m"] if tf32x3 else grid["m"]
@@ -148,6 +148,8 @@ def gemm_cells(dtype, grid, device, args, tf32x3=False):
                                       Pointwise(2, "relu", (("value", 1),))), 2)
         mod = EpilogueGemm(spec, model[0].weight, [model[0].bias], torch.fx.symbolic_trace(model), (),
                            config=choose_gemm_config(m, spec, allow_tf32=False, tf32x3=tf32x3))
+        if tf32x3 and mod.config.precision != "tf32x3":
+            raise RuntimeError(f"{m} rows do not run in 3xTF32 ({mod.config}): not a gemm_tf32x3 point")
         x = randn(m, h, dtype=dtype, device=device)
         check_close(mod(x), model(x), dtype, f"the epilogue GEMM ({mod.config.precision})")
         us = per_call_us(lambda: mod(x), device, args)

@@ -399,8 +399,9 @@ class CostModel:
             return self.estimate_mlp([L])
         level = _level(c)
         work = bmm_work(level, L.m, L.k, L.n, L.elt)
-        if L.x3_products:
-            return self._component(L.dtype, work, [(f"bmm{7 ** level}_tf32x3", (L.m, h))])
+        if L.x3_products:   # unmeasured (tf32x3="force"): cuBLAS's bmm efficiency, not the bare roofline
+            return self._component(L.dtype, work, [(f"bmm{7 ** level}_tf32x3", (L.m, h)), (f"bmm{7 ** level}", (L.m, h)),
+                                                   ("linear", (L.m, h))], prefer_inside=False)
         return self._component(L.dtype, work, [(f"bmm{7 ** level}", (L.m, h)), ("linear", (L.m, h))])
 
     def _tail(self, c: str, L: LinearLayer, next_: str | None) -> Estimate:

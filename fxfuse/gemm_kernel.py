@@ -44,7 +44,7 @@ from .codegen import HEADER, IndentedBuffer
 from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, resolved, triton_cdiv
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
-from .tf32x3 import gemm_tiles, split_dot_source, split_tf32
+from .tf32x3 import gemm_tiles, split_dot_source, stored_parts
 
 GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SPLIT_K = 16
@@ -431,7 +431,7 @@ class EpilogueGemm(FusedKernel):
         self.weight = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()
         self.weight_lo = self.weight   # the kernel's wl_ptr; read only with split_weights
         if config.split_weights:       # TF32 high and low parts, made once (derived copies: the runtime watches W)
-            self.weight, self.weight_lo = split_tf32(self.weight)
+            self.weight, self.weight_lo = stored_parts(self.weight)
         numels = tuple(v.numel() for v in vectors)
         self.source, self.kernel_name = generate_gemm(spec, numels, config)
         self.register_buffer("packed_vectors", epilogue_vectors(vectors, spec.n, weight.device), persistent=False)

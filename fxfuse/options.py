@@ -38,7 +38,9 @@ class Options:
     won the large cells (8 x 8192 at batch 4096, H100: 67.3 ms against 76.3 with one level)."""
     tf32x3: str = "off"
     """fp32 GEMMs on tensor cores as three TF32 products (3xTF32, fxfuse/tf32x3.py): "off", "auto"
-    (where the cost model measured it faster), "force" (every generated fp32 GEMM). Not IEEE
+    (where the cost model measured it faster), "force" (every generated fp32 GEMM past 16 rows
+    and every Strassen product call; fused MLPs, the row-wise GEMV at <= 16 rows and layers left
+    to cuBLAS stay IEEE). From 256 rows a GEMM keeps W's two TF32 parts: twice W's memory. Not IEEE
     fp32, but as close: H100, random data, 1.5-3.2e-7 relative error against float64 where
     cuBLAS fp32 gave 1.1e-7 to 1.6e-6, at 78 TFLOP/s against 51.6. Each layer is checked on
     the example input against `tolerance`, like Strassen. Ignored where TF32 is allowed (the

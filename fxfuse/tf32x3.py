@@ -48,8 +48,19 @@ def split_tf32(t: torch.Tensor) -> tuple:
     return hi, lo
 
 
+def stored_parts(t: torch.Tensor) -> tuple:
+    """The TF32 parts the split-weights kernels read (GEMM weights, Strassen's R): as split_tf32,
+    but the low part of an inf or NaN is NaN (inf - inf), so the kernels drop that step's low
+    products as Triton's builtin does and the high product gives eager's inf; a low part of 0
+    there gave a_lo * inf of either sign, and NaN where eager has inf (review26)."""
+    hi = round_to_tf32(t.contiguous())
+    return hi, truncate_to_tf32(t.contiguous() - hi)
+
+
 def tf32x3_linear(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x2d @ weight.T as the tf32x3 kernel computes it (fp32 in, fp32 out), emulated in IEEE fp32."""
+    """x2d @ weight.T as the tf32x3 kernel computes it (fp32 in, fp32 out), emulated in IEEE fp32
+    for finite inputs (the kernels' masking of a non-finite low product is not modelled; the
+    guard does not measure on such inputs)."""
     xh, xl = split_tf32(x2d.float())
     wh, wl = split_tf32(weight.float())
     mm = torch.nn.functional.linear
@@ -68,7 +79,7 @@ def measure_tf32x3(x2d: torch.Tensor, weight: torch.Tensor, tolerance=None, fact
 
 
 def tf32x3_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm(a, b) as bmm_tf32x3 computes it, emulated in IEEE fp32 (Strassen's guard)."""
+    """torch.bmm(a, b) as bmm_tf32x3 computes it, emulated in IEEE fp32 for finite inputs (Strassen's guard)."""
     ah, al = split_tf32(a.float())
     bh, bl = split_tf32(b.float())
     return (torch.bmm(al, bh) + torch.bmm(ah, bl)) + torch.bmm(ah, bh)
@@ -87,7 +98,8 @@ def gemm_tiles(m: int, n: int) -> tuple:
     128 x 256 tiles against 1800 for the builtin's best (119 vs 76 TFLOP/s); 1024 x 8192 1137
     vs 1764; 1024 x 2048 86.7 (128 x 128) vs 115.5; 1024 x 1024 31.2 (64 x 64) vs 36.1;
     256 x 4096 116.9 (64 x 64) vs 156.8. Tiles: the largest whose count still gives every SM
-    one (128 x 256, then 128 x 128, else 64 x 64).
+    one (split_tiles: 128 x 128, else 64 x 64; 128 x 256 measured fastest in the probe's
+    one-accumulator form but does not fit two [BM, BN] fp32 tiles in registers).
 
     Below 256 rows the builtin (W read once, not twice): 64 x 128 at width >= 4096 (64 x 8192:
     174 vs 199 us), else 64 x 64 (64 x 2048: 17.8); 32 x 64 up to 32 rows

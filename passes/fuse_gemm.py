@@ -14,9 +14,12 @@ Profitability lives in `should_fuse_gemm`, the one place the choice is made for
 gemm="auto" (until the cost model replaces it); "force" fuses every legal Linear (tests,
 benchmarks), "off" skips the pass. The decision goes to node.meta["fxfuse"]["decision"].
 """
+import math
+
 import torch
 import torch.fx
 
+from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH
 from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_config, why_not_gemm
 from fxfuse.mlp_kernel import Linear, Pointwise
 from fxfuse.precision import matmul_allows_tf32
@@ -136,6 +139,8 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 _note(start, reason)
             continue
         module = EpilogueGemm(gspec, weights[0], vectors, _reference(gm, region), members, use_kernels, config)
+        if config.split_weights:
+            reason += f"; +{2 * module.weight.numel() * 4 / 2 ** 20:.1f} MiB for W's TF32 parts"
         _replace(gm, region, module, reason)
         changed = True
     if changed:
@@ -153,9 +158,7 @@ def _tf32x3_guard(gm, options, allow_tf32: bool) -> dict:
     example was recorded."""
     if options is None or options.tf32x3 == "off" or allow_tf32:
         return {}
-    nodes = {n: n for n in gm.graph.nodes if _linear_parts(n) is not None and isinstance(_linear_parts(n)[1], torch.fx.Node)
-             and getattr(_tmeta(n), "dtype", None) == torch.float32
-             and (planned_choice(n) == "gemm_x3" or options.tf32x3 == "force")}
+    nodes = {n: n for n in gm.graph.nodes if _linear_parts(n) is not None and _builds_tf32x3(n, options)}
     found = {}
 
     def measure(node, x, w):
@@ -176,7 +179,28 @@ def _tf32x3_guard(gm, options, allow_tf32: bool) -> dict:
     return found
 
 
+def _builds_tf32x3(node, options) -> bool:
+    """Whether fuse_gemm would build this Linear as a 3xTF32 GEMM (if the guard passes): fp32, a
+    constant weight, more rows than the row-wise GEMV's, and planned gemm_x3, or forced (with
+    gemm="force", or where the plan or the no-plan rule gives it a generated GEMM)."""
+    x, w = _linear_parts(node)[:2]
+    meta, wmeta = _tmeta(node), _tmeta(w) if isinstance(w, torch.fx.Node) else None
+    if not (isinstance(w, torch.fx.Node) and getattr(meta, "dtype", None) == torch.float32
+            and hasattr(wmeta, "shape") and len(wmeta.shape) == 2 and hasattr(meta, "shape")):
+        return False
+    rows = meta.shape.numel() // max(int(wmeta.shape[0]), 1)
+    if rows <= GEMM_ROWWISE_MAX_BATCH:
+        return False
+    choice = planned_choice(node)
+    if choice == "gemm_x3":
+        return True
+    return options.tf32x3 == "force" and (options.gemm == "force" or choice in ("gemm", None))
+
+
 def _guard_text(rec: dict) -> str:
+    if not math.isfinite(rec["classical_error"]):
+        return (f"no 3xTF32: the error cannot be measured on {rec['measured_on']} (it holds NaN or inf, or "
+                "the product overflows)")
     verdict = "3xTF32" if rec["ok"] else "no 3xTF32: its error exceeds the tolerance"
     return (f"{verdict} (error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e}, classical "
             f"{rec['classical_error']:.1e}, on {rec['measured_on']})")

@@ -169,8 +169,9 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             fxfuse_meta(node).update({"strassen": False, "decision": reason})
             continue
         plan = fxfuse_meta(node).get("plan")
-        layer.tf32x3 = (plan["layer"].x3_products if plan is not None else
-                        options.tf32x3 == "force" and xm.dtype == torch.float32 and not matmul_allows_tf32())
+        layer.tf32x3 = use_kernels and (plan["layer"].x3_products if plan is not None else   # a Triton kernel too
+                                        options.tf32x3 == "force" and xm.dtype == torch.float32
+                                        and not matmul_allows_tf32())
         candidates.append(layer)
     if not candidates:
         return gm
@@ -188,7 +189,7 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                             f"{rec['tolerance']:.1e} (classical {rec['classical_error']:.1e})")
             fxfuse_meta(layer.node).update({"strassen": False, **rec, "decision": decision})
             continue
-        extra = layer.right.numel() * layer.right.element_size()
+        extra = layer.right.numel() * layer.right.element_size() * (2 if layer.tf32x3 else 1)   # R, or its two parts
         padding = ("no padding" if (layer.Bp, layer.Kp, layer.Np) == (layer.B, layer.K, layer.N) else
                    f"padded {layer.B}x{layer.K}x{layer.N} -> {layer.Bp}x{layer.Kp}x{layer.Np}")
         why = ("forced" if mode == "force" else "auto: the cost model's choice" if layer.max_levels

@@ -17,7 +17,7 @@ from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import POINTWISE, is_pointwise_target
 from fxfuse.strassen_tables import block_position, combine_ir, levels, prefix_ref, suffix_ref
-from fxfuse.tf32x3 import bmm_tf32x3, split_tf32
+from fxfuse.tf32x3 import bmm_tf32x3, stored_parts
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta, tensor_metadata
 
 from .fuse_pointwise import why_not_fusible
@@ -196,7 +196,7 @@ class _Rewriter:
             if prefix is None:
                 prefix = self._standalone_prefix(layer)
             if layer.tf32x3:   # R's TF32 parts, made once, K-major (bmm_tf32x3's fast form)
-                parts = [self._const("strassen_right", _k_major(p)) for p in split_tf32(layer.right)]
+                parts = [self._const("strassen_right", _k_major(p)) for p in stored_parts(layer.right)]
                 products = self._call(bmm_tf32x3, (prefix, *parts))
             else:
                 products = self._call(torch.bmm, (prefix, self._const("strassen_right", layer.right)))

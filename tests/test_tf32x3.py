@@ -335,3 +335,65 @@ def test_one_level_strassen_needs_only_the_one_level_table():
     model = CostModel.from_dict(calibration(bmm7_tf32x3=grid(lib_us)))
     assert _with_tf32x3_products(layer, Options(strassen="auto", strassen_levels=1, tf32x3="auto"), model).x3_products
     assert not _with_tf32x3_products(layer, Options(strassen="auto", tf32x3="auto"), model).x3_products
+
+
+# ---------------------------------------------------------------------------- review26's findings
+
+def test_inf_in_the_weight_gives_eagers_inf_not_nan():
+    """The stored low part of an inf is NaN, so the kernel drops that step's low products (a
+    low part of 0 gave a_lo * inf of either sign, NaN where eager has inf)."""
+    from fxfuse.gemm_kernel import GemmSpec as Spec
+    from fxfuse.tf32x3 import bmm_tf32x3, stored_parts
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 8, bias=False).eval()
+    with torch.no_grad():
+        lin.weight[2, 7] = float("inf")
+    cfg = choose_gemm_config(300, Spec(40, 8, torch.float32), tf32x3=True)
+    mod = EpilogueGemm(Spec(40, 8, torch.float32), lin.weight, [], torch.fx.symbolic_trace(lin), (), config=cfg)
+    x = torch.randn(300, 40)
+    with torch.no_grad():
+        got, want = mod(x), lin(x)
+    assert cfg.split_weights and mod.launches == 1
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    b = torch.randn(2, 40, 8)
+    b[1, 7, 2] = -float("inf")
+    hi, lo = stored_parts(b)
+    got = bmm_tf32x3(x[:64].reshape(2, 32, 40), hi, lo)
+    want = torch.bmm(x[:64].reshape(2, 32, 40), b)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+
+
+def test_guard_measures_only_what_is_built(tmp_path):
+    """tf32x3='force' with gemm='auto': a layer the plan leaves to the library, or one of <= 16
+    rows, is not measured (a float64 product per layer, and a run of the graph, for nothing)."""
+    import passes.fuse_gemm as fg
+    calls = []
+    real = fg.measure_tf32x3
+    fg.measure_tf32x3 = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        slow = str(write(tmp_path, calibration(gemm_tf32x3=grid(lambda m, h: 3 * lib_us(m, h)))))
+        for rows in (8, 300):
+            opt = fxfuse.optimize(seed(), torch.randn(rows, 48), tf32x3="force", calibration=slow, fused_mlp="off")
+            assert [p["choice"] for p in _plans(opt)] == ["library"] * 3 and _gemms(opt) == []
+    finally:
+        fg.measure_tf32x3 = real
+    assert not calls
+
+
+def test_strassen_without_kernels_keeps_torch_bmm_and_counts_both_parts():
+    from fxfuse.tf32x3 import bmm_tf32x3
+    model, x = seed(h=44, layers=1), torch.randn(19, 44)
+    off = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off", use_kernels=False)
+    assert torch.bmm in _targets(off) and bmm_tf32x3 not in _targets(off)
+    on = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off")
+    gm_on, gm_off = (next(iter(o.specializations.values())).gm for o in (on, off))
+    rec = lambda gm: next(n.meta["fxfuse"] for n in gm.graph.nodes if n.meta.get("fxfuse", {}).get("extra_weight_bytes"))  # noqa: E731
+    assert rec(gm_on)["extra_weight_bytes"] == 2 * rec(gm_off)["extra_weight_bytes"]
+
+
+def test_nan_in_the_example_says_the_error_cannot_be_measured():
+    model, x = seed(), torch.randn(40, 48)
+    x[2, 3] = float("nan")
+    opt = fxfuse.optimize(model, x, gemm="force", tf32x3="force", fused_mlp="off", verify=False)
+    assert "error cannot be measured" in fxfuse.explain(opt)
+    assert all(g.config.precision == "ieee" for g in _gemms(opt))
