@@ -44,7 +44,7 @@ from .codegen import HEADER, IndentedBuffer
 from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, resolved, triton_cdiv
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
-from .tf32x3 import gemm_tiles, split_dot_source, stored_parts
+from .tf32x3 import gemm_tiles, stored_parts
 
 GEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SPLIT_K = 16
@@ -261,7 +261,7 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
             if c.split_weights:
                 buf.line(f"wl_cols = wl_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
                 load_w += "; " + load_w.replace("{b} =", "{b}_lo =").replace("w_cols", "wl_cols")
-                dot = split_dot_source("{a}", "{b}")
+                dot = "acc = split_dot_step({a}, {b}, {b}_lo, acc)"   # fxfuse.tf32x3, imported below
             _emit_k_steps(buf, spec, c, k0, k_split,
                           "{a} = tl.load(x_rows + {k}[None, :], mask=m_ok[:, None] & {ok}[None, :], other=0.0)",
                           load_w, init, dot, "{}")
@@ -271,7 +271,8 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
                 _emit_epilogue_and_store(buf, spec, numels)
         else:
             _emit_epilogue_and_store(buf, spec, numels)
-    return HEADER + PRELUDE + "\n\n" + buf.getvalue(), name
+    imports = "from fxfuse.tf32x3 import split_dot_step\n" if c.split_weights else ""
+    return HEADER + imports + PRELUDE + "\n\n" + buf.getvalue(), name
 
 
 def _emit_rowwise_product(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int):

@@ -9,7 +9,7 @@ fp32's rounding). About 21 of fp32's 24 mantissa bits survive the split, so the 
 error stays at fp32's level: on the H100 (benchmarks/tf32x3_probe.py, relu(x @ W.T + b),
 random normal data) 1.5-3.2e-7 relative to a float64 product where cuBLAS fp32 measured
 1.1e-7 to 1.6e-6, at 78 TFLOP/s against cuBLAS's 51.6; from 256 rows fxfuse's own form with
-W split once (gemm_tiles, split_dot_source) reached 107 TFLOP/s at 4096^3 with the builtin's
+W split once (gemm_tiles, split_dot_step) reached 107 TFLOP/s at 4096^3 with the builtin's
 2.4e-7 (tf32x3_tiles_probe_20261126-c.txt). It is still not IEEE fp32
 (a different rounding, like any other summation order, and Strassen), so it is opt-in, and
 each layer is checked on the example input like a Strassen layer: its error against float64
@@ -45,9 +45,8 @@ def truncate_to_tf32(t: torch.Tensor) -> torch.Tensor:
 def split_tf32(t: torch.Tensor) -> tuple:
     """(hi, lo): hi = round_to_tf32(t), lo = t - hi as the tensor core reads it (0 where t is
     not finite: Triton masks the NaN the low products would give there)."""
-    hi = round_to_tf32(t)
-    lo = torch.where(torch.isfinite(t), truncate_to_tf32(t - hi), torch.zeros_like(t))
-    return hi, lo
+    hi, lo = stored_parts(t)
+    return hi, torch.where(torch.isfinite(t), lo, torch.zeros_like(t))
 
 
 def stored_parts(t: torch.Tensor) -> tuple:
@@ -126,30 +125,6 @@ def split_tiles(m: int, n: int, batch: int = 1) -> tuple:
     return 64, 64, 4, 4
 
 
-def split_dot_source(a: str, b: str) -> str:
-    """One line of Triton source: acc += a @ b in 3xTF32 with b's parts given (b and b_lo),
-    a split here. Each K step's three products start from zero on the tensor cores and are
-    added to the running acc in IEEE fp32: accumulated on the tensor cores across K, the sum
-    lost precision in proportion to K (H100, 4096 x 4096: 2.9e-5 relative error with one
-    accumulator, 9.6e-6 with the low products in a second one, against 2.4e-7 for the builtin
-    and 1.1e-6 for cuBLAS; tf32x3_tiles_probe). The low products' NaN (0 * inf where x or W
-    holds inf) is dropped before the high product is added, as Triton's builtin does; a NaN
-    stays in a_hi (the rounding must not turn a NaN with low payload bits into inf), and a
-    value that rounds to inf (within 2^-11 of the largest fp32) is truncated instead, as
-    round_to_tf32 does (`hi == hi * 2` holds for 0 and inf: 0 truncates to itself)."""
-    hi, lo, part = f"{a}_hi", f"{a}_lo", f"{a}_part"
-    return "; ".join([
-        f"{hi} = (({a}.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)",
-        f"{hi} = tl.where({a} != {a}, {a}, tl.where({hi} == {hi} * 2.0, ({a}.to(tl.int32, bitcast=True) & -8192)"
-        f".to(tl.float32, bitcast=True), {hi}))",
-        f"{lo} = {a} - {hi}",
-        f"{part} = tl.dot({lo}, {b}, input_precision=\"tf32\")",
-        f"{part} = tl.dot({hi}, {b}_lo, acc={part}, input_precision=\"tf32\")",
-        f"{part} = tl.where({part} == {part}, {part}, 0.0)",
-        f"{part} = tl.dot({hi}, {b}, acc={part}, input_precision=\"tf32\")",
-        f"acc += {part}"])
-
-
 # ---------------------------------------------------------------------------- the batched kernel
 # Strassen's one product call, P = A @ R over 7^L products (passes/strassen.py), in 3xTF32. A
 # fixed kernel, not generated: nothing of it depends on the model but the sizes, which are
@@ -159,6 +134,28 @@ import triton                    # noqa: E402  (after the torch-only part above,
 import triton.language as tl     # noqa: E402
 
 from .kernel import kernels_available, launch_context, triton_cdiv   # noqa: E402
+
+
+@triton.jit
+def split_dot_step(a, b, b_lo, acc):
+    """acc + a @ (b + b_lo) in 3xTF32, b and b_lo being B's TF32 parts made once (stored_parts),
+    a split here; one K step of both split-weights kernels (the generated GEMM and
+    _bmm_tf32x3_kernel). Each K step's three products start from zero on the tensor cores and are
+    added to the running acc in IEEE fp32: accumulated on the tensor cores across K, the sum
+    lost precision in proportion to K (H100, 4096 x 4096: 2.9e-5 relative error with one
+    accumulator, 9.6e-6 with the low products in a second one, against 2.4e-7 for the builtin
+    and 1.1e-6 for cuBLAS; tf32x3_tiles_probe). The low products' NaN (0 * inf where x or W
+    holds inf) is dropped before the high product is added, as Triton's builtin does; a NaN
+    stays in a_hi (the rounding must not turn a NaN with low payload bits into inf), and a
+    value that rounds to inf (within 2^-11 of the largest fp32) is truncated instead, as
+    round_to_tf32 does (`hi == hi * 2` holds for 0 and inf: 0 truncates to itself)."""
+    bits = a.to(tl.int32, bitcast=True)
+    hi = ((bits + 4096) & -8192).to(tl.float32, bitcast=True)
+    hi = tl.where(a != a, a, tl.where(hi == hi * 2.0, (bits & -8192).to(tl.float32, bitcast=True), hi))
+    part = tl.dot(a - hi, b, input_precision="tf32")
+    part = tl.dot(hi, b_lo, acc=part, input_precision="tf32")
+    part = tl.where(part == part, part, 0.0)
+    return acc + tl.dot(hi, b, acc=part, input_precision="tf32")
 
 
 @triton.jit
@@ -179,16 +176,9 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s
         a = tl.load(a_rows + k[None, :] * s_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
         b_ok = (k[:, None] < K) & (offs_n[None, :] < N)
         b = tl.load(b_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
-        if SPLIT:   # b and b_lo: the TF32 parts of B, made once (split_dot_source says why)
+        if SPLIT:   # b and b_lo: the TF32 parts of B, made once
             b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
-            a_hi = ((a.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
-            a_hi = tl.where(a != a, a, tl.where(a_hi == a_hi * 2.0, (a.to(tl.int32, bitcast=True) & -8192)
-                                                .to(tl.float32, bitcast=True), a_hi))
-            a_lo = a - a_hi
-            part = tl.dot(a_lo, b, input_precision="tf32")
-            part = tl.dot(a_hi, b_lo, acc=part, input_precision="tf32")
-            part = tl.where(part == part, part, 0.0)
-            acc += tl.dot(a_hi, b, acc=part, input_precision="tf32")
+            acc = split_dot_step(a, b, b_lo, acc)
         else:
             acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
     c = c_ptr + batch * s_cb + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn

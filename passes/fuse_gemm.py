@@ -127,7 +127,7 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             ok, reason = should_fuse_gemm(region.batch, gspec.k, gspec.n, gspec.dtype, allow_tf32)
         else:
             ok, reason = choice in ("gemm", "gemm_x3"), f"the cost model chose {choice}"
-        if start in guard and (config.precision == "tf32x3" or not x3):   # not the row-wise GEMV's IEEE
+        if start in guard:   # (guarded only past the row-wise GEMV's rows: _builds_tf32x3)
             reason += "; " + _guard_text(guard[start])
             if choice == "gemm_x3" and not x3:   # the IEEE GEMM was not what the plan chose: the library runs it
                 ok = False
@@ -161,21 +161,19 @@ def _tf32x3_guard(gm, options, allow_tf32: bool) -> dict:
     nodes = {n: n for n in gm.graph.nodes if _linear_parts(n) is not None and _builds_tf32x3(n, options)}
     found = {}
 
-    def measure(node, x, w):
-        found[node] = measure_tf32x3(x.reshape(-1, x.shape[-1]), w, options.tolerance)
-        found[node]["measured_on"] = on
+    def measure(node, x, w, on="the example input"):
+        found[node] = {**measure_tf32x3(x.reshape(-1, x.shape[-1]), w, options.tolerance), "measured_on": on}
 
     example = gm.meta.get("fxfuse_example_args")
     with torch.no_grad():
         if nodes and example is not None:
-            on = "the example input"
             _LayerProbe(gm, nodes, measure).run(*example)
         for node in nodes:
             if node not in found:
-                on = "random data (no example input recorded)"
                 x, w = _linear_parts(node)[:2]
                 dev = fxfuse_meta(node).get("device", torch.device("cpu"))
-                measure(node, torch.randn(_tmeta(x).shape, device=dev), _fetch(gm, w.target))
+                measure(node, torch.randn(_tmeta(x).shape, device=dev), _fetch(gm, w.target),
+                        "random data (no example input recorded)")
     return found
 
 
@@ -183,10 +181,10 @@ def _builds_tf32x3(node, options) -> bool:
     """Whether fuse_gemm would build this Linear as a 3xTF32 GEMM (if the guard passes): fp32, a
     constant weight, more rows than the row-wise GEMV's, and planned gemm_x3, or forced (with
     gemm="force", or where the plan or the no-plan rule gives it a generated GEMM)."""
-    x, w = _linear_parts(node)[:2]
+    w = _linear_parts(node)[1]
     meta, wmeta = _tmeta(node), _tmeta(w) if isinstance(w, torch.fx.Node) else None
-    if not (isinstance(w, torch.fx.Node) and getattr(meta, "dtype", None) == torch.float32
-            and hasattr(wmeta, "shape") and len(wmeta.shape) == 2 and hasattr(meta, "shape")):
+    if not (getattr(meta, "dtype", None) == torch.float32 and hasattr(meta, "shape")
+            and hasattr(wmeta, "shape") and len(wmeta.shape) == 2):
         return False
     rows = meta.shape.numel() // max(int(wmeta.shape[0]), 1)
     if rows <= GEMM_ROWWISE_MAX_BATCH:
