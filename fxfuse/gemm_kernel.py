@@ -167,9 +167,9 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3:
         cfg.update(override)
         return GemmConfig(**cfg)
     if tf32x3:
-        block_m, block_n, warps, stages, split_weights = gemm_tiles(m, spec.n)
-        _, split = _split_k(m, spec.n, spec.k, block_m, block_n, 32)
-        cfg = dict(block_m=block_m, block_n=block_n, block_k=32, split_k=split, num_warps=warps,
+        block_m, block_n, block_k, warps, stages, split_weights, per_sm = gemm_tiles(m, spec.n, spec.k)
+        _, split = _split_k(m, spec.n, spec.k, block_m, block_n, block_k, per_sm)
+        cfg = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=warps,
                    num_stages=stages, precision="tf32x3", split_weights=split_weights)
         cfg.update(override)
         return GemmConfig(**cfg)
@@ -187,12 +187,12 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3:
     return GemmConfig(**cfg)
 
 
-def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> tuple:
-    """(output tiles, split): split-K doubles while the grid has fewer than ~one program per
+def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, per_sm: int = 1) -> tuple:
+    """(output tiles, split): split-K doubles while the grid has fewer than ~per_sm programs per
     SM and every split keeps at least two K steps."""
     tiles = triton_cdiv(m, block_m) * triton_cdiv(n, block_n)
     split = 1
-    while split < MAX_SPLIT_K and tiles * split * 2 <= SMS and k >= block_k * split * 2 * 2:
+    while split < MAX_SPLIT_K and tiles * split * 2 <= SMS * per_sm and k >= block_k * split * 2 * 2:
         split *= 2
     return tiles, split
 

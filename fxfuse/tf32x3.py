@@ -88,9 +88,10 @@ def tf32x3_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- kernel choices
 
-def gemm_tiles(m: int, n: int) -> tuple:
-    """(block_m, block_n, warps, stages, split_weights) of the generated GEMM in tf32x3, K steps
-    of 32 (gemm_kernel.choose_gemm_config adds split-K).
+def gemm_tiles(m: int, n: int, k: int) -> tuple:
+    """(block_m, block_n, block_k, warps, stages, split_weights, splits_per_sm) of the generated
+    GEMM in tf32x3 (gemm_kernel.choose_gemm_config adds split-K: splits_per_sm is the programs
+    per SM it may fill, gemm_kernel._split_k).
 
     split_weights (from 256 rows): W's TF32 parts are made once, so the kernel splits only x,
     in registers, and issues three plain TF32 dots; the builtin tf32x3 dot splits both tiles
@@ -100,16 +101,31 @@ def gemm_tiles(m: int, n: int) -> tuple:
     vs 1764; 1024 x 2048 86.7 (128 x 128) vs 115.5; 1024 x 1024 31.2 (64 x 64) vs 36.1;
     256 x 4096 116.9 (64 x 64) vs 156.8. Tiles: the largest whose count still gives every SM
     one (split_tiles: 128 x 128, else 64 x 64; 128 x 256 measured fastest in the probe's
-    one-accumulator form but does not fit two [BM, BN] fp32 tiles in registers).
+    one-accumulator form but does not fit two [BM, BN] fp32 tiles in registers). K steps of 32.
 
-    Below 256 rows the builtin (W read once, not twice): 64 x 128 at width >= 4096 (64 x 8192:
-    174 vs 199 us), else 64 x 64 (64 x 2048: 17.8); 32 x 64 up to 32 rows
-    (benchmarks/tf32x3_probe.py)."""
+    Below 256 rows the builtin (W read once, not twice). There the layer is a stream of W, and
+    longer K steps over fewer columns won (benchmarks/x3_small_probe.py --set 64, H100, 8
+    layers, GPU us of the graph, 64 rows; the tiles before in brackets): width 1024 32 x 128
+    steps, split-K 4: 57.1 us (64 x 64 x 32, split 8: 76.5; the IEEE row-wise plan 68.7);
+    width 2048 64 x 64 steps, split 4: 129.6 (141.2); width 4096 64 x 64, split 4, i.e. two
+    programs per SM: 303.7 (64 x 128 x 32, split 4: 390.5; one program per SM 366.8). Longer
+    steps add error (the tensor cores sum each step's products without IEEE rounding): 1.9e-7
+    at width 1024 against 8.0e-8 with steps of 32 and eager fp32's 5.8e-8; the numerics guard
+    checks every layer. Up to 32 rows, and below width 1024, the tiles of tf32x3_probe.py stay
+    (32 x 64 x 32; 64 x 64 x 32, 64 x 128 x 32 from 4096 columns): one layer alone
+    (benchmarks.autotune gemm_x3) took longer with 32 x 128 steps there (64 x 128: 7.4 vs 5.1 us,
+    64 x 512: 6.9 vs 6.2) and less from width 2048 (64 x 4096: 39.6 vs 52.1; 128 x 4096: 68.0
+    vs 89.5)."""
     if m >= 256:
-        return (*split_tiles(m, n), True)
+        bm, bn, warps, stages = split_tiles(m, n)
+        return bm, bn, 32, warps, stages, True, 1
     if m <= 32:
-        return 32, 64, 4, 4, False
-    return (64, 128, 4, 3, False) if n >= 4096 else (64, 64, 4, 3, False)
+        return 32, 64, 32, 4, 4, False, 1
+    if k < 1024:   # few K steps: the tiles of tf32x3_probe.py (longer steps measured slower, see above)
+        return (64, 128, 32, 4, 3, False, 1) if n >= 4096 else (64, 64, 32, 4, 3, False, 1)
+    if k < 2048:
+        return 64, 32, 128, 4, 3, False, 1
+    return 64, 64, 64, 4, 3, False, 2 if k >= 4096 else 1
 
 
 SPLIT_MIN_TILES = 116   # ~ the H100's 132 SMs less an eighth: 1024 x 2048 has 128 tiles of 128 x 128 and took them

@@ -29,7 +29,7 @@ def _errors(opt, model, x):
     return err(opt(x)), err(model(x))
 
 
-@pytest.mark.parametrize("batch,hidden", [(256, 1024), (100, 300), (4096, 512)])
+@pytest.mark.parametrize("batch,hidden", [(256, 1024), (100, 300), (4096, 512), (64, 1024), (48, 2048)])
 def test_forced_tf32x3_gemms_are_fp32_accurate(batch, hidden):
     torch.manual_seed(0)
     model = seed_network(hidden, 4).cuda()

@@ -54,6 +54,11 @@ def test_config_uses_tensor_core_tiles_past_the_row_wise_batches():
     assert big.split_weights and (big.block_m, big.block_n) == (128, 128)
     at64 = choose_gemm_config(64, GemmSpec(1024, 1024, torch.float32), tf32x3=True)
     assert at64.block_m == 64 and not at64.split_weights and at64.precision == "tf32x3"
+    assert (at64.block_n, at64.block_k, at64.split_k) == (32, 128, 4)      # long K steps (x3_small_probe)
+    wide = choose_gemm_config(64, GemmSpec(4096, 4096, torch.float32), tf32x3=True)
+    assert (wide.block_n, wide.block_k, wide.split_k) == (64, 64, 4)      # two programs per SM
+    narrow = choose_gemm_config(64, GemmSpec(512, 512, torch.float32), tf32x3=True)
+    assert (narrow.block_n, narrow.block_k) == (64, 32)
     small = choose_gemm_config(8, spec, tf32x3=True)
     assert small.rowwise and small.precision == "ieee"             # <= 16 rows: the row-wise GEMV form
     assert choose_gemm_config(256, spec, allow_tf32=True, tf32x3=True).precision == "tf32"
@@ -361,6 +366,24 @@ def test_inf_in_the_weight_gives_eagers_inf_not_nan():
     got = bmm_tf32x3(x[:64].reshape(2, 32, 40), hi, lo)
     want = torch.bmm(x[:64].reshape(2, 32, 40), b)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+
+
+@pytest.mark.parametrize("m,k,n", [(40, 1100, 24), (70, 2100, 72)])
+def test_long_k_step_tiles_with_split_k_match_the_product(m, k, n):
+    """Past 32 rows and from width 1024 the 3xTF32 GEMM takes 128- or 64-wide K steps with
+    split-K; odd K and N leave partial steps and columns (the interpreter computes in fp32)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=False).eval()
+    spec = GemmSpec(k, n, torch.float32)
+    cfg = choose_gemm_config(m, spec, tf32x3=True)
+    assert cfg.precision == "tf32x3" and cfg.block_k in (64, 128) and cfg.split_k > 1, cfg
+    mod = EpilogueGemm(spec, lin.weight, [], torch.fx.symbolic_trace(lin), (), config=cfg)
+    with torch.no_grad():
+        for _ in range(2):                          # the second call: the split-K counters were reset
+            x = torch.randn(m, k)
+            got, want = mod(x), lin(x)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert mod.launches == 2
 
 
 def test_guard_measures_only_what_is_built(tmp_path):
