@@ -81,10 +81,13 @@ def issue3(records: list, tool: str, layers: int) -> tuple:
         target = us["compile-ro"] / TARGET_OVER_RO
         if us[tool] <= target:
             verdict, met = "met", met + 1
-        elif floor and target < floor:
-            verdict = ("out of reach: below the bytes floor" if bound == "bytes" else
-                       f"out of reach: below the {bound} floor at the library's rate")
+        elif floor and target < floor and bound == "bytes":
+            verdict = "out of reach: below the bytes floor"
             out_of_reach.append(f"{h}x{b}")
+        elif floor and target < floor:
+            # a FLOP floor at the library's fp32 rate binds IEEE fp32 only: 3xTF32 on tensor cores
+            # runs below it (8 x 4096 at batch 64: 311 us against 331), so it is no reason
+            verdict = f"missed (target below the {bound} floor at the library's fp32 rate; 3xTF32 is not bound by it)"
         else:
             verdict = "missed"
         graph = us.get("cudagraph")
