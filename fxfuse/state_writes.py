@@ -35,7 +35,8 @@ VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze,
 def _writes_in_place(n: torch.fx.Node):
     """The tensor an in-place node writes into (`b += 0.1`, `b.add_(1)`, `torch.relu_(b)`,
     `b[0] = 1`, `out=b`), else None."""
-    if n.op == "call_function" and (n.target in AUGMENTED_OPERATORS or n.target is operator.setitem):
+    if (n.op == "call_function" and (n.target in AUGMENTED_OPERATORS or n.target is operator.setitem)) or \
+            (n.op == "call_method" and n.target == "__setitem__"):   # b.__setitem__(i, v): fx keeps the method
         return n.args[0] if n.args else None
     if "out" in n.kwargs:
         return n.kwargs["out"]

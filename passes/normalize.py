@@ -393,9 +393,9 @@ def _later_readers_read(base, new, node, order) -> None:
 
 def _mutates(gm, node) -> bool:
     """True if node (one with no canonical form) may write into one of its operands."""
-    if node.op == "call_method":   # x.add_(1); x.__ior__(m): the in-place dunders of the operators
+    if node.op == "call_method":   # x.add_(1); x.__ior__(m): the in-place dunders; x.__setitem__(i, v) (fuzz27)
         return (node.target.endswith("_") and not node.target.startswith("_")) or \
-            node.target in INPLACE_DUNDERS
+            node.target in INPLACE_DUNDERS or node.target == "__setitem__"
     if node.op == "call_module":
         return getattr(gm.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":
