@@ -431,3 +431,19 @@ def test_fx_trace_of_a_module_holding_opt_traces_the_original():
     x = torch.randn(4, 16)
     with torch.no_grad():
         torch.testing.assert_close(traced(x), model(x) * 2)
+
+
+def test_verify_passes_a_graph_no_further_from_float64_than_an_inaccurate_eager():
+    """fp16, eager 2.2% off float64 and the fused graph 1.8%: verify rejected the graph as "a bug
+    in fxfuse" (only an eager error under 1% excused anything). Up to 10% off, a graph at least
+    as close as eager passes; zeros, or a graph further off, still fail."""
+    from fxfuse.api import _as_accurate_as_eager
+    torch.manual_seed(0)
+    x = torch.randn(64, 32).half()
+    noise = lambda scale: (x.float() * (1 + scale * torch.randn_like(x.float()))).half()  # noqa: E731
+    eager, closer, further = noise(0.022), noise(0.018), noise(0.03)
+    model = torch.nn.Identity()
+    assert _as_accurate_as_eager(model, (x,), 0, eager, closer)
+    assert not _as_accurate_as_eager(model, (x,), 0, eager, further)
+    assert not _as_accurate_as_eager(model, (x,), 0, eager, torch.zeros_like(x))
+    assert not _as_accurate_as_eager(model, (x,), 0, noise(0.3), noise(0.2))   # eager 30% off: no excuse
