@@ -110,23 +110,40 @@ def node_table(gm: torch.fx.GraphModule) -> str:
 PLAN_COLUMNS = CANDIDATES   # library, gemm, gemm_x3, strassen1, strassen2, mlp
 
 
-def plan_table(gm) -> str:
+FORCED_NOTES = {   # options whose "force" acts after the plan, whatever it chose (explain's plan table)
+    "strassen": "strassen='force': the Strassen pass rewrites every Linear it can, whatever this table chose",
+    "gemm": "gemm='force': every Linear the fused-MLP and Strassen passes leave becomes a generated GEMM",
+    "fused_mlp": "fused_mlp='force': every chain that fits one kernel becomes a fused MLP",
+    "tf32x3": "tf32x3='force': gemm_x3 is legal without a calibration (priced by the roofline) and every "
+              "generated fp32 GEMM runs as 3xTF32 where its guard passes",
+}
+
+
+def plan_table(gm, options=None) -> str:
     """One row per planned Linear: every candidate's estimated time (us; '-' where illegal),
-    the cost model's choice and why the runner-up lost. Empty when no plan was made."""
+    the cost model's choice and why the runner-up lost (where nothing else was legal, why the
+    others were not), then a line per option set to "force". Empty when no plan was made."""
     plans = gm.meta.get("fxfuse_plans") or []
     if not plans:
         return ""
-    rows = []
+    rows, illegal = [], {}
     for p in plans:
         layer = p["layer"]
         est = [f"{p['estimates'][c]:.1f}" if c in p["estimates"] else "-" for c in PLAN_COLUMNS]
         losers = sorted((v, c) for c, v in p["estimates"].items() if c != p["choice"])
-        why = p["reasons"].get(losers[0][1], "") if losers else "the only legal candidate"
-        rows.append([p["node"], f"{layer.m}x{layer.k}->{layer.n}", *est, p["choice"],
-                     f"next best {losers[0][1]}: {why}" if losers else why])
-    head = f"cost model: {gm.meta.get('fxfuse_cost_model', '?')}; estimated us per layer ('-': not legal, see reasons)"
+        why = f"next best {losers[0][1]}: {p['reasons'].get(losers[0][1], '')}" if losers else \
+            "the only legal candidate"
+        rows.append([p["node"], f"{layer.m}x{layer.k}->{layer.n}", *est, p["choice"], why])
+        for c in PLAN_COLUMNS:
+            if c not in p["estimates"] and c in p["reasons"]:
+                illegal.setdefault((c, p["reasons"][c]), []).append(p["node"])
+    head = f"cost model: {gm.meta.get('fxfuse_cost_model', '?')}; estimated us per layer ('-': not legal, see below)"
+    lines = [f"not legal: {c} ({', '.join(nodes) if len(nodes) < len(rows) else 'every layer'}): {reason}"
+             for (c, reason), nodes in illegal.items()]
+    lines += [f"note: {note}" for opt, note in FORCED_NOTES.items() if getattr(options, opt, None) == "force"]
     return head + "\n" + tabulate(rows, headers=["linear", "m x k->n", *PLAN_COLUMNS, "choice", "why"],
-                                   tablefmt="simple", maxcolwidths=[None] * (3 + len(PLAN_COLUMNS)) + [60])
+                                   tablefmt="simple", maxcolwidths=[None] * (3 + len(PLAN_COLUMNS)) + [60]) + \
+        "".join("\n" + line for line in lines)
 
 
 def _measured_line(spec, gm) -> str:
@@ -187,7 +204,7 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
         out.append(graph_as_python(gm))
         out.append("")
         out.append(node_table(gm))
-        plans = plan_table(gm)
+        plans = plan_table(gm, optimized.options)
         if plans:
             out.append("\n" + plans)
         if measure:

@@ -347,6 +347,18 @@ def test_explain_reports_strassen():
     assert "Strassen 1 level(s)" in text and "combined weights" in text and "Strassen suffix of" in text
 
 
+def test_plan_table_under_force_says_why_not_and_that_force_overrides_it():
+    """strassen='force' rewrote the layers while the plan table said "library: the only legal
+    candidate" with no reason for the others (fuzz27): the table now lists why each candidate
+    is not legal and notes the forced option."""
+    model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.ReLU(), torch.nn.Linear(48, 48)).eval()
+    opt = fxfuse.optimize(model, torch.randn(18, 48), strassen="force")
+    text = fxfuse.explain(opt)
+    assert "Strassen 1 level(s)" in text
+    assert "not legal: strassen1 (every layer): 18 rows x 48 features" in text
+    assert "note: strassen='force': the Strassen pass rewrites every Linear it can" in text
+
+
 def test_example_with_nan_keeps_layers_classical_and_says_why():
     """A NaN in the example made every measured error NaN: Strassen was off with a decision
     reading 'error nan exceeds tolerance nan' (fuzzing round)."""
