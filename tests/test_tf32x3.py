@@ -29,6 +29,20 @@ def test_split_keeps_21_bits_and_leaves_specials_alone():
     assert round_to_tf32(torch.tensor([1.0 + 2.0 ** -11])).item() == 1.0 + 2.0 ** -10    # ties away from zero
 
 
+def test_truncated_split_of_x_keeps_20_bits_and_never_overflows():
+    """split_dot_step truncates x's high part (no rounding add, nothing rounds to inf); the
+    guard's emulation splits x the same way."""
+    from fxfuse.tf32x3 import truncated_parts
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.logspace(-20, 20, 4096)
+    hi, lo = truncated_parts(x)
+    assert torch.equal(truncate_to_tf32(hi), hi) and torch.equal(truncate_to_tf32(lo), lo)
+    assert ((hi + lo - x).abs() / x.abs()).max() < 2.0 ** -19 and not torch.equal(hi, x)
+    big = torch.tensor([3.4028235e38, -3.4028235e38, float("inf"), float("nan")])
+    hi, lo = truncated_parts(big)
+    assert hi[:2].isfinite().all() and hi[2].isinf() and hi[3].isnan() and torch.equal(lo[2:], torch.zeros(2))
+
+
 def test_emulation_is_fp32_accurate_where_tf32_is_not():
     torch.manual_seed(1)
     x, w = torch.randn(37, 300), torch.randn(53, 300)
