@@ -26,8 +26,8 @@ def _mm(a_ptr, al_ptr, w_ptr, wl_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.c
     the low products in their own accumulator; 3: x split by torch too (al_ptr), two
     accumulators; 4: the high product alone (plain TF32 of rounded operands); 5: W split once, x
     split here, each K step's three products from zero, added to the running sum in IEEE fp32;
-    6: fxfuse's split_dot_step (5 with the NaN of the low products masked and values next to
-    the fp32 maximum truncated); 7: 5 with the NaN mask only (stop 26's commit 1aac53c); 8: 6
+    6: fxfuse's split_dot_step with MASK_NAN (5 with the NaN of the low products masked; until
+    commit "x's high part truncated", also rounding with values next to the fp32 maximum truncated); 7: 5 with the NaN mask only (stop 26's commit 1aac53c); 8: 6
     with x's tile masked instead of the step's product (valid for a finite W): no low part
     where x is inf or NaN, and no inf in the high part that multiplies W's low part; 9: x split
     ahead too (a_ptr, al_ptr: its TF32 parts), the step's low products NaN-masked as in 6;
@@ -36,7 +36,8 @@ def _mm(a_ptr, al_ptr, w_ptr, wl_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.c
     dropped once, after the loop; 12: 11 with x's high part truncated (no rounding, so nothing
     next to the fp32 maximum can round to inf); 13: 7 with x's high part truncated (a NaN kept);
     14: 13 without keeping a NaN (a NaN whose payload lies in the dropped bits becomes inf);
-    15: 8 with x's high part truncated (x's tile masked, no product mask: valid for a finite W)."""
+    15: 8 with x's high part truncated (x's tile masked, no product mask: valid for a finite W);
+    16: 13 without the mask, and a tile whose sum came out NaN is computed again with it."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -61,7 +62,7 @@ def _mm(a_ptr, al_ptr, w_ptr, wl_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.c
             acc = tl.dot(a, w, acc=acc, input_precision="tf32x3")
         elif MODE == 6:
             wl = tl.load(wl_ptr + offs_n[None, :].to(tl.int64) * K + k[:, None], mask=wmask, other=0.0)
-            acc = split_dot_step(a, w, wl, acc)
+            acc = split_dot_step(a, w, wl, acc, MASK_NAN=True)
         elif MODE == 11 or MODE == 12:
             wl = tl.load(wl_ptr + offs_n[None, :].to(tl.int64) * K + k[:, None], mask=wmask, other=0.0)
             bits = a.to(tl.int32, bitcast=True)
@@ -73,6 +74,12 @@ def _mm(a_ptr, al_ptr, w_ptr, wl_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.c
             acc += tl.dot(a_hi, w, input_precision="tf32")
             acc_lo = tl.dot(a - a_hi, w, acc=acc_lo, input_precision="tf32")
             acc_lo = tl.dot(a_hi, wl, acc=acc_lo, input_precision="tf32")
+        elif MODE == 16:
+            wl = tl.load(wl_ptr + offs_n[None, :].to(tl.int64) * K + k[:, None], mask=wmask, other=0.0)
+            a_hi = tl.where(a != a, a, (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True))
+            part = tl.dot(a - a_hi, w, input_precision="tf32")
+            part = tl.dot(a_hi, wl, acc=part, input_precision="tf32")
+            acc += tl.dot(a_hi, w, acc=part, input_precision="tf32")
         elif MODE == 13 or MODE == 14 or MODE == 15:
             wl = tl.load(wl_ptr + offs_n[None, :].to(tl.int64) * K + k[:, None], mask=wmask, other=0.0)
             a_hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
@@ -135,6 +142,17 @@ def _mm(a_ptr, al_ptr, w_ptr, wl_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.c
                 acc_lo = tl.dot(a_lo, w, acc=acc_lo, input_precision="tf32")
                 acc_lo = tl.dot(a_hi, wl, acc=acc_lo, input_precision="tf32")
                 acc = tl.dot(a_hi, w, acc=acc, input_precision="tf32")
+    if MODE == 16:
+        if tl.max(tl.max(tl.where(acc == acc, 0, 1), axis=1), axis=0) > 0:   # a NaN: again, with the mask
+            acc = tl.full([BM, BN], 0.0, tl.float32)
+            for k0 in range(0, K, BK):
+                k = k0 + offs_k
+                a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * K + k[None, :],
+                            mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+                wmask = (k[:, None] < K) & (offs_n[None, :] < N)
+                w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + k[:, None], mask=wmask, other=0.0)
+                wl = tl.load(wl_ptr + offs_n[None, :].to(tl.int64) * K + k[:, None], mask=wmask, other=0.0)
+                acc = split_dot_step(a, w, wl, acc, MASK_NAN=True)
     if MODE == 11 or MODE == 12:
         acc += tl.where(acc_lo == acc_lo, acc_lo, 0.0)
     else:
@@ -157,7 +175,8 @@ def _split_x(a_ptr, hi_ptr, lo_ptr, n, BLOCK: tl.constexpr):
 
 TILES = [(128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (64, 64, 32, 4, 4), (64, 128, 32, 4, 3), (64, 128, 64, 4, 2)]
 MODES = {0: "builtin", 5: "fresh", 1: "split1acc", 6: "fxfuse", 7: "nan mask", 8: "x masked", 9: "x split", 10: "x split nm", 11: "lo acc",
-         12: "lo acc trn", 13: "trunc mask", 14: "trunc mask-", 15: "trunc xmask"}
+         12: "lo acc trn", 13: "trunc mask", 14: "trunc mask-", 15: "trunc xmask",
+         16: "redo nan"}
 
 
 def main(argv=None):

@@ -262,16 +262,17 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
                 buf.line(f"wl_cols = wl_ptr + offs_n.to(tl.int64)[None, :] * {spec.k}")
                 load_w += "; " + load_w.replace("{b} =", "{b}_lo =").replace("w_cols", "wl_cols")
                 dot = "acc = split_dot_step({a}, {b}, {b}_lo, acc)"   # fxfuse.tf32x3, imported below
-            _emit_k_steps(buf, spec, c, k0, k_split,
-                          "{a} = tl.load(x_rows + {k}[None, :], mask=m_ok[:, None] & {ok}[None, :], other=0.0)",
-                          load_w, init, dot, "{}")
+            load_x = "{a} = tl.load(x_rows + {k}[None, :], mask=m_ok[:, None] & {ok}[None, :], other=0.0)"
+            _emit_k_steps(buf, spec, c, k0, k_split, load_x, load_w, init, dot, "{}")
+            if c.split_weights:   # a NaN in the sum: again with the low products' NaN masked
+                _emit_masked_redo(buf, spec, c, k0, k_split, load_x, load_w)
         if c.split_k > 1:
             _emit_split_k_fixup(buf, c)
             with buf.indent():
                 _emit_epilogue_and_store(buf, spec, numels)
         else:
             _emit_epilogue_and_store(buf, spec, numels)
-    imports = "from fxfuse.tf32x3 import split_dot_step\n" if c.split_weights else ""
+    imports = "from fxfuse.tf32x3 import nan_in, split_dot_step\n" if c.split_weights else ""
     return HEADER + imports + PRELUDE + "\n\n" + buf.getvalue(), name
 
 
@@ -332,6 +333,21 @@ def _emit_k_steps(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int, loa
         buf.line(load_x.format(a="a", k="k", ok="k_ok"))
         buf.line(load_w.format(b="b", k="k", ok="k_ok"))
         buf.line(accumulate.format(a="a", b="b"))
+
+
+def _emit_masked_redo(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: int, load_x: str, load_w: str):
+    """The split-weights K loop once more with MASK_NAN, for a tile whose sum came out NaN
+    (fxfuse.tf32x3.split_dot_step says why the plain steps come first)."""
+    buf.line("if nan_in(acc):")
+    with buf.indent():
+        buf.line("acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)")
+        buf.line(f"for kk in range(0, {k_split}, BLOCK_K):")
+        with buf.indent():
+            buf.line(f"k = {k0} + kk + offs_k")
+            buf.line(f"k_ok = k < {spec.k}")
+            buf.line(load_x.format(a="a", k="k", ok="k_ok"))
+            buf.line(load_w.format(b="b", k="k", ok="k_ok"))
+            buf.line("acc = split_dot_step(a, b, b_lo, acc, MASK_NAN=True)")
 
 
 def _emit_split_k_fixup(buf, c: GemmConfig):

@@ -164,26 +164,38 @@ from .kernel import kernels_available, launch_context, triton_cdiv   # noqa: E40
 
 
 @triton.jit
-def split_dot_step(a, b, b_lo, acc):
+def split_dot_step(a, b, b_lo, acc, MASK_NAN: tl.constexpr = False):
     """acc + a @ (b + b_lo) in 3xTF32, b and b_lo being B's TF32 parts made once (stored_parts),
     a split here; one K step of both split-weights kernels (the generated GEMM and
     _bmm_tf32x3_kernel). Each K step's three products start from zero on the tensor cores and are
     added to the running acc in IEEE fp32: accumulated on the tensor cores across K, the sum
     lost precision in proportion to K (H100, 4096 x 4096: 2.9e-5 relative error with one
     accumulator, 9.6e-6 with the low products in a second one, against 2.4e-7 for the builtin
-    and 1.1e-6 for cuBLAS; tf32x3_tiles_probe). The low products' NaN (0 * inf where x or W
-    holds inf) is dropped before the high product is added, as Triton's builtin does.
+    and 1.1e-6 for cuBLAS; tf32x3_tiles_probe).
 
     a's high part is truncated, not rounded (truncated_parts): the same 3xTF32 at about one bit
-    less (H100, 4096^3: 3.1e-7 vs 2.4e-7) and 9% faster (1500 vs 1644 us, 1024 x 2048 97.8 vs
-    105.9; tf32x3_tiles_probe modes 13 and 6): rounding took an add, and a value next to the
-    fp32 maximum, which rounds to inf, needed a test and a select of its own in every K step.
-    A NaN stays in the high part (truncation must not turn a NaN with low payload bits into inf)."""
+    less (H100, 4096^3: 3.1e-7 vs 2.4e-7) and faster (1500 vs 1644 us; tiles probe modes 13, 6):
+    rounding took an add, and a value next to the fp32 maximum, which rounds to inf, needed a
+    test and a select of its own. A NaN stays in the high part (truncation must not turn a NaN
+    with low payload bits into inf).
+
+    MASK_NAN drops the low products' NaN (0 * inf where x or W holds inf) before the high product
+    is added, as Triton's builtin does, so that eager's inf comes out, not NaN. It costs a test
+    and a select per output element and K step (12%: 1522 vs 1347 us at 4096^3, tiles probe
+    mode 16), so the kernels run the plain steps and compute a tile again with the mask only
+    where its sum came out NaN (nan_in): a NaN in any step's products reaches the sum."""
     hi = tl.where(a != a, a, (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True))
     part = tl.dot(a - hi, b, input_precision="tf32")
     part = tl.dot(hi, b_lo, acc=part, input_precision="tf32")
-    part = tl.where(part == part, part, 0.0)
+    if MASK_NAN:
+        part = tl.where(part == part, part, 0.0)
     return acc + tl.dot(hi, b, acc=part, input_precision="tf32")
+
+
+@triton.jit
+def nan_in(acc):
+    """Whether a [BM, BN] tile holds a NaN (the split kernels' cue to compute it again with MASK_NAN)."""
+    return tl.max(tl.max(tl.where(acc == acc, 0, 1), axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -209,6 +221,16 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s
             acc = split_dot_step(a, b, b_lo, acc)
         else:
             acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
+    if SPLIT:
+        if nan_in(acc):   # again with the low products' NaN masked (split_dot_step)
+            acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                a = tl.load(a_rows + k[None, :] * s_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+                b_ok = (k[:, None] < K) & (offs_n[None, :] < N)
+                b = tl.load(b_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
+                b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
+                acc = split_dot_step(a, b, b_lo, acc, MASK_NAN=True)
     c = c_ptr + batch * s_cb + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
     tl.store(c, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
