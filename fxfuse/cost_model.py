@@ -48,7 +48,7 @@ from fxfuse.calibration import (CALIBRATION_DIR, DTYPE_NAMES, ENV_VAR, GEMM_AXES
 
 CANDIDATES = ("library", "gemm", "gemm_x3", "strassen1", "strassen2", "mlp")
 SIBLING_DTYPE = {"float16": "bfloat16", "bfloat16": "float16"}   # same tensor-core rate and size
-X3_PREFERENCE = 1.10    # gemm_x3's estimate is charged 10% more: IEEE wins near-ties. H100, 8 x 1024 at batch 64:
+X3_PREFERENCE = 1.10    # 3xTF32 products (gemm_x3, Strassen's with x3_products) are charged 10% more: IEEE wins near-ties. H100, 8 x 1024 at batch 64:
 #                         3xTF32 measured 8.7 vs 8.9 us per layer alone, 76.2 vs 68.7 us in the chain (the
 #                         row-wise IEEE GEMM streams its weights before the previous layer ends, PDL)
 MLP_BLOCK_M = 16        # mlp_spec.choose_config: one program per row up to MLP_ROWWISE_MAX rows, then 16
@@ -400,8 +400,10 @@ class CostModel:
         level = _level(c)
         work = bmm_work(level, L.m, L.k, L.n, L.elt)
         if L.x3_products:   # unmeasured (tf32x3="force"): cuBLAS's bmm efficiency, not the bare roofline
-            return self._component(L.dtype, work, [(f"bmm{7 ** level}_tf32x3", (L.m, h)), (f"bmm{7 ** level}", (L.m, h)),
-                                                   ("linear", (L.m, h))], prefer_inside=False)
+            bmm = self._component(L.dtype, work, [(f"bmm{7 ** level}_tf32x3", (L.m, h)), (f"bmm{7 ** level}", (L.m, h)),
+                                                  ("linear", (L.m, h))], prefer_inside=False)
+            return replace(bmm, us=bmm.us * X3_PREFERENCE)   # charged as gemm_x3 is: else a near-tie went
+            #                                                  to Strassen (8 x 4096 at batch 256: 960 vs 876 us)
         return self._component(L.dtype, work, [(f"bmm{7 ** level}", (L.m, h)), ("linear", (L.m, h))])
 
     def _tail(self, c: str, L: LinearLayer, next_: str | None) -> Estimate:

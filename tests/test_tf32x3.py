@@ -246,6 +246,23 @@ def test_cost_model_prices_strassen_products_from_the_tf32x3_tables():
         assert model.estimate(c, x3).us < model.estimate("library", x3).us < model.estimate(c, ieee).us
 
 
+def test_strassen_x3_products_are_charged_like_gemm_x3():
+    """gemm_x3 alone carried X3_PREFERENCE: a near-tie between gemm_x3 and Strassen with 3xTF32
+    products went to Strassen (H100, 8 x 4096 at batch 256: 960 us against gemm_x3's 876)."""
+    from fxfuse.cost_model import X3_PREFERENCE
+    same = calibration(bmm7_tf32x3=grid(lambda m, h: 0.5 * lib_us(m, h)), bmm49_tf32x3=grid(lambda m, h: 0.5 * lib_us(m, h)))
+    model = CostModel.from_dict(same)
+    x3 = LinearLayer(1024, 4096, 4096, torch.float32, x3_products=True)
+    body = model._body("strassen1", x3).us
+    raw = CostModel.from_dict(same)
+    import fxfuse.cost_model as cm
+    try:
+        cm.X3_PREFERENCE = 1.0
+        assert body == pytest.approx(X3_PREFERENCE * raw._body("strassen1", x3).us)
+    finally:
+        cm.X3_PREFERENCE = X3_PREFERENCE
+
+
 def test_plan_marks_layers_for_tf32x3_products_only_where_measured(tmp_path):
     from fxfuse.options import Options
     from passes.plan_linears import _with_tf32x3_products
