@@ -9,8 +9,8 @@ fp32's rounding). About 21 of fp32's 24 mantissa bits survive the split, so the 
 error stays at fp32's level: on the H100 (benchmarks/tf32x3_probe.py, relu(x @ W.T + b),
 random normal data) 1.5-3.2e-7 relative to a float64 product where cuBLAS fp32 measured
 1.1e-7 to 1.6e-6, at 78 TFLOP/s against cuBLAS's 51.6; from 256 rows fxfuse's own form with
-W split once (gemm_tiles, split_dot_step) reached 107 TFLOP/s at 4096^3 with the builtin's
-2.4e-7 (tf32x3_tiles_probe_20261126-c.txt). It is still not IEEE fp32
+W split once (gemm_tiles, split_dot_step) reached 102 TFLOP/s at 4096^3 at 3.1e-7
+(tiles_ab6_20261126.txt; x's high part truncated, see split_dot_step). It is still not IEEE fp32
 (a different rounding, like any other summation order, and Strassen), so it is opt-in, and
 each layer is checked on the example input like a Strassen layer: its error against float64
 must stay within `tolerance` (default: 3x the classical product's, at least 1e-5).
