@@ -280,9 +280,14 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     # chain where eager is 1.2% off and the fused kernel, accumulating in fp32, 0.02%); beyond
     # that only a modest eager error excuses it: (x + 1e4) - 1e4 in fp32 is 50% off already,
     # and a graph returning zeros must not pass as "4x that"; up to 10% off, a graph no further
-    # from float64 than eager passes (fp16, eager 2.2% off, the fused MLP 1.8%: fuzz27)
+    # from float64 than eager passes (fp16, eager 2.2% off, the fused MLP 1.8%: fuzz27) if no
+    # element is much further off than eager's worst: eager's error is spread over every value,
+    # a wrong rewrite's sits in a few (one zeroed column of 4096 is only 1.5% off in norm: review27)
     tolerance = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
-    return err_g <= tolerance or (err_e < 0.01 and err_g <= 4 * err_e) or (err_e < 0.1 and err_g <= err_e)
+    if err_g <= tolerance or (err_e < 0.01 and err_g <= 4 * err_e):
+        return True
+    worst_e, worst_g = (e.double() - ref).abs().max().item(), (g.double() - ref).abs().max().item()
+    return err_e < 0.1 and err_g <= err_e and worst_g <= 2 * worst_e + tolerance * ref.abs().max().item()
 
 
 def _eager_overflows(e, g) -> bool:

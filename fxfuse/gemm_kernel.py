@@ -189,10 +189,15 @@ def choose_gemm_config(m: int, spec: GemmSpec, allow_tf32: bool = False, tf32x3:
 
 def _split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, per_sm: int = 1) -> tuple:
     """(output tiles, split): split-K doubles while the grid has fewer than ~per_sm programs per
-    SM and every split keeps at least two K steps."""
+    SM and every split keeps at least two K steps. Splits take whole steps (generate_gemm:
+    cdiv(steps, split) each), so the count is in steps: at odd K the last split could otherwise
+    get none (K = 1100 in steps of 128, split 4: 3 + 3 + 3 + 0; review27)."""
     tiles = triton_cdiv(m, block_m) * triton_cdiv(n, block_n)
-    split = 1
-    while split < MAX_SPLIT_K and tiles * split * 2 <= SMS * per_sm and k >= block_k * split * 2 * 2:
+    steps, split = triton_cdiv(k, block_k), 1
+    while split < MAX_SPLIT_K and tiles * split * 2 <= SMS * per_sm:
+        per = triton_cdiv(steps, split * 2)
+        if per < 2 or (split * 2 - 1) * per >= steps:
+            break
         split *= 2
     return tiles, split
 

@@ -15,10 +15,15 @@ W split once (gemm_tiles, split_dot_step) reached 102 TFLOP/s at 4096^3 at 3.1e-
 each layer is checked on the example input like a Strassen layer: its error against float64
 must stay within `tolerance` (default: 3x the classical product's, at least 1e-5).
 
-The guard emulates the kernel with torch: the same split (hi rounded to nearest, ties away
-from zero, as cvt.rna.tf32.f32; lo truncated to TF32 as the tensor core reads it) and three
-fp32 products of the parts, whose elementwise products are exact in fp32 (11 x 11 bits). Only
-the order of the fp32 additions differs from the tensor core's.
+fxfuse's split form (from 256 rows, and Strassen's products) rounds W's parts once and
+truncates x's high part in the kernel (split_dot_step says why). The guard emulates it with
+torch: W's split (hi rounded to nearest, ties away from zero, as cvt.rna.tf32.f32; lo truncated
+to TF32 as the tensor core reads it), x truncated (truncated_parts), and three fp32 products of
+the parts, whose elementwise products are exact in fp32 (11 x 11 bits). The order of the
+additions differs from the tensor core's, which sums each K step without IEEE rounding: with
+the 128-wide steps of 33-255 rows (gemm_tiles) the kernel's error is ~2x the emulation's
+(1.9e-7 vs ~8e-8 at 64 x 1024); the default tolerance's floor, 1e-5, is far above both, but a
+`tolerance` set near 1e-7 is checked against an estimate that is low there (review27).
 """
 import torch
 

@@ -45,6 +45,15 @@ def test_issue3_view_names_met_missed_and_out_of_reach_cells():
     rows, lines = issue3([data], "fxfuse-auto", 8)
     assert [(r[0], r[1], r[-1]) for r in rows] == [
         (128, 1, "met"), (1024, 64, "missed"), (4096, 1, "out of reach: below the bytes floor"),
-        (4096, 64, "missed (target below the flops floor at the library's fp32 rate; 3xTF32 is not bound by it)")]
+        (4096, 64, "missed (target below the FLOP floor at the library's fp32 rate, which tensor-core products escape)")]
     assert lines == ["batch <= 64, 8 layers: 1 of 4 cells at least 3x over compile-ro; 1 out of reach (4096x1); "
                      "fxfuse-auto no slower than eager in a CUDA graph in 3 of 4"]
+
+
+def test_issue3_target_below_one_launch_is_out_of_reach():
+    """Only the FLOP floor at the library's fp32 rate is escapable (3xTF32); a launch floor is
+    not (review27: every bound but bytes had been counted as missed)."""
+    data = record([(8, 128, 1, {"compile-ro": 6.0, "cudagraph": 30.0, "fxfuse-auto": 12.0})])
+    data["cells"][0]["floor_us"], data["cells"][0]["floor_bound"] = 2.6, "launch"
+    rows, lines = issue3([data], "fxfuse-auto", 8)
+    assert rows[0][-1] == "out of reach: below the launch floor" and "1 out of reach (128x1)" in lines[0]

@@ -447,3 +447,8 @@ def test_verify_passes_a_graph_no_further_from_float64_than_an_inaccurate_eager(
     assert not _as_accurate_as_eager(model, (x,), 0, eager, further)
     assert not _as_accurate_as_eager(model, (x,), 0, eager, torch.zeros_like(x))
     assert not _as_accurate_as_eager(model, (x,), 0, noise(0.3), noise(0.2))   # eager 30% off: no excuse
+    wide = torch.randn(64, 4096).half()
+    spread = (wide.float() * (1 + 0.022 * torch.randn(64, 4096))).half()
+    one_column_wrong = wide.clone()
+    one_column_wrong[:, 0] = 0          # 1.5% off in norm, less than eager's 2.2%, but wrong (review27)
+    assert not _as_accurate_as_eager(model, (wide,), 0, spread, one_column_wrong)
