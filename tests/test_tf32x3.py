@@ -307,6 +307,30 @@ def test_split_weight_form_past_256_rows(special):
         torch.testing.assert_close(opt(fresh), model(fresh), equal_nan=True)
 
 
+@pytest.mark.parametrize("k", [96, 301])
+def test_split_form_with_split_k_redoes_only_nan_tiles_and_keeps_eagers_inf(k):
+    """The split-weights GEMM runs plain K steps and computes a tile again with the low
+    products' NaN masked only where its sum came out NaN; with split-K each split does so on
+    its own K range. inf in x and in W must come out as eager's inf, finite tiles unchanged."""
+    torch.manual_seed(0)
+    lin = nn.Linear(k, 24, bias=False).eval()
+    with torch.no_grad():
+        lin.weight[5, 7] = float("inf")
+        lin.weight[6, ::5] = 0.0
+    cfg = choose_gemm_config(260, GemmSpec(k, 24, torch.float32), tf32x3=True)
+    assert cfg.split_weights and cfg.split_k > 1, cfg
+    mod = EpilogueGemm(GemmSpec(k, 24, torch.float32), lin.weight, [], torch.fx.symbolic_trace(lin), (), config=cfg)
+    assert "nan_in(acc)" in mod.source and "MASK_NAN=True" in mod.source
+    x = torch.randn(260, k)
+    x[3, 2], x[100, k - 1], x[200, 40] = float("inf"), -float("inf"), float("nan")
+    with torch.no_grad():
+        got, want = mod(x), lin(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[got.isinf()], want[want.isinf()])
+    ok = want.isfinite()
+    assert (got[ok] - want[ok]).abs().max() <= 1e-5 * want[ok].abs().max()
+
+
 def test_in_place_weight_edit_after_optimize_reaches_the_split_copies():
     """The split-weights GEMM holds TF32 parts of W (copies): an in-place edit of W after
     optimize() must not leave them stale (the runtime rebuilds, with its one warning)."""
