@@ -198,7 +198,7 @@ def plan(args, device) -> tuple:
     for axis in ("m", "h"):
         if getattr(args, axis):   # the Strassen rows too: re-measuring one m re-measures all its tables
             grid[axis] = grid[f"strassen_{axis}"] = tuple(common.csv_ints(getattr(args, axis)))
-            if axis == "m":   # 3xTF32 only past the row-wise batches (gemm_kernel.ROWWISE_MAX_BATCH)
+            if axis == "m":   # 3xTF32 only past the row-wise batches (gemm_config.ROWWISE_MAX_BATCH)
                 grid["x3_m"] = tuple(m for m in grid["m"] if m > 16)
     if args.widths:
         grid["widths"] = tuple(common.csv_ints(args.widths))

@@ -5,13 +5,14 @@
 gemm_probe.py times one layer alone; with programmatic dependent launch a layer's weight read
 overlaps the previous layer, so tiles are compared here the way they run: the seed network,
 gemm="force", the CUDA graph's replay timed back to back (benchmarks.common.time_per_call).
-Each variant changes the chosen row-wise config (gemm_kernel._rowwise_config) by one field.
+Each variant changes the chosen row-wise config (gemm_config._rowwise_config) by one field.
 """
 import argparse
 
 import torch
 
 import fxfuse
+import fxfuse.gemm_config as gc
 import fxfuse.gemm_kernel as gk
 
 from .common import make_inputs, time_per_call
@@ -53,7 +54,7 @@ PIPELINED_VARIANTS = {   # --set pipelined: the K loop as tl.range(num_stages=..
 
 
 def patched(change):
-    original = gk._rowwise_config
+    original = gc._rowwise_config
 
     def config(m, spec, allow_tf32):
         cfg = original(m, spec, allow_tf32)
@@ -87,7 +88,7 @@ def main(argv=None):
         row, notes = [], []
         for change in variants.values():
             original, config = patched(change)
-            gk._rowwise_config = config
+            gc._rowwise_config = config
             try:
                 with torch.no_grad():
                     opt = fxfuse.optimize(model, inputs[0], gemm="force", fused_mlp="off")
@@ -103,7 +104,7 @@ def main(argv=None):
                 row.append(float("nan"))
                 notes.append(type(e).__name__)
             finally:
-                gk._rowwise_config = original
+                gc._rowwise_config = original
         print(f"{cell:>8} " + " ".join(f"{us:14.1f}" for us in row), flush=True)
         print(f"{'':>8} " + " ".join(f"{n:>14}" for n in notes), flush=True)
 

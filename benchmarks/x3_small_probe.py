@@ -16,6 +16,7 @@ import argparse
 import torch
 
 import fxfuse
+import fxfuse.gemm_config as gc
 import fxfuse.gemm_kernel as gk
 import fxfuse.passes.fuse_gemm as fg
 import fxfuse.passes.plan_linears as pl
@@ -59,17 +60,17 @@ VARIANTS_64 = {   # --set 64: past 16 rows, where W's bytes and the split-K fixu
 
 def _patched_config(variant):
     bm0, bn, bk, warps, stages, split_weights, sk = variant
-    original = gk.choose_gemm_config
+    original = gc.choose_gemm_config
 
     def config(m, spec, allow_tf32=False, tf32x3=False, **override):
         if not tf32x3:
             return original(m, spec, allow_tf32, tf32x3, **override)
         bm = bm0 or (16 if m <= 16 else 64)
-        _, split = gk._split_k(m, spec.n, spec.k, bm, bn, bk)
-        split = max(1, min(gk.MAX_SPLIT_K, int(split * sk)))
+        _, split = gc._split_k(m, spec.n, spec.k, bm, bn, bk)
+        split = max(1, min(gc.MAX_SPLIT_K, int(split * sk)))
         while split > 1 and spec.k < bk * split:
             split //= 2
-        return gk.GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+        return gc.GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
                              num_stages=stages, precision="tf32x3", split_weights=split_weights)
     return config
 
@@ -115,12 +116,12 @@ def main(argv=None):
                 print(f"{cell:>8} {label:16s} {us:9.1f} us  err {err:.1e}  {note}", flush=True)
             except Exception as e:  # noqa: BLE001 -- a probe: report and go on
                 print(f"{cell:>8} {label:16s} failed: {type(e).__name__} {str(e)[:120]}", flush=True)
-        saved = (gk.choose_gemm_config, fg.choose_gemm_config, gk.ROWWISE_MAX_BATCH, fg.GEMM_ROWWISE_MAX_BATCH,
+        saved = (fg.choose_gemm_config, gc.ROWWISE_MAX_BATCH, fg.GEMM_ROWWISE_MAX_BATCH,
                  pl.GEMM_ROWWISE_MAX_BATCH)
         for label, variant in variants.items():
             config = _patched_config(variant)
-            gk.choose_gemm_config = fg.choose_gemm_config = config
-            gk.ROWWISE_MAX_BATCH = fg.GEMM_ROWWISE_MAX_BATCH = pl.GEMM_ROWWISE_MAX_BATCH = 0
+            fg.choose_gemm_config = config
+            gc.ROWWISE_MAX_BATCH = fg.GEMM_ROWWISE_MAX_BATCH = pl.GEMM_ROWWISE_MAX_BATCH = 0
             try:
                 us, err, note, x3 = _time_plan(model, inputs, ref, args.layers, gemm="force", tf32x3="force",
                                                fused_mlp="off", strassen="off")
@@ -129,7 +130,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 print(f"{cell:>8} {label:16s} failed: {type(e).__name__} {str(e)[:120]}", flush=True)
             finally:
-                (gk.choose_gemm_config, fg.choose_gemm_config, gk.ROWWISE_MAX_BATCH, fg.GEMM_ROWWISE_MAX_BATCH,
+                (fg.choose_gemm_config, gc.ROWWISE_MAX_BATCH, fg.GEMM_ROWWISE_MAX_BATCH,
                  pl.GEMM_ROWWISE_MAX_BATCH) = saved
 
 

@@ -106,8 +106,8 @@ def tf32x3_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def gemm_tiles(m: int, n: int, k: int) -> tuple:
     """(block_m, block_n, block_k, warps, stages, split_weights, splits_per_sm) of the generated
-    GEMM in tf32x3 (gemm_kernel.choose_gemm_config adds split-K: splits_per_sm is the programs
-    per SM it may fill, gemm_kernel._split_k).
+    GEMM in tf32x3 (gemm_config.choose_gemm_config adds split-K: splits_per_sm is the programs
+    per SM it may fill, gemm_config._split_k).
 
     split_weights (from 256 rows): W's TF32 parts are made once, so the kernel splits only x,
     in registers, and issues three plain TF32 dots; the builtin tf32x3 dot splits both tiles
