@@ -141,6 +141,9 @@ def plan_table(gm, options=None) -> str:
     lines = [f"not legal: {c} ({', '.join(nodes) if len(nodes) < len(rows) else 'every layer'}): {reason}"
              for (c, reason), nodes in illegal.items()]
     lines += [f"note: {note}" for opt, note in FORCED_NOTES.items() if getattr(options, opt, None) == "force"]
+    if getattr(options, "strassen", None) == "off" and getattr(options, "strassen_levels", 1) != 1:
+        lines.append(f"note: strassen_levels={options.strassen_levels} has no effect: strassen='off' (the default; "
+                     "opt in with 'auto' or 'force')")
     return head + "\n" + tabulate(rows, headers=["linear", "m x k->n", *PLAN_COLUMNS, "choice", "why"],
                                    tablefmt="simple", maxcolwidths=[None] * (3 + len(PLAN_COLUMNS)) + [60]) + \
         "".join("\n" + line for line in lines)

@@ -13,12 +13,14 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxfuse.node_meta import fetch_attr
+
 from .spellings import CONV_FUNCTIONS
 
 aten = torch.ops.aten
 
 
-def _register_constant(gm, stem: str, tensor: torch.Tensor) -> str:
+def register_constant(gm, stem: str, tensor: torch.Tensor) -> str:
     name = "fxfuse_" + stem.replace(".", "_")
     k = 0
     while hasattr(gm, name + (f"_{k}" if k else "")):
@@ -31,6 +33,7 @@ def _register_constant(gm, stem: str, tensor: torch.Tensor) -> str:
 MATMULS = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul.default}
 MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
 ADDMMS = {torch.addmm, aten.addmm.default}
+EINSUMS = {torch.einsum, aten.einsum.default}
 
 
 def _transposed_weight(node):
@@ -46,33 +49,117 @@ def _transposed_weight(node):
         or (node.op == "call_method" and node.target == "transpose" and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
         or (node.op == "call_function" and node.target in (torch.transpose, aten.transpose.int)
             and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
-        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),))))
+        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),)))
+        or (node.op == "call_function" and node.target in (torch.permute, aten.permute.default)
+            and rest in (((1, 0),), ([1, 0],))))
     meta = w.meta.get("tensor_meta") if isinstance(w, torch.fx.Node) else None
     if transposes and w.op == "get_attr" and meta is not None and len(meta.shape) == 2:
         return w
     return None
 
 
-def matmul_as_linear(gm, node) -> bool:
-    """`x @ W.T`, `torch.matmul(x, W.t())`, `x.mm(W.transpose(0, 1))` -> F.linear(x, W), and
-    `torch.addmm(b, x, W.t())` -> F.linear(x, W) + b: the same product spelled as a Linear, so the
-    Linear passes (fused GEMM, fused MLP, Strassen, the cost model) see it (b + x @ W.T and
-    x @ W.T + b are the same sum)."""
-    if node.op == "call_function" and node.target in MATMULS or node.op == "call_method" and node.target in MATMUL_METHODS:
-        if len(node.args) != 2 or node.kwargs:
-            return False
-        x, other = node.args
-        bias = None
-    elif node.op == "call_function" and node.target in ADDMMS and len(node.args) == 3 and not node.kwargs:
-        bias, x, other = node.args
-    else:
-        return False
+def _stored_weight(node):
+    """W where node is itself a 2-D floating constant of the model (a get_attr), else None."""
+    meta = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    if node is None or not isinstance(node, torch.fx.Node) or node.op != "get_attr" or meta is None:
+        return None
+    return node if len(meta.shape) == 2 and meta.dtype.is_floating_point else None
+
+
+def _transposed_copy(gm, w):
+    """A get_attr of W.T as a contiguous constant of gm: `x @ W` with W stored [in, out] is
+    F.linear(x, W.T). One copy per weight however often the graph reads it; the copy is
+    derived from the model's tensor, so the runtime watches W's version counter and rebuilds
+    after an in-place edit (api.tensors_read), as for BatchNorm folding."""
+    copies = gm.meta.setdefault("fxfuse_transposed_weights", {})
+    if w.target not in copies:
+        copies[w.target] = register_constant(gm, f"{w.target}.T", fetch_attr(gm, w.target).detach().t().contiguous())
+    with gm.graph.inserting_after(w):
+        node = gm.graph.get_attr(copies[w.target])
+    meta = w.meta["tensor_meta"]
+    node.meta["tensor_meta"] = meta._replace(shape=torch.Size(reversed(meta.shape)), stride=(meta.shape[0], 1),
+                                             requires_grad=False)
+    return node
+
+
+def _weight_operand(other, transposed: bool):
+    """(W, copy) for the product `x @ other` (transposed=False) or `F.linear(x, other)`
+    (transposed=True), where other is a constant W of the model or W.T of one: F.linear needs
+    W itself (copy False) or its transposed copy (copy True, W stored [in, out]); None where
+    other is neither."""
     w = _transposed_weight(other)
-    x_meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
-    if w is None or x_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w.meta["tensor_meta"].dtype:
+    if w is not None:
+        return w, transposed
+    w = _stored_weight(other)
+    return (w, not transposed) if w is not None else None
+
+
+def _einsum_operands(node):
+    """(x, weight node for F.linear) where node is an einsum that is a Linear: one operand a 2-D
+    constant W, the other x, the equation contracting x's last index with one of W's and
+    keeping x's other indices in order followed by W's other one (`bi,oi->bo`, `...i,io->...o`,
+    `bsi,oi->bso`, either operand first); else None. W's index order says which way it is
+    stored."""
+    if node.op != "call_function" or node.target not in EINSUMS or node.kwargs or len(node.args) < 2:
+        return None
+    equation, operands = node.args[0], list(node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2:
+        return None
+    w_at = [i for i, a in enumerate(operands) if _stored_weight(a) is not None]
+    if len(w_at) != 1 or not isinstance(operands[1 - w_at[0]], torch.fx.Node):
+        return None
+    sw, sx = subscripts[w_at[0]], subscripts[1 - w_at[0]]
+    letters = sx.replace("...", "")
+    if len(sw) != 2 or not sx or sx.endswith(".") or len(set(letters)) != len(letters) or len(set(sw)) != 2:
+        return None
+    c = sx[-1]
+    o = sw.replace(c, "", 1)
+    if c not in sw or len(o) != 1 or o in sx or out != sx[:-1] + o:
+        return None
+    return operands[1 - w_at[0]], operands[w_at[0]], sw == o + c
+
+
+def matmul_as_linear(gm, node) -> bool:
+    """The same product spelled as a Linear, so the Linear passes (fused GEMM, fused MLP,
+    Strassen, the cost model) see it: `x @ W.T`, `torch.matmul(x, W.t())`,
+    `x.mm(W.transpose(0, 1))`, `torch.einsum("bi,oi->bo", x, W)` -> F.linear(x, W);
+    `torch.addmm(b, x, W.t())` -> F.linear(x, W) + b (b + x @ W.T and x @ W.T + b are the same
+    sum). A weight stored [in, out] (`x @ W`, `torch.addmm(b, x, W)`, `einsum("bi,io->bo")`,
+    `F.linear(x, W.t())`) reads a transposed copy made at optimize time."""
+    bias, weight = None, None
+    if node.op == "call_function" and node.target in MATMULS or node.op == "call_method" and node.target in MATMUL_METHODS:
+        if len(node.args) == 2 and not node.kwargs:
+            x, other = node.args
+            weight = _weight_operand(other, transposed=False)
+    elif node.op == "call_function" and node.target in ADDMMS:
+        if len(node.args) == 3 and not node.kwargs:
+            bias, x, other = node.args
+            weight = _weight_operand(other, transposed=False)
+    elif node.op == "call_function" and node.target in (F.linear, aten.linear.default) and node.args:
+        args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
+        if not set(args) - {"input", "weight", "bias"} and _transposed_weight(args.get("weight")) is not None:
+            x, bias = args["input"], args.get("bias")   # F.linear(x, W) is canonical already:
+            weight = _weight_operand(args["weight"], transposed=True)   # split_layer splits its bias off
+    elif (einsum := _einsum_operands(node)) is not None:
+        x, w, stored_out_in = einsum
+        weight = (w, not stored_out_in)
+    if weight is None:
         return False
+    w, copy = weight
+    x_meta, w_meta = (x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None), w.meta["tensor_meta"]
+    if x_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w_meta.dtype \
+            or x_meta.shape[-1] != w_meta.shape[0 if copy else 1]:
+        return False   # not a product eager computes: it raises, and so does the graph
     if node.target in (torch.mm, aten.mm.default, "mm") and len(x_meta.shape) != 2:
         return False
+    if copy:
+        w = _transposed_copy(gm, w)
     g = gm.graph
     with g.inserting_before(node):
         out = g.call_function(F.linear, (x, w))
@@ -109,7 +196,7 @@ def split_layer(gm, node) -> bool:
                 if mod.bias is not None:
                     out.meta = dict(node.meta)
                     shape = (-1,) + (1,) * nd
-                    b = g.get_attr(_register_constant(gm, f"{node.target}.bias", mod.bias.view(shape)))
+                    b = g.get_attr(register_constant(gm, f"{node.target}.bias", mod.bias.view(shape)))
                     out = g.call_function(operator.add, (out, b))
         else:
             return False

@@ -13,6 +13,7 @@ from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
 from .linear_epilogue import linear_epilogue
 from .normalize import normalize
+from .sink_views import sink_views
 from .plan_linears import plan_linears
 from .strassen import strassen
 
@@ -20,6 +21,7 @@ PIPELINE = [
     # name              pass              re-propagate shapes after it
     ("fold_batchnorm", fold_batchnorm, True),    # eval BatchNorm -> folded weights or per-channel mul-add
     ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
+    ("sink_views", sink_views, True),            # view(y) -> pointwise op  =>  op(y) -> view: epilogues reach ops past views
     ("plan_linears", plan_linears, False),       # cost model: per chain of Linears, which candidate each layer runs as
     ("strassen", strassen, False),               # large Linears -> Strassen prefix | one bmm | suffix+epilogue+next prefix
     ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel

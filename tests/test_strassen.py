@@ -367,3 +367,14 @@ def test_example_with_nan_keeps_layers_classical_and_says_why():
     x[1, 3] = float("nan")
     opt = fxfuse.optimize(model, x, strassen="force")
     assert "the error cannot be measured" in fxfuse.explain(opt)
+
+
+def test_strassen_levels_without_strassen_is_noted_in_explain():
+    """strassen_levels=2 with strassen left 'off' was accepted without a word (fuzz27): the
+    plan table notes that it has no effect (not an error: sweeps pass both options)."""
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 12), strassen_levels=2)
+    assert "note: strassen_levels=2 has no effect: strassen='off'" in fxfuse.explain(opt)
+    assert not _bmm_nodes(opt)
+    opt = fxfuse.optimize(model, torch.randn(4, 12), strassen="auto", strassen_levels=2)
+    assert "strassen_levels=2 has no effect" not in fxfuse.explain(opt)

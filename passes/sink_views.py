@@ -1,0 +1,173 @@
+"""Reshapes move below the pointwise ops that read them: `gelu(y.view(b, s, n))` becomes
+`gelu(y).view(b, s, n)`, so the pointwise op joins the group of what produced y.
+
+Why: code that runs a Linear on a 2-D view and reshapes back (GPT-2's Conv1D:
+`torch.addmm(b, x.view(-1, k), W).view(b, s, n)`, then the activation; `h.flatten(0, 1)` around
+an MLP) put a view between the GEMM and its activation and residual add. A view is no
+pointwise op, so every epilogue stopped at it: the generated GEMM applied its bias only, and
+the activation and the residual add ran as kernels of their own.
+
+An elementwise op commutes with any reshape (same elements, same row-major order). An
+operand other than the view moves along when it is a number, a constant of all-ones shape or
+a vector along the last dimension (which both shapes share), or a tensor of the view's
+shape that is contiguous (read through a reshape of its own, free). A view chain that ends
+at the shape it started from, on a contiguous tensor, is that tensor. Views of another
+dtype or size, 0-d tensors and ops whose result broadcasts beyond the view stay as written.
+"""
+import math
+
+import torch
+import torch.fx
+
+from fxfuse.node_meta import fxfuse_meta
+from fxfuse.ops import is_pointwise_target
+from fxfuse.tracing import fetch_attr
+
+from .normalize_layers import register_constant
+
+aten = torch.ops.aten
+
+RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, aten.view.default, aten.reshape.default,
+                     aten._unsafe_view.default}
+
+
+def _meta(node):
+    meta = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    return meta if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) else None
+
+
+def _contiguous(meta) -> bool:
+    expected, stride = 1, []
+    for size in reversed(meta.shape):
+        stride.append(expected)
+        expected *= max(size, 1)
+    return all(s == e or size == 1 for s, e, size in zip(meta.stride, reversed(stride), meta.shape))
+
+
+def reshape_source(node):
+    """y where node reshapes y (same dtype and element count, neither 0-d nor empty), else None."""
+    is_reshape = (node.op == "call_method" and node.target in RESHAPE_METHODS
+                  or node.op == "call_function" and node.target in RESHAPE_FUNCTIONS
+                  or node.op == "call_module" and type(node.graph.owning_module.get_submodule(node.target))
+                  in (torch.nn.Flatten, torch.nn.Unflatten))
+    if not is_reshape or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    src, out = _meta(node.args[0]), _meta(node)
+    if src is None or out is None or src.dtype != out.dtype or not src.shape or not out.shape:
+        return None
+    numel = math.prod(src.shape)
+    return node.args[0] if numel and numel == math.prod(out.shape) else None
+
+
+def _operand_for(g, operand, view, source, before):
+    """What `operand` of a pointwise op reading `view` becomes once the op reads `source`:
+    the same value where it broadcasts the same way against both shapes, a reshape of it
+    where it has the view's shape and is contiguous; None where it cannot move."""
+    if operand is view:
+        return source
+    meta = _meta(operand)
+    if not isinstance(operand, torch.fx.Node):
+        return operand                       # a number, a string, a dtype
+    if meta is None:
+        return None
+    src_shape, view_shape, shape = tuple(_meta(source).shape), tuple(_meta(view).shape), tuple(meta.shape)
+    if not shape:
+        return operand                       # 0-d: broadcasts against anything
+    if all(s == 1 for s in shape[:-1]) and (shape[-1] == 1 or shape[-1] == src_shape[-1] == view_shape[-1]):
+        if len(shape) <= len(src_shape):
+            return operand                   # a scalar-like constant or a vector along the last dim
+        if operand.op == "get_attr":         # [1, 1, n] against [m, n]: its [n] view (same storage)
+            with g.inserting_after(operand):
+                flat = g.get_attr(register_constant(g.owning_module, operand.target + ".flat",
+                                                     fetch_attr(g.owning_module, operand.target).view(shape[-1:])))
+            flat.meta["tensor_meta"] = meta._replace(shape=torch.Size(shape[-1:]), stride=(1,))
+            return flat
+    if shape == view_shape and _contiguous(meta):
+        existing = next((u for u in operand.users if reshape_source(u) is operand
+                         and tuple(_meta(u).shape) == src_shape and _precedes(u, before)), None)
+        if existing is not None:
+            return existing       # the same node as the reshape a Linear reads: a residual it knows
+        placeholders = [n for n in g.nodes if n.op == "placeholder"]
+        with g.inserting_after(placeholders[-1] if operand.op == "placeholder" else operand):
+            moved = g.call_method("reshape", (operand, src_shape))
+        moved.meta["tensor_meta"] = meta._replace(shape=torch.Size(src_shape), stride=_row_major(src_shape))
+        return moved
+    return None
+
+
+def _row_major(shape) -> tuple:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def _precedes(a, b) -> bool:
+    node = a
+    while node.op != "root":
+        if node is b:
+            return True
+        node = node.next
+    return False
+
+
+def _sink_one(gm, op) -> bool:
+    """Rewrite `op(view(y), ...)` as `view(op(y, ...))` where every operand can move."""
+    g = gm.graph
+    if fxfuse_meta(op).get("view_moved"):
+        return False    # once: its operands' reshapes would move the view back up
+    views = [a for a in op.args if isinstance(a, torch.fx.Node) and reshape_source(a) is not None
+             and reshape_source(a).op not in ("placeholder", "get_attr")]   # a view of an input joins nothing
+    if not views or _meta(op) is None or tuple(_meta(op).shape) != tuple(_meta(views[0]).shape):
+        return False
+    view = views[0]
+    source = reshape_source(view)
+    if any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()):
+        return False
+    args = []
+    for a in op.args:
+        moved = _operand_for(g, a, view, source, op)
+        if moved is None:
+            return False
+        args.append(moved)
+    with g.inserting_before(op):
+        new_op = g.call_function(op.target, tuple(args), dict(op.kwargs))
+        out_meta = _meta(op)
+        new_op.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
+        new_op.meta["tensor_meta"] = out_meta._replace(shape=_meta(source).shape,
+                                                       stride=_row_major(tuple(_meta(source).shape)))
+        new_view = g.call_method("reshape", (new_op, tuple(out_meta.shape)))
+        new_view.meta["tensor_meta"] = out_meta
+    fxfuse_meta(new_op)["view_moved"] = view.name
+    op.replace_all_uses_with(new_view)
+    g.erase_node(op)
+    if not view.users:
+        g.erase_node(view)
+    return True
+
+
+def _round_trip(node):
+    """z where node reshapes a reshape of contiguous z back to z's shape (a no-op), else None."""
+    inner = reshape_source(node)
+    z = reshape_source(inner) if inner is not None else None
+    if z is None or tuple(_meta(z).shape) != tuple(_meta(node).shape) or not _contiguous(_meta(z)):
+        return None
+    return z
+
+
+def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    g = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        for node in list(g.nodes):
+            if node.op == "call_function" and is_pointwise_target(node.target) and _sink_one(gm, node):
+                changed = True
+            elif (z := _round_trip(node)) is not None:
+                inner = node.args[0]
+                node.replace_all_uses_with(z)
+                g.erase_node(node)
+                if not inner.users:
+                    g.erase_node(inner)
+                changed = True
+    g.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,173 @@
+"""Products that are a Linear whatever their spelling: a weight stored [in, out] (`x @ W`,
+`torch.addmm(b, x, W)`, `F.linear(x, W.t())`) and einsum equations (`bi,oi->bo`,
+`...i,io->...o`) reach the Linear passes as F.linear, so the fused GEMM, the fused MLP and
+Strassen apply to them too (normalize_layers.matmul_as_linear). Checked against eager on
+fresh inputs, with the rewrite asserted (no matmul left, the kernels counted), the weight
+copy watched after an in-place edit, and equations that are not a Linear left alone."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+
+SPELLINGS = {
+    "x @ W": lambda x, w, wt, b: x @ w + b,
+    "matmul(x, W)": lambda x, w, wt, b: torch.matmul(x, w) + b,
+    "x.matmul(W)": lambda x, w, wt, b: x.matmul(w) + b,
+    "addmm(b, x, W)": lambda x, w, wt, b: torch.addmm(b, x, w),
+    "F.linear(x, W.t(), b)": lambda x, w, wt, b: F.linear(x, w.t(), b),
+    "F.linear(x, W.T) + b": lambda x, w, wt, b: F.linear(x, w.T) + b,
+    "einsum bi,io->bo": lambda x, w, wt, b: torch.einsum("bi,io->bo", x, w) + b,
+    "einsum bi,oi->bo": lambda x, w, wt, b: torch.einsum("bi,oi->bo", x, wt) + b,
+    "einsum oi,bi->bo": lambda x, w, wt, b: torch.einsum("oi,bi->bo", wt, x) + b,
+    "einsum ...i,io->...o": lambda x, w, wt, b: torch.einsum("...i,io->...o", x, w) + b,
+    "einsum [list] b i, o i -> b o": lambda x, w, wt, b: torch.einsum("b i, o i -> b o", [x, wt]) + b,
+}
+
+
+class Chain(nn.Module):
+    """Three layers of widths 7 -> 12 -> 12 -> 5, each spelled `spelling`; `w*` stored
+    [in, out], `wt*` [out, in]."""
+    def __init__(self, spelling):
+        super().__init__()
+        self.product = SPELLINGS[spelling]
+        sizes = [(7, 12), (12, 12), (12, 5)]
+        for i, (k, n) in enumerate(sizes):
+            w = torch.randn(k, n) / k ** 0.5
+            self.register_parameter(f"w{i}", nn.Parameter(w))
+            self.register_parameter(f"wt{i}", nn.Parameter(w.t().contiguous()))
+            self.register_parameter(f"b{i}", nn.Parameter(torch.randn(n)))
+
+    def forward(self, x):
+        for i in range(3):
+            x = self.product(x, getattr(self, f"w{i}"), getattr(self, f"wt{i}"), getattr(self, f"b{i}"))
+            x = torch.tanh(x) if i < 2 else x
+        return x
+
+
+def _node_targets(opt):
+    spec = next(iter(opt.specializations.values()))
+    return [str(n.target) for n in spec.gm.graph.nodes]
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_spellings_of_a_linear_run_as_fused_gemms(spelling):
+    model = Chain(spelling).eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True, gemm="force")
+    with torch.no_grad():
+        x = torch.randn(9, 7)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+        names = _node_targets(opt)
+        assert sum(n.startswith("fused_gemm") for n in names) == 3, names
+        assert not any(t in ("addmm", "mm", "matmul", "einsum") or "linear" in t for t in names), names
+
+
+@pytest.mark.parametrize("spelling", ["x @ W", "einsum bi,io->bo", "F.linear(x, W.t(), b)", "einsum bi,oi->bo"])
+def test_spellings_of_a_linear_chain_make_one_fused_mlp(spelling):
+    model = Chain(spelling).eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True, fused_mlp="force")
+    with torch.no_grad():
+        x = torch.randn(4, 7)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+
+
+def test_a_weight_stored_in_out_edited_in_place_is_read_anew():
+    """The transposed copy is derived from W: an in-place edit after optimize rebuilds."""
+    model = Chain("x @ W").eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True, gemm="force")
+    x = torch.randn(5, 7)
+    with torch.no_grad():
+        opt(x)
+        model.w0.mul_(-2.0)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_weight_read_twice_is_copied_once():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+        def forward(self, x):
+            return torch.relu(torch.relu(x @ self.w) @ self.w)
+
+    model = Twice().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 8), strict=True, gemm="force")
+    with torch.no_grad():
+        x = torch.randn(6, 8)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    spec = next(iter(opt.specializations.values()))
+    assert fxfuse.stats(opt)["fused_kernels"] == 2
+    assert len(spec.gm.meta["fxfuse_transposed_weights"]) == 1
+
+
+@pytest.mark.parametrize("equation", ["bi,io->ob", "bi,oi->ob", "bi,oi", "bi,ii->bi", "bj,ij->bi"])
+def test_einsums_that_are_not_a_plain_linear_stay_correct(equation):
+    """Transposed outputs, implicit outputs and diagonals stay einsum calls (or are correct)."""
+    class Eq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 6) / 3)
+
+        def forward(self, x):
+            return torch.einsum(equation, x, self.w).sigmoid()
+
+    model = Eq().eval()
+    opt = fxfuse.optimize(model, torch.randn(6, 6), strict=True, gemm="force")
+    with torch.no_grad():
+        x = torch.randn(6, 6)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    linear = equation == "bj,ij->bi"    # j contracted, W's other index i last: a Linear with W [out, in]
+    assert ("einsum" in " ".join(_node_targets(opt))) != linear
+
+
+def test_a_three_d_input_through_x_at_w():
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 10) / 3)
+
+        def forward(self, x):
+            return F.gelu(x @ self.w)
+
+    model = Seq().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 3, 6), strict=True, gemm="force")
+    with torch.no_grad():
+        x = torch.randn(2, 3, 6)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+
+
+class Conv1D(nn.Module):
+    """GPT-2's Conv1D (Hugging Face transformers): a Linear with its weight stored [in, out]."""
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc, self.c_proj, self.act = Conv1D(4 * d, d), Conv1D(d, 4 * d), nn.GELU(approximate="tanh")
+
+    def forward(self, h):
+        return self.c_proj(self.act(self.c_fc(h))) + h
+
+
+def test_gpt2_conv1d_layers_become_generated_gemms():
+    model = GPT2MLP(12).eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 5, 12), strict=True, gemm="force")
+    with torch.no_grad():
+        x = torch.randn(3, 7, 12)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    names = _node_targets(opt)
+    assert sum(n.startswith("fused_gemm") for n in names) == 2 and "addmm" not in " ".join(names)
