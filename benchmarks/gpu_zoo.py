@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from benchmarks.mlp import ResidualMLP
+from benchmarks.blocks import GPT2MLP, MatmulChain
 
 DEVICE = "cuda"
 
@@ -147,6 +148,15 @@ def cases():
                 lambda b, dt: (torch.randn(b, 24, device=DEVICE, dtype=dt), torch.randn(b, 24, device=DEVICE, dtype=dt)),
                 5, (1, 9), {}, True))
     out.append(("weight-normed scaled 200", lambda: NormedScaled(200), vec(200), 24, (1, 130), {}, True))
+    # weights stored [in, out] and views around the product (benchmarks/blocks.py; 2026-11-26)
+    seq = lambda d: (lambda b, dt: (torch.randn(b, 13, d, device=DEVICE, dtype=dt),))  # noqa: E731
+    out.append(("gpt2 mlp d96 s13", lambda: GPT2MLP(96), seq(96), 2, (5, 1), {}, True))   # x.view: eager needs
+    # a viewable input, so the non-contiguous call (the last batch) is at batch 1
+    out.append(("gpt2 mlp d64 s13 gemm force", lambda: GPT2MLP(64), seq(64), 3, (1,), {"gemm": "force"}, True))
+    out.append(("x @ W chain 4x200 mlp force", lambda: MatmulChain(200, 4), vec(200), 9, (1, 70), {"fused_mlp": "force"},
+                True))
+    out.append(("einsum chain 4x72 gemm force", lambda: MatmulChain(72, 4, einsum=True), vec(72), 33, (1, 300),
+                {"gemm": "force"}, True))
     return out
 
 

@@ -1,0 +1,115 @@
+"""Blocks written the way real code spells a Linear: GPT-2's Conv1D MLP and `x @ W` chains.
+
+    python -m benchmarks.blocks [--cases gpt2-mlp,matmul-chain,einsum-chain] [--tools ...]
+
+Why: the seed network uses nn.Linear. Code ported from other frameworks stores weights
+[in, out] and writes `x @ W`, `torch.addmm(b, x.view(-1, k), W).view(b, s, n)` (Hugging Face
+GPT-2's Conv1D) or einsum; before 2026-11-26 those stayed library matmuls with the
+activation, bias and residual in kernels of their own (the view after the addmm stopped
+every epilogue). Column `fxfuse-spelled-before` builds with that behaviour back (no
+transposed-weight rewrite, no einsum rewrite, no sink_views pass) in the same run, so the
+gain of the rewrite is measured against eager, torch.compile and the old plan together.
+"""
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import common
+from . import tools as toolmod
+
+
+class Conv1D(nn.Module):
+    """Hugging Face transformers' GPT-2 Conv1D: a Linear with its weight stored [in, out]."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.02)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class GPT2MLP(nn.Module):
+    """GPT-2's MLP with its residual: h + c_proj(gelu_new(c_fc(h)))."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * d, d), Conv1D(d, 4 * d)
+
+    def forward(self, h):
+        return h + self.c_proj(F.gelu(self.c_fc(h), approximate="tanh"))
+
+
+class MatmulChain(nn.Module):
+    """`relu(x @ W + b)` per layer, W [in, out] (or einsum "bi,io->bo")."""
+
+    def __init__(self, width, layers, einsum=False):
+        super().__init__()
+        self.einsum = einsum
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(width, width) / width ** 0.5) for _ in range(layers))
+        self.biases = nn.ParameterList(nn.Parameter(torch.randn(width) * 0.1) for _ in range(layers))
+
+    def forward(self, x):
+        for w, b in zip(self.weights, self.biases):
+            x = torch.relu((torch.einsum("bi,io->bo", x, w) if self.einsum else x @ w) + b)
+        return x
+
+
+CASES = {   # name -> (factory, input shape, note)
+    "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
+    "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
+    "matmul-chain": (lambda: MatmulChain(1024, 8), (64, 1024), "8 x relu(x @ W + b), 64 x 1024"),
+    "matmul-chain-narrow": (lambda: MatmulChain(128, 8), (1, 128), "8 x relu(x @ W + b), 1 x 128"),
+    "einsum-chain": (lambda: MatmulChain(512, 8, einsum=True), (16, 512), "8 x relu(einsum + b), 16 x 512"),
+}
+
+
+@contextlib.contextmanager
+def spelled_as_before():
+    """fxfuse as it was before these spellings were rewritten (the ablation column)."""
+    import fxfuse.passes.normalize_layers as nl
+    import fxfuse.passes.pipeline as pl
+    saved = nl._stored_weight, nl._einsum_operands, pl.PIPELINE
+    nl._stored_weight = lambda node: None
+    nl._einsum_operands = lambda node: None
+    pl.PIPELINE = [p for p in pl.PIPELINE if p[0] != "sink_views"]
+    try:
+        yield
+    finally:
+        nl._stored_weight, nl._einsum_operands, pl.PIPELINE = saved
+
+
+def build_before(model, example):
+    with spelled_as_before():
+        return toolmod.build_fxfuse(model, example)
+
+
+BEFORE = toolmod.Tool("fxfuse-spelled-before", "fxfuse before", build_before, default=False, fxfuse=True,
+                      private_copy=True)
+toolmod.TOOLS.append(BEFORE)
+toolmod.TOOLS_BY_KEY[BEFORE.key] = BEFORE
+
+
+def main(argv=None):
+    parser = common.main_parser(__doc__.splitlines()[0])
+    parser.add_argument("--cases", help=f"comma list of {','.join(CASES)} (default: all)")
+    args = parser.parse_args(argv)
+    if not args.tools:
+        args.tools = "eager,cudagraph,compile,compile-ro,fxfuse,fxfuse-spelled-before"
+    names = [n.strip() for n in args.cases.split(",")] if args.cases else list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    cases = [common.Case(params={"case": n}, make_model=CASES[n][0], input_shape=CASES[n][1], notes=[CASES[n][2]])
+             for n in names]
+    common.run_benchmark("blocks", cases, args)
+
+
+if __name__ == "__main__":
+    main()
