@@ -211,6 +211,7 @@ def _record_error(rec, exc):
 
     rec.update(status="err", error=f"{type(exc).__name__}: {exc}"[:500],
                traceback=traceback.format_exc()[-4000:])
+    print(f"    error: {rec['traceback'][-2500:]}", file=sys.stderr, flush=True)
 
 
 def _store_timing(rec, t):
@@ -293,7 +294,10 @@ def run_case(case, tools, device, dtype, ceilings, args, seed):
                 for tool in tools:
                     cell["results"][tool.key] = run_tool(tool, model, inputs, ref, args)
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the reference
+        import traceback
+
         cell["skipped"] = f"setup failed: {type(exc).__name__}: {exc}"[:500]
+        print(f"    setup failed:\n{traceback.format_exc()[-3000:]}", file=sys.stderr, flush=True)
     finally:
         model = inputs = ref = cpu_model = None
         _cleanup(device)

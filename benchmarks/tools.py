@@ -62,8 +62,11 @@ def build_cudagraph(model, example):
             model(static_in)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    from fxfuse.graph_launch import clear_cublas_workspaces   # its docstring: why, around a capture
+    clear_cublas_workspaces()
     with torch.cuda.graph(graph):
         static_out = model(static_in)
+    clear_cublas_workspaces()
 
     def run(x):
         static_in.copy_(x)

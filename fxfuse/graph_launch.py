@@ -58,6 +58,28 @@ def generator_offset(device_index: int) -> int | None:
         return None
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces (one per handle and stream) around a capture, as
+    Inductor's cudagraph trees do, so that the workspace a captured library GEMM uses is
+    allocated inside the capturing graph's own pool and no later capture inherits it.
+
+    Why: every torch.cuda.graph() without a stream captures on one shared side stream, and
+    cuBLAS reuses the workspace cached for that stream, so a graph can bake in a workspace
+    that lies in an earlier graph's pool. Once that graph is gone and something clears the
+    cache (torch.compile's reduce-overhead mode does, before each recording) and empties the
+    allocator, the workspace's memory can be released while the later graph still uses it.
+    A defence, not a proven fix: benchmarks.blocks faulted (illegal memory access) five times
+    on two H100 machines on 2026-11-26, in the replay of its hand-captured eager graph after
+    torch.compile(mode="reduce-overhead") and fxfuse were built in the same process; it did
+    not fault on a third machine before this change either, and a scenario built to force the
+    hazard (graph A's workspace reused by fxfuse's capture, A freed, cache cleared and emptied)
+    ran clean with and without it. benchmarks.tools captures the same way.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class GraphLauncher:
     """replay() of one captured graph: cuGraphLaunch where that is the same, else graph.replay()."""
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .graph_launch import clear_cublas_workspaces
+
 
 def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
     """(CUDA graph, calls): `calls` back-to-back calls of fn captured in one graph, as many as
@@ -33,9 +35,11 @@ def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
     end.synchronize()
     calls = max(1, min(max_calls, int(target_us / max(start.elapsed_time(end) * 1e3, 1e-3))))
     graph = torch.cuda.CUDAGraph()
+    clear_cublas_workspaces()   # its own workspace, none left cached for later captures (graph_launch)
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    clear_cublas_workspaces()
     return graph, calls
 
 

@@ -113,8 +113,9 @@ def _probe(model, args, expected, reads, differs, inference) -> None:
             changed = _changes(model, args, expected, differs)                      # turns grad on: set after it
         if changed:
             reads["reads_grad_mode"] = reads.get("reads_grad_mode") or grad
-            if other and reads.get("reads_inference_mode") is None:
-                reads["reads_inference_mode"] = inference
+            if other and not grad and reads.get("reads_inference_mode") is None:
+                reads["reads_inference_mode"] = inference   # the run flipping both marks grad only: a
+                # model made under inference_mode fails there (its parameters cannot be saved for backward)
 
 
 def _changes(model, args, expected, differs) -> bool:

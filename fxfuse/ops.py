@@ -25,6 +25,40 @@ def cast(x, dtype):
     return x.to(dtype)
 
 
+def as_layout(x, stride):
+    """x with the strides eager's op gave its result (a copy only where they differ). Inserted
+    after a rewrite whose kernel writes row-major where eager kept its input's layout (a Linear's
+    residual add over a transposed input, an eval BatchNorm as a multiply-add on a transposed
+    input): a later `.view()` or the caller may rely on eager's layout."""
+    if x.stride() == tuple(stride):
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def keep_eager_layout(gm, node, eager_meta, produced_stride) -> None:
+    """After `node` (a rewrite of an op eager ran), restore eager's strides where the rewrite
+    writes others: the users read as_layout(node) instead (fxfuse.ops.as_layout)."""
+    stride = tuple(getattr(eager_meta, "stride", ()) or ())
+    if not stride or produced_stride is not None and tuple(produced_stride) == stride:
+        return
+    users = list(node.users)
+    with gm.graph.inserting_after(node):
+        fixed = gm.graph.call_function(as_layout, (node, stride))
+    fixed.meta["tensor_meta"] = eager_meta
+    fixed.meta.setdefault("fxfuse", {})["note"] = "eager's memory layout restored (the rewrite writes another)"
+    for user in users:
+        user.replace_input_with(node, fixed)
+
+
+def row_major(shape) -> tuple:
+    """The strides of a contiguous tensor of this shape."""
+    out, step = [], 1
+    for size in reversed(tuple(shape)):
+        out.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(out))
+
+
 @dataclass(frozen=True)
 class PointwiseOp:
     name: str

@@ -6,7 +6,7 @@ import torch
 import torch.fx
 
 from .errors import UnsupportedError
-from .graph_launch import GraphLauncher, draws_random_numbers, generator_offset
+from .graph_launch import GraphLauncher, clear_cublas_workspaces, draws_random_numbers, generator_offset
 from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger
@@ -167,14 +167,18 @@ class Specialization(SlotChoice):
         """(graph, its outputs, its GraphInputs); with `into` (tensors like the outputs, in
         flattened order) the graph ends by copying its outputs there."""
         graph, keeps_graph = new_graph(bool(self.bound_in))
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
-            for k, source in self.bound_in:
-                self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
-            out = self.gm(*static_args)
-            if into is not None:
-                produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                for dst, src in zip(into, produced, strict=True):
-                    dst.copy_(src)
+        clear_cublas_workspaces()   # the workspace of a library GEMM in this graph: in its own pool
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+                for k, source in self.bound_in:
+                    self.static_in[k].copy_(source)     # the memcpy node a call re-points at its input
+                out = self.gm(*static_args)
+                if into is not None:
+                    produced = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                    for dst, src in zip(into, produced, strict=True):
+                        dst.copy_(src)
+        finally:
+            clear_cublas_workspaces()   # and no later capture inherits it
         inputs = GraphInputs(graph, keeps_graph, self.copied_in, self.bound_in, dict(enumerate(self.static_in)))
         return graph, out, inputs
 

@@ -15,6 +15,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxfuse.ops import keep_eager_layout
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 from .normalize_layers import keywords_to_positions
@@ -164,3 +165,6 @@ def _as_multiply_add(gm, node, bn, x, stem: str) -> None:
     fxfuse_meta(new)["note"] = f"eval-mode {stem} as a per-channel multiply-add"
     node.replace_all_uses_with(new)
     g.erase_node(node)
+    x_meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
+    if x_meta is not None and tuple(x_meta.stride) != tuple(meta.stride):   # the multiply-add follows x's
+        keep_eager_layout(gm, new, meta, None)   # layout, batch_norm writes its own (as_layout: copy if other)

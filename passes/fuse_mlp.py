@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from fxfuse.mlp_kernel import (FusedMLP, KERNEL_DTYPES, Linear, MLPSpec, Pointwise, choose_config, why_not_kernel,
                                why_slow)
-from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target
+from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target, keep_eager_layout, row_major
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta
 
@@ -349,10 +349,12 @@ def replace_region(gm, region: _Region, module, prefix: str, kind: str, decision
     out = region.output
     with g.inserting_before(out):
         call = g.call_module(name, (region.x,))
-    call.meta["tensor_meta"] = out.meta["tensor_meta"]
+    eager = out.meta["tensor_meta"]
+    call.meta["tensor_meta"] = eager._replace(stride=row_major(eager.shape))   # the kernel writes row-major
     call.meta["fxfuse"] = {"kind": kind, "members": [n.name for n in region.nodes],
                            "device": fxfuse_meta(out).get("device"), "decision": decision}
     out.replace_all_uses_with(call)
+    keep_eager_layout(gm, call, eager, row_major(eager.shape))   # a residual over a transposed x
     consts = set()
     for node in reversed(region.nodes):
         consts.update(a for a in node.all_input_nodes if a.op == "get_attr")

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from fxfuse.node_meta import fxfuse_meta
-from fxfuse.ops import is_pointwise_target
+from fxfuse.ops import is_pointwise_target, row_major
 from fxfuse.tracing import fetch_attr
 
 from .normalize_layers import register_constant
@@ -91,13 +91,9 @@ def _operand_for(g, operand, view, source, before):
         placeholders = [n for n in g.nodes if n.op == "placeholder"]
         with g.inserting_after(placeholders[-1] if operand.op == "placeholder" else operand):
             moved = g.call_method("reshape", (operand, src_shape))
-        moved.meta["tensor_meta"] = meta._replace(shape=torch.Size(src_shape), stride=_row_major(src_shape))
+        moved.meta["tensor_meta"] = meta._replace(shape=torch.Size(src_shape), stride=row_major(src_shape))
         return moved
     return None
-
-
-def _row_major(shape) -> tuple:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def _precedes(a, b) -> bool:
@@ -133,7 +129,7 @@ def _sink_one(gm, op) -> bool:
         out_meta = _meta(op)
         new_op.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
         new_op.meta["tensor_meta"] = out_meta._replace(shape=_meta(source).shape,
-                                                       stride=_row_major(tuple(_meta(source).shape)))
+                                                       stride=row_major(tuple(_meta(source).shape)))
         new_view = g.call_method("reshape", (new_op, tuple(out_meta.shape)))
         new_view.meta["tensor_meta"] = out_meta
     fxfuse_meta(new_op)["view_moved"] = view.name

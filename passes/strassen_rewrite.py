@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
 from fxfuse.kernel import FusedKernel
-from fxfuse.ops import POINTWISE, is_pointwise_target
+from fxfuse.ops import POINTWISE, is_pointwise_target, keep_eager_layout, row_major
 from fxfuse.strassen_tables import block_position, combine_ir, levels, prefix_ref, suffix_ref
 from fxfuse.tf32x3 import bmm_tf32x3, stored_parts
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta, tensor_metadata
@@ -213,6 +213,7 @@ class _Rewriter:
                 if len(layer.out_shape) != 2:
                     out = self._call(torch.reshape, (out, tuple(layer.out_shape)))
                 v.replace_all_uses_with(out, delete_user_cb=lambda u: u not in inside)
+                keep_eager_layout(self.gm, out, _tmeta(v), row_major(layer.out_shape))   # suffix: row-major
         self.dead.update(inside)
 
     def _standalone_prefix(self, layer: Layer) -> torch.fx.Node:

@@ -120,3 +120,19 @@ def test_the_default_mode_is_probed_after_an_inference_mode_build():
         opt = fxfuse.optimize(model, x)
     _calls(opt, model, x, ["grad", "no_grad", "inference"])
     assert sum(opt.original_calls.values()) >= 1
+
+
+def test_a_model_made_under_inference_mode_serves_no_grad_calls():
+    """fuzz28: a model constructed inside inference_mode, optimized there and called under
+    no_grad ran the original with a false "depends on inference mode" warning: the probe that
+    flips grad and inference together fails (inference parameters cannot be saved for
+    backward) and was booked as an inference-mode dependence."""
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(17, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
+        opt = fxfuse.optimize(model, torch.randn(5, 17), strict=True)
+    x = torch.randn(5, 17)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        launches = fxfuse.stats(opt)["kernel_launches"]
+        torch.testing.assert_close(opt(x), model(x))
+        assert fxfuse.stats(opt)["kernel_launches"] > launches and sum(opt.original_calls.values()) == 0
