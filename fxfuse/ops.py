@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .node_meta import fxfuse_meta
+
 
 def cast(x, dtype):
     """Canonical type cast (`x.float()`, `x.to(torch.half)`, `x.type(...)` all become this)."""
@@ -45,7 +47,7 @@ def keep_eager_layout(gm, node, eager_meta, produced_stride) -> None:
     with gm.graph.inserting_after(node):
         fixed = gm.graph.call_function(as_layout, (node, stride))
     fixed.meta["tensor_meta"] = eager_meta
-    fixed.meta.setdefault("fxfuse", {})["note"] = "eager's memory layout restored (the rewrite writes another)"
+    fxfuse_meta(fixed)["note"] = "eager's memory layout restored (the rewrite writes another)"
     for user in users:
         user.replace_input_with(node, fixed)
 

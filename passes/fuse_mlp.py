@@ -350,11 +350,12 @@ def replace_region(gm, region: _Region, module, prefix: str, kind: str, decision
     with g.inserting_before(out):
         call = g.call_module(name, (region.x,))
     eager = out.meta["tensor_meta"]
-    call.meta["tensor_meta"] = eager._replace(stride=row_major(eager.shape))   # the kernel writes row-major
+    written = row_major(eager.shape)    # the kernel writes row-major
+    call.meta["tensor_meta"] = eager._replace(stride=written)
     call.meta["fxfuse"] = {"kind": kind, "members": [n.name for n in region.nodes],
                            "device": fxfuse_meta(out).get("device"), "decision": decision}
     out.replace_all_uses_with(call)
-    keep_eager_layout(gm, call, eager, row_major(eager.shape))   # a residual over a transposed x
+    keep_eager_layout(gm, call, eager, written)   # a residual over a transposed x: eager kept x's layout
     consts = set()
     for node in reversed(region.nodes):
         consts.update(a for a in node.all_input_nodes if a.op == "get_attr")

@@ -13,7 +13,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fetch_attr
+from fxfuse.node_meta import fetch_attr, tensor_meta
 
 from .spellings import CONV_FUNCTIONS
 
@@ -60,8 +60,8 @@ def _transposed_weight(node):
 
 def _stored_weight(node):
     """W where node is itself a 2-D floating constant of the model (a get_attr), else None."""
-    meta = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
-    if node is None or not isinstance(node, torch.fx.Node) or node.op != "get_attr" or meta is None:
+    meta = tensor_meta(node)
+    if meta is None or node.op != "get_attr":
         return None
     return node if len(meta.shape) == 2 and meta.dtype.is_floating_point else None
 
@@ -152,7 +152,7 @@ def matmul_as_linear(gm, node) -> bool:
     if weight is None:
         return False
     w, copy = weight
-    x_meta, w_meta = (x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None), w.meta["tensor_meta"]
+    x_meta, w_meta = tensor_meta(x), w.meta["tensor_meta"]
     if x_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w_meta.dtype \
             or x_meta.shape[-1] != w_meta.shape[0 if copy else 1]:
         return False   # not a product eager computes: it raises, and so does the graph

@@ -19,9 +19,8 @@ import math
 import torch
 import torch.fx
 
-from fxfuse.node_meta import fxfuse_meta
+from fxfuse.node_meta import fetch_attr, fxfuse_meta, tensor_meta
 from fxfuse.ops import is_pointwise_target, row_major
-from fxfuse.tracing import fetch_attr
 
 from .normalize_layers import register_constant
 
@@ -33,16 +32,13 @@ RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, aten.view.de
 
 
 def _meta(node):
-    meta = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    """The node's TensorMetadata where it is one tensor (not a tuple of them), else None."""
+    meta = tensor_meta(node)
     return meta if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) else None
 
 
 def _contiguous(meta) -> bool:
-    expected, stride = 1, []
-    for size in reversed(meta.shape):
-        stride.append(expected)
-        expected *= max(size, 1)
-    return all(s == e or size == 1 for s, e, size in zip(meta.stride, reversed(stride), meta.shape))
+    return all(s == e or size == 1 for s, e, size in zip(meta.stride, row_major(meta.shape), meta.shape))
 
 
 def reshape_source(node):
@@ -66,9 +62,9 @@ def _operand_for(g, operand, view, source, before):
     where it has the view's shape and is contiguous; None where it cannot move."""
     if operand is view:
         return source
-    meta = _meta(operand)
     if not isinstance(operand, torch.fx.Node):
         return operand                       # a number, a string, a dtype
+    meta = _meta(operand)
     if meta is None:
         return None
     src_shape, view_shape, shape = tuple(_meta(source).shape), tuple(_meta(view).shape), tuple(meta.shape)

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxfuse
+from benchmarks.blocks import GPT2MLP
 
 SPELLINGS = {
     "x @ W": lambda x, w, wt, b: x @ w + b,
@@ -46,6 +47,16 @@ class Chain(nn.Module):
         return x
 
 
+def _checked(model, example, calls, **options):
+    """fxfuse.optimize(model.eval(), example) compared with eager on each call's fresh input."""
+    model = model.eval()
+    opt = fxfuse.optimize(model, example, strict=True, **options)
+    with torch.no_grad():
+        for x in calls:
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    return opt
+
+
 def _node_targets(opt):
     spec = next(iter(opt.specializations.values()))
     return [str(n.target) for n in spec.gm.graph.nodes]
@@ -53,35 +64,27 @@ def _node_targets(opt):
 
 @pytest.mark.parametrize("spelling", list(SPELLINGS))
 def test_spellings_of_a_linear_run_as_fused_gemms(spelling):
-    model = Chain(spelling).eval()
-    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True, gemm="force")
-    with torch.no_grad():
-        x = torch.randn(9, 7)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
-        names = _node_targets(opt)
-        assert sum(n.startswith("fused_gemm") for n in names) == 3, names
-        assert not any(t in ("addmm", "mm", "matmul", "einsum") or "linear" in t for t in names), names
+    opt = _checked(Chain(spelling), torch.randn(5, 7), [torch.randn(9, 7)], gemm="force")
+    names = _node_targets(opt)
+    assert sum(n.startswith("fused_gemm") for n in names) == 3, names
+    assert not any(t in ("addmm", "mm", "matmul", "einsum") or "linear" in t for t in names), names
 
 
 @pytest.mark.parametrize("spelling", ["x @ W", "einsum bi,io->bo", "F.linear(x, W.t(), b)", "einsum bi,oi->bo"])
 def test_spellings_of_a_linear_chain_make_one_fused_mlp(spelling):
-    model = Chain(spelling).eval()
-    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True, fused_mlp="force")
-    with torch.no_grad():
-        x = torch.randn(4, 7)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    opt = _checked(Chain(spelling), torch.randn(5, 7), [torch.randn(4, 7)], fused_mlp="force")
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
 
 
 def test_a_weight_stored_in_out_edited_in_place_is_read_anew():
     """The transposed copy is derived from W: an in-place edit after optimize rebuilds."""
-    model = Chain("x @ W").eval()
-    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True, gemm="force")
-    x = torch.randn(5, 7)
+    model, x = Chain("x @ W"), torch.randn(5, 7)
+    opt = _checked(model, x, [x], gemm="force")
+    assert fxfuse.stats(opt)["fused_kernels"] == 3   # the three products are generated GEMMs
     with torch.no_grad():
-        opt(x)
         model.w0.mul_(-2.0)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(opt.specializations) == 1 and fxfuse.stats(opt)["fused_kernels"] == 3   # rebuilt, still rewritten
 
 
 def test_a_weight_read_twice_is_copied_once():
@@ -93,11 +96,7 @@ def test_a_weight_read_twice_is_copied_once():
         def forward(self, x):
             return torch.relu(torch.relu(x @ self.w) @ self.w)
 
-    model = Twice().eval()
-    opt = fxfuse.optimize(model, torch.randn(3, 8), strict=True, gemm="force")
-    with torch.no_grad():
-        x = torch.randn(6, 8)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    opt = _checked(Twice(), torch.randn(3, 8), [torch.randn(6, 8)], gemm="force")
     spec = next(iter(opt.specializations.values()))
     assert fxfuse.stats(opt)["fused_kernels"] == 2
     assert len(spec.gm.meta["fxfuse_transposed_weights"]) == 1
@@ -114,11 +113,7 @@ def test_einsums_that_are_not_a_plain_linear_stay_correct(equation):
         def forward(self, x):
             return torch.einsum(equation, x, self.w).sigmoid()
 
-    model = Eq().eval()
-    opt = fxfuse.optimize(model, torch.randn(6, 6), strict=True, gemm="force")
-    with torch.no_grad():
-        x = torch.randn(6, 6)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    opt = _checked(Eq(), torch.randn(6, 6), [torch.randn(6, 6)], gemm="force")
     linear = equation == "bj,ij->bi"    # j contracted, W's other index i last: a Linear with W [out, in]
     assert ("einsum" in " ".join(_node_targets(opt))) != linear
 
@@ -132,42 +127,12 @@ def test_a_three_d_input_through_x_at_w():
         def forward(self, x):
             return F.gelu(x @ self.w)
 
-    model = Seq().eval()
-    opt = fxfuse.optimize(model, torch.randn(2, 3, 6), strict=True, gemm="force")
-    with torch.no_grad():
-        x = torch.randn(2, 3, 6)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    opt = _checked(Seq(), torch.randn(2, 3, 6), [torch.randn(2, 3, 6)], gemm="force")
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
 
 
-class Conv1D(nn.Module):
-    """GPT-2's Conv1D (Hugging Face transformers): a Linear with its weight stored [in, out]."""
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        size_out = x.size()[:-1] + (self.nf,)
-        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
-        return x.view(size_out)
-
-
-class GPT2MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.c_fc, self.c_proj, self.act = Conv1D(4 * d, d), Conv1D(d, 4 * d), nn.GELU(approximate="tanh")
-
-    def forward(self, h):
-        return self.c_proj(self.act(self.c_fc(h))) + h
-
-
 def test_gpt2_conv1d_layers_become_generated_gemms():
-    model = GPT2MLP(12).eval()
-    opt = fxfuse.optimize(model, torch.randn(2, 5, 12), strict=True, gemm="force")
-    with torch.no_grad():
-        x = torch.randn(3, 7, 12)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    """GPT-2's Conv1D (Hugging Face transformers): addmm(b, x.view(-1, k), W) with W [in, out]."""
+    opt = _checked(GPT2MLP(12), torch.randn(2, 5, 12), [torch.randn(3, 7, 12)], gemm="force")
     names = _node_targets(opt)
     assert sum(n.startswith("fused_gemm") for n in names) == 2 and "addmm" not in " ".join(names)

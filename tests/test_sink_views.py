@@ -129,6 +129,8 @@ def test_a_round_trip_of_views_and_a_non_contiguous_residual():
         torch.testing.assert_close(opt(x, z2), model(x, z2), rtol=1e-4, atol=1e-5)
         zc = torch.randn(3, 2, 6)
         torch.testing.assert_close(opt(x, zc), model(x, zc), rtol=1e-4, atol=1e-5)
+    gemm = next(n for n in next(iter(opt.specializations.values())).gm.graph.nodes if n.target == "fused_gemm_0")
+    assert "relu" in gemm.meta["fxfuse"]["members"]    # the round trip is gone: the ReLU is in the epilogue
 
 
 def test_fp16_chain_through_views():
