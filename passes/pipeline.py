@@ -16,6 +16,7 @@ from .normalize import normalize
 from .sink_views import sink_views
 from .plan_linears import plan_linears
 from .strassen import strassen
+from .weight_views import weight_views
 
 PIPELINE = [
     # name              pass              re-propagate shapes after it
@@ -28,6 +29,7 @@ PIPELINE = [
     ("fuse_gemm", fuse_gemm, False),             # a Linear + its epilogue -> one generated split-K GEMM where it pays
     ("linear_epilogue", linear_epilogue, False), # bias back into the GEMM where the GPU measures that faster
     ("fuse_pointwise", fuse_pointwise, False),   # maximal convex pointwise groups -> one Triton kernel each
+    ("weight_views", weight_views, False),       # library Linears read W stored [in, out] as W.t(), not a copy
 ]
 
 

@@ -272,3 +272,44 @@ def test_torch_compile_around_an_optimized_module_on_gpu(backend):
         assert rel_err(opt(fresh), model(fresh)) < 1e-6
     assert sum(opt.original_calls.values()) == 0 and opt.miss_count == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("epilogue", ["linear_relu", "split_k", "measured"])
+def test_library_layers_read_weights_stored_in_out_through_views_on_gpu(monkeypatch, epilogue):
+    """`relu(x @ W + b)` with W stored [in, out] and left to the library: F.linear, linear_relu
+    and split_k_partials read W.t() (a view; passes/weight_views.py), captured in the graph,
+    and no transposed copy stays in the module."""
+    import fxfuse.passes.linear_epilogue as pass_module
+
+    if epilogue == "linear_relu":
+        monkeypatch.setattr(pass_module, "relu_in_library_gemm", lambda *a: (True, "forced by the test"))
+    elif epilogue == "split_k":
+        monkeypatch.setattr(pass_module, "relu_in_library_gemm", lambda *a: (False, "forced by the test"))
+        monkeypatch.setattr(pass_module, "split_k_library_gemm", lambda *a: (2, "forced by the test"))
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.ParameterList([nn.Parameter(torch.randn(256, 256) / 16) for _ in range(3)])
+            self.b = nn.ParameterList([nn.Parameter(torch.randn(256)) for _ in range(3)])
+
+        def forward(self, x):
+            for w, b in zip(self.w, self.b):
+                x = torch.relu(x @ w + b)
+            return x
+
+    model = Chain().cuda().eval()
+    x = torch.randn(32, 256, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True, fused_mlp="off", gemm="off")
+    spec = next(iter(opt.specializations.values()))
+    assert spec.cuda_graph_note.startswith("captured")
+    views = [n for n in spec.gm.graph.nodes if n.op == "call_method" and n.target == "t"]
+    assert len(views) == 3 and all(len(v.users) == 1 for v in views)
+    if epilogue == "linear_relu":
+        assert all(next(iter(v.users)).target is pass_module.linear_relu for v in views)
+    if epilogue == "split_k":
+        assert all(next(iter(v.users)).target is pass_module.split_k_partials for v in views)
+    assert not any(name.endswith("_T") for name, _ in spec.gm.named_buffers())
+    with torch.no_grad():
+        fresh = torch.randn(32, 256, device="cuda")
+        assert rel_err(opt(fresh), model(fresh)) < 1e-5

@@ -136,3 +136,25 @@ def test_gpt2_conv1d_layers_become_generated_gemms():
     opt = _checked(GPT2MLP(12), torch.randn(2, 5, 12), [torch.randn(3, 7, 12)], gemm="force")
     names = _node_targets(opt)
     assert sum(n.startswith("fused_gemm") for n in names) == 2 and "addmm" not in " ".join(names)
+
+
+def _buffer_names(opt):
+    return [name for name, _ in next(iter(opt.specializations.values())).gm.named_buffers()]
+
+
+def test_library_layers_read_a_weight_stored_in_out_through_a_view():
+    """Layers that stay library GEMMs read W.t(), a view, as eager does: a transposed copy
+    would double the memory of every such weight (passes/weight_views.py)."""
+    model = GPT2MLP(12)
+    opt = _checked(model, torch.randn(2, 5, 12), [torch.randn(3, 7, 12)])
+    gm = next(iter(opt.specializations.values())).gm
+    linears = [n for n in gm.graph.nodes if n.target is F.linear]
+    assert len(linears) == 2 and "addmm" not in " ".join(_node_targets(opt))   # normalized...
+    assert all(n.args[1].op == "call_method" and n.args[1].target == "t" for n in linears)   # ...through a view
+    assert not any(name.endswith("_T") for name in _buffer_names(opt)), _buffer_names(opt)
+    x = torch.randn(2, 5, 12)
+    with torch.no_grad():
+        model.c_fc.weight.mul_(-1.5)   # read live: no copy to go stale, no rebuild
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert next(iter(opt.specializations.values())).gm is gm
+

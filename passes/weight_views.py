@@ -1,0 +1,57 @@
+"""Library Linears read a weight stored [in, out] through a view, not a copy.
+
+normalize_layers turns `x @ W` (W stored [in, out], as GPT-2's Conv1D keeps it) into
+F.linear(x, W.T) reading a contiguous transposed copy of W, because the generated kernels
+(fused GEMM, fused MLP, Strassen) read weights [out, in]. A layer that stays a library call
+needs no copy: cuBLAS reads W.T as a transposed operand at no cost, as eager does. Keeping the
+copy there would double the memory of every such weight (all of GPT-2's MLP and attention
+projections, which stay library GEMMs at their width). This pass runs last: the layers the
+generated kernels took no longer read the copy through the graph, the others get `W.t()`,
+and a copy nobody reads is dropped from the module.
+"""
+import torch
+import torch.nn.functional as F
+
+from fxfuse.node_meta import fxfuse_meta, tensor_meta
+
+from .linear_epilogue import linear_relu, split_k_partials
+
+# Library calls taking (x, weight, ...) that accept any strided weight view: F.linear and
+# linear_relu pass weight.t() to cuBLAS, split_k_partials reshapes weight.t() (W itself here).
+LIBRARY_LINEARS = (F.linear, linear_relu, split_k_partials)
+
+
+def _reads_weight_only(user, node) -> bool:
+    return (user.op == "call_function" and user.target in LIBRARY_LINEARS and len(user.args) >= 2
+            and user.args[1] is node and node not in user.args[2:] and node not in user.kwargs.values()
+            and user.args[0] is not node)
+
+
+def weight_views(gm, options):
+    """Each library Linear reading a transposed copy reads `W.t()` instead; unread copies go."""
+    copies = gm.meta.get("fxfuse_transposed_weights")
+    if not copies:
+        return gm
+    stored = {copy: original for original, copy in copies.items()}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or node.target not in stored:
+            continue
+        for user in [u for u in node.users if _reads_weight_only(u, node)]:
+            with graph.inserting_before(user):
+                w = graph.get_attr(stored[node.target])
+                view = graph.call_method("t", (w,))
+            meta = tensor_meta(node)
+            w.meta["tensor_meta"] = meta._replace(shape=torch.Size(reversed(meta.shape)), stride=(meta.shape[0], 1))
+            view.meta["tensor_meta"] = meta._replace(stride=(1, meta.shape[0]))
+            fxfuse_meta(view)["note"] = "weight stored [in, out]: the library GEMM reads it transposed (a view, no copy)"
+            user.replace_input_with(node, view)
+        if not node.users:
+            graph.erase_node(node)
+    still_read = {n.target for n in graph.nodes if n.op == "get_attr"}
+    for copy in stored:
+        if copy not in still_read and copy in gm._buffers:
+            del gm._buffers[copy]   # the generated kernels that read it hold their own reference
+    graph.lint()
+    gm.recompile()
+    return gm
