@@ -73,7 +73,9 @@ def _transposed_copy(gm, w):
     after an in-place edit (api.tensors_read), as for BatchNorm folding."""
     copies = gm.meta.setdefault("fxfuse_transposed_weights", {})
     if w.target not in copies:
-        copies[w.target] = register_constant(gm, f"{w.target}.T", fetch_attr(gm, w.target).detach().t().contiguous())
+        weight = fetch_attr(gm, w.target)
+        copies[w.target] = register_constant(gm, f"{w.target}.T", weight.detach().t().contiguous())
+        gm.meta.setdefault("fxfuse_transposed_from", {})[copies[w.target]] = weight   # for weight_views
     with gm.graph.inserting_after(w):
         node = gm.graph.get_attr(copies[w.target])
     meta = w.meta["tensor_meta"]

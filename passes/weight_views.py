@@ -12,9 +12,10 @@ and a copy nobody reads is dropped from the module.
 import torch
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fxfuse_meta, tensor_meta
+from fxfuse.node_meta import fetch_attr, fxfuse_meta, tensor_meta
 
 from .linear_epilogue import linear_relu, split_k_partials
+from .normalize_layers import register_constant
 
 # Library calls taking (x, weight, ...) that accept any strided weight view: F.linear and
 # linear_relu pass weight.t() to cuBLAS, split_k_partials reshapes weight.t() (W itself here).
@@ -27,6 +28,17 @@ def _reads_weight_only(user, node) -> bool:
             and user.args[0] is not node)
 
 
+def _readable(gm, target: str, weight) -> str:
+    """A get_attr target for W: its own, or (where the passes dropped the module that held it,
+    once nothing else read it) W registered again, the same tensor, not a copy."""
+    try:
+        if fetch_attr(gm, target) is weight:
+            return target
+    except AttributeError:
+        pass
+    return register_constant(gm, target, weight)
+
+
 def weight_views(gm, options):
     """Each library Linear reading a transposed copy reads `W.t()` instead; unread copies go."""
     copies = gm.meta.get("fxfuse_transposed_weights")
@@ -34,12 +46,15 @@ def weight_views(gm, options):
         return gm
     stored = {copy: original for original, copy in copies.items()}
     graph = gm.graph
+    readable = {}
     for node in list(graph.nodes):
         if node.op != "get_attr" or node.target not in stored:
             continue
         for user in [u for u in node.users if _reads_weight_only(u, node)]:
+            if node.target not in readable:
+                readable[node.target] = _readable(gm, stored[node.target], gm.meta["fxfuse_transposed_from"][node.target])
             with graph.inserting_before(user):
-                w = graph.get_attr(stored[node.target])
+                w = graph.get_attr(readable[node.target])
                 view = graph.call_method("t", (w,))
             meta = tensor_meta(node)
             w.meta["tensor_meta"] = meta._replace(shape=torch.Size(reversed(meta.shape)), stride=(meta.shape[0], 1))
