@@ -204,17 +204,12 @@ def nan_in(acc):
 
 
 @triton.jit
-def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _bmm_k_loop(a_rows, b_cols, bl_cols, offs_m, offs_n, M, N, K, s_ak, s_bk,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                MASK_NAN: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of A @ B over all of K in 3xTF32: from B's TF32 parts (SPLIT)
+    or tl.dot's own split."""
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + batch * s_ab + offs_m.to(tl.int64)[:, None] * s_am
-    b_cols = b_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
-    bl_cols = bl_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
@@ -223,19 +218,29 @@ def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s
         b = tl.load(b_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
         if SPLIT:   # b and b_lo: the TF32 parts of B, made once
             b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
-            acc = split_dot_step(a, b, b_lo, acc)
+            acc = split_dot_step(a, b, b_lo, acc, MASK_NAN=MASK_NAN)
         else:
             acc = tl.dot(a, b, acc=acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
+def _bmm_tf32x3_kernel(a_ptr, b_ptr, bl_ptr, c_ptr, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_rows = a_ptr + batch * s_ab + offs_m.to(tl.int64)[:, None] * s_am
+    b_cols = b_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
+    bl_cols = bl_ptr + batch * s_bb + offs_n.to(tl.int64)[None, :] * s_bn
+    acc = _bmm_k_loop(a_rows, b_cols, bl_cols, offs_m, offs_n, M, N, K, s_ak, s_bk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, False)
     if SPLIT:
         if nan_in(acc):   # again with the low products' NaN masked (split_dot_step)
-            acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + offs_k
-                a = tl.load(a_rows + k[None, :] * s_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-                b_ok = (k[:, None] < K) & (offs_n[None, :] < N)
-                b = tl.load(b_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
-                b_lo = tl.load(bl_cols + k[:, None] * s_bk, mask=b_ok, other=0.0)
-                acc = split_dot_step(a, b, b_lo, acc, MASK_NAN=True)
+            acc = _bmm_k_loop(a_rows, b_cols, bl_cols, offs_m, offs_n, M, N, K, s_ak, s_bk,
+                              BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, True)
     c = c_ptr + batch * s_cb + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
     tl.store(c, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 

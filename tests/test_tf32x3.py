@@ -220,6 +220,20 @@ def test_batched_kernel_matches_bmm_on_odd_sizes_and_strides():
     torch.testing.assert_close(bmm_tf32x3(half, half.transpose(1, 2)), torch.bmm(half, half.transpose(1, 2)))
 
 
+
+def test_batched_kernel_from_stored_parts_keeps_eagers_nan_and_inf():
+    """The split form (B's TF32 parts made once) computes a tile again with the low products'
+    NaN masked where it saw NaN: inf in A gives eager's inf, not NaN, and NaN stays NaN."""
+    from fxfuse.tf32x3 import bmm_tf32x3, stored_parts
+    torch.manual_seed(5)
+    a, b = torch.randn(3, 40, 37), torch.randn(3, 37, 45)
+    a[0, 3, 2], a[1, 30, 36], a[2, 17, 0] = float("inf"), -float("inf"), float("nan")
+    hi, lo = stored_parts(b)
+    got, want = bmm_tf32x3(a, hi, lo), torch.bmm(a, b)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite])
+
 @pytest.mark.parametrize("levels", [1, 2])
 def test_forced_strassen_runs_its_products_in_tf32x3(levels):
     from fxfuse.tf32x3 import bmm_tf32x3
