@@ -158,3 +158,26 @@ def test_library_layers_read_a_weight_stored_in_out_through_a_view():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
     assert next(iter(opt.specializations.values())).gm is gm
 
+
+
+def test_library_layers_read_weights_of_a_parameter_list_through_views():
+    """Weights in a ParameterList, read only by `x @ w`: the passes drop the list's module once
+    no node reads it, and the view reads W registered again (the same tensor: edits are seen)."""
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.ParameterList([nn.Parameter(torch.randn(16, 16) / 4) for _ in range(3)])
+
+        def forward(self, x):
+            for w in self.w:
+                x = torch.relu(x @ w)
+            return x
+
+    model = Chain()
+    opt = _checked(model, torch.randn(4, 16), [torch.randn(6, 16)])
+    assert sum(n.target is F.linear for n in next(iter(opt.specializations.values())).gm.graph.nodes) == 3
+    assert not any(name.endswith("_T") for name in _buffer_names(opt)), _buffer_names(opt)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model.w[1].mul_(2.0)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
