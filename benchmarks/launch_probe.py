@@ -20,8 +20,8 @@ import fxfuse.gemm_kernel
 import fxfuse.input_copy
 import fxfuse.kernel
 
-from .common import make_inputs, time_per_call
-from .mlp import seed_mlp
+from .common import time_per_call
+from .mlp import seed_cells
 from .tools import build_cudagraph
 
 
@@ -42,11 +42,7 @@ def main(argv=None):
         variants = {k: v for k, v in variants.items() if v[0]}
     print(f"{'cell':>10} {'eager+graph':>11} " + " ".join(f"{v:>26}" for v in variants))
     defaults = (fxfuse.kernel.PDL_ENABLED, fxfuse.input_copy.BIND_INPUTS, fxfuse.gemm_kernel.PREFETCH_ELEMENTS)
-    for cell in args.cells.split(","):
-        batch, hidden = (int(v) for v in cell.split("x"))
-        torch.manual_seed(0)
-        model = seed_mlp(args.layers, hidden).cuda().eval()
-        inputs = make_inputs((batch, hidden), torch.float32, torch.device("cuda"))
+    for cell, model, inputs, _ in seed_cells(args.cells, args.layers):
         with torch.no_grad():
             row = [time_per_call(build_cudagraph(model, inputs[0]), inputs).us]
             ref = model(inputs[1])

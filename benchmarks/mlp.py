@@ -37,6 +37,20 @@ def seed_mlp(layers, hidden):
     return nn.Sequential(*mods)
 
 
+def seed_cells(cells: str, layers: int, device: str = "cuda"):
+    """(cell, model, inputs, ref) for each "BATCHxHIDDEN" of a comma list, as the probes use
+    them: the seed network (seed 0), fp32 inputs rotated by common.make_inputs, and the float64
+    answer on inputs[1]."""
+    for cell in cells.split(","):
+        batch, hidden = (int(v) for v in cell.split("x"))
+        torch.manual_seed(0)
+        model = seed_mlp(layers, hidden).to(device).eval()
+        inputs = common.make_inputs((batch, hidden), torch.float32, torch.device(device))
+        with torch.no_grad():
+            ref = model.double()(inputs[1].double()).float()
+        yield cell, model.float(), inputs, ref
+
+
 class ResidualMLP(nn.Module):
     """`layers` x (h = h + relu(Linear(h))): the seed network with a ResMLP skip per layer
     (--residual), which reads each layer's input twice."""

@@ -18,8 +18,8 @@ import fxfuse.passes.fuse_mlp as fm
 from fxfuse.mlp_kernel import FusedMLP
 from fxfuse.mlp_spec import KernelConfig, why_not_kernel
 
-from .common import make_inputs, time_per_call
-from .mlp import seed_mlp
+from .common import time_per_call
+from .mlp import seed_cells
 
 # name -> (block_m, warps, max_tile, looped)
 VARIANTS = {
@@ -57,14 +57,8 @@ def main(argv=None):
     print(f"fused MLP 3xTF32 probe: {args.layers} layers fp32 (TF32 off), {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {__import__('triton').__version__}; GPU us per call of the graph; "
           "err = relative error vs float64", flush=True)
-    for cell in args.cells.split(","):
-        batch, hidden = (int(v) for v in cell.split("x"))
-        torch.manual_seed(0)
-        model = seed_mlp(args.layers, hidden).cuda().eval()
-        inputs = make_inputs((batch, hidden), torch.float32, torch.device("cuda"))
+    for cell, model, inputs, ref in seed_cells(args.cells, args.layers):
         with torch.no_grad():
-            ref = model.double()(inputs[1].double()).float()
-            model.float()
             eager = ((model(inputs[1]) - ref).norm() / ref.norm()).item()
             print(f"{cell:>9} eager fp32 err {eager:.1e}", flush=True)
             for label, opts in (("plan ieee", dict(strassen="auto")), ("plan all", dict(strassen="auto", tf32x3="auto"))):

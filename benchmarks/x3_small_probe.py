@@ -21,8 +21,8 @@ import fxfuse.gemm_kernel as gk
 import fxfuse.passes.fuse_gemm as fg
 import fxfuse.passes.plan_linears as pl
 
-from .common import make_inputs, time_per_call
-from .mlp import seed_mlp
+from .common import time_per_call
+from .mlp import seed_cells
 
 # name -> (block_m (0: 16 up to 16 rows, else 64), block_n, block_k, warps, stages, split_weights, split-K factor vs _split_k)
 VARIANTS = {
@@ -102,14 +102,7 @@ def main(argv=None):
     print(f"x3 small-batch probe: {args.layers} layers fp32 (TF32 off), {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {__import__('triton').__version__}; GPU us per call of the graph; "
           "err = relative error vs float64", flush=True)
-    for cell in args.cells.split(","):
-        batch, hidden = (int(v) for v in cell.split("x"))
-        torch.manual_seed(0)
-        model = seed_mlp(args.layers, hidden).cuda().eval()
-        inputs = make_inputs((batch, hidden), torch.float32, torch.device("cuda"))
-        with torch.no_grad():
-            ref = model.double()(inputs[1].double()).float()
-            model.float()
+    for cell, model, inputs, ref in seed_cells(args.cells, args.layers):
         for label, opts in (("plan ieee", dict(strassen="auto")), ("plan all", dict(strassen="auto", tf32x3="auto"))):
             try:
                 us, err, note, _ = _time_plan(model, inputs, ref, args.layers, **opts)
