@@ -22,6 +22,7 @@ import torch.fx
 from fxfuse.node_meta import fetch_attr, fxfuse_meta, tensor_meta
 from fxfuse.ops import is_pointwise_target, row_major
 
+from .fuse_pointwise import _mutated_values
 from .normalize_layers import register_constant
 
 aten = torch.ops.aten
@@ -56,40 +57,54 @@ def reshape_source(node):
     return node.args[0] if numel and numel == math.prod(out.shape) else None
 
 
-def _operand_for(g, operand, view, source, before):
-    """What `operand` of a pointwise op reading `view` becomes once the op reads `source`:
-    the same value where it broadcasts the same way against both shapes, a reshape of it
-    where it has the view's shape and is contiguous; None where it cannot move."""
+def _operand_plan(operand, view, source, before):
+    """How `operand` of a pointwise op reading `view` moves once the op reads `source`, decided
+    without touching the graph (an op moves only when all of its operands can): ("keep", x)
+    where it broadcasts the same way against both shapes, ("flat", x) for a [1, .., 1, n]
+    constant read as its [n] view, ("reshape", x) for a contiguous tensor of the view's shape
+    (or ("keep", r) where a reshape r of it to source's shape exists already); None where it
+    cannot move."""
     if operand is view:
-        return source
+        return "keep", source
     if not isinstance(operand, torch.fx.Node):
-        return operand                       # a number, a string, a dtype
+        return "keep", operand               # a number, a string, a dtype
     meta = _meta(operand)
     if meta is None:
         return None
     src_shape, view_shape, shape = tuple(_meta(source).shape), tuple(_meta(view).shape), tuple(meta.shape)
     if not shape:
-        return operand                       # 0-d: broadcasts against anything
+        return "keep", operand               # 0-d: broadcasts against anything
     if all(s == 1 for s in shape[:-1]) and (shape[-1] == 1 or shape[-1] == src_shape[-1] == view_shape[-1]):
         if len(shape) <= len(src_shape):
-            return operand                   # a scalar-like constant or a vector along the last dim
+            return "keep", operand           # a scalar-like constant or a vector along the last dim
         if operand.op == "get_attr":         # [1, 1, n] against [m, n]: its [n] view (same storage)
-            with g.inserting_after(operand):
-                flat = g.get_attr(register_constant(g.owning_module, operand.target + ".flat",
-                                                     fetch_attr(g.owning_module, operand.target).view(shape[-1:])))
-            flat.meta["tensor_meta"] = meta._replace(shape=torch.Size(shape[-1:]), stride=(1,))
-            return flat
+            return "flat", operand
     if shape == view_shape and _contiguous(meta):
         existing = next((u for u in operand.users if reshape_source(u) is operand
                          and tuple(_meta(u).shape) == src_shape and _precedes(u, before)), None)
-        if existing is not None:
-            return existing       # the same node as the reshape a Linear reads: a residual it knows
-        placeholders = [n for n in g.nodes if n.op == "placeholder"]
-        with g.inserting_after(placeholders[-1] if operand.op == "placeholder" else operand):
-            moved = g.call_method("reshape", (operand, src_shape))
-        moved.meta["tensor_meta"] = meta._replace(shape=torch.Size(src_shape), stride=row_major(src_shape))
-        return moved
+        return ("keep", existing) if existing is not None else ("reshape", operand)
     return None
+
+
+def _moved_operand(g, plan, source):
+    """The node (or value) an operand becomes, per its _operand_plan."""
+    how, operand = plan
+    if how == "keep":
+        return operand    # an existing reshape is the same node a Linear reads: a residual it knows
+    meta = _meta(operand)
+    if how == "flat":
+        shape = tuple(meta.shape)
+        with g.inserting_after(operand):
+            flat = g.get_attr(register_constant(g.owning_module, operand.target + ".flat",
+                                                 fetch_attr(g.owning_module, operand.target).view(shape[-1:])))
+        flat.meta["tensor_meta"] = meta._replace(shape=torch.Size(shape[-1:]), stride=(1,))
+        return flat
+    src_shape = tuple(_meta(source).shape)
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(placeholders[-1] if operand.op == "placeholder" else operand):
+        moved = g.call_method("reshape", (operand, src_shape))
+    moved.meta["tensor_meta"] = meta._replace(shape=torch.Size(src_shape), stride=row_major(src_shape))
+    return moved
 
 
 def _precedes(a, b) -> bool:
@@ -101,10 +116,12 @@ def _precedes(a, b) -> bool:
     return False
 
 
-def _sink_one(gm, op) -> bool:
-    """Rewrite `op(view(y), ...)` as `view(op(y, ...))` where every operand can move."""
+def _sink_one(gm, op, written: set) -> bool:
+    """Rewrite `op(view(y), ...)` as `view(op(y, ...))` where every operand can move and no
+    value involved is written in place: a reshape of a non-contiguous y is a copy, and a write
+    to y or to the copy between the reshape and op would otherwise be read (or missed)."""
     g = gm.graph
-    if fxfuse_meta(op).get("view_moved"):
+    if fxfuse_meta(op).get("view_moved") or op in written:
         return False    # once: its operands' reshapes would move the view back up
     views = [a for a in op.args if isinstance(a, torch.fx.Node) and reshape_source(a) is not None
              and reshape_source(a).op not in ("placeholder", "get_attr")]   # a view of an input joins nothing
@@ -112,14 +129,13 @@ def _sink_one(gm, op) -> bool:
         return False
     view = views[0]
     source = reshape_source(view)
-    if any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()):
+    if any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) or source in written \
+            or any(a in written for a in op.args if isinstance(a, torch.fx.Node)):
         return False
-    args = []
-    for a in op.args:
-        moved = _operand_for(g, a, view, source, op)
-        if moved is None:
-            return False
-        args.append(moved)
+    plans = [_operand_plan(a, view, source, op) for a in op.args]
+    if None in plans:
+        return False
+    args = [_moved_operand(g, plan, source) for plan in plans]
     with g.inserting_before(op):
         new_op = g.call_function(op.target, tuple(args), dict(op.kwargs))
         out_meta = _meta(op)
@@ -150,8 +166,9 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     changed = True
     while changed:
         changed = False
+        written = _mutated_values(gm)
         for node in list(g.nodes):
-            if node.op == "call_function" and is_pointwise_target(node.target) and _sink_one(gm, node):
+            if node.op == "call_function" and is_pointwise_target(node.target) and _sink_one(gm, node, written):
                 changed = True
             elif (z := _round_trip(node)) is not None:
                 inner = node.args[0]

@@ -140,3 +140,49 @@ def test_fp16_chain_through_views():
         x = torch.randn(2, 3, 8).half()
         torch.testing.assert_close(opt(x), model(x), rtol=1e-2, atol=1e-3)
     assert _targets(opt) == ["fused_gemm_0"], _targets(opt)
+
+
+def test_where_with_an_operand_that_cannot_move_terminates():
+    """fuzz29: torch.where(v > 0, v, c) with c [3, 1] against the [b, 3, 4] view: the op stays.
+    The check used to add a reshape of v before finding c immovable; the round-trip rule
+    removed it again, forever."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 12)
+            self.register_buffer("c", torch.randn(3, 1))
+
+        def forward(self, x):
+            v = self.lin(x).view(x.shape[0], 3, 4)
+            return torch.where(v > 0, v, self.c)
+
+    _check(M(), torch.randn(4, 8), [torch.randn(4, 8)], gemm="force")
+
+
+class CopyThenWrite(nn.Module):
+    """y.reshape of a transposed y is a copy: a write to the copy (or to y) after it must be
+    seen (or not) by the ops that read the copy, as in eager."""
+    def __init__(self, write):
+        super().__init__()
+        self.lin, self.write = nn.Linear(4, 6), write
+
+    def forward(self, x):
+        y = self.lin(x).t() * 2.0
+        v = y.reshape(2, 9)
+        if self.write == "copy":
+            v.clamp_(-1.0, 1.0)
+            return torch.sigmoid(v)
+        y.add_(1.0)
+        return torch.relu(v), y
+
+
+@pytest.mark.parametrize("write", ["copy", "source"])
+def test_a_write_after_a_copying_reshape_keeps_the_op_above_it(write):
+    """review29: the clamp_ changed nothing on the example input (verification passed), and on
+    inputs where it fires the moved sigmoid read y, never clamped: a silent wrong answer."""
+    model = CopyThenWrite(write).eval()
+    with torch.no_grad():
+        model.lin.weight.mul_(0.01)
+        model.lin.bias.zero_()
+    opt = _check(model, torch.randn(3, 4), [1000 * torch.randn(3, 4), torch.randn(3, 4)])
+    assert fxfuse.stats(opt)["optimized"]
