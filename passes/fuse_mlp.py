@@ -290,9 +290,9 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     order = {n: k for k, n in enumerate(g.nodes)}
     taken, changed = set(), False
     for start in list(g.nodes):
-        if start in taken or _linear_parts(start) is None or not isinstance(start.args[0], torch.fx.Node) \
-                or _tmeta(start.args[0]) is None or not hasattr(_tmeta(start.args[0]), "shape") \
-                or start.args[0] in mutated:
+        x = _linear_parts(start)[0] if _linear_parts(start) is not None else None
+        if start in taken or not isinstance(x, torch.fx.Node) or _tmeta(x) is None \
+                or not hasattr(_tmeta(x), "shape") or x in mutated:
             continue
         region = _Region(gm, start, mutated)
         if not region.joins(start):

@@ -143,20 +143,26 @@ def matmul_as_linear(gm, node) -> bool:
         if len(node.args) == 3 and not node.kwargs:
             bias, x, other = node.args
             weight = _weight_operand(other, transposed=False)
-    elif node.op == "call_function" and node.target in (F.linear, aten.linear.default) and node.args:
+    elif node.op == "call_function" and node.target in (F.linear, aten.linear.default):
         args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
-        if not set(args) - {"input", "weight", "bias"} and _transposed_weight(args.get("weight")) is not None:
-            x, bias = args["input"], args.get("bias")   # F.linear(x, W) is canonical already:
-            weight = _weight_operand(args["weight"], transposed=True)   # split_layer splits its bias off
+        if set(args) - {"input", "weight", "bias"} or not {"input", "weight"} <= set(args):
+            return False
+        x, bias = args["input"], args.get("bias")   # F.linear(x, W) is canonical already:
+        if _transposed_weight(args["weight"]) is not None:   # split_layer splits its bias off
+            weight = _weight_operand(args["weight"], transposed=True)
+        elif node.kwargs:   # F.linear(input=x, weight=W): the positional form the Linear passes read
+            weight = (args["weight"], False)
     elif (einsum := _einsum_operands(node)) is not None:
         x, w, stored_out_in = einsum
         weight = (w, not stored_out_in)
     if weight is None:
         return False
     w, copy = weight
-    x_meta, w_meta = tensor_meta(x), w.meta["tensor_meta"]
-    if x_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w_meta.dtype \
-            or x_meta.shape[-1] != w_meta.shape[0 if copy else 1]:
+    x_meta, w_meta = tensor_meta(x), tensor_meta(w)
+    if node.kwargs and node.target in (F.linear, aten.linear.default):
+        pass           # F.linear(input=x, weight=W) of any W: the same call, positional
+    elif x_meta is None or w_meta is None or len(x_meta.shape) < 1 or x_meta.dtype != w_meta.dtype \
+            or len(w_meta.shape) != 2 or x_meta.shape[-1] != w_meta.shape[0 if copy else 1]:
         return False   # not a product eager computes: it raises, and so does the graph
     if node.target in (torch.mm, aten.mm.default, "mm") and len(x_meta.shape) != 2:
         return False

@@ -156,8 +156,9 @@ def _round_trip(node):
     """z where node reshapes a reshape of contiguous z back to z's shape (a no-op), else None."""
     inner = reshape_source(node)
     z = reshape_source(inner) if inner is not None else None
-    if z is None or tuple(_meta(z).shape) != tuple(_meta(node).shape) or not _contiguous(_meta(z)):
-        return None
+    if z is None or tuple(_meta(z).shape) != tuple(_meta(node).shape) or not _contiguous(_meta(z)) \
+            or z.op in ("placeholder", "get_attr") or any(u.op == "output" for u in node.users):
+        return None   # eager returns a view (of an input, a parameter, or next to its source), not the tensor
     return z
 
 
@@ -177,6 +178,9 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 if not inner.users:
                     g.erase_node(inner)
                 changed = True
+    for node in list(g.nodes):   # constants read as their [n] views ("flat") now
+        if node.op == "get_attr" and not node.users:
+            g.erase_node(node)
     g.lint()
     gm.recompile()
     return gm

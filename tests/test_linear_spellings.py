@@ -181,3 +181,28 @@ def test_library_layers_read_weights_of_a_parameter_list_through_views():
     with torch.no_grad():
         model.w[1].mul_(2.0)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"gemm": "force"}, {"fused_mlp": "force"}, {"strassen": "force"}])
+@pytest.mark.parametrize("spelling", ["input=, weight=, bias=", "x, weight=", "1-D weight="])
+def test_f_linear_with_keyword_arguments(spelling, options):
+    """review29: F.linear(input=x, weight=W) crashed fuse_mlp (it read args[0]); keyword calls
+    become the positional form, so the Linear passes take them too."""
+    class Kw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b, self.v = (nn.Parameter(torch.randn(5, 6) / 2), nn.Parameter(torch.randn(5)),
+                                      nn.Parameter(torch.randn(6)))
+
+        def forward(self, x):
+            if spelling == "input=, weight=, bias=":
+                return torch.relu(F.linear(input=x, weight=self.w, bias=self.b))
+            if spelling == "x, weight=":
+                return torch.relu(F.linear(x, weight=self.w))
+            return torch.relu(F.linear(input=x, weight=self.v)) + 1.0
+
+    opt = _checked(Kw(), torch.randn(3, 6), [torch.randn(7, 6)], **options)
+    gm = next(iter(opt.specializations.values())).gm
+    assert not any(n.kwargs for n in gm.graph.nodes if n.target is F.linear)
+    if options and spelling != "1-D weight=":   # a generated kernel took the Linear
+        assert fxfuse.stats(opt)["fused_kernels"] >= 1 and not any(n.target is F.linear for n in gm.graph.nodes)

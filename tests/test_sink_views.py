@@ -186,3 +186,25 @@ def test_a_write_after_a_copying_reshape_keeps_the_op_above_it(write):
         model.lin.bias.zero_()
     opt = _check(model, torch.randn(3, 4), [1000 * torch.randn(3, 4), torch.randn(3, 4)])
     assert fxfuse.stats(opt)["optimized"]
+
+
+def test_round_trips_returned_stay_views():
+    """review29/fuzz29: a round trip of views on a parameter, or returned next to its source,
+    is a view in eager (not the Parameter, not the same object as the other output)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4))
+            self.lin = nn.Linear(4, 12)
+
+        def forward(self, x):
+            y = torch.relu(self.lin(x))
+            return self.w.view(-1).view(3, 4), y.view(-1).view(x.shape[0], 12), y
+
+    model = M().eval()
+    opt = _check(model, torch.randn(2, 4), [torch.randn(5, 4)])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        (w, a, y), (w_eager, _, _) = opt(x), model(x)
+    assert type(w) is torch.Tensor and w.requires_grad == w_eager.requires_grad and w._base is model.w
+    assert a is not y
