@@ -196,12 +196,25 @@ class _Region:
         self.inside = set(self.nodes)
         return True
 
+    def cut_before_other_plans(self) -> None:
+        """Under "auto", keep the nodes before the first Linear the cost model gave another
+        candidate than "mlp": _auto_choice refuses every region holding it, and dropping the
+        chain's Linears one by one to get there cost O(layers^2) lowerings per start."""
+        for k, n in enumerate(self.nodes):
+            if _linear_parts(n) is not None and planned_choice(n) not in (None, "mlp"):
+                self.nodes = self.nodes[:k]
+                self.inside = set(self.nodes)
+                return
+
     def trim(self) -> None:
         """Keep the largest part that ends in one value, its only one read outside: some node
         o and the region nodes it depends on. A branch that leaves the region elsewhere (a
         second head on x, a value also returned) is dropped, not the chain after it."""
         best = []
-        for o in reversed(self.nodes):
+        for k in range(len(self.nodes) - 1, -1, -1):
+            if len(best) > k:
+                break        # o's part holds at most the k + 1 nodes up to it: none larger is left
+            o = self.nodes[k]
             keep, todo = {o}, [o]
             while todo:
                 for a in todo.pop().all_input_nodes:
@@ -294,12 +307,16 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if start in taken or not isinstance(x, torch.fx.Node) or _tmeta(x) is None \
                 or not hasattr(_tmeta(x), "shape") or x in mutated:
             continue
+        if mode == "auto" and planned_choice(start) not in (None, "mlp"):
+            continue   # the cost model gave it another candidate: no region holding it fuses (_auto_choice)
         region = _Region(gm, start, mutated)
         if not region.joins(start):
             continue
         region.grow(start, order)
         if region.absorb_prefix():
             region.grow(start, order)
+        if mode == "auto":
+            region.cut_before_other_plans()
         while True:          # on a "no", retry without the last Linear (a narrow head may fit)
             region.trim()
             if not region.nodes:

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets i
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import fxfuse  # noqa: E402
 import fxfuse.cost_model  # noqa: E402
@@ -197,3 +198,37 @@ def test_review_findings_stay_fixed():
     torch.testing.assert_close(looped(x), unrolled(x), rtol=1e-5, atol=1e-5)
     deep = chain_spec(128, 70)
     assert choose_config(deep, 4096, numels=(128,) * 70).looped
+
+
+@pytest.mark.parametrize("options", [{}, {"calibration": "h100"}])
+def test_a_long_chain_is_lowered_a_bounded_number_of_times(monkeypatch, options):
+    """review29: on a 60-layer residual chain the pass lowered each start's region once per
+    Linear dropped from its end (O(layers^2) lowerings, 6 s at 60 layers, 735 s of optimize at
+    200). Under "auto" a Linear the cost model gave another candidate now cuts the region."""
+    import glob
+
+    import fxfuse.passes.fuse_mlp as pass_module
+
+    class Chain(nn.Module):
+        def __init__(self, layers=60, d=8):
+            super().__init__()
+            self.fc = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+        def forward(self, x):
+            for fc in self.fc:
+                x = x + F.gelu(fc(x)) * 0.5
+            return x
+
+    if options:
+        options = {"calibration": sorted(glob.glob(os.path.join(os.path.dirname(fxfuse.__file__), "calibration",
+                                                                 "nvidia-h100*.json")))[0]}
+    lowered = []
+    original = pass_module._lower
+    monkeypatch.setattr(pass_module, "_lower", lambda *a: lowered.append(1) or original(*a))
+    model = Chain().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 3, 8), strict=True, **options)
+    assert len(lowered) <= 2 * 60, len(lowered)
+    assert fxfuse.stats(opt)["fused_kernels"] == (1 if options else 60)   # one fused MLP (H100 plan), or the epilogues
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
