@@ -42,16 +42,19 @@ def _transposed_weight(node):
     if not isinstance(node, torch.fx.Node) or not node.args:
         return None
     w, rest = node.args[0], tuple(node.args[1:]) + tuple(node.kwargs.values())
+    rest = tuple(tuple(r) if isinstance(r, list) else r for r in rest)    # permute([1, 0])
+    swaps = len(rest) == 2 and all(isinstance(d, int) and -2 <= d < 2 for d in rest) \
+        and {d % 2 for d in rest} == {0, 1}                                 # (0, 1), (-1, 0), (1, -2) ...
     transposes = (
         (node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)))
         or (node.op == "call_method" and node.target == "t" and not rest)
         or (node.op == "call_function" and node.target in (torch.t, aten.t.default) and not rest)
-        or (node.op == "call_method" and node.target == "transpose" and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
-        or (node.op == "call_function" and node.target in (torch.transpose, aten.transpose.int)
-            and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1)))
+        or (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims") and swaps)
+        or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes, torch.swapdims,
+                                                           aten.transpose.int) and swaps)
         or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),)))
         or (node.op == "call_function" and node.target in (torch.permute, aten.permute.default)
-            and rest in (((1, 0),), ([1, 0],))))
+            and rest == ((1, 0),)))
     meta = w.meta.get("tensor_meta") if isinstance(w, torch.fx.Node) else None
     if transposes and w.op == "get_attr" and meta is not None and len(meta.shape) == 2:
         return w
@@ -71,13 +74,12 @@ def _transposed_copy(gm, w):
     F.linear(x, W.T). One copy per weight however often the graph reads it; the copy is
     derived from the model's tensor, so the runtime watches W's version counter and rebuilds
     after an in-place edit (api.tensors_read), as for BatchNorm folding."""
-    copies = gm.meta.setdefault("fxfuse_transposed_weights", {})
+    copies = gm.meta.setdefault("fxfuse_transposed_weights", {})   # W's target -> (copy's name, W)
     if w.target not in copies:
         weight = fetch_attr(gm, w.target)
-        copies[w.target] = register_constant(gm, f"{w.target}.T", weight.detach().t().contiguous())
-        gm.meta.setdefault("fxfuse_transposed_from", {})[copies[w.target]] = weight   # for weight_views
+        copies[w.target] = (register_constant(gm, f"{w.target}.T", weight.detach().t().contiguous()), weight)
     with gm.graph.inserting_after(w):
-        node = gm.graph.get_attr(copies[w.target])
+        node = gm.graph.get_attr(copies[w.target][0])
     meta = w.meta["tensor_meta"]
     node.meta["tensor_meta"] = meta._replace(shape=torch.Size(reversed(meta.shape)), stride=(meta.shape[0], 1),
                                              requires_grad=False)

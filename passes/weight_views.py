@@ -12,7 +12,8 @@ and a copy nobody reads is dropped from the module.
 import torch
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fetch_attr, fxfuse_meta, tensor_meta
+from fxfuse.node_meta import fetch_attr, fxfuse_meta
+from fxfuse.tracing import tensor_metadata
 
 from .linear_epilogue import linear_relu, split_k_partials
 from .normalize_layers import register_constant
@@ -44,21 +45,21 @@ def weight_views(gm, options):
     copies = gm.meta.get("fxfuse_transposed_weights")
     if not copies:
         return gm
-    stored = {copy: original for original, copy in copies.items()}
+    stored = {copy: (target, weight) for target, (copy, weight) in copies.items()}
     graph = gm.graph
     readable = {}
     for node in list(graph.nodes):
         if node.op != "get_attr" or node.target not in stored:
             continue
+        target, weight = stored[node.target]
         for user in [u for u in node.users if _reads_weight_only(u, node)]:
-            if node.target not in readable:
-                readable[node.target] = _readable(gm, stored[node.target], gm.meta["fxfuse_transposed_from"][node.target])
+            if target not in readable:
+                readable[target] = _readable(gm, target, weight)
             with graph.inserting_before(user):
-                w = graph.get_attr(readable[node.target])
+                w = graph.get_attr(readable[target])
                 view = graph.call_method("t", (w,))
-            meta = tensor_meta(node)
-            w.meta["tensor_meta"] = meta._replace(shape=torch.Size(reversed(meta.shape)), stride=(meta.shape[0], 1))
-            view.meta["tensor_meta"] = meta._replace(stride=(1, meta.shape[0]))
+            w.meta["tensor_meta"] = tensor_metadata(weight)
+            view.meta["tensor_meta"] = tensor_metadata(weight.t())
             fxfuse_meta(view)["note"] = "weight stored [in, out]: the library GEMM reads it transposed (a view, no copy)"
             user.replace_input_with(node, view)
         if not node.users:
