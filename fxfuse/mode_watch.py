@@ -81,7 +81,8 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
     runs the original in the modes the graph was not traced in.
     `expected` is eager's flattened output in the build's modes; `differs(e, g)` compares
     one output. A run that raises counts as depending on the mode (conservative: those
-    calls then run the original, which raises the model's own error)."""
+    calls then run the original, which raises the model's own error). Also notes whether
+    forward() records autograd at all (`reads["records_autograd"]`, _records_autograd)."""
     inference = torch.is_inference_mode_enabled()
     # an fxfuse OptimizedModule inside the model would warn about (and count) these calls as
     # its own user's: its bookkeeping is put back and its warnings are not shown
@@ -94,6 +95,7 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
         with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
             warnings.simplefilter("ignore", FxfuseWarning)
             _probe(model, args, expected, reads, differs, inference)
+            reads["records_autograd"] = _records_autograd(model, args)
     finally:
         for m, warned, calls in inner:
             m._warned, m.original_calls = warned, calls
@@ -126,3 +128,23 @@ def _changes(model, args, expected, differs) -> bool:
         return True
     return len(got) != len(expected) or any(differs(e, g.detach() if isinstance(g, torch.Tensor) else g)
                                             for e, g in zip(expected, got))
+
+
+def _records_autograd(model, args) -> bool:
+    """Whether eager, with grad on and its floating inputs requiring grad, returns a tensor that
+    requires grad. False for a forward() that turns grad off itself (`@torch.no_grad()`, an
+    inference wrapper): calls in grad mode may then run the graph (runtime.OptimizedModule).
+    A run that raises counts as recording (conservative: such calls run the original)."""
+    from .tracing import clone_args
+
+    def requiring_grad(a):   # not a leaf: forward() may write into its input in place
+        if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()):
+            return a.detach().requires_grad_().clone()
+        return a
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            got = torch.utils._pytree.tree_flatten(model(*torch.utils._pytree.tree_map(requiring_grad,
+                                                                                      clone_args(args))))[0]
+    except Exception:  # noqa: BLE001
+        return True
+    return any(isinstance(g, torch.Tensor) and g.requires_grad for g in got)

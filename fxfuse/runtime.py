@@ -140,6 +140,7 @@ class OptimizedModule(torch.nn.Module):
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._reads_grad_mode = False      # forward() asked torch.is_grad_enabled() (traced under no_grad)
+        self._records_autograd = False     # a grad-mode eager run recorded autograd (unknown: assumed so)
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
@@ -260,6 +261,7 @@ class OptimizedModule(torch.nn.Module):
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
         self._reads_grad_mode |= bool(gm.meta.get("fxfuse_trace", {}).get("reads_grad_mode"))
+        self._records_autograd |= gm.meta.get("fxfuse_trace", {}).get("records_autograd", True)
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
@@ -391,7 +393,7 @@ class OptimizedModule(torch.nn.Module):
                 or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()
-        if torch.is_grad_enabled() and (self._reads_grad_mode or self._needs_autograd(args)):
+        if torch.is_grad_enabled() and (self._reads_grad_mode or self._records_autograd and self._needs_autograd(args)):
             return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
                                       "inputs requiring grad), or forward()'s result depends on grad mode (it "
                                       "asks torch.is_grad_enabled() or the like) and was traced without grad; "
@@ -417,6 +419,9 @@ class OptimizedModule(torch.nn.Module):
         # another thread may have built this signature, or taken the last slot, meanwhile
         with BUILD_LOCK:
             spec = self.specializations.get(sig)
+            if torch.is_grad_enabled():   # forward() records nothing itself (@torch.no_grad()): nor may the
+                with torch.no_grad():     # graph's library calls (not entered per call otherwise: host time)
+                    return spec(args) if spec is not None else self._miss(sig, args)
             return spec(args) if spec is not None else self._miss(sig, args)
 
     def _miss(self, sig, args):

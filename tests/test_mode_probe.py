@@ -136,3 +136,55 @@ def test_a_model_made_under_inference_mode_serves_no_grad_calls():
         launches = fxfuse.stats(opt)["kernel_launches"]
         torch.testing.assert_close(opt(x), model(x))
         assert fxfuse.stats(opt)["kernel_launches"] > launches and sum(opt.original_calls.values()) == 0
+
+
+class NoGradForward(nn.Module):
+    """An inference wrapper: forward() turns autograd off itself, in whole or in part."""
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.l1, self.l2 = how, nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        if self.how == "part":   # the second layer records autograd
+            with torch.no_grad():
+                h = torch.nn.functional.silu(self.l1(x))
+            return self.l2(h)
+        with torch.no_grad() if self.how == "no_grad" else torch.inference_mode():
+            return self.l2(torch.nn.functional.silu(self.l1(x)))
+
+
+class DecoratedForward(NoGradForward):
+    def __init__(self):
+        super().__init__("decorated")
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.l2(torch.nn.functional.silu(self.l1(x)))
+
+
+@pytest.mark.parametrize("make", [DecoratedForward, lambda: NoGradForward("no_grad"),
+                                  lambda: NoGradForward("inference_mode")])
+def test_a_forward_that_turns_grad_off_itself_uses_the_graph_in_grad_mode(make):
+    """fuzz29: `@torch.no_grad() def forward` called plainly (grad on, parameters requiring
+    grad) ran the original on every call, with a warning to call under no_grad. The build's
+    grad-mode probe sees that forward() records nothing, so such calls run the graph."""
+    model = make().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+        for batch in (4, 3):
+            x = torch.randn(batch, 8)
+            got, want = opt(x), model(x)
+            torch.testing.assert_close(got, want)
+            assert not got.requires_grad and not want.requires_grad
+    assert not opt.original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_a_forward_that_records_autograd_in_part_still_runs_the_original():
+    model = NoGradForward("part").eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        got = opt(x)
+    assert got.requires_grad and opt.original_calls["grad"] == 1
+    torch.testing.assert_close(got, model(x))
