@@ -51,6 +51,20 @@ def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     return None
 
 
+def _masked_fill_is_where(x, value) -> bool:
+    """x.masked_fill(mask, value) is torch.where(mask, value, x) where both give x's dtype: a
+    floating x with a number, or with a 0-d tensor of its own dtype (masked_fill never promotes;
+    where would make an int x float for 1.5)."""
+    meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) or not meta.dtype.is_floating_point:
+        return False
+    if isinstance(value, (bool, int, float)):
+        return True
+    vmeta = value.meta.get("tensor_meta") if isinstance(value, torch.fx.Node) else None
+    return isinstance(vmeta, torch.fx.passes.shape_prop.TensorMetadata) and not vmeta.shape \
+        and vmeta.dtype == meta.dtype
+
+
 def _bind(row: Spelling, node: torch.fx.Node) -> dict | None:
     names = row.names
     if row.fixed.get("_where_method"):
@@ -77,6 +91,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     op = POINTWISE[canon]
     if canon is torch.where:
         if {"condition", "input", "other"} - set(params):  # torch.where(cond) is nonzero(), not pointwise
+            return None
+        if row.fixed.get("_masked_fill") and not _masked_fill_is_where(params["other"], params["input"]):
             return None
         return canon, (params["condition"], params["input"], params["other"]), {}
     x = params.pop("input")
@@ -228,6 +244,12 @@ def _cast_target(node):
         return node.args[1]
     if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
         return node.kwargs["dtype"]
+    if node.target == "type_as" and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
+        src, other = node.args
+        meta = other.meta.get("tensor_meta") if isinstance(other, torch.fx.Node) else None
+        devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
+        if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) and len(devices) == 1 and None not in devices:
+            return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
     return None
 
 
@@ -287,6 +309,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         call = canonical_call(row, node)
         if call is None:
+            if row.inplace and _functional_twin(gm, node, order):   # masked_fill_ of a tensor value
+                continue
             if row.inplace or _inplace_flag(row, node) or "out" in node.kwargs:   # x.div_(y, rounding_mode="floor")
                 fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
                 kept_inplace.append(node)

@@ -62,6 +62,13 @@ ACTIVATION_PARAMS = {  # canonical: (F spelling, its parameter names after input
 }
 
 
+# x.masked_fill(mask, value) = torch.where(mask, value, x) (normalize checks the dtypes agree)
+MASKED_FILL = Spelling(torch.where, ("input", "mask", "value"), fixed={"_masked_fill": True},
+                       rename={"input": "other", "mask": "condition", "value": "input"})
+MASKED_FILL_ = Spelling(torch.where, ("input", "mask", "value"), inplace=True, fixed={"_masked_fill": True},
+                        rename={"input": "other", "mask": "condition", "value": "input"})
+
+
 def _build_function_spellings() -> dict:
     table = {}
     for canon, spellings in UNARY.items():
@@ -103,6 +110,7 @@ def _build_function_spellings() -> dict:
                                   rename={"min_val": "min", "max_val": "max"})
     table[F.relu6] = Spelling(torch.clamp, ("input", "inplace"), fixed={"min": 0.0, "max": 6.0})
     table[torch.where] = Spelling(torch.where, ("condition", "input", "other"))
+    table[torch.masked_fill] = MASKED_FILL
     table[torch.rsub] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
     return table
 
@@ -130,6 +138,7 @@ def _build_method_spellings() -> dict:
     table["clamp_min"] = Spelling(torch.clamp, ("input", "min"))
     table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
+    table["masked_fill"], table["masked_fill_"] = MASKED_FILL, MASKED_FILL_
     for op, canon in INPLACE_OPERATORS.items():   # h.__iadd__(b): torch.fx records the dunder as a method
         table[f"__{op.__name__}__"] = Spelling(canon, _OPERANDS.get(canon, ("input", "other")), inplace=True)
     return table
@@ -152,7 +161,7 @@ def _build_aten_spellings() -> dict:
                     table[getattr(packet, overload)] = Spelling(
                         canon, ("input", "other", "alpha", "rounding_mode"), inplace=inplace)
     for canon, (params, _) in ACTIVATION_PARAMS.items():
-        name = getattr(canon, "__name__", "")
+        name = getattr(canon, "__name__", "").lstrip("_")   # F.threshold is functional._threshold
         for suffix, inplace in (("", False), ("_", True)):
             packet = getattr(aten, name + suffix, None)
             if packet is not None and hasattr(packet, "default"):
@@ -175,6 +184,7 @@ def _build_aten_spellings() -> dict:
         table[overload] = Spelling(torch.where, ("condition", "input", "other"))
     table[aten.pow.Tensor_Scalar] = Spelling(operator.pow, ("input", "exponent"))
     table[aten.where.self] = Spelling(torch.where, ("condition", "input", "other"))
+    table[aten.masked_fill.Scalar] = table[aten.masked_fill.Tensor] = MASKED_FILL
     for name, inplace in (("clip", False), ("clip_", True)):
         if hasattr(getattr(aten, name, None), "default"):
             table[getattr(aten, name).default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=inplace)
