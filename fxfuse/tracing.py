@@ -189,7 +189,8 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         except UnsupportedError:
             raise
         except Exception as export_error:  # noqa: BLE001
-            ran = isinstance(fx_error, ShapePropagationError)   # traced, but the graph failed on the input
+            # either graph traced, but failed on the input: the input's problem, not control flow
+            ran = isinstance(fx_error, ShapePropagationError) or isinstance(export_error, ShapePropagationError)
             advice = ("Check the example input's shapes and dtypes against the model" if ran else
                       "Remove data-dependent Python control flow from forward() (use torch.where), or mark "
                       "the offending submodule as a leaf")

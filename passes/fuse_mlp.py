@@ -307,8 +307,9 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if start in taken or not isinstance(x, torch.fx.Node) or _tmeta(x) is None \
                 or not hasattr(_tmeta(x), "shape") or x in mutated:
             continue
-        if mode == "auto" and planned_choice(start) not in (None, "mlp"):
-            continue   # the cost model gave it another candidate: no region holding it fuses (_auto_choice)
+        if mode == "auto" and planned_choice(start) not in (None, "mlp"):   # no region holding it fuses
+            fxfuse_meta(start)["fused_mlp"] = f"not a fused MLP: the cost model chose {planned_choice(start)}"
+            continue
         region = _Region(gm, start, mutated)
         if not region.joins(start):
             continue

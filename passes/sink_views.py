@@ -129,6 +129,8 @@ def _sink_one(gm, op, written: set) -> bool:
         return False
     view = views[0]
     source = reshape_source(view)
+    if not _contiguous(_meta(source)):
+        return False    # the reshape copies: op(source) would keep source's layout, not the row-major one assumed
     if any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) or source in written \
             or any(a in written for a in op.args if isinstance(a, torch.fx.Node)):
         return False

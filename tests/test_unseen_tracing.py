@@ -3,6 +3,7 @@ as another type, and torch.nn blocks symbolic_trace keeps opaque. Each names the
 import warnings
 from collections import OrderedDict
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -206,3 +207,21 @@ def test_a_padded_block_in_a_model_symbolic_trace_cannot_take_is_refused():
     assert opt is model
     assert [w for w in caught if "encoder is given a key-padding mask" in str(w.message)], \
         [str(w.message) for w in caught]
+
+
+def test_an_input_the_model_rejects_after_a_tracing_failure_gets_the_input_advice():
+    """fuzz29: symbolic_trace failed for a tracing reason (a buffer sliced by a traced size) and
+    torch.export's graph then failed on the input (the model's own dtype error): the advice
+    was about control flow."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8).half()
+            self.register_buffer("pos", torch.zeros(16, 8))
+
+        def forward(self, x):
+            return self.lin(x + self.pos[: x.shape[1]])   # fp32 into an fp16 Linear: eager raises
+
+    with pytest.raises(fxfuse.TraceError, match="same dtype.*Check the example input") as info:
+        fxfuse.optimize(M().eval(), torch.randn(2, 4, 8), strict=True)
+    assert "control flow" not in str(info.value)
