@@ -135,7 +135,8 @@ def _sink_one(gm, op, written: set) -> bool:
             or any(a in written for a in op.args if isinstance(a, torch.fx.Node)):
         return False
     plans = [_operand_plan(a, view, source, op) for a in op.args]
-    if None in plans:
+    if None in plans or not all(_can_follow(u, op, source, written) for u in op.users
+                                if u.op == "call_function" and is_pointwise_target(u.target)):
         return False
     args = [_moved_operand(g, plan, source) for plan in plans]
     with g.inserting_before(op):
@@ -152,6 +153,16 @@ def _sink_one(gm, op, written: set) -> bool:
     if not view.users:
         g.erase_node(view)
     return True
+
+
+def _can_follow(user, op, source, written) -> bool:
+    """Whether a pointwise user of op could move below the view too, once op has: where it
+    cannot (`where(view > 0, view, c)` with c [3, 1] against [b, 3, 4]), moving op alone would put
+    a reshape between op and its user, which fused together above the view."""
+    meta = _meta(user)
+    return (user not in written and meta is not None and tuple(meta.shape) == tuple(_meta(op).shape)
+            and not any(isinstance(v, torch.fx.Node) for v in user.kwargs.values())
+            and all(_operand_plan(a, op, source, user) is not None for a in user.args))
 
 
 def _round_trip(node):

@@ -208,3 +208,20 @@ def test_round_trips_returned_stay_views():
         (w, a, y), (w_eager, _, _) = opt(x), model(x)
     assert type(w) is torch.Tensor and w.requires_grad == w_eager.requires_grad and w._base is model.w
     assert a is not y
+
+
+def test_an_op_whose_user_cannot_follow_stays_with_it():
+    """fuzz29: in where(v > 0, v, c) with c [3, 1] the comparison moved below the view and the
+    where could not: a reshape between them split one fused kernel in two."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 12)
+            self.register_buffer("c", torch.randn(3, 1))
+
+        def forward(self, x):
+            v = self.lin(x).view(x.shape[0], 3, 4)
+            return torch.where(v > 0, v, self.c)
+
+    opt = _check(M(), torch.randn(4, 8), [torch.randn(5, 8)], gemm="force")
+    assert fxfuse.stats(opt)["fused_kernels"] == 2, fxfuse.explain(opt)
