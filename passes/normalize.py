@@ -25,9 +25,9 @@ from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
 from .normalize_layers import broadcast_drops_unit_view, keywords_to_positions, matmul_as_linear, split_layer
-from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CAST_METHODS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
+from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
                         DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
-                        SHAPE_METHODS, Spelling)
+                        SHAPE_METHODS, Spelling, cast_target, masked_fill_is_where)
 
 aten = torch.ops.aten
 
@@ -49,20 +49,6 @@ def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
             return Spelling(torch.clamp, ("input",), inplace=mod.inplace,
                             fixed={"min": float(mod.min_val), "max": float(mod.max_val)})
     return None
-
-
-def _masked_fill_is_where(x, value) -> bool:
-    """x.masked_fill(mask, value) is torch.where(mask, value, x) where both give x's dtype: a
-    floating x with a number, or with a 0-d tensor of its own dtype (masked_fill never promotes;
-    where would make an int x float for 1.5)."""
-    meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
-    if not isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) or not meta.dtype.is_floating_point:
-        return False
-    if isinstance(value, (bool, int, float)):
-        return True
-    vmeta = value.meta.get("tensor_meta") if isinstance(value, torch.fx.Node) else None
-    return isinstance(vmeta, torch.fx.passes.shape_prop.TensorMetadata) and not vmeta.shape \
-        and vmeta.dtype == meta.dtype
 
 
 def _bind(row: Spelling, node: torch.fx.Node) -> dict | None:
@@ -92,7 +78,7 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     if canon is torch.where:
         if {"condition", "input", "other"} - set(params):  # torch.where(cond) is nonzero(), not pointwise
             return None
-        if row.fixed.get("_masked_fill") and not _masked_fill_is_where(params["other"], params["input"]):
+        if row.fixed.get("_masked_fill") and not masked_fill_is_where(params["other"], params["input"]):
             return None
         return canon, (params["condition"], params["input"], params["other"]), {}
     x = params.pop("input")
@@ -226,33 +212,6 @@ def _is_detach(node) -> bool:
 
 
 
-def _cast_target(node):
-    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), and
-    torch.export's aten.to.dtype), else None."""
-    if node.op == "call_function" and node.target is aten.to.dtype:
-        # to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)
-        extra = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]), **node.kwargs)
-        if isinstance(node.args[1], torch.dtype) and not any(extra.values()):
-            return node.args[1]
-        return None
-    if node.op != "call_method":
-        return None
-    if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
-        return CAST_METHODS[node.target]
-    if node.target in ("to", "type") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) \
-            and not node.kwargs:
-        return node.args[1]
-    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
-        return node.kwargs["dtype"]
-    if node.target == "type_as" and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
-        src, other = node.args
-        meta = other.meta.get("tensor_meta") if isinstance(other, torch.fx.Node) else None
-        devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
-        if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) and len(devices) == 1 and None not in devices:
-            return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
-    return None
-
-
 def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     order = {n: k for k, n in enumerate(g.nodes)}
@@ -287,7 +246,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if split_layer(gm, node):
             continue
-        dtype = _cast_target(node)
+        dtype = cast_target(node)
         if dtype is not None:
             src = node.args[0]
             if _is_tensor_node(src) and src.meta["tensor_meta"].dtype == dtype:

@@ -1,5 +1,6 @@
 """The spelling tables of the normalize pass: every way PyTorch code can write an op, mapped to
-fxfuse's canonical form (functions, methods, in-place variants, nn modules, aten overloads).
+fxfuse's canonical form (functions, methods, in-place variants, nn modules, aten overloads),
+and the two spellings that need a node's metadata to decide (casts, masked_fill).
 
 Kept apart from the pass so that adding an op's spellings is an edit to tables, not to the
 rewriting logic in passes/normalize.py.
@@ -8,8 +9,11 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fxfuse.node_meta import fxfuse_meta
 
 aten = torch.ops.aten
 
@@ -208,3 +212,44 @@ ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.t
          operator.mod, operator.getitem, operator.neg, operator.pow}
 CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 EXPORT_ASSERTS = {p.default for p in (getattr(aten, "_assert_tensor_metadata", None),) if p is not None}
+
+
+def masked_fill_is_where(x, value) -> bool:
+    """x.masked_fill(mask, value) is torch.where(mask, value, x) where both give x's dtype: a
+    floating x with a number, or with a 0-d tensor of its own dtype (masked_fill never promotes;
+    where would make an int x float for 1.5)."""
+    meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) or not meta.dtype.is_floating_point:
+        return False
+    if isinstance(value, (bool, int, float)):
+        return True
+    vmeta = value.meta.get("tensor_meta") if isinstance(value, torch.fx.Node) else None
+    return isinstance(vmeta, torch.fx.passes.shape_prop.TensorMetadata) and not vmeta.shape \
+        and vmeta.dtype == meta.dtype
+
+
+def cast_target(node):
+    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), and
+    torch.export's aten.to.dtype), else None."""
+    if node.op == "call_function" and node.target is aten.to.dtype:
+        # to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)
+        extra = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]), **node.kwargs)
+        if isinstance(node.args[1], torch.dtype) and not any(extra.values()):
+            return node.args[1]
+        return None
+    if node.op != "call_method":
+        return None
+    if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+        return CAST_METHODS[node.target]
+    if node.target in ("to", "type") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) \
+            and not node.kwargs:
+        return node.args[1]
+    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    if node.target == "type_as" and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
+        src, other = node.args
+        meta = other.meta.get("tensor_meta") if isinstance(other, torch.fx.Node) else None
+        devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
+        if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) and len(devices) == 1 and None not in devices:
+            return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
+    return None
