@@ -115,6 +115,12 @@ def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
         del state_dict[key]
 
 
+GRAD_REASON = ("this call would record autograd (grad mode on and parameters or inputs requiring grad), or "
+               "forward()'s result depends on grad mode (it asks torch.is_grad_enabled() or the like) and was "
+               "traced without grad; fxfuse runs inference only: call under torch.no_grad() or "
+               "torch.inference_mode() to use the optimized graph")
+
+
 class OptimizedModule(torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
 
@@ -141,6 +147,7 @@ class OptimizedModule(torch.nn.Module):
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._reads_grad_mode = False      # forward() asked torch.is_grad_enabled() (traced under no_grad)
         self._records_autograd = False     # a grad-mode eager run recorded autograd (unknown: assumed so)
+        self._grad_flags = ()              # the parameters' requires_grad when that was found
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
@@ -262,6 +269,7 @@ class OptimizedModule(torch.nn.Module):
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
         self._reads_grad_mode |= bool(gm.meta.get("fxfuse_trace", {}).get("reads_grad_mode"))
         self._records_autograd |= gm.meta.get("fxfuse_trace", {}).get("records_autograd", True)
+        self._grad_flags = self._current_grad_flags()
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
@@ -303,6 +311,7 @@ class OptimizedModule(torch.nn.Module):
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
+        self._records_autograd = False   # found again by the next build's probe
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
         self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
@@ -317,6 +326,19 @@ class OptimizedModule(torch.nn.Module):
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return True
         return any(p.requires_grad for p in self.original.parameters())
+
+    def _current_grad_flags(self) -> tuple:
+        return tuple(p.requires_grad for p in self.original.parameters())
+
+    def _records_grad(self, args) -> bool:
+        """Whether this call (grad mode on) would record autograd in eager: forward() asks the
+        mode, or it records and something requires grad. "Records nothing" (a forward() that
+        turns grad off itself) holds only for the parameters' requires_grad seen at the build:
+        a parameter unfrozen since then may be used outside the no_grad part."""
+        if self._reads_grad_mode:
+            return True
+        records = self._records_autograd or self._current_grad_flags() != self._grad_flags
+        return records and self._needs_autograd(args)
 
     def _positional(self, args, kwargs):
         """args with keyword arguments bound into their positions of the original forward(), None
@@ -393,12 +415,8 @@ class OptimizedModule(torch.nn.Module):
                 or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()
-        if torch.is_grad_enabled() and (self._reads_grad_mode or self._records_autograd and self._needs_autograd(args)):
-            return self._run_original("grad", "this call would record autograd (grad mode on and parameters or "
-                                      "inputs requiring grad), or forward()'s result depends on grad mode (it "
-                                      "asks torch.is_grad_enabled() or the like) and was traced without grad; "
-                                      "fxfuse runs inference only: call under torch.no_grad() or "
-                                      "torch.inference_mode() to use the optimized graph", args)
+        if torch.is_grad_enabled() and self._records_grad(args):
+            return self._run_original("grad", GRAD_REASON, args)
         traced = self._traced_inference_mode
         if traced is not None and torch.is_inference_mode_enabled() != traced:
             return self._run_original("inference", "forward()'s result depends on inference mode (it asks "
@@ -419,10 +437,13 @@ class OptimizedModule(torch.nn.Module):
         # another thread may have built this signature, or taken the last slot, meanwhile
         with BUILD_LOCK:
             spec = self.specializations.get(sig)
-            if torch.is_grad_enabled():   # forward() records nothing itself (@torch.no_grad()): nor may the
-                with torch.no_grad():     # graph's library calls (not entered per call otherwise: host time)
-                    return spec(args) if spec is not None else self._miss(sig, args)
-            return spec(args) if spec is not None else self._miss(sig, args)
+            return self._run(spec, args) if spec is not None else self._miss(sig, args)
+
+    def _run(self, spec, args):
+        if torch.is_grad_enabled():   # forward() records nothing itself (@torch.no_grad()): nor may the
+            with torch.no_grad():     # graph's library calls (not entered per call otherwise: host time)
+                return spec(args)
+        return spec(args)
 
     def _miss(self, sig, args):
         """A call whose signature has no specialization: build one, or run the original."""
@@ -459,7 +480,9 @@ class OptimizedModule(torch.nn.Module):
             self._count_original(key, message)
             return result
         logger.info("built specialization %d: %s", len(self.specializations), reason)
-        return spec(args)
+        if torch.is_grad_enabled() and self._records_grad(args):   # the build's probe found it records now
+            return self._run_original("grad", GRAD_REASON, args)
+        return self._run(spec, args)
 
     def _run_original(self, key: str, reason: str, args, kwargs=None):
         """This call runs the original module: GuardError under strict=True, else one warning per

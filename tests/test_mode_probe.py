@@ -188,3 +188,42 @@ def test_a_forward_that_records_autograd_in_part_still_runs_the_original():
         got = opt(x)
     assert got.requires_grad and opt.original_calls["grad"] == 1
     torch.testing.assert_close(got, model(x))
+
+
+def test_a_parameter_unfrozen_after_the_build_records_again():
+    """fuzz29c: forward() turns grad off for its body only, and the head was frozen at the build,
+    so the probe saw nothing requiring grad; after the head is unfrozen eager records autograd."""
+    model = NoGradForward("part").eval()
+    model.l2.requires_grad_(False)
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not opt(x).requires_grad
+    model.l2.requires_grad_(True)
+    with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        got = opt(x)
+    assert got.requires_grad
+    got.sum().backward()
+    assert model.l2.weight.grad is not None
+
+
+def test_an_attribute_that_turns_grad_on_rebuilds_and_records():
+    """fuzz29c: `with torch.set_grad_enabled(self.finetune)` with finetune False at the build;
+    set True afterwards, the first grad-mode call (which rebuilds) must record as eager does."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.finetune = nn.Linear(8, 8), False
+
+        def forward(self, x):
+            with torch.set_grad_enabled(self.finetune):
+                return torch.relu(self.lin(x))
+
+    model = M().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    assert not opt(x).requires_grad and not opt.original_calls
+    model.finetune = True
+    with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        assert opt(x).requires_grad
