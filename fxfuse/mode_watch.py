@@ -95,7 +95,8 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
         with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
             warnings.simplefilter("ignore", FxfuseWarning)
             _probe(model, args, expected, reads, differs, inference)
-            reads["records_autograd"] = _records_autograd(model, args)
+            reads["records_autograd"] = _records_autograd(model, args, grad=True)
+            reads["enables_grad"] = _records_autograd(model, args, grad=False)   # torch.enable_grad() inside
     finally:
         for m, warned, calls in inner:
             m._warned, m.original_calls = warned, calls
@@ -112,7 +113,9 @@ def _probe(model, args, expected, reads, differs, inference) -> None:
         if (not grad or reads.get("reads_grad_mode")) and (not other or reads.get("reads_inference_mode") is not None):
             continue   # everything this run could mark is marked already
         with torch.inference_mode(inference != other), torch.set_grad_enabled(grad):   # inference_mode(False)
-            changed = _changes(model, args, expected, differs)                      # turns grad on: set after it
+            changed, records = _changes(model, args, expected, differs)             # turns grad on: set after it
+        if grad and not other:   # with grad on and plain inputs: does forward() record through its own
+            reads["records_from_state"] = records or changed   # tensors (a parameter, a tensor attribute)?
         if changed:
             reads["reads_grad_mode"] = reads.get("reads_grad_mode") or grad
             if other and not grad and reads.get("reads_inference_mode") is None:
@@ -120,21 +123,37 @@ def _probe(model, args, expected, reads, differs, inference) -> None:
                 # model made under inference_mode fails there (its parameters cannot be saved for backward)
 
 
-def _changes(model, args, expected, differs) -> bool:
+def _changes(model, args, expected, differs) -> tuple:
+    """(whether the outputs differ from `expected`, whether autograd computed one: _computed)."""
     from .tracing import clone_args
+    inputs = clone_args(args)
     try:
-        got = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
+        got = torch.utils._pytree.tree_flatten(model(*inputs))[0]
     except Exception:  # noqa: BLE001 -- see probe_mode_dependence
-        return True
+        return True, True
     return len(got) != len(expected) or any(differs(e, g.detach() if isinstance(g, torch.Tensor) else g)
-                                            for e, g in zip(expected, got))
+                                            for e, g in zip(expected, got)), _computed(got, inputs)
 
 
-def _records_autograd(model, args) -> bool:
-    """Whether eager, with grad on and its floating inputs requiring grad, returns a tensor that
-    requires grad. False for a forward() that turns grad off itself (`@torch.no_grad()`, an
-    inference wrapper): calls in grad mode may then run the graph (runtime.OptimizedModule).
-    A run that raises counts as recording (conservative: such calls run the original)."""
+def _computed(outputs, inputs) -> bool:
+    """Whether autograd computed one of the outputs (a grad_fn): not an input passed through or
+    a view of one, nor a parameter returned or viewed under no_grad (the graph returns those as
+    eager does)."""
+    storages = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(inputs)
+                if isinstance(t, torch.Tensor)}
+    return any(isinstance(g, torch.Tensor) and g.grad_fn is not None and g.untyped_storage().data_ptr() not in storages
+               for g in outputs)
+
+
+def _records_autograd(model, args, grad: bool) -> bool:
+    """Whether eager, in grad mode `grad` with its floating inputs requiring grad, returns a
+    tensor that requires grad. With grad on, False for a forward() that turns grad off itself
+    (`@torch.no_grad()`, an inference wrapper): calls in grad mode may then run the graph; with
+    grad off, True for one that turns it on (`torch.enable_grad()` around a head): calls under
+    no_grad then run the original (runtime.OptimizedModule). Only outputs autograd computed
+    count (_computed). A run
+    that raises counts as recording with grad on (such calls then run the original) and as not
+    recording with grad off (no_grad calls run the graph, as they always did)."""
     from .tracing import clone_args
 
     def requiring_grad(a):   # not a leaf: forward() may write into its input in place
@@ -142,9 +161,11 @@ def _records_autograd(model, args) -> bool:
             return a.detach().requires_grad_().clone()
         return a
     try:
-        with torch.inference_mode(False), torch.enable_grad():
-            got = torch.utils._pytree.tree_flatten(model(*torch.utils._pytree.tree_map(requiring_grad,
-                                                                                      clone_args(args))))[0]
+        with torch.inference_mode(False):
+            with torch.enable_grad():   # builds run under no_grad: a clone made there would not require grad
+                inputs = torch.utils._pytree.tree_map(requiring_grad, clone_args(args))
+            with torch.set_grad_enabled(grad):
+                got = torch.utils._pytree.tree_flatten(model(*inputs))[0]
     except Exception:  # noqa: BLE001
-        return True
-    return any(isinstance(g, torch.Tensor) and g.requires_grad for g in got)
+        return grad
+    return _computed(got, inputs)

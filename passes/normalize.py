@@ -473,7 +473,9 @@ def _replace(g, node, target, args, kwargs):
         else:
             new = g.call_function(target, tuple(args), kwargs)
     new.meta = dict(node.meta)
-    new.meta.pop("fxfuse", None)
+    device = new.meta.pop("fxfuse", {}).get("device")
+    if device is not None:
+        fxfuse_meta(new)["device"] = device   # the same value on the same device (cast_target reads it)
     node.replace_all_uses_with(new)
     g.erase_node(node)
     return new

@@ -36,6 +36,12 @@ ADDMMS = {torch.addmm, aten.addmm.default}
 EINSUMS = {torch.einsum, aten.einsum.default}
 
 
+def _swaps(dims) -> bool:
+    """Two dimensions of a 2-D tensor, one each: (0, 1), (1, 0), (-1, 0), (1, -2) ..."""
+    return isinstance(dims, tuple) and len(dims) == 2 and all(isinstance(d, int) and -2 <= d < 2 for d in dims) \
+        and {d % 2 for d in dims} == {0, 1}
+
+
 def _transposed_weight(node):
     """W where node is W.T / W.t() / torch.t(W) / W.transpose(0, 1) (or -1, -2) / W.permute(1, 0)
     of a 2-D constant of the model (a get_attr), else None."""
@@ -43,8 +49,7 @@ def _transposed_weight(node):
         return None
     w, rest = node.args[0], tuple(node.args[1:]) + tuple(node.kwargs.values())
     rest = tuple(tuple(r) if isinstance(r, list) else r for r in rest)    # permute([1, 0])
-    swaps = len(rest) == 2 and all(isinstance(d, int) and -2 <= d < 2 for d in rest) \
-        and {d % 2 for d in rest} == {0, 1}                                 # (0, 1), (-1, 0), (1, -2) ...
+    swaps = _swaps(rest)
     transposes = (
         (node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)))
         or (node.op == "call_method" and node.target == "t" and not rest)
@@ -52,9 +57,9 @@ def _transposed_weight(node):
         or (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims") and swaps)
         or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes, torch.swapdims,
                                                            aten.transpose.int) and swaps)
-        or (node.op == "call_method" and node.target == "permute" and rest in ((1, 0), ((1, 0),)))
+        or (node.op == "call_method" and node.target == "permute" and _swaps(rest[0] if len(rest) == 1 else rest))
         or (node.op == "call_function" and node.target in (torch.permute, aten.permute.default)
-            and rest == ((1, 0),)))
+            and len(rest) == 1 and _swaps(rest[0])))
     meta = w.meta.get("tensor_meta") if isinstance(w, torch.fx.Node) else None
     if transposes and w.op == "get_attr" and meta is not None and len(meta.shape) == 2:
         return w

@@ -229,14 +229,21 @@ def masked_fill_is_where(x, value) -> bool:
 
 
 def cast_target(node):
-    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), and
-    torch.export's aten.to.dtype), else None."""
+    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), y.type_as(x)
+    on one device, and torch.export's aten.to.dtype and aten.type_as), else None."""
     if node.op == "call_function" and node.target is aten.to.dtype:
         # to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)
         extra = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]), **node.kwargs)
         if isinstance(node.args[1], torch.dtype) and not any(extra.values()):
             return node.args[1]
         return None
+    type_as = node.target == "type_as" if node.op == "call_method" else node.target is aten.type_as.default
+    if type_as and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
+        src, other = node.args
+        meta = other.meta.get("tensor_meta") if isinstance(other, torch.fx.Node) else None
+        devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
+        if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) and len(devices) == 1 and None not in devices:
+            return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
     if node.op != "call_method":
         return None
     if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
@@ -246,10 +253,4 @@ def cast_target(node):
         return node.args[1]
     if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
         return node.kwargs["dtype"]
-    if node.target == "type_as" and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
-        src, other = node.args
-        meta = other.meta.get("tensor_meta") if isinstance(other, torch.fx.Node) else None
-        devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
-        if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) and len(devices) == 1 and None not in devices:
-            return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
     return None

@@ -227,3 +227,107 @@ def test_an_attribute_that_turns_grad_on_rebuilds_and_records():
     model.finetune = True
     with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
         assert opt(x).requires_grad
+
+
+def test_a_forward_that_turns_grad_on_itself_runs_the_original_under_no_grad():
+    """fuzz29c: `with torch.enable_grad():` around a head records autograd even under no_grad;
+    the graph (run under no_grad) returned outputs without grad. An input passed through is no
+    such case: it requires grad because the input does."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x, through=False):
+            h = torch.relu(self.body(x))
+            with torch.enable_grad():
+                return (self.head(h), x) if through else self.head(h)
+
+    model = M().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        got = opt(x)
+    assert got.requires_grad and opt.original_calls["grad"] == 1
+
+    class Through(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)), x
+
+    model = Through().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+        with torch.no_grad():
+            y, x_out = opt(torch.randn(4, 8, requires_grad=True))
+    assert not y.requires_grad and x_out.requires_grad and not opt.original_calls
+
+
+def test_tensors_of_the_model_that_require_grad_are_seen():
+    """fuzz29c: a plain tensor attribute requiring grad (parameters frozen), and a buffer made
+    to require grad after the build behind a no_grad body: eager records, so the original runs.
+    A model frozen after the build uses the graph in grad mode."""
+    class Temperature(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8).requires_grad_(False)
+            self.temp = torch.ones(8, requires_grad=True)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * self.temp
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = torch.relu(self.lin(x))
+            return h * self.scale
+
+    x = torch.randn(4, 8)
+    model = Temperature().eval()
+    opt = fxfuse.optimize(model, x)
+    with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        assert opt(x).requires_grad
+    model = Scaled().eval()
+    opt = fxfuse.optimize(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = opt(x)
+    assert not y.requires_grad and not opt.original_calls
+    model.scale.requires_grad_(True)
+    with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        assert opt(x).requires_grad
+    plain = fxfuse.optimize(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), x)
+    plain.original.requires_grad_(False)   # frozen after the build: grad-mode calls record nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not plain(x).requires_grad and not plain.original_calls
+
+
+def test_a_parameter_returned_under_no_grad_is_no_recording():
+    """fuzz29c: a parameter (or a view of one made under no_grad) returned by forward() requires
+    grad without autograd computing it: no_grad calls still use the graph."""
+    class Query(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.lin = nn.Parameter(torch.randn(1, 8)), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)), self.query.expand(x.shape[0], 8)
+
+    model = Query().eval()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, x)
+        with torch.no_grad():
+            y, q = opt(x)
+    assert not opt.original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1

@@ -83,3 +83,20 @@ def test_masked_fill_that_where_would_promote_stays_masked_fill():
 def test_export_threshold_has_a_spelling():
     from fxfuse.passes.spellings import ATEN_SPELLINGS
     assert ATEN_SPELLINGS[torch.ops.aten.threshold.default].canonical is F.threshold
+
+
+def test_type_as_through_torch_export_is_a_cast():
+    """fuzz29c: where symbolic_trace fails and torch.export traces, type_as is aten.type_as and
+    its operands are nodes normalize rewrote (which kept their device now)."""
+    class ExportedRMS(RMSNorm):
+        def forward(self, x):
+            if x.shape[-1] == 32:   # symbolic_trace cannot branch on a traced size: torch.export traces
+                x = x * 1.0
+            return super().forward(x)
+
+    model = ExportedRMS("type_as").half().eval()
+    x = torch.randn(4, 32).half()
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert "export" in fxfuse.explain(opt) and "type_as" not in _library_calls(opt), _library_calls(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
