@@ -95,7 +95,9 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
         with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
             warnings.simplefilter("ignore", FxfuseWarning)
             _probe(model, args, expected, reads, differs, inference)
-            reads["records_autograd"] = _records_autograd(model, args, grad=True)
+            # recording through its own tensors (or asking the mode) already decides grad-mode calls
+            reads["records_autograd"] = bool(reads.get("records_from_state", True) or reads.get("reads_grad_mode")) \
+                or _records_autograd(model, args, grad=True)
             reads["enables_grad"] = _records_autograd(model, args, grad=False)   # torch.enable_grad() inside
     finally:
         for m, warned, calls in inner:
