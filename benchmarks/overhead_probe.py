@@ -181,7 +181,7 @@ def main(argv=None):
                 rows.append((label, "clone output", per_call_us(lambda: spec.static_out.clone()), None))
             rows.append((label, "gm(x) no graph", per_call_us(lambda: spec.gm(x)), None))
             rows.append((label, "signature (cpu)", cpu_us(lambda: signature((x,))), None))
-            rows.append((label, "needs_autograd (cpu)", cpu_us(lambda: opt._needs_autograd((x,))), None))
+            rows.append((label, "grad check (cpu)", cpu_us(lambda: opt._grad.records((x,))), None))
         rows.append(("torch", "raw stream query (cpu)", cpu_us(lambda: torch._C._cuda_getCurrentRawStream(0)), None))
         rows.append(("torch", "empty Module call (cpu)", cpu_us(lambda: torch.nn.Identity()(x)), None))
     print(f"overhead probe: {args.layers} x Linear({args.hidden}) batch {args.batch}, "

@@ -152,10 +152,9 @@ def _records_autograd(model, args, grad: bool) -> bool:
     tensor that requires grad. With grad on, False for a forward() that turns grad off itself
     (`@torch.no_grad()`, an inference wrapper): calls in grad mode may then run the graph; with
     grad off, True for one that turns it on (`torch.enable_grad()` around a head): calls under
-    no_grad then run the original (runtime.OptimizedModule). Only outputs autograd computed
-    count (_computed). A run
-    that raises counts as recording with grad on (such calls then run the original) and as not
-    recording with grad off (no_grad calls run the graph, as they always did)."""
+    no_grad then run the original (GradRecording). Only outputs autograd computed count
+    (_computed). A run that raises counts as recording with grad on (such calls then run the
+    original) and as not recording with grad off (no_grad calls run the graph, as before)."""
     from .tracing import clone_args
 
     def requiring_grad(a):   # not a leaf: forward() may write into its input in place
@@ -171,3 +170,58 @@ def _records_autograd(model, args, grad: bool) -> bool:
     except Exception:  # noqa: BLE001
         return grad
     return _computed(got, inputs)
+
+
+GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by forward() itself, and "
+               "parameters or inputs requiring grad), or forward()'s result depends on grad mode (it asks "
+               "torch.is_grad_enabled() or the like) and was traced without grad; fxfuse runs inference only: "
+               "call under torch.no_grad() or torch.inference_mode() to use the optimized graph")
+
+
+class GradRecording:
+    """What the builds' probes (probe_mode_dependence) found about autograd in one model's
+    forward(), and the rule runtime.OptimizedModule asks on each call: would eager record
+    autograd here? Then the original runs (GRAD_REASON). Unknown facts (a build without
+    verify) count as recording, except turning grad on under no_grad, as before the probes."""
+
+    def __init__(self, model):
+        self.model = model
+        self.reads_grad_mode = False   # forward() asks torch.is_grad_enabled() (any build; kept)
+        self.forget_builds()
+
+    def forget_builds(self) -> None:
+        self.records_autograd = False      # records with grad on and its inputs requiring grad
+        self.records_from_state = False    # records with grad on and plain inputs (parameters, tensor attributes)
+        self.enables_grad = False          # records under no_grad (torch.enable_grad() inside)
+        self.flags = ()                    # the requires_grad flags of parameters and buffers they held for
+
+    def note_build(self, trace: dict) -> None:
+        self.reads_grad_mode |= bool(trace.get("reads_grad_mode"))
+        self.records_autograd |= trace.get("records_autograd", True)
+        self.records_from_state |= trace.get("records_from_state", True)
+        self.enables_grad |= trace.get("enables_grad", False)
+        self.flags = self._flags()
+
+    def _flags(self) -> tuple:
+        return tuple(t.requires_grad for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _something_requires_grad(self, args) -> bool:
+        if torch.is_inference_mode_enabled():
+            return False
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or \
+            any(t.requires_grad for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def records(self, args) -> bool:
+        """Under no_grad: where forward() turns grad on itself. With grad on: where forward()
+        asks the mode, or recorded through its own tensors at the build (a tensor attribute
+        requiring grad, which no flag shows), or records through inputs, parameters or buffers
+        that require grad. What the probes saw holds only for the flags seen at the build: a
+        parameter unfrozen since may be used outside a no_grad part."""
+        if not torch.is_grad_enabled():
+            return self.enables_grad and self._something_requires_grad(args)
+        if self.reads_grad_mode:
+            return True
+        same_flags = self._flags() == self.flags
+        if self.records_from_state and same_flags:
+            return True
+        return (self.records_autograd or not same_flags) and self._something_requires_grad(args)

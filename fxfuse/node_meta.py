@@ -4,6 +4,7 @@ Tracing, the passes and the state-write check read these; they import nothing of
 """
 import torch
 import torch.fx
+import torch.fx.passes.shape_prop
 
 
 def fxfuse_meta(node: torch.fx.Node) -> dict:
@@ -14,6 +15,12 @@ def fxfuse_meta(node: torch.fx.Node) -> dict:
 def tensor_meta(node):
     """ShapeProp's TensorMetadata of a node (None for non-nodes and nodes without it)."""
     return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+def single_tensor_meta(node):
+    """The node's TensorMetadata where it is one tensor (not a tuple of them, not a number), else None."""
+    meta = tensor_meta(node)
+    return meta if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) else None
 
 
 def fetch_attr(gm: torch.nn.Module, target: str):

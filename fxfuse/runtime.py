@@ -48,6 +48,7 @@ from .concrete_args import constant_default, mutable_defaults, same_default
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
+from .mode_watch import GRAD_REASON, GradRecording
 from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, structure,
                            structure_changed, version)
 from .precision import baked_settings, settings_changed
@@ -115,12 +116,6 @@ def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
         del state_dict[key]
 
 
-GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by forward() itself, and "
-               "parameters or inputs requiring grad), or forward()'s result depends on grad mode (it asks "
-               "torch.is_grad_enabled() or the like) and was traced without grad; fxfuse runs inference only: "
-               "call under torch.no_grad() or torch.inference_mode() to use the optimized graph")
-
-
 class OptimizedModule(torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
 
@@ -145,11 +140,7 @@ class OptimizedModule(torch.nn.Module):
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
-        self._reads_grad_mode = False      # forward() asked torch.is_grad_enabled() (traced under no_grad)
-        self._records_autograd = False     # a grad-mode eager run recorded autograd (unknown: assumed so)
-        self._grad_flags = ()              # the parameters' requires_grad when that was found
-        self._enables_grad = False         # a no_grad eager run recorded autograd (torch.enable_grad() inside)
-        self._records_from_state = False   # a grad-mode eager run recorded through the model's own tensors
+        self._grad = GradRecording(model)  # what the builds' probes found about autograd, and the rule
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
@@ -269,11 +260,7 @@ class OptimizedModule(torch.nn.Module):
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
-        self._reads_grad_mode |= bool(gm.meta.get("fxfuse_trace", {}).get("reads_grad_mode"))
-        self._records_autograd |= gm.meta.get("fxfuse_trace", {}).get("records_autograd", True)
-        self._grad_flags = self._current_grad_flags()
-        self._enables_grad |= gm.meta.get("fxfuse_trace", {}).get("enables_grad", False)
-        self._records_from_state |= gm.meta.get("fxfuse_trace", {}).get("records_from_state", True)
+        self._grad.note_build(gm.meta.get("fxfuse_trace", {}))
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
@@ -315,8 +302,7 @@ class OptimizedModule(torch.nn.Module):
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
-        self._records_autograd = self._enables_grad = self._records_from_state = False   # found again by
-        # the next build's probe
+        self._grad.forget_builds()   # found again by the next build's probes
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
         self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
@@ -324,33 +310,6 @@ class OptimizedModule(torch.nn.Module):
         if key not in self._warned:
             self._warned.add(key)
             warn(message)
-
-    def _needs_autograd(self, args) -> bool:
-        if torch.is_inference_mode_enabled():
-            return False
-        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return True
-        return any(t.requires_grad for t in self.original.parameters()) or \
-            any(t.requires_grad for t in self.original.buffers())   # a buffer made to require grad
-
-    def _current_grad_flags(self) -> tuple:
-        return tuple(t.requires_grad for t in (*self.original.parameters(), *self.original.buffers()))
-
-    def _records_grad(self, args) -> bool:
-        """Whether this call would record autograd in eager (the build's probes, mode_watch):
-        under no_grad, where forward() turns grad on itself; with grad on, where forward() asks
-        the mode, or recorded through its own tensors at the build (a tensor attribute requiring
-        grad, which no flag below shows), or records through inputs or parameters that require
-        grad. What the probes saw holds for the requires_grad flags of the build's parameters
-        and buffers: one unfrozen since may be used outside a no_grad part."""
-        if not torch.is_grad_enabled():   # forward() may turn grad on itself (torch.enable_grad())
-            return self._enables_grad and self._needs_autograd(args)
-        if self._reads_grad_mode:
-            return True
-        same_flags = self._current_grad_flags() == self._grad_flags
-        if self._records_from_state and same_flags:
-            return True
-        return (self._records_autograd or not same_flags) and self._needs_autograd(args)
 
     def _positional(self, args, kwargs):
         """args with keyword arguments bound into their positions of the original forward(), None
@@ -427,7 +386,7 @@ class OptimizedModule(torch.nn.Module):
                 or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()
-        if (torch.is_grad_enabled() or self._enables_grad) and self._records_grad(args):
+        if (torch.is_grad_enabled() or self._grad.enables_grad) and self._grad.records(args):
             return self._run_original("grad", GRAD_REASON, args)
         traced = self._traced_inference_mode
         if traced is not None and torch.is_inference_mode_enabled() != traced:
@@ -492,7 +451,7 @@ class OptimizedModule(torch.nn.Module):
             self._count_original(key, message)
             return result
         logger.info("built specialization %d: %s", len(self.specializations), reason)
-        if self._records_grad(args):   # the build's probe found that it records now
+        if self._grad.records(args):   # the build's probes found that it records now
             return self._run_original("grad", GRAD_REASON, args)
         return self._run(spec, args)
 

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.fx
 
-from fxfuse.node_meta import fetch_attr, fxfuse_meta, tensor_meta
+from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _meta
 from fxfuse.ops import is_pointwise_target, row_major
 
 from .fuse_pointwise import _mutated_values
@@ -30,12 +30,6 @@ aten = torch.ops.aten
 RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, aten.view.default, aten.reshape.default,
                      aten._unsafe_view.default}
-
-
-def _meta(node):
-    """The node's TensorMetadata where it is one tensor (not a tuple of them), else None."""
-    meta = tensor_meta(node)
-    return meta if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) else None
 
 
 def _contiguous(meta) -> bool:
@@ -121,23 +115,21 @@ def _sink_one(gm, op, written: set) -> bool:
     value involved is written in place: a reshape of a non-contiguous y is a copy, and a write
     to y or to the copy between the reshape and op would otherwise be read (or missed)."""
     g = gm.graph
-    if fxfuse_meta(op).get("view_moved") or op in written:
+    if fxfuse_meta(op).get("view_moved"):
         return False    # once: its operands' reshapes would move the view back up
     views = [a for a in op.args if isinstance(a, torch.fx.Node) and reshape_source(a) is not None
              and reshape_source(a).op not in ("placeholder", "get_attr")]   # a view of an input joins nothing
-    if not views or _meta(op) is None or tuple(_meta(op).shape) != tuple(_meta(views[0]).shape):
+    if not views:
         return False
     view = views[0]
     source = reshape_source(view)
-    if not _contiguous(_meta(source)):
+    if not _contiguous(_meta(source)) or source in written:
         return False    # the reshape copies: op(source) would keep source's layout, not the row-major one assumed
-    if any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) or source in written \
-            or any(a in written for a in op.args if isinstance(a, torch.fx.Node)):
-        return False
-    plans = [_operand_plan(a, view, source, op) for a in op.args]
-    if None in plans or not all(_can_follow(u, op, source, written) for u in op.users
+    plans = _plans(op, view, source, written)
+    if plans is None or not all(_plans(u, op, source, written) is not None for u in op.users
                                 if u.op == "call_function" and is_pointwise_target(u.target)):
-        return False
+        return False    # a pointwise user that cannot follow op below the view: moving op alone would
+                        # put a reshape between them (where(v > 0, v, c) with c [3, 1] against [b, 3, 4])
     args = [_moved_operand(g, plan, source) for plan in plans]
     with g.inserting_before(op):
         new_op = g.call_function(op.target, tuple(args), dict(op.kwargs))
@@ -155,14 +147,17 @@ def _sink_one(gm, op, written: set) -> bool:
     return True
 
 
-def _can_follow(user, op, source, written) -> bool:
-    """Whether a pointwise user of op could move below the view too, once op has: where it
-    cannot (`where(view > 0, view, c)` with c [3, 1] against [b, 3, 4]), moving op alone would put
-    a reshape between op and its user, which fused together above the view."""
-    meta = _meta(user)
-    return (user not in written and meta is not None and tuple(meta.shape) == tuple(_meta(op).shape)
-            and not any(isinstance(v, torch.fx.Node) for v in user.kwargs.values())
-            and all(_operand_plan(a, op, source, user) is not None for a in user.args))
+def _plans(op, view, source, written):
+    """Each operand's _operand_plan for pointwise op reading `view` (of `source`), or None where
+    op cannot move below it: its result is not of the view's shape, a tensor keyword argument,
+    or op or an operand written in place."""
+    meta = _meta(op)
+    if meta is None or tuple(meta.shape) != tuple(_meta(view).shape) or op in written \
+            or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) \
+            or any(a in written for a in op.args if isinstance(a, torch.fx.Node)):
+        return None
+    plans = [_operand_plan(a, view, source, op) for a in op.args]
+    return None if None in plans else plans
 
 
 def _round_trip(node):

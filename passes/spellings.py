@@ -6,14 +6,14 @@ Kept apart from the pass so that adding an op's spellings is an edit to tables, 
 rewriting logic in passes/normalize.py.
 """
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fxfuse_meta
+from fxfuse.node_meta import fxfuse_meta, single_tensor_meta
 
 aten = torch.ops.aten
 
@@ -69,8 +69,7 @@ ACTIVATION_PARAMS = {  # canonical: (F spelling, its parameter names after input
 # x.masked_fill(mask, value) = torch.where(mask, value, x) (normalize checks the dtypes agree)
 MASKED_FILL = Spelling(torch.where, ("input", "mask", "value"), fixed={"_masked_fill": True},
                        rename={"input": "other", "mask": "condition", "value": "input"})
-MASKED_FILL_ = Spelling(torch.where, ("input", "mask", "value"), inplace=True, fixed={"_masked_fill": True},
-                        rename={"input": "other", "mask": "condition", "value": "input"})
+MASKED_FILL_ = replace(MASKED_FILL, inplace=True)
 
 
 def _build_function_spellings() -> dict:
@@ -218,14 +217,13 @@ def masked_fill_is_where(x, value) -> bool:
     """x.masked_fill(mask, value) is torch.where(mask, value, x) where both give x's dtype: a
     floating x with a number, or with a 0-d tensor of its own dtype (masked_fill never promotes;
     where would make an int x float for 1.5)."""
-    meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
-    if not isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) or not meta.dtype.is_floating_point:
+    meta = single_tensor_meta(x)
+    if meta is None or not meta.dtype.is_floating_point:
         return False
     if isinstance(value, (bool, int, float)):
         return True
-    vmeta = value.meta.get("tensor_meta") if isinstance(value, torch.fx.Node) else None
-    return isinstance(vmeta, torch.fx.passes.shape_prop.TensorMetadata) and not vmeta.shape \
-        and vmeta.dtype == meta.dtype
+    vmeta = single_tensor_meta(value)
+    return vmeta is not None and not vmeta.shape and vmeta.dtype == meta.dtype
 
 
 def cast_target(node):
@@ -240,9 +238,9 @@ def cast_target(node):
     type_as = node.target == "type_as" if node.op == "call_method" else node.target is aten.type_as.default
     if type_as and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
         src, other = node.args
-        meta = other.meta.get("tensor_meta") if isinstance(other, torch.fx.Node) else None
+        meta = single_tensor_meta(other)
         devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
-        if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) and len(devices) == 1 and None not in devices:
+        if meta is not None and len(devices) == 1 and None not in devices:
             return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
     if node.op != "call_method":
         return None
