@@ -331,3 +331,25 @@ def test_a_parameter_returned_under_no_grad_is_no_recording():
         with torch.no_grad():
             y, q = opt(x)
     assert not opt.original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_a_grad_mode_call_that_builds_looks_at_the_new_build():
+    """fuzz29c: forward() records autograd only for some values of a non-tensor argument. Built
+    with detach=True, grad-mode calls run the graph; a call with detach=False is a new
+    signature, and its build's probe says it records: that call must run the original too."""
+    class Detaching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, detach: bool = True):
+            y = torch.relu(self.lin(x))
+            return y.detach() if detach else y
+
+    model = Detaching().eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, (x, True))
+    assert not opt(x, True).requires_grad and not opt.original_calls
+    with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
+        got = opt(x, False)
+    assert got.requires_grad and opt.original_calls["grad"] == 1
