@@ -46,6 +46,21 @@ class GPT2MLP(nn.Module):
         return h + self.c_proj(F.gelu(self.c_fc(h), approximate="tanh"))
 
 
+class PreNormMLP(nn.Module):
+    """A pre-norm transformer's MLP sublayer: h + fc2(gelu(fc1(ln(h)))); the residual stream h
+    is no input of fc2, so fc2's epilogue reads it as a skip tensor."""
+
+    def __init__(self, d, layers=1):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(d), "fc1": nn.Linear(d, 4 * d),
+                                                   "fc2": nn.Linear(4 * d, d)}) for _ in range(layers))
+
+    def forward(self, h):
+        for b in self.blocks:
+            h = h + b["fc2"](F.gelu(b["fc1"](b["ln"](h))))
+        return h
+
+
 class MatmulChain(nn.Module):
     """`relu(x @ W + b)` per layer, W [in, out] (or einsum "bi,io->bo")."""
 
@@ -64,6 +79,8 @@ class MatmulChain(nn.Module):
 CASES = {   # name -> (factory, input shape, note)
     "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
     "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
+    "prenorm-mlp": (lambda: PreNormMLP(256, 4), (1, 32, 256), "4 pre-norm MLP sublayers, width 256, 32 tokens"),
+    "prenorm-mlp-768": (lambda: PreNormMLP(768, 2), (1, 16, 768), "2 pre-norm MLP sublayers, width 768, 16 tokens"),
     "matmul-chain": (lambda: MatmulChain(1024, 8), (64, 1024), "8 x relu(x @ W + b), 64 x 1024"),
     "matmul-chain-narrow": (lambda: MatmulChain(128, 8), (1, 128), "8 x relu(x @ W + b), 1 x 128"),
     "einsum-chain": (lambda: MatmulChain(512, 8, einsum=True), (16, 512), "8 x relu(einsum + b), 16 x 512"),
@@ -92,8 +109,23 @@ def build_before(model, example):
 
 BEFORE = toolmod.Tool("fxfuse-spelled-before", "fxfuse before", build_before, default=False, fxfuse=True,
                       private_copy=True)
-toolmod.TOOLS.append(BEFORE)
-toolmod.TOOLS_BY_KEY[BEFORE.key] = BEFORE
+
+
+def build_no_skips(model, example):
+    """fxfuse without skip tensors in the generated GEMM's epilogue (before 2026-11-26, stop 30)."""
+    import fxfuse.passes.fuse_gemm as fg
+    saved, fg.MAX_SKIPS = fg.MAX_SKIPS, 0
+    try:
+        return toolmod.build_fxfuse(model, example)
+    finally:
+        fg.MAX_SKIPS = saved
+
+
+NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
+                        private_copy=True)
+for _tool in (BEFORE, NO_SKIPS):
+    toolmod.TOOLS.append(_tool)
+    toolmod.TOOLS_BY_KEY[_tool.key] = _tool
 
 
 def main(argv=None):

@@ -95,7 +95,6 @@ class LinearLayer:
     bias: bool = True                       # one of the epilogue ops is a bias add
     epilogue: tuple = ()                    # what those ops compute (passes/plan_linears._epilogue_key)
     epilogue_reads: int = 0                 # other [m, n] tensors the epilogue reads (a residual's skip)
-    epilogue_reads_input: int = 0           # how many of those are the layer's own input (fuse_gemm takes them)
     x3_products: bool = False               # Strassen's product call runs in 3xTF32 (option tf32x3)
 
     @property
@@ -387,13 +386,11 @@ class CostModel:
             return self._library(L)
         if c in ("gemm", "gemm_x3"):   # gemm_x3 only from its own table (plan_linears: legal where measured)
             work = gemm_work(L.m, L.k, L.n, L.elt, bias=L.bias, triton=True)
-            work = replace(work, bytes=work.bytes + L.elt * L.m * L.n * L.epilogue_reads_input)   # x at the tile
+            # x and the other tensors the epilogue reads (a residual's skip), loaded at the output tile
+            work = replace(work, bytes=work.bytes + L.elt * L.m * L.n * L.epilogue_reads)
             tables = ([("gemm_tf32x3", (L.m, h))] if c == "gemm_x3"
                       else [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))])
             gemm = self._component(L.dtype, work, tables, prefer_inside=False)
-            others = L.epilogue_reads - L.epilogue_reads_input
-            if others:   # fuse_gemm's epilogue reads no other tensor: the ops from there on run after it
-                gemm = gemm + self._pointwise(L.dtype, Work(bytes=L.elt * L.m * L.n * (2 + others)))
             return replace(gemm, us=gemm.us * X3_PREFERENCE) if c == "gemm_x3" else gemm
         if c == "mlp":
             return self.estimate_mlp([L])

@@ -64,9 +64,23 @@ def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | Non
             return f"epilogue step {j} ({s.op}) reads a value it cannot see"
         if spec.k != spec.n and any(kind == "input" for kind, _ in s.operands):
             return f"epilogue step {j} ({s.op}) reads the input, which is {spec.k} wide, not {spec.n}"
+    refs = sorted({ref for s in spec.epilogue for kind, ref in s.operands if kind == "skip"})
+    if refs != list(range(len(refs))):
+        return f"the epilogue's skip tensors are numbered {refs}, not 0..{len(refs) - 1}"
     if not 0 <= spec.output <= len(spec.epilogue):
         return "output is not a value of the epilogue"
     return None
+
+
+def broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Whether a tensor of `shape` broadcasts to `target` (torch's rule; torch.broadcast_shapes
+    would import sympy, which optimize() avoids)."""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+def skip_count(spec: GemmSpec) -> int:
+    """Other [M, N] tensors the epilogue reads at the output tile (operands ("skip", j))."""
+    return len({ref for s in spec.epilogue for kind, ref in s.operands if kind == "skip"})
 
 
 def gemm_kernel_name(spec: GemmSpec, config: GemmConfig) -> str:
@@ -78,15 +92,19 @@ def gemm_kernel_name(spec: GemmSpec, config: GemmConfig) -> str:
 def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
     """(source, kernel name). Kernel arguments: x [M, K] (row stride stride_xm, unit column
     stride), W [N, K] contiguous, out [M, N] (row stride stride_om), the epilogue constants
-    (fp32, each padded to a multiple of 16), the split-K workspace and counters, M."""
+    (fp32, each padded to a multiple of 16), the split-K workspace and counters, the skip
+    tensors [M, N] (skip_count of them, any strides), M, the strides."""
     name = gemm_kernel_name(spec, config)
     c = config
     k_split = triton_cdiv(triton_cdiv(spec.k, c.block_k), c.split_k) * c.block_k   # K elements per split
     dot_kw = f", input_precision=\"{c.precision}\"" if spec.dtype == torch.float32 else ""
+    skips = range(skip_count(spec))
     buf = IndentedBuffer()
     buf.line("@triton.jit")
-    buf.line(f"def {name}(x_ptr, w_ptr, wl_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, M, stride_xm, stride_om, "
-             "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):")
+    buf.line(f"def {name}(x_ptr, w_ptr, wl_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, "
+             + "".join(f"s{j}_ptr, " for j in skips) + "M, stride_xm, stride_om, "
+             + "".join(f"stride_s{j}m, stride_s{j}n, " for j in skips)
+             + "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):")
     with buf.indent():
         buf.line(f"# y[M, {spec.n}] = epilogue(x[M, {spec.k}] @ W[{spec.n}, {spec.k}].T); split-K {c.split_k} "
                  f"({k_split} K elements per program); {c}")
@@ -245,6 +263,13 @@ def _emit_epilogue_and_store(buf, spec: GemmSpec, numels: tuple):
                     buf.line("xin = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :], "
                              "mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)")
                 args.append("xin")
+            elif kind == "skip":    # another [M, N] tensor at the output tile: a residual's skip
+                if ("skip", ref) not in loaded:
+                    loaded.add(("skip", ref))
+                    buf.line(f"sk{ref} = tl.load(s{ref}_ptr + offs_m.to(tl.int64)[:, None] * stride_s{ref}m "
+                             f"+ offs_n.to(tl.int64)[None, :] * stride_s{ref}n, mask=m_ok[:, None] & n_ok[None, :], "
+                             "other=0.0).to(tl.float32)")
+                args.append(f"sk{ref}")
             else:
                 args.append(literal(ref))
         buf.line(f"v{j + 1} = {BY_NAME[step.op].expr(*args, **dict(step.params))}")
@@ -316,11 +341,14 @@ class EpilogueGemm(FusedKernel):
         self.use_pdl = False
 
     def _matches(self, inputs) -> bool:
-        if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+        if len(inputs) != 1 + skip_count(self.spec) or not all(isinstance(t, torch.Tensor) for t in inputs):
             return False
-        x = inputs[0]
+        x, *skips = inputs
+        out_shape = tuple(x.shape[:-1]) + (self.spec.n,)
         return x.dim() >= 1 and x.shape[-1] == self.spec.k and x.dtype == self.spec.dtype \
-            and x.device == self.weight.device
+            and x.device == self.weight.device and all(broadcasts_to(tuple(s.shape), out_shape)
+                                                       and s.dtype == self.spec.dtype and s.device == x.device
+                                                       for s in skips)
 
     def _scratch(self, grid) -> tuple:
         """Workspace and zeroed counters big enough for this grid (grown, never shrunk)."""
@@ -346,12 +374,15 @@ class EpilogueGemm(FusedKernel):
         m, c = x2.shape[0], self.config
         out = torch.empty((m, self.spec.n), dtype=self.spec.dtype, device=x.device)
         if m:
+            skips = [s.expand(lead + (self.spec.n,)).reshape(m, self.spec.n) for s in inputs[1:]]   # views (stride 0
+            # along a broadcast dim) where the strides allow, else copies
             grid = (triton_cdiv(m, c.block_m), triton_cdiv(self.spec.n, c.block_n), c.split_k)
             ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
             pdl = {"launch_pdl": True} if self.use_pdl and pdl_available(x.device) else {}
             with launch_context(x.device):
-                self.compiled()[grid](x2, self.weight, self.weight_lo, out, self.packed_vectors, ws, cnt, m, x2.stride(0),
-                                      out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                self.compiled()[grid](x2, self.weight, self.weight_lo, out, self.packed_vectors, ws, cnt, *skips, m,
+                                      x2.stride(0), out.stride(0), *(st for s in skips for st in s.stride()),
+                                      BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                                       USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl)
             self.launches += 1
         return out.view(lead + (self.spec.n,))

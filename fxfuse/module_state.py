@@ -221,6 +221,13 @@ def _forward_state(m: torch.nn.Module) -> dict:
             if isinstance(v, (torch.Tensor, list, tuple, dict)) or _is_record(v)}
 
 
+# torch's registries of state_dict hooks: fxfuse's own OptimizedModules add to and remove from
+# them (runtime: rebuild on load_state_dict), also when the garbage collector finalizes an old
+# one while another build runs; what forward() computes with is not in them
+STATE_DICT_HOOKS = frozenset({"_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                              "_load_state_dict_post_hooks"})
+
+
 class _Snapshot:
     def __init__(self, model: torch.nn.Module):
         self.modules, seen = [], set()
@@ -232,7 +239,7 @@ class _Snapshot:
             attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
             # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
             # at trace time, and the graph holds the changed tensor as a constant
-            held = list(_held(attrs, _forward_state(m), seen))
+            held = list(_held({k: v for k, v in attrs.items() if k not in STATE_DICT_HOOKS}, _forward_state(m), seen))
             tensors = {k: (v, v.detach().clone()) for kind, k, v in held if kind == "tensor"}
             containers = {k: (v, _contents(v)) for kind, k, v in held if kind == "container"}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}

@@ -114,6 +114,21 @@ class _Region:
     def _is_value(self, a) -> bool:
         return isinstance(a, torch.fx.Node) and (a in self.inside or a is self.x)
 
+    @property
+    def skips(self) -> list:
+        """Tensors the nodes read that are neither region values nor constants, in order of
+        first reading: none in a fused MLP (joins refuses them); a generated GEMM's epilogue
+        reads them at the output tile (fuse_gemm._EpilogueRegion: the skip of `h + lin(...)`)."""
+        found = {}
+        for node in self.nodes:
+            if _linear_parts(node) is not None:
+                continue
+            for a in node.args[:POINTWISE[node.target].nargs]:
+                if isinstance(a, torch.fx.Node) and not self._is_value(a) \
+                        and _constant(self.gm, a, _tmeta(node).shape[-1]) is None:
+                    found.setdefault(a, None)
+        return list(found)
+
     def joins(self, node) -> bool:
         if not self._value_ok(node):
             return False
@@ -138,9 +153,13 @@ class _Region:
             if self._is_value(a):
                 if tuple(_tmeta(a).shape) != tuple(_tmeta(node).shape):
                     return False
-            elif _constant(self.gm, a, width) is None:
+            elif _constant(self.gm, a, width) is None and not self._skip_ok(a, node):
                 return False
         return True
+
+    def _skip_ok(self, a, node) -> bool:
+        """Whether `node` may read tensor `a` from outside the region (a fused MLP: no)."""
+        return False
 
     def grow(self, start, order: dict) -> None:
         """Visit users of region values in graph order (a heap), so a node is decided after
@@ -240,6 +259,7 @@ class _Region:
 def _lower(gm, region: _Region):
     """(MLPSpec, weights, vectors, members) of a region."""
     values, widths, steps, weights, vectors, members = {region.x: 0}, [_tmeta(region.x).shape[-1]], [], [], [], []
+    skips = region.skips
     for node in region.nodes:
         width = _tmeta(node).shape[-1]
         parts = _linear_parts(node)
@@ -259,6 +279,8 @@ def _lower(gm, region: _Region):
             for a in node.args[:op.nargs]:
                 if isinstance(a, torch.fx.Node) and a in values:
                     operands.append(("value", values[a]))
+                elif isinstance(a, torch.fx.Node) and a in skips:
+                    operands.append(("skip", skips.index(a)))
                 elif isinstance(a, torch.fx.Node):
                     vectors.append(_fetch(gm, a.target))
                     operands.append(("vector", len(vectors) - 1))
@@ -278,6 +300,8 @@ def _reference(gm, region: _Region) -> torch.fx.GraphModule:
     """The chain's own nodes (and the constants they read) as a GraphModule: the fallback."""
     g = torch.fx.Graph()
     env, attrs = {region.x: g.placeholder("x")}, {}
+    for k, skip in enumerate(region.skips):
+        env[skip] = g.placeholder(f"skip{k}")
 
     def arg(n):
         if n not in env:  # a constant outside the region
@@ -354,7 +378,8 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
 
 
 def replace_region(gm, region: _Region, module, prefix: str, kind: str, decision: str):
-    """Put `module` (called on region.x) in place of the region's nodes; return the call node.
+    """Put `module` (called on region.x and region.skips) in place of the region's nodes;
+    return the call node.
 
     The region's output is its only value read outside it (trim), so its users move to the
     call; the members and the constants only they read are erased. Shared by fuse_gemm."""
@@ -366,7 +391,7 @@ def replace_region(gm, region: _Region, module, prefix: str, kind: str, decision
     gm.add_submodule(name, module)
     out = region.output
     with g.inserting_before(out):
-        call = g.call_module(name, (region.x,))
+        call = g.call_module(name, (region.x, *region.skips))
     eager = out.meta["tensor_meta"]
     written = row_major(eager.shape)    # the kernel writes row-major
     call.meta["tensor_meta"] = eager._replace(stride=written)

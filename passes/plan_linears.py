@@ -148,8 +148,7 @@ def _describe(node, epilogue_ops: int, read_elsewhere: bool) -> LinearLayer:
     epilogue = _epilogue_key(node, epilogue_ops)
     return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
                        output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node),
-                       epilogue=epilogue, epilogue_reads=_count(epilogue, ("input", "skip")),
-                       epilogue_reads_input=_count(epilogue, ("input",)))
+                       epilogue=epilogue, epilogue_reads=_count(epilogue, ("input", "skip")))
 
 
 def _count(epilogue: tuple, kinds: tuple) -> int:

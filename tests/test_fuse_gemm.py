@@ -87,6 +87,79 @@ def test_input_of_another_width_stays_outside_the_gemm():
     assert all(kind != "input" for s in g.spec.epilogue for kind, _ in s.operands)
 
 
+class PreNorm(nn.Module):
+    """A pre-norm transformer MLP: the residual stream h is no input of the second Linear."""
+    def __init__(self, width=19, hidden=29):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, h):
+        return h + self.fc2(F.gelu(self.fc1(self.ln(h))))
+
+
+@pytest.mark.parametrize("rows,config", [(5, {}), (300, {}), (40, {"split_k": 2, "rowwise": False})])
+def test_residual_of_another_tensor_joins_the_epilogue(rows, config, monkeypatch):
+    """h + fc2(...): the skip h is read at fc2's output tile (operand "skip"), so the block is
+    LayerNorm + two launches, at batch x tokens of 2 x rows (row-wise, tl.dot, split-K)."""
+    if config:
+        import fxfuse.passes.fuse_gemm as pass_module
+        real = pass_module.choose_gemm_config
+        monkeypatch.setattr(pass_module, "choose_gemm_config",
+                            lambda m, spec, tf32, **kw: real(m, spec, tf32, block_m=16, block_n=16, block_k=16, **config, **kw))
+    model = PreNorm().eval()
+    opt = check(model, torch.randn(2, rows, 19))
+    first, second = gemms(opt)
+    assert ("skip", 0) in second.spec.epilogue[-1].operands and "sk0 = tl.load" in second.source
+    assert fxfuse.stats(opt)["fused_kernels"] == 2 and fxfuse.stats(opt)["library_calls"] == 1   # the LayerNorm
+    assert second.launches >= 2 and second.fallbacks == 0
+    with torch.no_grad():   # another batch: the same kernels
+        h = torch.randn(3, rows, 19)
+        torch.testing.assert_close(opt(h), model(h), rtol=1e-5, atol=1e-5)
+
+
+class Skips(nn.Module):
+    """Skips of other layouts: a transposed input (strides (1, rows)), a per-row scale [rows, 1]
+    (stride 0 along the columns) and a third tensor, past MAX_SKIPS, which stays outside."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(13, 11)
+
+    def forward(self, x, a, c):
+        s = x.norm(dim=-1, keepdim=True)
+        return ((self.fc(x) + a.t()) * s - c.sigmoid()).relu() + a.t().exp()
+
+
+def test_skips_of_other_layouts_and_the_limit():
+    model = Skips().eval()
+    args = (torch.randn(9, 13), torch.randn(11, 9), torch.randn(9, 11))
+    opt = fxfuse.optimize(model, args, strict=True, gemm="force", fused_mlp="off")
+    (g,) = gemms(opt)
+    kinds = [kind for step in g.spec.epilogue for kind, _ in step.operands]
+    assert kinds.count("skip") == 2 and len({ref for step in g.spec.epilogue for kind, ref in step.operands
+                                             if kind == "skip"}) == 2
+    with torch.no_grad():
+        for _ in range(2):
+            args = (torch.randn(9, 13), torch.randn(11, 9), torch.randn(9, 11))
+            torch.testing.assert_close(opt(*args), model(*args), rtol=1e-5, atol=1e-5)
+    assert g.launches >= 2 and g.fallbacks == 0
+
+
+def test_skip_computed_from_the_product_stays_outside():
+    """y + softmax(y): the skip depends on the product, so the add cannot be in y's epilogue."""
+    class SelfSkip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(10, 7)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y + torch.softmax(y, -1)
+
+    opt = check(SelfSkip().eval(), torch.randn(4, 10))
+    (g,) = gemms(opt)
+    assert all(kind != "skip" for step in g.spec.epilogue for kind, _ in step.operands)
+
+
 def test_product_read_twice_is_stored_once():
     class TwoReaders(nn.Module):
         def __init__(self):
