@@ -87,6 +87,12 @@ def literal(v) -> str:
 
 def _pow(x, exponent) -> str:
     e = float(exponent)
+    if not math.isfinite(e):   # as C pow: 1 ** e is 1; |x| < 1 or > 1 go to 0 or inf; nan stays nan
+        if math.isnan(e):
+            return f"tl.where({x} == 1.0, 1.0, {literal(math.nan)})"
+        below, above = (0.0, math.inf) if e > 0 else (math.inf, 0.0)
+        return (f"tl.where(tl.abs({x}) == 1.0, 1.0, tl.where(tl.abs({x}) < 1.0, {literal(below)}, "
+                f"tl.where(tl.abs({x}) > 1.0, {literal(above)}, {literal(math.nan)})))")
     if e == 0:
         return f"tl.where({x} == {x}, 1.0, 1.0)"  # x ** 0 == 1, also for nan and inf, as in torch
     if e.is_integer() and abs(e) <= 4:

@@ -14,6 +14,7 @@ import io
 import logging
 import operator
 import time
+import traceback
 import warnings
 
 import torch
@@ -171,6 +172,10 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
         raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
+        # the failed trace's frames hold their locals; torch.fx's Proxy.__iter__ keeps its own frame
+        # in one (a cycle), which kept every caller's frame up to OptimizedModule.__init__, and so
+        # the OptimizedModule and its CUDA graphs, alive after `del opt` until a garbage collection
+        traceback.clear_frames(fx_error.__traceback__)
         refused = assigns_parameter(fx_error)
         if refused is not None:
             raise refused from fx_error

@@ -97,7 +97,11 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in (torch.float16, torch.bfloat16)
                    for a in (x, other) if isinstance(a, torch.fx.Node)):
                 return None   # CUDA computes x + alpha * y in fp32 and rounds once; split, y * alpha would
-            return ("alpha", canon), (x, other, alpha), {}   # round to fp16 first (and may overflow)
+                #               round to fp16 first (and may overflow)
+            if isinstance(other, torch.fx.Node) and getattr(other.meta.get("tensor_meta"), "dtype", None) \
+                    != getattr(node.meta.get("tensor_meta"), "dtype", False):
+                return None   # eager scales y in the result's dtype: uint8 y * 3 alone would wrap around
+            return ("alpha", canon), (x, other, alpha), {}
         return canon, (x, other), {}
     if canon is operator.pow:
         e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one

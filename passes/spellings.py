@@ -147,6 +147,14 @@ def _build_method_spellings() -> dict:
     return table
 
 
+ATEN_ALIASES = {"absolute": "abs", "negative": "neg", "divide": "div", "true_divide": "div", "subtract": "sub",
+                "multiply": "mul", "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
+                "not_equal": "ne", "special_expit": "sigmoid", "fix": "trunc", "arctan": "atan", "arcsin": "asin",
+                "arccos": "acos", "arctanh": "atanh", "arcsinh": "asinh", "arccosh": "acosh", "special_erf": "erf",
+                "special_erfc": "erfc", "special_expm1": "expm1", "special_exp2": "exp2", "special_log1p": "log1p",
+                "special_round": "round", "special_sinc": "sinc"}
+
+
 def _build_aten_spellings() -> dict:
     """aten overloads that torch.export produces, mapped onto the same canonical ops."""
     table = {}
@@ -191,6 +199,12 @@ def _build_aten_spellings() -> dict:
     for name, inplace in (("clip", False), ("clip_", True)):
         if hasattr(getattr(aten, name, None), "default"):
             table[getattr(aten, name).default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=inplace)
+    for alias, name in ATEN_ALIASES.items():    # aten.multiply.Tensor is aten.mul.Tensor under another name
+        for suffix in ("", "_"):
+            packet, base = getattr(aten, alias + suffix, None), getattr(aten, name + suffix, None)
+            for overload in ("default", "Tensor", "Scalar"):
+                if hasattr(packet, overload) and hasattr(base, overload) and getattr(base, overload) in table:
+                    table[getattr(packet, overload)] = table[getattr(base, overload)]
     for overload, row in list(table.items()):   # torch.ops.aten.relu(x): the packet, no overload named
         table.setdefault(overload.overloadpacket, row)
     return table
