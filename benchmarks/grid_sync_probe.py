@@ -104,7 +104,7 @@ def cell(batch, h, deadline, sms):
                     err = max(err_first, max_rel_err(y, y64))
                     left = bar.tolist()
                     note = f"{err:.1e}" + ("" if left == [0, 0] else f" counters left {left}")
-                    rows.append((f"{batch}x{h}", name, _regs(run, x), us, note))
+                    rows.append((f"{batch}x{h}", name, kernel_regs(grid_sync_mlp), us, note))
                 except Exception as e:  # noqa: BLE001 -- a probe: record and go on
                     rows.append((f"{batch}x{h}", name, "", float("nan"), f"{type(e).__name__}: {str(e)[:80]}"))
     return rows
@@ -115,31 +115,44 @@ def graphed_time(fn, x):
     return per_call_us(replay), out
 
 
-def _regs(run, x):
+def kernel_regs(kernel) -> str:
+    """Registers/spills of the kernel's last compiled variant (the probes print them per row)."""
     try:
-        cache = grid_sync_mlp.device_caches[torch.cuda.current_device()][0]
+        cache = kernel.device_caches[torch.cuda.current_device()][0]
         ck = list(cache.values())[-1]
         return f"{ck.n_regs}/{ck.n_spills}"
     except Exception:  # noqa: BLE001 -- Triton internals differ between versions
         return "?"
 
 
-def main():
+def probe_args(title: str, default_cells: str) -> tuple:
+    """(arguments, deadline, SM count) from the probes' command line (--cells, --budget-s), after
+    the title line; each probe's cell() then gives rows for print_rows."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="1x128,16x128,1x512,16x512,1x1024,16x1024")
+    ap.add_argument("--cells", default=default_cells)
     ap.add_argument("--budget-s", type=float, default=200)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = time.time() + a.budget_s
-    print(f"grid sync probe, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+    print(f"{title}, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{LAYERS} layers fp32 (TF32 off); GPU us of the kernel alone in a CUDA graph")
+    return a, deadline, sms
+
+
+def print_rows(rows, name_width: int = 36) -> None:
+    """Rows (cell, variant, regs/spills, us, error or note) as the probes' table."""
+    for r in rows:
+        err = f"{r[4]:.1e}" if isinstance(r[4], float) else r[4]
+        print(f"{r[0]:8} {r[1]:{name_width}} {r[2]!s:>11} {r[3]:9.2f}  {err}", flush=True)
+
+
+def main():
+    a, deadline, sms = probe_args("grid sync probe", "1x128,16x128,1x512,16x512,1x1024,16x1024")
     print(f"{'cell':8} {'variant':36} {'regs/spills':>11} {'us':>9}  err")
     for c in a.cells.split(","):
         batch, h = map(int, c.split("x"))
-        for r in cell(batch, h, deadline, sms):
-            err = f"{r[4]:.1e}" if isinstance(r[4], float) else r[4]
-            print(f"{r[0]:8} {r[1]:36} {r[2]!s:>11} {r[3]:9.2f}  {err}", flush=True)
+        print_rows(cell(batch, h, deadline, sms))
 
 
 if __name__ == "__main__":

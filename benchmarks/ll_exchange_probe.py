@@ -23,7 +23,6 @@ the cell's shape: what a call costs apart from the kernels.
 A bounded poll turns a bug into a wrong result instead of a hang. All programs must be resident
 at once (NPROG <= SMs; nothing else runs).
 """
-import argparse
 import time
 
 import torch
@@ -32,6 +31,7 @@ import triton.language as tl
 
 import fxfuse
 from benchmarks.fused_form_probe import LAYERS, default_plan
+from benchmarks.grid_sync_probe import kernel_regs, print_rows, probe_args
 from benchmarks.mlp_probe import graphed, max_rel_err, per_call_us
 
 MAX_POLLS = 1 << 20
@@ -182,39 +182,19 @@ def cell(batch, h, deadline, sms):
             err = max(err_first, max_rel_err(static_out, y64))
             epochs = set(ep.tolist())
             note = f"{err:.1e}" + ("" if len(epochs) == 1 else f" epochs differ {sorted(epochs)[:4]}")
-            rows.append((name, vname, _regs(batch), us, note))
+            rows.append((name, vname, kernel_regs(ll_mlp_row if batch == 1 else ll_mlp_dot), us, note))
         except Exception as ex:  # noqa: BLE001 -- a probe: record and go on
             rows.append((name, vname, "", float("nan"), f"{type(ex).__name__}: {str(ex)[:100]}"))
     return rows
 
 
-def _regs(batch):
-    kernel = ll_mlp_row if batch == 1 else ll_mlp_dot
-    try:
-        cache = kernel.device_caches[torch.cuda.current_device()][0]
-        ck = list(cache.values())[-1]
-        return f"{ck.n_regs}/{ck.n_spills}"
-    except Exception:  # noqa: BLE001 -- Triton internals differ between versions
-        return "?"
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="1x128,1x512,16x512,1x1024,16x128")
-    ap.add_argument("--budget-s", type=float, default=200)
-    a = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    deadline = time.time() + a.budget_s
-    print(f"LL exchange probe, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"{LAYERS} layers fp32 (TF32 off); GPU us of the kernel alone in a CUDA graph")
+    a, deadline, sms = probe_args("LL exchange probe", "1x128,1x512,16x512,1x1024,16x128")
     print(f"empty graph (one tiny kernel): {empty_graph_us():.2f} us")
     print(f"{'cell':8} {'variant':44} {'regs/spills':>11} {'us':>9}  err")
     for c in a.cells.split(","):
         batch, h = map(int, c.split("x"))
-        for r in cell(batch, h, deadline, sms):
-            err = f"{r[4]:.1e}" if isinstance(r[4], float) else r[4]
-            print(f"{r[0]:8} {r[1]:44} {r[2]!s:>11} {r[3]:9.2f}  {err}", flush=True)
+        print_rows(cell(batch, h, deadline, sms), name_width=44)
 
 
 if __name__ == "__main__":
