@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
 from fxfuse.kernel import FusedKernel
-from fxfuse.ops import POINTWISE, is_pointwise_target, keep_eager_layout, row_major
+from fxfuse.ops import POINTWISE, as_layout, is_pointwise_target, keep_eager_layout, row_major
 from fxfuse.strassen_tables import block_position, combine_ir, levels, prefix_ref, suffix_ref
 from fxfuse.tf32x3 import bmm_tf32x3, stored_parts
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta, tensor_metadata
@@ -207,9 +207,9 @@ class _Rewriter:
             for v, out in zip(stored, outputs):
                 if layer.Bp != layer.B:
                     out = self._call(torch.narrow, (out, 0, 0, layer.B))
-                if layer.Np != layer.N:   # columns of a padded buffer: copied out, so y is
-                    out = self._call(torch.narrow, (out, 1, 0, layer.N))   # contiguous as eager's
-                    out = self._call(torch.Tensor.contiguous, (out,))
+                if layer.Np != layer.N:   # columns of a padded buffer: copied out, so y is row-major
+                    out = self._call(torch.narrow, (out, 1, 0, layer.N))   # as eager's (contiguous()
+                    out = self._call(as_layout, (out, (layer.N, 1)))       # keeps stride Np at 1 row)
                 if len(layer.out_shape) != 2:
                     out = self._call(torch.reshape, (out, tuple(layer.out_shape)))
                 v.replace_all_uses_with(out, delete_user_cb=lambda u: u not in inside)

@@ -161,3 +161,18 @@ def test_a_model_traced_by_export_is_freed_when_dropped():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_strassen_output_of_one_row_has_eager_strides():
+    """A padded Strassen buffer narrowed to 7 of 8 columns: at one row contiguous() kept stride 8
+    (a size-1 dimension's stride does not count), where eager's output is (7, 1) on 7 elements."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 7)).eval()
+    opt, warned = _optimize(model, torch.randn(4, 16), strassen="force", strict=True)
+    assert not warned and "strassen" in fxfuse.explain(opt).lower()
+    with torch.no_grad():
+        for rows in (1, 3):
+            x = torch.randn(rows, 16)
+            got, want = opt(x), model(x)
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride() and got.untyped_storage().nbytes() == want.untyped_storage().nbytes()
