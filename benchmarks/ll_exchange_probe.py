@@ -23,6 +23,7 @@ the cell's shape: what a call costs apart from the kernels.
 A bounded poll turns a bug into a wrong result instead of a hang. All programs must be resident
 at once (NPROG <= SMs; nothing else runs).
 """
+import os
 import time
 
 import torch
@@ -35,6 +36,8 @@ from benchmarks.grid_sync_probe import kernel_regs, print_rows, probe_args
 from benchmarks.mlp_probe import graphed, max_rel_err, per_call_us
 
 MAX_POLLS = 1 << 20
+ROW_FORM = os.environ.get("LL_ROW_FORM", "1") == "1"   # LL_ROW_FORM=0: chunk forms only
+DOT_FORM = False   # tl.dot of the whole [M, H] activations: 145-218 us at 16 x 512 (ll_exchange_probe_20261126.txt)
 
 
 @triton.jit
@@ -115,6 +118,44 @@ def ll_mlp_dot(x_ptr, w_ptr, b_ptr, xb_ptr, ep_ptr, out_ptr,
     tl.store(ep_ptr + pid, e)
 
 
+@triton.jit
+def ll_mlp_chunks(x_ptr, w_ptr, b_ptr, xb_ptr, ep_ptr, out_ptr, L: tl.constexpr, M: tl.constexpr,
+                  H: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, MAXP: tl.constexpr):
+    """M rows (a power of two) as [M, BN, KB] products over K steps: each step waits only for the
+    KB columns it reads, and W's step tile is loaded before the wait (it does not depend on them)."""
+    pid = tl.program_id(0)
+    e = tl.load(ep_ptr + pid) + 1
+    cols = pid * BN + tl.arange(0, BN)
+    rows = tl.arange(0, M)
+    offs_k = tl.arange(0, KB)
+    for layer in tl.static_range(L):
+        acc = tl.zeros([M, BN], dtype=tl.float32)
+        for kk in tl.static_range(0, H, KB):
+            k = kk + offs_k
+            w = tl.load(w_ptr + layer * H * H + cols[:, None] * H + k[None, :])          # [BN, KB]
+            if layer == 0:
+                a = tl.load(x_ptr + rows[:, None] * H + k[None, :])
+            else:
+                p = xb_ptr + (layer - 1) * M * H + rows[:, None] * H + k[None, :]
+                v = tl.load(p, volatile=True)
+                ready = (v >> 32) == e
+                polls = 0
+                while (tl.sum(tl.sum(ready.to(tl.int32), axis=1), axis=0) < M * KB) & (polls < MAXP):
+                    v = tl.where(ready, v, tl.load(p, volatile=True))
+                    ready = (v >> 32) == e
+                    polls += 1
+                a = (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+            acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        b = tl.load(b_ptr + layer * H + cols)
+        y = tl.maximum(acc + b[None, :], 0.0)
+        if layer + 1 < L:
+            packed = (e.to(tl.int64) << 32) | (y.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+            tl.store(xb_ptr + layer * M * H + rows[:, None] * H + cols[None, :], packed)
+        else:
+            tl.store(out_ptr + rows[:, None] * H + cols[None, :], y)
+    tl.store(ep_ptr + pid, e)
+
+
 def runtime_floor(batch, h):
     """fxfuse's whole call for relu(x): guards, input copy, one-kernel graph replay, handout."""
     model = torch.nn.Sequential(torch.nn.ReLU()).eval().cuda()
@@ -140,15 +181,21 @@ def cell(batch, h, deadline, sms):
     b = torch.stack([l.bias.detach() for l in layers]).contiguous()
     xb = torch.zeros(LAYERS, batch, h, dtype=torch.int64, device="cuda")
     variants = []
-    if batch == 1:
+    if batch == 1 and ROW_FORM:
         for bn in (2, 4, 8, 16, 32):
             for preload in (0, 1):
                 for warps in (1, 2, 4):
                     if not 8 <= h // bn <= 128:
                         continue
                     variants.append((f"row bn {bn} pre{preload} w{warps}", bn, dict(PRELOAD=preload), warps))
-    elif batch >= 16 and batch & (batch - 1) == 0:
-        for bn in (16, 32, 64):
+    if batch & (batch - 1) == 0:
+        for bn in (2, 4, 8):
+            for kb in (32, 64, 128):
+                for warps in (2, 4):
+                    if 8 <= h // bn <= 128 and batch * bn * kb <= 4096 * warps and kb <= h:
+                        variants.append((f"chunks bn {bn} kb {kb} w{warps}", bn, dict(KB=kb), warps))
+    if batch >= 16 and batch & (batch - 1) == 0 and DOT_FORM:
+        for bn in (16, 32):
             for warps in (4, 8):
                 variants.append((f"dot bn {bn} w{warps}", bn, {}, warps))
     for vname, bn, extra, warps in variants:
@@ -164,7 +211,10 @@ def cell(batch, h, deadline, sms):
         out = torch.empty(batch, h, device="cuda")
 
         def run(xx, bn=bn, extra=extra, warps=warps, out=out, ep=ep, nprog=nprog):
-            if batch == 1:
+            if "KB" in extra:
+                ll_mlp_chunks[(nprog,)](xx, w, b, xb, ep, out, L=LAYERS, M=batch, H=h, BN=bn, MAXP=MAX_POLLS,
+                                        num_warps=warps, **extra)
+            elif batch == 1:
                 ll_mlp_row[(nprog,)](xx, w, b, xb, ep, out, L=LAYERS, H=h, BN=bn, MAXP=MAX_POLLS,
                                      num_warps=warps, **extra)
             else:
@@ -182,7 +232,7 @@ def cell(batch, h, deadline, sms):
             err = max(err_first, max_rel_err(static_out, y64))
             epochs = set(ep.tolist())
             note = f"{err:.1e}" + ("" if len(epochs) == 1 else f" epochs differ {sorted(epochs)[:4]}")
-            rows.append((name, vname, kernel_regs(ll_mlp_row if batch == 1 else ll_mlp_dot), us, note))
+            rows.append((name, vname, kernel_regs(ll_mlp_chunks if 'KB' in extra else ll_mlp_row if batch == 1 else ll_mlp_dot), us, note))
         except Exception as ex:  # noqa: BLE001 -- a probe: record and go on
             rows.append((name, vname, "", float("nan"), f"{type(ex).__name__}: {str(ex)[:100]}"))
     return rows
