@@ -196,11 +196,14 @@ class GradRecording:
         self.flags = ()                    # the requires_grad flags of parameters and buffers they held for
 
     def note_build(self, trace: dict) -> None:
+        flags = self._flags()
+        if flags != self.flags:   # what earlier builds saw held for other flags (a model frozen since)
+            self.forget_builds()
         self.reads_grad_mode |= bool(trace.get("reads_grad_mode"))
         self.records_autograd |= trace.get("records_autograd", True)
         self.records_from_state |= trace.get("records_from_state", True)
         self.enables_grad |= trace.get("enables_grad", False)
-        self.flags = self._flags()
+        self.flags = flags
 
     def _flags(self) -> tuple:
         return tuple(t.requires_grad for t in (*self.model.parameters(), *self.model.buffers()))

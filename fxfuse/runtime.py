@@ -79,7 +79,9 @@ def _autocast_off() -> contextlib.ExitStack:
 
 
 MAX_MISSES_KEPT = 32
-REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts towards the "keep changing" warning
+REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts towards the "keep changing" warning,
+REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change per call; a few edits by hand
+#                            between calls, as when tuning a model interactively, are no reason to warn)
 
 
 class _RebuildOnLoad:
@@ -132,7 +134,7 @@ class OptimizedModule(torch.nn.Module):
         self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._warned: set = set()
-        self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at 3)
+        self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
@@ -227,7 +229,7 @@ class OptimizedModule(torch.nn.Module):
         # counted while the builds serve few calls each: a change per epoch (train, then
         # evaluate) is the usual case, a change per call the one worth a warning
         self._state_rebuilds = self._state_rebuilds + 1 if served < REBUILD_SERVED_CALLS else 1
-        if self._state_rebuilds == 3:
+        if self._state_rebuilds == REBUILD_WARN_AFTER:
             self._warn_once("buffers", f"fxfuse: the model's buffers or attributes keep changing between calls "
                             f"({reason}); each change rebuilds the optimized graph (folded and packed copies "
                             "would be stale). Call the original module for such use.")
@@ -411,15 +413,25 @@ class OptimizedModule(torch.nn.Module):
             return self._run(spec, args) if spec is not None else self._miss(sig, args)
 
     def _run(self, spec, args):
-        if torch.is_grad_enabled():   # forward() records nothing itself (@torch.no_grad()): nor may the
-            with torch.no_grad():     # graph's library calls (not entered per call otherwise: host time)
-                return spec(args)
-        return spec(args)
+        try:
+            if torch.is_grad_enabled():   # forward() records nothing itself (@torch.no_grad()): nor may the
+                with torch.no_grad():     # graph's library calls (not entered per call otherwise: host time)
+                    return spec(args)
+            return spec(args)
+        except Exception:
+            # `lin.register_parameter("bias", None)` fires no registration hook: a graph without a
+            # CUDA graph then fails on the missing tensor. Compared only here, where it costs nothing
+            if not self.specializations or not structure_changed(self._structure):
+                raise
+        self._drop_if_edited()
+        return self._miss(signature(args), args)
 
     def _miss(self, sig, args):
         """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
+        if self._positional(args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
+            return self.original(*args)               # not a guard miss (nor its one warning)
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
             return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
                                       "ones run the original module without trying", args)

@@ -176,3 +176,55 @@ def test_strassen_output_of_one_row_has_eager_strides():
             got, want = opt(x), model(x)
             torch.testing.assert_close(got, want)
             assert got.stride() == want.stride() and got.untyped_storage().nbytes() == want.untyped_storage().nbytes()
+
+
+class PreNormBlock(nn.Module):
+    def __init__(self, d=32, f=64):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, h):
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(h))))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_model_frozen_after_optimize_keeps_its_graph_across_new_shapes(strict):
+    """The first build's probe found recording through parameters that required grad then; a
+    second build after requires_grad_(False) kept that finding under the new flags, and every
+    grad-mode call ran the original (GuardError under strict)."""
+    torch.manual_seed(0)
+    model = PreNormBlock().eval()
+    opt, _ = _optimize(model, torch.randn(2, 5, 32), strict=strict)
+    model.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (2, 3, 2):
+            h = torch.randn(batch, 5, 32)
+            torch.testing.assert_close(opt(h), model(h))
+    assert not caught and not sum(opt.original_calls.values()) and len(opt.specializations) == 2
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_arguments_that_do_not_fit_forward_raise_eagers_type_error(strict):
+    """Also once every specialization is in use: not a guard miss, and no warning spent on it."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).eval()
+    x = torch.randn(4, 16)
+    opt, _ = _optimize(model, x, strict=strict, max_specializations=1)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for args in [(), (x, x)]:
+            with pytest.raises(TypeError, match="positional argument"):
+                opt(*args)
+    assert not caught and opt.miss_count == 0
+
+
+def test_a_parameter_set_to_none_rebuilds_where_no_cuda_graph_runs(capsys):
+    """register_parameter("bias", None) fires no registration hook; without a CUDA graph the call
+    failed on the missing tensor (and torch.fx printed a traceback of the generated code)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    opt, _ = _optimize(model, x, strict=True)
+    model[0].register_parameter("bias", None)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert capsys.readouterr().err == "" and fxfuse.stats(opt)["fused_kernels"] >= 1
