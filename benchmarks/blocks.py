@@ -113,12 +113,12 @@ BEFORE = toolmod.Tool("fxfuse-spelled-before", "fxfuse before", build_before, de
 
 def build_no_skips(model, example):
     """fxfuse without skip tensors in the generated GEMM's epilogue (before 2026-11-26, stop 30)."""
-    import fxfuse.passes.fuse_gemm as fg
-    saved, fg.MAX_SKIPS = fg.MAX_SKIPS, 0
+    import fxfuse.gemm_kernel as gk
+    saved, gk.MAX_SKIPS = gk.MAX_SKIPS, 0
     try:
         return toolmod.build_fxfuse(model, example)
     finally:
-        fg.MAX_SKIPS = saved
+        gk.MAX_SKIPS = saved
 
 
 NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,

@@ -95,6 +95,7 @@ class LinearLayer:
     bias: bool = True                       # one of the epilogue ops is a bias add
     epilogue: tuple = ()                    # what those ops compute (passes/plan_linears._epilogue_key)
     epilogue_reads: int = 0                 # other [m, n] tensors the epilogue reads (a residual's skip)
+    epilogue_reads_outside: int = 0         # how many of those the generated GEMM cannot read at its tile
     x3_products: bool = False               # Strassen's product call runs in 3xTF32 (option tf32x3)
 
     @property
@@ -387,10 +388,13 @@ class CostModel:
         if c in ("gemm", "gemm_x3"):   # gemm_x3 only from its own table (plan_linears: legal where measured)
             work = gemm_work(L.m, L.k, L.n, L.elt, bias=L.bias, triton=True)
             # x and the other tensors the epilogue reads (a residual's skip), loaded at the output tile
-            work = replace(work, bytes=work.bytes + L.elt * L.m * L.n * L.epilogue_reads)
+            inside = L.epilogue_reads - L.epilogue_reads_outside
+            work = replace(work, bytes=work.bytes + L.elt * L.m * L.n * inside)
             tables = ([("gemm_tf32x3", (L.m, h))] if c == "gemm_x3"
                       else [("gemm_epilogue", (L.m, h)), ("linear_bias", (L.m, h))])
             gemm = self._component(L.dtype, work, tables, prefer_inside=False)
+            if L.epilogue_reads_outside:   # the ops from there on: a kernel after the GEMM (fuse_pointwise)
+                gemm = gemm + self._pointwise(L.dtype, Work(bytes=L.elt * L.m * L.n * (2 + L.epilogue_reads_outside)))
             return replace(gemm, us=gemm.us * X3_PREFERENCE) if c == "gemm_x3" else gemm
         if c == "mlp":
             return self.estimate_mlp([L])

@@ -35,6 +35,7 @@ fp16/bf16 multiply in their type and accumulate in fp32; the epilogue computes i
 Only builtins of triton.language are used (tl.full, not tl.zeros), see mlp_kernel.
 """
 import hashlib
+import math
 
 import torch
 import torch.fx
@@ -72,10 +73,29 @@ def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | Non
     return None
 
 
+MAX_SKIPS = 2   # other tensors one epilogue reads at the output tile (a residual's skip, a gate); read at
+#               call time by passes.fuse_gemm and passes.plan_linears (benchmarks.blocks sets it to 0)
+
+
 def broadcasts_to(shape: tuple, target: tuple) -> bool:
     """Whether a tensor of `shape` broadcasts to `target` (torch's rule; torch.broadcast_shapes
     would import sympy, which optimize() avoids)."""
     return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+def skip_view(s: torch.Tensor, lead: tuple, n: int) -> tuple:
+    """(a [B, rows, n] view of skip s broadcast to lead + (n,), rows): the kernel reads row r of the
+    product at (r // rows, r % rows). Two levels of rows take a [B, 1, n] gate or a [T, n] table
+    against [B, T, n] without a copy (stride 0 where they broadcast); a copy only where even
+    those do not fit (a broadcast in the middle of 4-D rows)."""
+    e = s.expand(lead + (n,))
+    m = math.prod(lead)
+    for rows in dict.fromkeys((1, lead[-1] if lead else 1)):
+        try:
+            return e.view(m // max(rows, 1), rows, n), max(rows, 1)
+        except RuntimeError:   # the rows do not merge into that view
+            continue
+    return e.reshape(m, 1, n), 1
 
 
 def skip_count(spec: GemmSpec) -> int:
@@ -103,7 +123,7 @@ def generate_gemm(spec: GemmSpec, numels: tuple, config: GemmConfig) -> tuple:
     buf.line("@triton.jit")
     buf.line(f"def {name}(x_ptr, w_ptr, wl_ptr, out_ptr, v_ptr, ws_ptr, cnt_ptr, "
              + "".join(f"s{j}_ptr, " for j in skips) + "M, stride_xm, stride_om, "
-             + "".join(f"stride_s{j}m, stride_s{j}n, " for j in skips)
+             + "".join(f"rows_s{j}, stride_s{j}b, stride_s{j}t, stride_s{j}n, " for j in skips)
              + "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):")
     with buf.indent():
         buf.line(f"# y[M, {spec.n}] = epilogue(x[M, {spec.k}] @ W[{spec.n}, {spec.k}].T); split-K {c.split_k} "
@@ -266,7 +286,10 @@ def _emit_epilogue_and_store(buf, spec: GemmSpec, numels: tuple):
             elif kind == "skip":    # another [M, N] tensor at the output tile: a residual's skip
                 if ("skip", ref) not in loaded:
                     loaded.add(("skip", ref))
-                    buf.line(f"sk{ref} = tl.load(s{ref}_ptr + offs_m.to(tl.int64)[:, None] * stride_s{ref}m "
+                    # row r of the [M, N] product is (r // rows, r % rows) of the skip's [B, rows, N] view
+                    buf.line(f"row_s{ref} = offs_m.to(tl.int64)")
+                    buf.line(f"sk{ref} = tl.load(s{ref}_ptr + ((row_s{ref} // rows_s{ref}) * stride_s{ref}b "
+                             f"+ (row_s{ref} % rows_s{ref}) * stride_s{ref}t)[:, None] "
                              f"+ offs_n.to(tl.int64)[None, :] * stride_s{ref}n, mask=m_ok[:, None] & n_ok[None, :], "
                              "other=0.0).to(tl.float32)")
                 args.append(f"sk{ref}")
@@ -329,7 +352,7 @@ class EpilogueGemm(FusedKernel):
         self.register_buffer("packed_vectors", epilogue_vectors(vectors, spec.n, weight.device), persistent=False)
         self.register_buffer("counters", torch.zeros(1, dtype=torch.int32, device=weight.device), persistent=False)
         self._workspace = None
-        self.input_meta = ((None, None, spec.dtype),)
+        self.input_meta = ((None, None, spec.dtype),) * (1 + skip_count(spec))   # x, then the skips
         self._kernel = None
         self.launches = 0
         self.fallbacks = 0
@@ -374,14 +397,14 @@ class EpilogueGemm(FusedKernel):
         m, c = x2.shape[0], self.config
         out = torch.empty((m, self.spec.n), dtype=self.spec.dtype, device=x.device)
         if m:
-            skips = [s.expand(lead + (self.spec.n,)).reshape(m, self.spec.n) for s in inputs[1:]]   # views (stride 0
-            # along a broadcast dim) where the strides allow, else copies
+            skips = [skip_view(s, lead, self.spec.n) for s in inputs[1:]]
             grid = (triton_cdiv(m, c.block_m), triton_cdiv(self.spec.n, c.block_n), c.split_k)
             ws, cnt = self._scratch(grid) if c.split_k > 1 else (out, self.counters)
             pdl = {"launch_pdl": True} if self.use_pdl and pdl_available(x.device) else {}
             with launch_context(x.device):
-                self.compiled()[grid](x2, self.weight, self.weight_lo, out, self.packed_vectors, ws, cnt, *skips, m,
-                                      x2.stride(0), out.stride(0), *(st for s in skips for st in s.stride()),
+                self.compiled()[grid](x2, self.weight, self.weight_lo, out, self.packed_vectors, ws, cnt,
+                                      *(v for v, _ in skips), m, x2.stride(0), out.stride(0),
+                                      *(a for v, rows in skips for a in (rows, *v.stride())),
                                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                                       USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl)
             self.launches += 1

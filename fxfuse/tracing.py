@@ -158,6 +158,15 @@ def _parametrization_cache_off():
         parametrize._cache_enabled = enabled
 
 
+def _clear_frames(error: BaseException) -> None:
+    """The locals of every frame in the error's tracebacks, its causes' and contexts' too."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 def _trace(model, example_args, concrete, tensor_args, given_values=True):
     """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export (where
     every example argument is a tensor: export binds the defaults itself)."""
@@ -175,7 +184,7 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         # the failed trace's frames hold their locals; torch.fx's Proxy.__iter__ keeps its own frame
         # in one (a cycle), which kept every caller's frame up to OptimizedModule.__init__, and so
         # the OptimizedModule and its CUDA graphs, alive after `del opt` until a garbage collection
-        traceback.clear_frames(fx_error.__traceback__)
+        _clear_frames(fx_error)
         refused = assigns_parameter(fx_error)
         if refused is not None:
             raise refused from fx_error

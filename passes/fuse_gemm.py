@@ -7,7 +7,7 @@ pointwise ops. The epilogue grows over the users of the product exactly as a fus
 does (fuse_mlp._Region: same legality rules, same lowering), with two limits: it stops at the
 next Linear, and it reads x only where x is as wide as the product (a residual `x + lin(x)`
 of a square layer: the kernel loads x at the output tile's coordinates, operand "input").
-Unlike a fused MLP's body it may read up to MAX_SKIPS other tensors that broadcast to the
+Unlike a fused MLP's body it may read up to gemm_kernel.MAX_SKIPS other tensors that broadcast to the
 product's shape (operands "skip": the residual stream of a pre-norm block, `h + fc2(...)`,
 passed to the kernel with their strides and loaded at the output tile). Then it is cut back to the longest prefix whose only value read outside is its last, since
 nothing in between is written to memory.
@@ -21,15 +21,16 @@ import math
 import torch
 import torch.fx
 
+import fxfuse.gemm_kernel as gemm_kernel
+
 from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH
 from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, broadcasts_to, choose_gemm_config, why_not_gemm
 from fxfuse.mlp_kernel import Linear, Pointwise
-from fxfuse.ops import POINTWISE
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tf32x3 import measure_tf32x3
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta
 
-from .fuse_mlp import _constant, _linear_parts, _lower, _reference, _Region, _tmeta, replace_region
+from .fuse_mlp import _linear_parts, _lower, _reference, _Region, _tmeta, replace_region
 from .fuse_pointwise import _mutated_values
 from .plan_linears import planned_choice
 from .strassen import _LayerProbe
@@ -61,12 +62,9 @@ GEMM_ROWS = (9, 32)          # rows where the generated GEMM measured faster (se
 GEMM_WIDTHS = (768, 1536)    # in/out features where it measured faster
 
 
-MAX_SKIPS = 2   # other tensors one epilogue reads at the output tile (a residual's skip, a gate)
-
-
 class _EpilogueRegion(_Region):
     """A fused-MLP region limited to one Linear at its start; its epilogue may read x (see
-    joins) and up to MAX_SKIPS other tensors of the product's shape, at the output tile."""
+    joins) and up to gemm_kernel.MAX_SKIPS other tensors of the product's shape, at the output tile."""
 
     def __init__(self, gm, start, mutated):
         super().__init__(gm, start, mutated)
@@ -81,10 +79,8 @@ class _EpilogueRegion(_Region):
             return False   # x is read at the output tile's coordinates: only as wide as the product
         if not super().joins(node):
             return False
-        width, skips = _tmeta(node).shape[-1], set(self.skips)
-        skips.update(a for a in node.args[:POINTWISE[node.target].nargs] if isinstance(a, torch.fx.Node)
-                     and not self._is_value(a) and _constant(self.gm, a, width) is None)
-        return len(skips) <= MAX_SKIPS
+        skips = set(self.skips) | set(self.outside_operands(node))
+        return len(skips) <= gemm_kernel.MAX_SKIPS   # (read here: benchmarks.blocks sets it to 0)
 
     def _skip_ok(self, a, node) -> bool:
         """A tensor computed elsewhere (the residual stream of a pre-norm block: `h + fc2(...)`,

@@ -121,13 +121,15 @@ class _Region:
         reads them at the output tile (fuse_gemm._EpilogueRegion: the skip of `h + lin(...)`)."""
         found = {}
         for node in self.nodes:
-            if _linear_parts(node) is not None:
-                continue
-            for a in node.args[:POINTWISE[node.target].nargs]:
-                if isinstance(a, torch.fx.Node) and not self._is_value(a) \
-                        and _constant(self.gm, a, _tmeta(node).shape[-1]) is None:
-                    found.setdefault(a, None)
+            if _linear_parts(node) is None:
+                found.update(dict.fromkeys(self.outside_operands(node)))
         return list(found)
+
+    def outside_operands(self, node) -> list:
+        """The operands of pointwise `node` that are tensors but neither region values nor constants."""
+        width = _tmeta(node).shape[-1]
+        return [a for a in node.args[:POINTWISE[node.target].nargs] if isinstance(a, torch.fx.Node)
+                and not self._is_value(a) and _constant(self.gm, a, width) is None]
 
     def joins(self, node) -> bool:
         if not self._value_ok(node):

@@ -23,11 +23,14 @@ from fxfuse.ops import is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta
 
+from .normalize_layers import LINEAR_BIAS
+
 LIBRARY_EPILOGUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-HALF_REASON = ("bias in the library GEMM: in fp16/bf16 it adds the bias before its one rounding, as eager; "
-               "the product rounded to fp16 with the bias added after would round twice (up to ~1.7x eager's "
-               "error against float64)")
+HALF_REASON = ("bias in the library GEMM: in fp16/bf16 it adds the bias before its one rounding, as eager's "
+               "Linear (F.linear, addmm) does; the product rounded to fp16 with the bias added after would round "
+               "twice (up to ~1.7x eager's error against float64). A bias the model adds itself (x @ W.T + b) "
+               "rounds twice in eager too and is placed by measurement")
 
 
 def _epilogue_safe(dtype, k: int, n: int) -> bool:
@@ -123,13 +126,14 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
                     gm.graph.erase_node(node)
                 changed = True
                 continue
-        if meta.dtype in HALF_DTYPES:
+        one_rounding = meta.dtype in HALF_DTYPES and add.meta.get(LINEAR_BIAS, False)
+        if one_rounding:
             use_library, reason = True, HALF_REASON
         else:
             use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
         # a 1-D weight (F.linear as a matrix-vector product), K = 0 or no rows, half types: never split, never timed
         splittable = batch > 0 and k > 0 and tuple(linear.args[1].meta["tensor_meta"].shape) == (n, k) \
-            and meta.dtype not in HALF_DTYPES
+            and not one_rounding
         splits, split_reason = split_k_library_gemm(batch, k, n, meta.dtype, device, allow_tf32) \
             if splittable else (1, "")
         if splits > 1 and k % splits == 0:   # against the faster of both spellings: the bias stays out

@@ -182,9 +182,14 @@ def matmul_as_linear(gm, node) -> bool:
         if bias is not None:
             out = g.call_function(operator.add, (out, bias))
             out.meta = dict(node.meta)
+            out.meta[LINEAR_BIAS] = True    # addmm / F.linear add it before their one rounding
     node.replace_all_uses_with(out)
     g.erase_node(node)
     return True
+
+
+LINEAR_BIAS = "fxfuse_linear_bias"   # node.meta key of a bias add split off a Linear, addmm or F.linear,
+#                                     whose eager op added it before rounding once (linear_epilogue)
 
 
 def split_layer(gm, node) -> bool:
@@ -226,6 +231,8 @@ def split_layer(gm, node) -> bool:
     else:
         return False
     out.meta = dict(node.meta)
+    if out.target is operator.add and out.args[0].target is F.linear:
+        out.meta[LINEAR_BIAS] = True    # nn.Linear and F.linear add it before their one rounding
     node.replace_all_uses_with(out)
     g.erase_node(node)
     return True

@@ -118,6 +118,12 @@ def _build_function_spellings() -> dict:
     return table
 
 
+ALIASES = {"absolute": "abs", "negative": "neg", "divide": "div", "true_divide": "div", "subtract": "sub",
+           "multiply": "mul", "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
+           "not_equal": "ne", "special_expit": "sigmoid", "special_erf": "erf", "special_expm1": "expm1",
+           "special_log1p": "log1p"}   # torch's other names of fused ops (x.multiply_, aten.special_expit, ...)
+
+
 def _build_method_spellings() -> dict:
     table = {}
     for canon, name in METHOD_NAMES.items():
@@ -130,8 +136,10 @@ def _build_method_spellings() -> dict:
             continue
         table[name] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"))
         table[name + "_"] = Spelling(canon, ("input", "other", "alpha", "rounding_mode"), inplace=True)
-    for alias, name in (("subtract", "sub"), ("multiply", "mul"), ("divide", "div"), ("true_divide", "div")):
-        table[alias] = table[name]
+    for alias, name in ALIASES.items():   # x.multiply_(y), x.absolute(), x.greater(0): the same rows
+        for suffix in ("", "_"):
+            if name + suffix in table:
+                table.setdefault(alias + suffix, table[name + suffix])
     table["pow"] = Spelling(operator.pow, ("input", "exponent"))
     table["pow_"] = Spelling(operator.pow, ("input", "exponent"), inplace=True)
     table["square"] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
@@ -147,12 +155,6 @@ def _build_method_spellings() -> dict:
     return table
 
 
-ATEN_ALIASES = {"absolute": "abs", "negative": "neg", "divide": "div", "true_divide": "div", "subtract": "sub",
-                "multiply": "mul", "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
-                "not_equal": "ne", "special_expit": "sigmoid", "fix": "trunc", "arctan": "atan", "arcsin": "asin",
-                "arccos": "acos", "arctanh": "atanh", "arcsinh": "asinh", "arccosh": "acosh", "special_erf": "erf",
-                "special_erfc": "erfc", "special_expm1": "expm1", "special_exp2": "exp2", "special_log1p": "log1p",
-                "special_round": "round", "special_sinc": "sinc"}
 
 
 def _build_aten_spellings() -> dict:
@@ -199,7 +201,7 @@ def _build_aten_spellings() -> dict:
     for name, inplace in (("clip", False), ("clip_", True)):
         if hasattr(getattr(aten, name, None), "default"):
             table[getattr(aten, name).default] = Spelling(torch.clamp, ("input", "min", "max"), inplace=inplace)
-    for alias, name in ATEN_ALIASES.items():    # aten.multiply.Tensor is aten.mul.Tensor under another name
+    for alias, name in ALIASES.items():    # aten.multiply.Tensor is aten.mul.Tensor under another name
         for suffix in ("", "_"):
             packet, base = getattr(aten, alias + suffix, None), getattr(aten, name + suffix, None)
             for overload in ("default", "Tensor", "Scalar"):

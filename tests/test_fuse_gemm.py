@@ -144,6 +144,36 @@ def test_skips_of_other_layouts_and_the_limit():
     assert g.launches >= 2 and g.fallbacks == 0
 
 
+class Gated(nn.Module):
+    """Skips broadcast over the tokens ([B, 1, N] gate) and over the batch ([T, N] table)."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 10)
+
+    def forward(self, x, gate, table):
+        return self.fc(x) * gate.sigmoid() + table * 0.5
+
+
+def test_skips_broadcast_over_tokens_or_batch_are_read_in_place():
+    from fxfuse.gemm_kernel import skip_view
+    model = Gated().eval()
+    args = (torch.randn(3, 5, 12), torch.randn(3, 1, 10), torch.randn(5, 10))
+    opt = fxfuse.optimize(model, args, strict=True, gemm="force", fused_mlp="off")
+    (g,) = gemms(opt)
+    assert len({ref for step in g.spec.epilogue for kind, ref in step.operands if kind == "skip"}) == 2
+    with torch.no_grad():
+        args = (torch.randn(3, 5, 12), torch.randn(3, 1, 10), torch.randn(5, 10))
+        torch.testing.assert_close(opt(*args), model(*args), rtol=1e-5, atol=1e-5)
+    assert g.fallbacks == 0 and g.launches >= 1
+    for skip in (torch.randn(3, 1, 10), torch.randn(5, 10), torch.randn(3, 5, 10).transpose(0, 1)[:, :, :]):
+        lead = (3, 5) if skip.shape[0] != 5 or skip.dim() == 2 else (5, 3)
+        view, rows = skip_view(skip, lead, 10)
+        assert view.untyped_storage().data_ptr() == skip.untyped_storage().data_ptr()   # no copy
+        expected = skip.expand(lead + (10,)).reshape(-1, 10)
+        torch.testing.assert_close(view.reshape(-1, rows, 10)[torch.arange(15) // rows, torch.arange(15) % rows],
+                                   expected)
+
+
 def test_skip_computed_from_the_product_stays_outside():
     """y + softmax(y): the skip depends on the product, so the add cannot be in y's epilogue."""
     class SelfSkip(nn.Module):

@@ -228,3 +228,48 @@ def test_a_parameter_set_to_none_rebuilds_where_no_cuda_graph_runs(capsys):
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
     assert capsys.readouterr().err == "" and fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class HandBias(nn.Module):
+    """x @ W.T + b written out: eager rounds the product to fp16, then adds (two roundings)."""
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(32, 16) * 0.3), nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w.T + self.b)
+
+
+def test_fp16_bias_added_by_hand_rounds_as_eager():
+    """Only a Linear's own bias (nn.Linear, F.linear, addmm) goes back into the GEMM in fp16."""
+    torch.manual_seed(0)
+    model = HandBias().eval().half()
+    x = torch.randn(64, 16, dtype=torch.float16)
+    opt, warned = _optimize(model, x, strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    assert not warned and not [n for n in gm.graph.nodes if n.op == "call_function" and len(n.args) == 3
+                               and getattr(n.target, "__name__", "") == "linear"]   # bias not in the GEMM
+    with torch.no_grad():
+        x = torch.randn(64, 16, dtype=torch.float16)
+        torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+
+
+class MethodAliases(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h.absolute().multiply(2).subtract(1).true_divide(3) * h.greater(0).float() + h.not_equal(0) * 0.5
+        return self.b(h.negative())
+
+
+def test_method_alias_spellings_fuse():
+    """x.absolute(), x.greater(0), x.multiply_(...): torch's other names of fused ops, as methods."""
+    model = MethodAliases().eval()
+    opt, warned = _optimize(model, torch.randn(4, 16), strict=True)
+    assert not warned and fxfuse.stats(opt)["fused_kernels"] == 2 and fxfuse.stats(opt)["library_calls"] == 2
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))

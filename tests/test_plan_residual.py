@@ -222,6 +222,37 @@ def test_gemm_estimate_counts_where_the_skip_is_read():
     assert plain <= one <= two < plain + 1.0   # 64 KB more per skip, not a kernel launch
 
 
+class ThreeSkips(nn.Module):
+    def __init__(self, width, dtype_c=torch.float32):
+        super().__init__()
+        self.fc, self.dtype_c = nn.Linear(width, width), dtype_c
+
+    def forward(self, x, a, b, c):
+        return (self.fc(x) + a) * b + c.to(self.dtype_c)
+
+
+def test_plan_counts_the_skips_the_gemm_reads_and_prices_the_rest_as_a_kernel():
+    """(fc(x) + a) * b + c: the GEMM's epilogue reads two skips (MAX_SKIPS); the plan's layer
+    says so and its gemm estimate includes the kernel that adds c after it."""
+    from fxfuse.cost_model import CostModel, LinearLayer
+    width, rows = 768, 16   # where the H100 calibration plans the generated GEMM
+    args = tuple(torch.randn(rows, width) for _ in range(4))
+    opt = fxfuse.optimize(ThreeSkips(width).eval(), args, calibration=H100, fused_mlp="off", verify=False,
+                          strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    (plan,) = gm.meta["fxfuse_plans"]
+    assert (plan["layer"].epilogue_reads, plan["layer"].epilogue_reads_outside) == (3, 1)
+    (g,) = [m for m in gm.modules() if type(m).__name__ == "EpilogueGemm"]
+    assert len({ref for step in g.spec.epilogue for kind, ref in step.operands if kind == "skip"}) == 2
+    model = CostModel.load(H100, device_name="NVIDIA H100 80GB HBM3")
+    base = dict(m=rows, k=width, n=width, dtype=torch.float32, epilogue_ops=4, epilogue_reads=3)
+    assert model.estimate("gemm", LinearLayer(**base, epilogue_reads_outside=1)).us > \
+        model.estimate("gemm", LinearLayer(**base)).us + 1.0   # a launch more
+    with torch.no_grad():
+        args = tuple(torch.randn(rows, width) for _ in range(4))
+        torch.testing.assert_close(opt(*args), opt.original(*args))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [7, 300])
 def test_gpu_residual_in_the_gemm_epilogue(rows):
