@@ -22,7 +22,8 @@ class GemmSpec:
     n: int                   # out features
     dtype: torch.dtype
     epilogue: tuple = ()     # Pointwise steps; value 0 is x @ W.T, step j defines value j + 1; operand
-    #                          ("input", 0) is x at the output tile (a residual; needs k == n)
+    #                          ("input", 0) is x at the output tile (a residual; needs k == n),
+    #                          ("skip", j) the j-th other tensor the call passes (gemm_kernel.skip_view)
     output: int = 0          # the value stored
 
 

@@ -65,7 +65,7 @@ def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | Non
             return f"epilogue step {j} ({s.op}) reads a value it cannot see"
         if spec.k != spec.n and any(kind == "input" for kind, _ in s.operands):
             return f"epilogue step {j} ({s.op}) reads the input, which is {spec.k} wide, not {spec.n}"
-    refs = sorted({ref for s in spec.epilogue for kind, ref in s.operands if kind == "skip"})
+    refs = skip_refs(spec)
     if refs != list(range(len(refs))):
         return f"the epilogue's skip tensors are numbered {refs}, not 0..{len(refs) - 1}"
     if not 0 <= spec.output <= len(spec.epilogue):
@@ -98,9 +98,13 @@ def skip_view(s: torch.Tensor, lead: tuple, n: int) -> tuple:
     return e.reshape(m, 1, n), 1
 
 
+def skip_refs(spec: GemmSpec) -> list:
+    """The j of the epilogue's operands ("skip", j): other tensors it reads at the output tile."""
+    return sorted({ref for s in spec.epilogue for kind, ref in s.operands if kind == "skip"})
+
+
 def skip_count(spec: GemmSpec) -> int:
-    """Other [M, N] tensors the epilogue reads at the output tile (operands ("skip", j))."""
-    return len({ref for s in spec.epilogue for kind, ref in s.operands if kind == "skip"})
+    return len(skip_refs(spec))
 
 
 def gemm_kernel_name(spec: GemmSpec, config: GemmConfig) -> str:
@@ -325,8 +329,9 @@ def epilogue_vectors(vectors: list, n: int, device) -> torch.Tensor:
 class EpilogueGemm(FusedKernel):
     """y = epilogue(x @ W.T) as one launch; a FusedKernel to the rest of fxfuse.
 
-    forward(x) runs the kernel for x [..., K] of the built dtype on the weight's device (any
-    batch: the config chosen for the example batch is kept), else the reference GraphModule.
+    forward(x, *skips) runs the kernel for x [..., K] of the built dtype on the weight's device
+    (any batch: the config chosen for the example batch is kept) and skip tensors of that dtype
+    that broadcast to the output [..., N] (skip_view), else the reference GraphModule.
     """
 
     def __init__(self, spec: GemmSpec, weight: torch.Tensor, vectors: list, reference: torch.fx.GraphModule,

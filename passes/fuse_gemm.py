@@ -7,9 +7,10 @@ pointwise ops. The epilogue grows over the users of the product exactly as a fus
 does (fuse_mlp._Region: same legality rules, same lowering), with two limits: it stops at the
 next Linear, and it reads x only where x is as wide as the product (a residual `x + lin(x)`
 of a square layer: the kernel loads x at the output tile's coordinates, operand "input").
-Unlike a fused MLP's body it may read up to gemm_kernel.MAX_SKIPS other tensors that broadcast to the
-product's shape (operands "skip": the residual stream of a pre-norm block, `h + fc2(...)`,
-passed to the kernel with their strides and loaded at the output tile). Then it is cut back to the longest prefix whose only value read outside is its last, since
+Unlike a fused MLP's body it may read up to gemm_kernel.MAX_SKIPS other tensors that
+broadcast to the product's shape (operands "skip": the residual stream of a pre-norm block,
+`h + fc2(...)`, passed to the kernel with their strides and loaded at the output tile; in
+fp16 the sum is then rounded once, where eager rounds the product and the sum). Then it is cut back to the longest prefix whose only value read outside is its last, since
 nothing in between is written to memory.
 
 Profitability lives in `should_fuse_gemm`, the one place the choice is made for

@@ -94,13 +94,15 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if alpha != 1:
             if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
                 return None
-            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in (torch.float16, torch.bfloat16)
-                   for a in (x, other) if isinstance(a, torch.fx.Node)):
-                return None   # CUDA computes x + alpha * y in fp32 and rounds once; split, y * alpha would
-                #               round to fp16 first (and may overflow)
-            if isinstance(other, torch.fx.Node) and getattr(other.meta.get("tensor_meta"), "dtype", None) \
+            # kept as it is: in fp16/bf16 CUDA computes x + alpha * y in fp32 and rounds once (split,
+            # y * alpha would round to fp16 first, and may overflow); and eager scales y in the result's
+            # dtype (a uint8 y * 3 of its own would wrap around)
+            halves = (torch.float16, torch.bfloat16)
+            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in halves
+                   for a in (x, other) if isinstance(a, torch.fx.Node)) or isinstance(other, torch.fx.Node) \
+                    and getattr(other.meta.get("tensor_meta"), "dtype", None) \
                     != getattr(node.meta.get("tensor_meta"), "dtype", False):
-                return None   # eager scales y in the result's dtype: uint8 y * 3 alone would wrap around
+                return None
             return ("alpha", canon), (x, other, alpha), {}
         return canon, (x, other), {}
     if canon is operator.pow:
