@@ -96,6 +96,7 @@ class LinearLayer:
     epilogue: tuple = ()                    # what those ops compute (passes/plan_linears._epilogue_key)
     epilogue_reads: int = 0                 # other [m, n] tensors the epilogue reads (a residual's skip)
     epilogue_reads_outside: int = 0         # how many of those the generated GEMM cannot read at its tile
+    mlp_reads_outside: int = 0              # ... and a fused MLP (it reads only its Linears' inputs)
     x3_products: bool = False               # Strassen's product call runs in 3xTF32 (option tf32x3)
 
     @property
@@ -425,11 +426,17 @@ class CostModel:
         return self._head(candidate, layer, prev) + self._body(candidate, layer) + self._tail(candidate, layer, next)
 
     def estimate_mlp(self, layers: list) -> Estimate:
-        """Layers as one fused kernel: reads x and the weights, writes the last y, one launch."""
+        """Layers as one fused kernel: reads x and the weights, writes the last y, one launch;
+        where a layer's epilogue reads another tensor (a pre-norm block's residual stream), the
+        kernel ends there and the ops from there on are a kernel after it."""
         first = layers[0]
         dims = [(L.k, L.n) for L in layers]
         work = mlp_work(first.m, dims, first.elt, self.ceilings.sms)
-        return self._component(first.dtype, work, [("mlp", (first.m, max(max(d) for d in dims)))])
+        est = self._component(first.dtype, work, [("mlp", (first.m, max(max(d) for d in dims)))])
+        for L in layers:
+            if L.mlp_reads_outside:
+                est = est + self._pointwise(L.dtype, Work(bytes=L.elt * L.m * L.n * (2 + L.mlp_reads_outside)))
+        return est
 
 
 def _level(c: str | None) -> int:

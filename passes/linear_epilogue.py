@@ -91,17 +91,27 @@ def _lone_relu(add):
 
 
 def _linear_bias_pairs(gm):
+    """(F.linear(x, W), its bias add): a bias the model holds ([N]), or, in fp16/bf16, any bias
+    of a Linear, addmm or F.linear (normalize's LINEAR_BIAS: an input, a computed one, [1, N])."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is F.linear and len(node.args) == 2 \
                 and not node.kwargs and len(node.users) == 1:
             add = next(iter(node.users))
             if add.op == "call_function" and add.target is operator.add and add.args[0] is node \
-                    and isinstance(add.args[1], torch.fx.Node) and add.args[1].op == "get_attr":
+                    and isinstance(add.args[1], torch.fx.Node):
                 bias_meta = add.args[1].meta.get("tensor_meta")
                 out = node.meta.get("tensor_meta")
-                if bias_meta is not None and out is not None and len(bias_meta.shape) == 1 \
-                        and bias_meta.shape[0] == out.shape[-1] and bias_meta.dtype == out.dtype:
+                if bias_meta is None or out is None or bias_meta.dtype != out.dtype \
+                        or bias_meta.shape.numel() != out.shape[-1] or bias_meta.shape[-1:] != out.shape[-1:]:
+                    continue
+                if add.args[1].op == "get_attr" and len(bias_meta.shape) == 1 or _rounds_once(add):
                     yield node, add
+
+
+def _rounds_once(add) -> bool:
+    """Whether eager added this bias inside its GEMM, before the one rounding of a half type."""
+    return add.meta.get("tensor_meta") is not None and add.meta["tensor_meta"].dtype in HALF_DTYPES \
+        and add.meta.get(LINEAR_BIAS, False)
 
 
 def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
@@ -113,7 +123,8 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         batch = meta.shape.numel() // max(n, 1)
         k = linear.args[1].meta["tensor_meta"].shape[-1]
         allow_tf32 = matmul_allows_tf32()
-        relu = _lone_relu(add) if _epilogue_safe(meta.dtype, k, n) and batch > 0 else None
+        held = add.args[1].op == "get_attr" and len(add.args[1].meta["tensor_meta"].shape) == 1
+        relu = _lone_relu(add) if held and _epilogue_safe(meta.dtype, k, n) and batch > 0 else None
         if relu is not None:
             fused, reason = relu_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
             if fused:
@@ -126,7 +137,7 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
                     gm.graph.erase_node(node)
                 changed = True
                 continue
-        one_rounding = meta.dtype in HALF_DTYPES and add.meta.get(LINEAR_BIAS, False)
+        one_rounding = _rounds_once(add)
         if one_rounding:
             use_library, reason = True, HALF_REASON
         else:

@@ -13,6 +13,7 @@ eval-mode Dropout and Identity vanish; shape arithmetic (`x.size(0) * 2`) folds 
 the mutation, and otherwise stay as they are, so eager semantics hold either way.
 """
 import inspect
+import math
 import operator
 
 import torch
@@ -107,6 +108,10 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         return canon, (x, other), {}
     if canon is operator.pow:
         e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one
+        dtype = getattr(x.meta.get("tensor_meta"), "dtype", None) if isinstance(x, torch.fx.Node) else None
+        if type(e) is float and dtype in (torch.float16, torch.bfloat16, torch.float32) and math.isfinite(e):
+            e = float(torch.tensor(e, dtype=dtype))   # CUDA's pow reads the exponent in the tensor's dtype:
+            #                                           2.0001 is 2.0 in fp16 ((-2) ** e is 4, not nan)
         return (canon, (x, e), {}) if isinstance(e, (int, float)) and not params else None
     if canon is torch.clamp:
         lo, hi = params.get("min"), params.get("max")

@@ -29,7 +29,7 @@ from fxfuse.cost_model import CostModel, LinearLayer
 import fxfuse.gemm_kernel as gemm_kernel
 from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH, broadcasts_to
 from fxfuse.mlp_spec import FMA_ONE_TILE, MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
-from fxfuse.ops import POINTWISE, is_pointwise_target
+from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
@@ -144,23 +144,26 @@ def _has_bias(node) -> bool:
             and user.args[0] is node and isinstance(user.args[1], torch.fx.Node) and user.args[1].op == "get_attr")
 
 
-def _describe(node, epilogue_ops: int, read_elsewhere: bool, mutated=frozenset()) -> LinearLayer:
+def _describe(node, epilogue_ops: int, read_elsewhere: bool, mutated=frozenset(), chain_inputs=()) -> LinearLayer:
     w = _tmeta(node.args[1])
     n, k = w.shape
     m = _tmeta(node.args[0]).shape.numel() // max(k, 1)
-    reads, outside = _epilogue_reads(node, epilogue_ops, mutated)
+    reads, outside, read = _epilogue_reads(node, epilogue_ops, mutated)
     return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
                        output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node),
                        epilogue=_epilogue_key(node, epilogue_ops), epilogue_reads=reads,
-                       epilogue_reads_outside=outside)
+                       epilogue_reads_outside=outside,
+                       mlp_reads_outside=len([a for a in read if all(a is not x for x in chain_inputs)]))
 
 
 def _epilogue_reads(node, ops: int, mutated) -> tuple:
     """(other [m, n] tensors the `ops` pointwise ops after a Linear read, how many of them the
-    generated GEMM's epilogue cannot read at its tile), as fuse_gemm decides: x where it is as
-    wide as the product, up to gemm_kernel.MAX_SKIPS distinct tensors of the product's dtype that broadcast to
-    its shape and that nothing writes in place; row vectors and scalars held by the model are
-    constants. The ops from the first other read on run as a kernel after the GEMM."""
+    generated GEMM's epilogue cannot read at its tile, the tensors), as fuse_gemm decides: x where
+    it is as wide as the product, up to gemm_kernel.MAX_SKIPS distinct tensors of the product's dtype
+    that broadcast to its shape and that nothing writes in place; row vectors and scalars of a
+    floating dtype held by the model are constants (fuse_mlp._constant). The ops from the first
+    other read on run as a kernel after the GEMM. A fused MLP reads only the inputs of its own
+    Linears (its x, a residual's skip): the plan prices the others (mlp_reads_outside)."""
     out = _tmeta(node)
     shape, values, inside, outside = tuple(getattr(out, "shape", ())), {node}, [], []
     x = node
@@ -174,15 +177,15 @@ def _epilogue_reads(node, ops: int, mutated) -> tuple:
             m = _tmeta(a)
             a_shape = tuple(getattr(m, "shape", ()))
             numel = m.shape.numel() if hasattr(m, "shape") else 0
-            if a.op == "get_attr" and shape and (numel == 1 or (a_shape and a_shape[-1] == shape[-1]
-                                                                 and numel == shape[-1])):
+            if a.op == "get_attr" and shape and getattr(m, "dtype", None) in FLOAT_DTYPES and (
+                    numel == 1 or (a_shape and a_shape[-1] == shape[-1] and numel == shape[-1])):
                 continue
             fits = (getattr(m, "dtype", None) == getattr(out, "dtype", False) and broadcasts_to(a_shape, shape)
                     and a not in mutated and (a is not node.args[0] or a_shape == shape)
                     and len([b for b in inside if b is not node.args[0]]) < gemm_kernel.MAX_SKIPS + (a is node.args[0]))
             (inside if fits else outside).append(a)
         values.add(x)
-    return len(inside) + len(outside), len(outside)
+    return len(inside) + len(outside), len(outside), inside + outside
 
 
 def unmeasured(table: str) -> str:
@@ -353,10 +356,10 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
     plans_meta = gm.meta.setdefault("fxfuse_plans", [])
     mutated = _mutated_values(gm)
     for chain in _chains(gm):
-        layers = []
+        layers, inputs = [], tuple(node.args[0] for node, _, _ in chain)
         for node, ops_after, read_elsewhere in chain:
             ops = ops_after if ops_after is not None else _output_ops(node)
-            layers.append(_with_tf32x3_products(_describe(node, ops, read_elsewhere, mutated), options, model))
+            layers.append(_with_tf32x3_products(_describe(node, ops, read_elsewhere, mutated, inputs), options, model))
         legal = [_legal(layer, options, model) for layer in layers]
 
         def mlp_legal(i, j, layers=layers):

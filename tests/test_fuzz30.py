@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets i
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import fxfuse  # noqa: E402
 from fxfuse.kernel import interpreting  # noqa: E402
@@ -273,3 +274,64 @@ def test_method_alias_spellings_fuse():
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_pow_reads_a_float_exponent_in_the_tensors_dtype():
+    """2.0001 is 2.0 in fp16, as eager's pow reads it: (-2) ** e is 4, not NaN; 1e-30 is 0."""
+    special = torch.tensor([[-2.0, -0.5, 0.0, 3.0]], dtype=torch.float16)
+    for p in (2.0001, 1e-30):
+        model = Power(p).eval().half()
+        opt, warned = _optimize(model, (torch.rand(1, 4) + 0.5).half(), strict=True)
+        assert not warned and fxfuse.stats(opt)["fused_kernels"] == 1
+        with torch.no_grad():
+            torch.testing.assert_close(opt(special), model(special), equal_nan=True, rtol=0, atol=0)
+
+
+class BiasForms(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.w = nn.Parameter(torch.randn(40, 48) / 4)
+        self.b = nn.Parameter(torch.randn(40))
+
+    def forward(self, x, b):
+        if self.form == "input":
+            return F.linear(x, self.w, b)
+        if self.form == "computed":
+            return F.linear(x, self.w, self.b * 1)
+        return torch.addmm(self.b.view(1, -1), x, self.w.t())
+
+
+@pytest.mark.parametrize("form", ["input", "computed", "addmm_row"])
+def test_fp16_linear_bias_of_any_origin_rounds_once(form):
+    torch.manual_seed(0)
+    model = BiasForms(form).eval().half()
+    args = (torch.randn(6, 48, dtype=torch.float16), torch.randn(40, dtype=torch.float16))
+    opt, warned = _optimize(model, args, strict=True)
+    assert not warned
+    with torch.no_grad():
+        args = (torch.randn(6, 48, dtype=torch.float16), torch.randn(40, dtype=torch.float16))
+        torch.testing.assert_close(opt(*args), model(*args), rtol=0, atol=0)
+
+
+def test_plan_prices_the_kernel_after_a_fused_mlp_and_int_constants():
+    """A pre-norm block's residual stream is no input of its Linears: a fused MLP ends before the
+    add, and the plan prices that kernel; an integer 0-d buffer is no epilogue constant."""
+    from fxfuse.cost_model import CALIBRATION_DIR
+    h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
+    opt, _ = _optimize(PreNormBlock(64, 64).eval(), torch.randn(8, 64), calibration=h100, verify=False)
+    plans = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    assert [p["layer"].mlp_reads_outside for p in plans] == [0, 1]
+
+    class IntScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.register_buffer("ib", torch.tensor(3))
+
+        def forward(self, x, u):
+            return (self.a(x) + self.ib) + u
+
+    opt, _ = _optimize(IntScale().eval(), (torch.randn(4, 64), torch.randn(4, 64)), calibration=h100, verify=False)
+    (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    assert (plan["layer"].epilogue_reads, plan["layer"].epilogue_reads_outside) == (2, 1)

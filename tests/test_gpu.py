@@ -313,3 +313,22 @@ def test_library_layers_read_weights_stored_in_out_through_views_on_gpu(monkeypa
     with torch.no_grad():
         fresh = torch.randn(32, 256, device="cuda")
         assert rel_err(opt(fresh), model(fresh)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,exponent", [(torch.float32, 1e-50), (torch.float32, 2.00000001),
+                                            (torch.float16, 2.0001), (torch.float32, float("inf")),
+                                            (torch.float16, float("nan"))])
+def test_pow_exponents_as_cuda_eager_reads_them(dtype, exponent):
+    """The fused kernel's x ** e against CUDA eager at the values where the exponent's dtype
+    matters (e rounded to the tensor's dtype first) and for non-finite exponents (C pow)."""
+    class Power(nn.Module):
+        def forward(self, x):
+            return (x ** exponent) * 1.0
+
+    special = torch.tensor([[-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, float("inf"), float("-inf"), float("nan")]],
+                           device="cuda", dtype=dtype)
+    model = Power().eval()
+    opt = fxfuse.optimize(model, (torch.rand(1, 10, device="cuda") + 0.5).to(dtype), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(special), model(special), equal_nan=True)
