@@ -193,6 +193,10 @@ def unmeasured(table: str) -> str:
             "only on measured evidence (python -m benchmarks.autotune, then option calibration=...)")
 
 
+WRITTEN_INPUT = ("its input is written in place later in forward() (`h += lin(h)`): fuse_gemm, fuse_mlp and "
+                 "Strassen leave such a Linear to the library GEMM")
+
+
 def _legal(layer: LinearLayer, options, model) -> dict:
     """Candidate -> None (the options allow it) or why not. The rewriting passes check the rest
     (numerics, exact graph shapes) and fall back to the library GEMM when they refuse.
@@ -361,9 +365,13 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
             ops = ops_after if ops_after is not None else _output_ops(node)
             layers.append(_with_tf32x3_products(_describe(node, ops, read_elsewhere, mutated, inputs), options, model))
         legal = [_legal(layer, options, model) for layer in layers]
+        written = [node.args[0] in mutated for node, _, _ in chain]
+        for layer_legal, w in zip(legal, written):
+            if w:   # the rewriting passes keep the library GEMM for it (fuse_gemm, fuse_mlp, strassen)
+                layer_legal.update({c: WRITTEN_INPUT for c in layer_legal if c != "library"})
 
-        def mlp_legal(i, j, layers=layers):
-            return _mlp_legal(layers[i:j + 1], options, model)
+        def mlp_legal(i, j, layers=layers, written=written):
+            return WRITTEN_INPUT if any(written[i:j + 1]) else _mlp_legal(layers[i:j + 1], options, model)
 
         plans = plan_chain(model, layers, legal, mlp_legal)
         for (node, _, _), layer, plan in zip(chain, layers, plans):

@@ -335,3 +335,26 @@ def test_plan_prices_the_kernel_after_a_fused_mlp_and_int_constants():
     opt, _ = _optimize(IntScale().eval(), (torch.randn(4, 64), torch.randn(4, 64)), calibration=h100, verify=False)
     (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
     assert (plan["layer"].epilogue_reads, plan["layer"].epilogue_reads_outside) == (2, 1)
+
+
+class InPlaceResidual(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h):
+        h += self.lin(h)
+        return h
+
+
+def test_plan_leaves_a_linear_whose_input_is_written_later_to_the_library():
+    """h += lin(h): the rewriting passes keep the library GEMM there; the plan said gemm."""
+    from fxfuse.cost_model import CALIBRATION_DIR
+    h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
+    model = InPlaceResidual().eval()
+    x = torch.randn(2, 12, 32)
+    opt, warned = _optimize(model, x.clone(), calibration=h100, strict=True)
+    (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    assert not warned and plan["choice"] == "library" and "written in place" in str(plan["reasons"])
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x.clone()), model(x.clone()))
