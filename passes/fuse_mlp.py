@@ -328,7 +328,9 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     mutated = _mutated_values(gm)
     order = {n: k for k, n in enumerate(g.nodes)}
     taken, changed = set(), False
-    for start in list(g.nodes):
+    pending, retried = list(g.nodes), set()
+    while pending:
+        start = pending.pop(0)
         x = _linear_parts(start)[0] if _linear_parts(start) is not None else None
         if start in taken or not isinstance(x, torch.fx.Node) or _tmeta(x) is None \
                 or not hasattr(_tmeta(x), "shape") or x in mutated:
@@ -372,6 +374,9 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         module = FusedMLP(spec, weights, vectors, _reference(gm, region), members, use_kernels, config)
         _replace(gm, region, module, reason)
         changed = True
+        if start not in region.inside and start not in retried:   # the region kept a later reader of x
+            retried.add(start)                                     # (`a(x)` beside `x + b(x)`): `a` once more
+            pending.insert(0, start)
     if changed:
         g.lint()
         gm.delete_all_unused_submodules()

@@ -90,6 +90,20 @@ def _lone_relu(add):
     return relu
 
 
+def _carried(gm, linear, new, reason: str, device) -> dict:
+    """The new library call's fxfuse meta: the Linear's plan and earlier decision, then this
+    pass's; and the plan's record renamed to it (explain() matches the plan rows by name)."""
+    old = fxfuse_meta(linear)
+    earlier = old.get("decision")
+    meta = {"decision": f"{earlier}; {reason}" if earlier else reason, "device": device}
+    if "plan" in old:
+        meta["plan"] = old["plan"]
+    for record in gm.meta.get("fxfuse_plans", []):
+        if record.get("node") == linear.name:
+            record["node"] = new.name
+    return meta
+
+
 def _linear_bias_pairs(gm):
     """(F.linear(x, W), its bias add): a bias the model holds ([N]), or, in fp16/bf16, any bias
     of a Linear, addmm or F.linear (normalize's LINEAR_BIAS: an input, a computed one, [1, N])."""
@@ -131,7 +145,7 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
                 with gm.graph.inserting_before(relu):
                     new = gm.graph.call_function(linear_relu, (linear.args[0], linear.args[1], add.args[1]))
                 new.meta = dict(relu.meta)
-                new.meta["fxfuse"] = {"decision": reason, "device": device}
+                new.meta["fxfuse"] = _carried(gm, linear, new, reason, device)
                 relu.replace_all_uses_with(new)
                 for node in (relu, add, linear):
                     gm.graph.erase_node(node)
@@ -159,7 +173,7 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         with gm.graph.inserting_before(add):
             new = gm.graph.call_function(F.linear, (linear.args[0], linear.args[1], add.args[1]))
         new.meta = dict(add.meta)
-        new.meta["fxfuse"] = {"decision": reason, "device": device}
+        new.meta["fxfuse"] = _carried(gm, linear, new, reason, device)
         add.replace_all_uses_with(new)
         gm.graph.erase_node(add)
         gm.graph.erase_node(linear)

@@ -213,7 +213,8 @@ def test_branches_reading_the_input_join_the_chain(rows):
 def test_a_second_head_on_the_input_does_not_cut_the_chain():
     model = SecondHeadOnInput().eval()
     opt = fxfuse.optimize(model, torch.randn(5, 13), fused_mlp="force", strict=True)
-    assert sorted(len(m.spec.linears) for m in fused_modules(opt)) == [3]
+    assert sorted(len(m.spec.linears) for m in fused_modules(opt)) == [1, 3]   # the chain whole; the head
+    # (tried again after the chain's region took x's other reader) is a kernel of its own under "force"
     x = torch.randn(5, 13)
     with torch.no_grad():
         for g, w in zip(opt(x), model(x)):

@@ -358,3 +358,53 @@ def test_plan_leaves_a_linear_whose_input_is_written_later_to_the_library():
     assert not warned and plan["choice"] == "library" and "written in place" in str(plan["reasons"])
     with torch.no_grad():
         torch.testing.assert_close(opt(x.clone()), model(x.clone()))
+
+
+class TwoReadersOfX(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.a(x), torch.tanh(x + self.b(x))
+
+
+def test_both_linears_reading_x_become_fused_mlps():
+    """`a(x)` beside `x + b(x)`: the region started at `a` kept b's branch; `a` was not tried again."""
+    from fxfuse.cost_model import CALIBRATION_DIR
+    h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
+    model = TwoReadersOfX().eval()
+    x = torch.randn(4, 5, 32)
+    opt, warned = _optimize(model, x, calibration=h100, strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    assert [p["choice"] for p in gm.meta["fxfuse_plans"]] == ["mlp", "mlp"]
+    assert not warned and sum(type(m).__name__ == "FusedMLP" for m in gm.modules()) == 2
+    with torch.no_grad():
+        x = torch.randn(3, 5, 32)
+        for got, want in zip(opt(x), model(x)):
+            torch.testing.assert_close(got, want)
+
+
+def test_plan_rows_name_the_library_call_that_runs():
+    """fp16: linear_epilogue puts a planned library Linear's bias back into a new F.linear node;
+    the plan's row and the node's decision move to it."""
+    from fxfuse.cost_model import CALIBRATION_DIR
+    h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
+
+    class Gated(nn.Module):
+        def __init__(self, d=24):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x, g):
+            return self.l2(F.silu(self.l1(x)) * g)
+
+    torch.manual_seed(0)
+    args = (torch.randn(2, 24, 24).half(), torch.randn(2, 24, 24).half())
+    opt, _ = _optimize(Gated().half().eval(), args, calibration=h100, strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    names = {n.name: n for n in gm.graph.nodes}
+    for plan in gm.meta["fxfuse_plans"]:
+        if plan["choice"] == "library":
+            node = names[plan["node"]]
+            assert node.meta["fxfuse"]["decision"].startswith("cost model: library") and "plan" in node.meta["fxfuse"]

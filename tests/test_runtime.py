@@ -100,7 +100,8 @@ def test_bias_moved_into_library_gemm_when_measured_faster(monkeypatch):
     with torch.no_grad():
         x = torch.randn(3, 11)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
-    assert "bias in the library GEMM" in fxfuse.explain(opt)
+    assert all("bias in the library GEMM" in n.meta["fxfuse"]["decision"] for n in linears)
+    assert "library GEMM: test" in fxfuse.explain(opt)   # after the plan's line, wrapped in the table
 
 
 
