@@ -97,6 +97,8 @@ class LinearLayer:
     epilogue_reads: int = 0                 # other [m, n] tensors the epilogue reads (a residual's skip)
     epilogue_reads_outside: int = 0         # how many of those the generated GEMM cannot read at its tile
     mlp_reads_outside: int = 0              # ... and a fused MLP (it reads only its Linears' inputs)
+    bias_in_gemm: bool = False              # the library GEMM takes the bias (a half type's Linear bias:
+    #                                         one rounding, as eager; passes/linear_epilogue)
     x3_products: bool = False               # Strassen's product call runs in 3xTF32 (option tf32x3)
 
     @property
@@ -367,7 +369,7 @@ class CostModel:
             fused = self._component(L.dtype, gemm_work(m, k, n, elt, bias=True), [("linear_bias", (m, h))])
             if L.epilogue_ops > 1:
                 fused = fused + self._pointwise(L.dtype, Work(bytes=elt * 2 * m * n + reads))
-            best = min(best, fused, key=lambda e: e.us)
+            best = fused if L.bias_in_gemm else min(best, fused, key=lambda e: e.us)
         return best
 
     # -- per layer: head (depends on prev) + body + tail (depends on next) ------------------

@@ -34,6 +34,7 @@ from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
 
 from .fuse_pointwise import _mutated_values
+from .normalize_layers import LINEAR_BIAS
 
 # Where Strassen's prefix/suffix kernels were calibrated (benchmarks/autotune.py: 256, 1024 and
 # 4096 rows, widths 2048-8192) and where the H100 measured it faster or even. Below, the model
@@ -149,8 +150,11 @@ def _describe(node, epilogue_ops: int, read_elsewhere: bool, mutated=frozenset()
     n, k = w.shape
     m = _tmeta(node.args[0]).shape.numel() // max(k, 1)
     reads, outside, read = _epilogue_reads(node, epilogue_ops, mutated)
+    bias = epilogue_ops > 0 and _has_bias(node)
     return LinearLayer(m=m, k=k, n=n, dtype=w.dtype, epilogue_ops=epilogue_ops,
-                       output_read_elsewhere=read_elsewhere, bias=epilogue_ops > 0 and _has_bias(node),
+                       output_read_elsewhere=read_elsewhere, bias=bias,
+                       bias_in_gemm=bias and w.dtype in (torch.float16, torch.bfloat16)
+                       and next(iter(node.users)).meta.get(LINEAR_BIAS, False),
                        epilogue=_epilogue_key(node, epilogue_ops), epilogue_reads=reads,
                        epilogue_reads_outside=outside,
                        mlp_reads_outside=len([a for a in read if all(a is not x for x in chain_inputs)]))

@@ -408,3 +408,18 @@ def test_plan_rows_name_the_library_call_that_runs():
         if plan["choice"] == "library":
             node = names[plan["node"]]
             assert node.meta["fxfuse"]["decision"].startswith("cost model: library") and "plan" in node.meta["fxfuse"]
+
+
+def test_plan_prices_a_half_linear_with_its_bias_in_the_gemm():
+    """fp16 nn.Linear: linear_epilogue always puts its bias into the library GEMM, so the plan's
+    library estimate is that spelling, not the cheaper of the two."""
+    from fxfuse.cost_model import CALIBRATION_DIR, CostModel
+    h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
+    model = nn.Sequential(nn.Linear(48, 40), nn.Tanh()).half().eval()
+    opt, _ = _optimize(model, torch.randn(6, 48).half(), calibration=h100, verify=False)
+    (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    assert plan["layer"].bias_in_gemm
+    cost = CostModel.load(h100, device_name="NVIDIA H100 80GB HBM3")
+    from dataclasses import replace
+    free = replace(plan["layer"], bias_in_gemm=False)
+    assert cost.estimate("library", plan["layer"]).us >= cost.estimate("library", free).us
