@@ -83,16 +83,23 @@ def broadcasts_to(shape: tuple, target: tuple) -> bool:
     return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
+def skip_fits(meta, product_meta) -> bool:
+    """Whether the epilogue can read a tensor of this meta at the product's output tile: its dtype,
+    a shape that broadcasts to its shape (fuse_gemm takes it, plan_linears prices it so)."""
+    return (hasattr(meta, "shape") and meta.dtype == getattr(product_meta, "dtype", None)
+            and broadcasts_to(tuple(meta.shape), tuple(product_meta.shape)))
+
+
 def skip_view(s: torch.Tensor, lead: tuple, n: int) -> tuple:
     """(a [B, rows, n] view of skip s broadcast to lead + (n,), rows): the kernel reads row r of the
     product at (r // rows, r % rows). Two levels of rows take a [B, 1, n] gate or a [T, n] table
     against [B, T, n] without a copy (stride 0 where they broadcast); a copy only where even
     those do not fit (a broadcast in the middle of 4-D rows)."""
     e = s.expand(lead + (n,))
-    m = math.prod(lead)
+    m = math.prod(lead)   # > 0: the kernel runs only for rows
     for rows in dict.fromkeys((1, lead[-1] if lead else 1)):
         try:
-            return e.view(m // max(rows, 1), rows, n), max(rows, 1)
+            return e.view(m // rows, rows, n), rows
         except RuntimeError:   # the rows do not merge into that view
             continue
     return e.reshape(m, 1, n), 1
@@ -357,7 +364,8 @@ class EpilogueGemm(FusedKernel):
         self.register_buffer("packed_vectors", epilogue_vectors(vectors, spec.n, weight.device), persistent=False)
         self.register_buffer("counters", torch.zeros(1, dtype=torch.int32, device=weight.device), persistent=False)
         self._workspace = None
-        self.input_meta = ((None, None, spec.dtype),) * (1 + skip_count(spec))   # x, then the skips
+        self.skips = skip_count(spec)
+        self.input_meta = ((None, None, spec.dtype),) * (1 + self.skips)   # x, then the skips
         self._kernel = None
         self.launches = 0
         self.fallbacks = 0
@@ -369,7 +377,7 @@ class EpilogueGemm(FusedKernel):
         self.use_pdl = False
 
     def _matches(self, inputs) -> bool:
-        if len(inputs) != 1 + skip_count(self.spec) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        if len(inputs) != 1 + self.skips or not all(isinstance(t, torch.Tensor) for t in inputs):
             return False
         x, *skips = inputs
         out_shape = tuple(x.shape[:-1]) + (self.spec.n,)

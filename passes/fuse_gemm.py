@@ -10,8 +10,9 @@ of a square layer: the kernel loads x at the output tile's coordinates, operand 
 Unlike a fused MLP's body it may read up to gemm_kernel.MAX_SKIPS other tensors that
 broadcast to the product's shape (operands "skip": the residual stream of a pre-norm block,
 `h + fc2(...)`, passed to the kernel with their strides and loaded at the output tile; in
-fp16 the sum is then rounded once, where eager rounds the product and the sum). Then it is cut back to the longest prefix whose only value read outside is its last, since
-nothing in between is written to memory.
+fp16 the sum is then rounded once, where eager rounds the product and the sum). Then it is
+cut back to the longest prefix whose only value read outside is its last, since nothing in
+between is written to memory.
 
 Profitability lives in `should_fuse_gemm`, the one place the choice is made for
 gemm="auto" (until the cost model replaces it); "force" fuses every legal Linear (tests,
@@ -25,7 +26,7 @@ import torch.fx
 import fxfuse.gemm_kernel as gemm_kernel
 
 from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH
-from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, broadcasts_to, choose_gemm_config, why_not_gemm
+from fxfuse.gemm_kernel import GEMM_DTYPES, EpilogueGemm, GemmSpec, choose_gemm_config, skip_fits, why_not_gemm
 from fxfuse.mlp_kernel import Linear, Pointwise
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tf32x3 import measure_tf32x3
@@ -87,9 +88,9 @@ class _EpilogueRegion(_Region):
         """A tensor computed elsewhere (the residual stream of a pre-norm block: `h + fc2(...)`,
         a per-row scale [..., 1]), read at the output tile: the product's dtype, a shape that
         broadcasts to the product's (which the op's result keeps), not written in place."""
-        m, out = _tmeta(a), tuple(_tmeta(self.start).shape)
-        return (hasattr(m, "shape") and m.dtype == self.dtype and a not in self.mutated
-                and tuple(_tmeta(node).shape) == out and broadcasts_to(tuple(m.shape), out))
+        product = _tmeta(self.start)
+        return a not in self.mutated and tuple(_tmeta(node).shape) == tuple(product.shape) \
+            and skip_fits(_tmeta(a), product)
 
 
 def _gemm_spec(spec, region):

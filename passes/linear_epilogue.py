@@ -118,8 +118,14 @@ def _linear_bias_pairs(gm):
                 if bias_meta is None or out is None or bias_meta.dtype != out.dtype \
                         or bias_meta.shape.numel() != out.shape[-1] or bias_meta.shape[-1:] != out.shape[-1:]:
                     continue
-                if add.args[1].op == "get_attr" and len(bias_meta.shape) == 1 or _rounds_once(add):
+                if _held_bias(add) or _rounds_once(add):
                     yield node, add
+
+
+def _held_bias(add) -> bool:
+    """Whether the bias is a [N] tensor the model holds (measured, and cuBLASLt's ReLU epilogue)."""
+    bias = add.args[1]
+    return bias.op == "get_attr" and len(bias.meta["tensor_meta"].shape) == 1
 
 
 def _rounds_once(add) -> bool:
@@ -137,8 +143,7 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         batch = meta.shape.numel() // max(n, 1)
         k = linear.args[1].meta["tensor_meta"].shape[-1]
         allow_tf32 = matmul_allows_tf32()
-        held = add.args[1].op == "get_attr" and len(add.args[1].meta["tensor_meta"].shape) == 1
-        relu = _lone_relu(add) if held and _epilogue_safe(meta.dtype, k, n) and batch > 0 else None
+        relu = _lone_relu(add) if _held_bias(add) and _epilogue_safe(meta.dtype, k, n) and batch > 0 else None
         if relu is not None:
             fused, reason = relu_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
             if fused:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from fxfuse.chain_plan import plan_chain
 from fxfuse.cost_model import CostModel, LinearLayer
 import fxfuse.gemm_kernel as gemm_kernel
-from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH, broadcasts_to
+from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH, skip_fits
 from fxfuse.mlp_spec import FMA_ONE_TILE, MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
@@ -184,9 +184,9 @@ def _epilogue_reads(node, ops: int, mutated) -> tuple:
             if a.op == "get_attr" and shape and getattr(m, "dtype", None) in FLOAT_DTYPES and (
                     numel == 1 or (a_shape and a_shape[-1] == shape[-1] and numel == shape[-1])):
                 continue
-            fits = (getattr(m, "dtype", None) == getattr(out, "dtype", False) and broadcasts_to(a_shape, shape)
-                    and a not in mutated and (a is not node.args[0] or a_shape == shape)
-                    and len([b for b in inside if b is not node.args[0]]) < gemm_kernel.MAX_SKIPS + (a is node.args[0]))
+            own_input = a is node.args[0]
+            fits = skip_fits(m, out) and a not in mutated and (
+                a_shape == shape if own_input else sum(b is not node.args[0] for b in inside) < gemm_kernel.MAX_SKIPS)
             (inside if fits else outside).append(a)
         values.add(x)
     return len(inside) + len(outside), len(outside), inside + outside
