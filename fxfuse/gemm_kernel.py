@@ -41,7 +41,8 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import FusedKernel, kernels_available, launch_context, pdl_available, resolved, triton_cdiv
+from .kernel import (PRODUCT_FP_FUSION, FusedKernel, kernels_available, launch_context, pdl_available, resolved,
+                     triton_cdiv)
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 from .gemm_config import (GEMM_DTYPES, MAX_SPLIT_K, ROWWISE_FP32_MAX_BATCH, ROWWISE_MAX_BATCH,  # noqa: F401
@@ -419,7 +420,8 @@ class EpilogueGemm(FusedKernel):
                                       *(v for v, _ in skips), m, x2.stride(0), out.stride(0),
                                       *(a for v, rows in skips for a in (rows, *v.stride())),
                                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                                      USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl)
+                                      USE_GDC=bool(pdl), num_warps=c.num_warps, num_stages=c.num_stages, **pdl,
+                                      **PRODUCT_FP_FUSION)
             self.launches += 1
         return out.view(lead + (self.spec.n,))
 

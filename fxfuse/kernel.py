@@ -85,6 +85,14 @@ def _used_strides(shape, stride) -> tuple:
     return tuple(st for n, st in zip(shape, stride) if n != 1)
 
 
+PRODUCT_FP_FUSION = {"enable_fp_fusion": True}
+"""Launch option of the product kernels (generated GEMM, fused MLP, tf32x3 bmm, the library
+probe's sum): multiply-adds contract to FMA, as cuBLAS's do. Passed explicitly because Triton
+3.9 warns once when the option is left unset and 3.10 turns the default off, which would make
+every K step a separate multiply and add (slower, and rounded twice). Pointwise kernels pass
+False instead (FusedKernel.forward says why)."""
+
+
 class FusedKernel(torch.nn.Module):
     def __init__(self, ir: KernelIR, reference: torch.fx.GraphModule, input_meta: tuple,
                  members: tuple, use_kernel: bool = True, origin: str = "fuse_pointwise"):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .graph_launch import clear_cublas_workspaces
+from .kernel import PRODUCT_FP_FUSION
 
 
 def graph_of_calls(fn, target_us: float, max_calls: int) -> tuple:
@@ -266,7 +267,7 @@ def _gemm_and_epilogue_step(x, w, b, splits: int):
             torch.mm(y, w.t(), out=parts[0])
         else:
             torch.bmm(*_split_operands(y, w, splits), out=parts)
-        _sum_bias_relu[grid](parts, b, outs[i % 2], m * n, n, S=splits, BLOCK=1024)
+        _sum_bias_relu[grid](parts, b, outs[i % 2], m * n, n, S=splits, BLOCK=1024, **PRODUCT_FP_FUSION)
         return outs[i % 2]
     return step
 

@@ -18,7 +18,7 @@ accumulate in fp32; the row-wise form computes in fp32. Epilogues compute in fp3
 import torch
 import torch.fx
 
-from .kernel import FusedKernel, kernels_available, launch_context, resolved, triton_cdiv
+from .kernel import PRODUCT_FP_FUSION, FusedKernel, kernels_available, launch_context, resolved, triton_cdiv
 from .mlp_codegen import Layout, generate_mlp, kernel_name, value_axes  # noqa: F401  (re-exported)
 from .mlp_spec import (KERNEL_DTYPES, MAX_DOTS, MAX_FMA_PER_THREAD, MAX_TILE, MAX_WIDTH,  # noqa: F401
                        PREFETCH_ELEMENTS, ROWWISE_MAX_BATCH, ROWWISE_MAX_TILE, ROWWISE_TC_MAX_BATCH, SMS,
@@ -110,7 +110,7 @@ class FusedMLP(FusedKernel):
             with launch_context(x.device):
                 self.compiled()[(triton_cdiv(m, bm),)](
                     x2, out, self.packed_weights, self.packed_vectors, m, x2.stride(0), out.stride(0),
-                    BLOCK_M=bm, num_warps=self.config.num_warps)
+                    BLOCK_M=bm, num_warps=self.config.num_warps, **PRODUCT_FP_FUSION)
             self.launches += 1
         return out.view(lead + (self.out_width,))
 

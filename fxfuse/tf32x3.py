@@ -165,7 +165,7 @@ def split_tiles(m: int, n: int, batch: int = 1) -> tuple:
 import triton                    # noqa: E402  (after the torch-only part above, which the guard uses)
 import triton.language as tl     # noqa: E402
 
-from .kernel import kernels_available, launch_context, triton_cdiv   # noqa: E402
+from .kernel import PRODUCT_FP_FUSION, kernels_available, launch_context, triton_cdiv   # noqa: E402
 
 
 @triton.jit
@@ -264,5 +264,6 @@ def bmm_tf32x3(a: torch.Tensor, b: torch.Tensor, b_lo: torch.Tensor | None = Non
     with launch_context(a.device):
         _bmm_tf32x3_kernel[(triton_cdiv(m, bm), triton_cdiv(n, bn), r)](
             a, b, b if b_lo is None else b_lo, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, SPLIT=b_lo is not None, num_warps=warps, num_stages=stages)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, SPLIT=b_lo is not None, num_warps=warps, num_stages=stages,
+            **PRODUCT_FP_FUSION)
     return c

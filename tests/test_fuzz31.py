@@ -1,0 +1,60 @@
+"""Stop 31's fixes, each checked against eager or against what it promises.
+
+Product kernels pass enable_fp_fusion explicitly (kernel.PRODUCT_FP_FUSION): Triton 3.9 warns
+once when it is unset, and 3.10 turns the default off. Pointwise kernels pass False."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse.kernel import PRODUCT_FP_FUSION  # noqa: E402
+from fxfuse.tf32x3 import bmm_tf32x3  # noqa: E402
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(kernel name, enable_fp_fusion or 'unset') of every interpreted launch."""
+    seen = []
+    run = interpreter.InterpretedFunction.run
+
+    def recording(self, *args, **kwargs):
+        seen.append((self.fn.__name__, kwargs.get("enable_fp_fusion", "unset")))
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording)
+    return seen
+
+
+def seed(width=24, layers=2):
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]).eval()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+@pytest.mark.parametrize("options", [{"gemm": "force", "fused_mlp": "off"}, {"fused_mlp": "force"}])
+def test_product_kernels_pass_fp_fusion(launches, options):
+    model, x = seed(), torch.randn(5, 24)
+    opt = fxfuse.optimize(model, x, **options)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert PRODUCT_FP_FUSION == {"enable_fp_fusion": True}
+    products = [(n, f) for n, f in launches if n.startswith(("fxgemm", "fxmlp", "fused_mlp"))]
+    assert products, launches   # the rewrite happened and its kernel ran
+    assert all(f is True for _, f in products), launches
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
+def test_pointwise_and_bmm_kernels_say_fp_fusion(launches):
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Sigmoid()).eval()
+    x = torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x, gemm="off", fused_mlp="off")
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    a, b = torch.randn(2, 5, 7), torch.randn(2, 7, 6)
+    torch.testing.assert_close(bmm_tf32x3(a, b), torch.bmm(a, b), rtol=1e-5, atol=1e-5)
+    assert launches and all(f != "unset" for _, f in launches), launches
+    assert any(f is False for _, f in launches) and any(f is True for _, f in launches), launches
