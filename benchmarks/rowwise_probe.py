@@ -52,6 +52,30 @@ PIPELINED_VARIANTS = {   # --set pipelined: the K loop as tl.range(num_stages=..
     "s3 m /2": {**PIPE, "num_stages": 3, "block_m": 0.5},
 }
 
+LOAD_VARIANTS = {   # --set loads: cache hints on the row-wise loads (source rewrites of the generated kernel)
+    "chosen": {},
+    "w .cg": {"w": ", cache_modifier='.cg'"},
+    "w evict_first": {"w": ", eviction_policy='evict_first'"},
+    "x evict_last": {"x": ", eviction_policy='evict_last'"},
+    "w ef, x el": {"w": ", eviction_policy='evict_first'", "x": ", eviction_policy='evict_last'"},
+    "w .cg, x el": {"w": ", cache_modifier='.cg'", "x": ", eviction_policy='evict_last'"},
+    "n x2 w8": {"block_n": 2.0, "num_warps": 8},
+    "n x4 k /2 w8": {"block_n": 4.0, "block_k": 0.5, "num_warps": 8},
+}
+
+
+def with_load_hints(source: str, w: str = "", x: str = "") -> str:
+    """The generated row-wise kernel with extra tl.load keywords on its W loads (the prefetched
+    ones and the loop's) and its x loads."""
+    lines = []
+    for line in source.splitlines():
+        if w and ("tl.load(w_rows" in line):
+            line = line.replace("other=0.0)", "other=0.0" + w + ")", 1)
+        if x and ("tl.load(x_rows" in line):
+            line = line.replace("other=0.0)", "other=0.0" + x + ")", 1)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
 
 def patched(change):
     original = gc._rowwise_config
@@ -59,6 +83,8 @@ def patched(change):
     def config(m, spec, allow_tf32):
         cfg = original(m, spec, allow_tf32)
         for key, value in change.items():
+            if key in ("w", "x"):
+                continue
             cfg[key] = max(1, int(cfg[key] * value)) if isinstance(value, float) else value
         return cfg
     return original, config
@@ -70,13 +96,13 @@ def main(argv=None):
     ap.add_argument("--variants", help="comma list of variant names (default all)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
-    ap.add_argument("--set", choices=("tiles", "pipelined"), default="tiles", help="which variant table")
+    ap.add_argument("--set", choices=("tiles", "pipelined", "loads"), default="tiles", help="which variant table")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     print(f"rowwise probe: {args.layers} layers {args.dtype}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}; GPU us per call of the graph (config of layer 0)")
-    table = PIPELINED_VARIANTS if args.set == "pipelined" else VARIANTS
+    table = {"pipelined": PIPELINED_VARIANTS, "loads": LOAD_VARIANTS}.get(args.set, VARIANTS)
     variants = {k: table[k] for k in args.variants.split(",")} if args.variants else table
     print(f"{'cell':>8} " + " ".join(f"{v:>14}" for v in variants))
     for cell in args.cells.split(","):
@@ -89,6 +115,9 @@ def main(argv=None):
         for change in variants.values():
             original, config = patched(change)
             gc._rowwise_config = config
+            generate = gk.generate_gemm
+            gk.generate_gemm = lambda *a, generate=generate, change=change: (
+                lambda src, name: (with_load_hints(src, change.get("w", ""), change.get("x", "")), name))(*generate(*a))
             try:
                 with torch.no_grad():
                     opt = fxfuse.optimize(model, inputs[0], gemm="force", fused_mlp="off")
@@ -105,6 +134,7 @@ def main(argv=None):
                 notes.append(type(e).__name__)
             finally:
                 gc._rowwise_config = original
+                gk.generate_gemm = generate
         print(f"{cell:>8} " + " ".join(f"{us:14.1f}" for us in row), flush=True)
         print(f"{'':>8} " + " ".join(f"{n:>14}" for n in notes), flush=True)
 
