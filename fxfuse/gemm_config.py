@@ -39,12 +39,14 @@ class GemmConfig:
     rowwise: bool = False    # broadcast-multiply-reduce product (small batch), else tl.dot
     pipelined: bool = False  # row-wise K loop as tl.range(num_stages=num_stages): loads staged through shared memory (_rowwise_stages)
     split_weights: bool = False  # tf32x3 with W's TF32 parts made once (fxfuse/tf32x3.py): three plain TF32 dots
+    keep_x: bool = False     # row-wise x loads with eviction_policy="evict_last" (_rowwise_config: X_KEPT_FROM_K)
 
 
 ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
 ROWWISE_FP32_MAX_BATCH = 256  # fp32 without TF32: tl.dot is FMA code as well, and the row-wise form wins up to here
 ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator per 4 warps (64 registers)
 ROWWISE_MAX_COLUMNS = 4       # columns per program at batch 1, twice that up to 16 rows (_rowwise_config)
+X_KEPT_FROM_K = 2048          # several rows and K from here: x's loads ask L2 to keep x (evict_last)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -76,7 +78,13 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     10.9 / 5.6 / 20.0; width 1024: 26.4 / 16.3 / 31.2; batch 256, width 128: 6.2 / 2.8 / 5.3;
     width 512: 16.1 / 10.2 / 11.7. Where cuBLAS wins (batch 64, width 2048: 36.9 us against
     row-wise 52.5 and tl.dot 48.1; batch 256, width 1024: 29.6 against 37.7 and 35.3) the
-    cost model's measured table sends the layer to the library."""
+    cost model's measured table sends the layer to the library.
+
+    x is read again by every column block (N / BLOCK_N times per layer) while W streams through
+    L2 once; from X_KEPT_FROM_K with several rows, x's loads carry evict_last so W's stream does
+    not push x out. rowwise_probe --set loads (H100, 8 layers, GPU us of the graph, plain /
+    evict_last): 16 x 2048 81.7 / 79.9, 16 x 4096 262.3 / 256.2, 16 x 1024 29.2 / 29.4, 16 x 512
+    16.7 / 17.6, 1 x 2048 53.5 / 54.0 (rowwise_probe_loads_20261126.txt)."""
     block_m = (_pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64
                else 32 if m == 64 and spec.k < 1024 else 64)
     warps = 8 if block_m == 32 else 4
@@ -95,7 +103,8 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     stages = _rowwise_stages(block_m, block_n, block_k, spec.dtype)
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=warps,
                 num_stages=max(stages, 1), pipelined=stages > 1,
-                precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True)
+                precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True,
+                keep_x=block_m > 1 and spec.k >= X_KEPT_FROM_K)
 
 
 ROWWISE_STAGES = 4                  # K steps in flight through shared memory (tl.range num_stages)

@@ -181,7 +181,9 @@ def _emit_rowwise_product(buf, spec: GemmSpec, c: GemmConfig, k0: str, k_split: 
     of [BLOCK_M, 1, BLOCK_K] rows and [1, BLOCK_N, BLOCK_K] weight rows summed in fp32."""
     buf.line("x_rows = (x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm)[:, :, None]        # [BM, 1, 1]")
     buf.line(f"w_rows = (w_ptr + offs_n.to(tl.int64)[:, None] * {spec.k})[None, :, :]      # [1, BN, 1]")
-    _emit_k_steps(buf, spec, c, k0, k_split, "{a} = tl.load(x_rows + {k}, mask=m_ok[:, None, None] & {ok}, other=0.0)",
+    keep = ", eviction_policy=\"evict_last\"" if c.keep_x else ""   # gemm_config._rowwise_config says why
+    _emit_k_steps(buf, spec, c, k0, k_split, "{a} = tl.load(x_rows + {k}, mask=m_ok[:, None, None] & {ok}, other=0.0"
+                  + keep + ")",
                   "{b} = tl.load(w_rows + {k}, mask=n_ok[None, :, None] & {ok}, other=0.0)",
                   "acc3 = tl.full([BLOCK_M, BLOCK_N, BLOCK_K], 0.0, tl.float32)",
                   "acc3 += {a}.to(tl.float32) * {b}.to(tl.float32)", "({})[None, None, :]")

@@ -189,3 +189,20 @@ def test_gpu_epilogue_gemm(m, k, n, dtype):
         assert int(mod.counters.abs().sum()) == 0
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("m,k,keep", [(16, 2048, True), (9, 4096, True), (1, 2048, False), (16, 1024, False)])
+def test_row_wise_keeps_x_in_l2_from_k_2048(m, k, keep):
+    """Several rows and K >= X_KEPT_FROM_K: x's loads carry evict_last (the rule's config only;
+    the kernel itself is checked at a tiny shape below)."""
+    spec = GemmSpec(k, 64, torch.float32)
+    cfg = choose_gemm_config(m, spec)
+    assert cfg.rowwise and cfg.keep_x == keep
+    assert ('eviction_policy="evict_last"' in generate_gemm(spec, (), cfg)[0]) == keep
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_row_wise_kept_x_computes_the_same(m):
+    model, mod = layer(37, 24, nn.ReLU, torch.float32, m=m, keep_x=True, block_k=16)
+    assert 'eviction_policy="evict_last"' in mod.source
+    check(model, mod, torch.randn(m, 37))
