@@ -21,7 +21,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.ops import POINTWISE, cast, is_pointwise_target
+from fxfuse.ops import POINTWISE, cast, is_pointwise_target, keep_eager_layout, row_major
 from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
@@ -305,7 +305,9 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 new = back
             _later_readers_read(base, new, node, order)
         else:
-            _replace(g, node, *call)
+            new = _replace(g, node, *call)
+            if row.fixed.get("_masked_fill"):
+                _masked_fill_layout(gm, new)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         broadcast_drops_unit_view(node, is_pointwise_target)
@@ -462,6 +464,17 @@ def _dtype_on(call, device: str):
 
 def _already_canonical(row, node) -> bool:
     return row.canonical is node.target and canonical_call(row, node) == (node.target, node.args, dict(node.kwargs))
+
+
+def _masked_fill_layout(gm, where: torch.fx.Node) -> None:
+    """x.masked_fill(mask, v) is always row-major in eager (aten clones x contiguous, then fills),
+    while torch.where keeps its operands' layout: over a transposed or channels_last x or mask,
+    restore eager's strides (a later .view() or the caller may rely on them)."""
+    def row_major_meta(a) -> bool:
+        meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
+        return meta is None or tuple(meta.stride) == row_major(meta.shape)
+    if not all(row_major_meta(a) for a in where.args):
+        keep_eager_layout(gm, where, where.meta.get("tensor_meta"), None)
 
 
 def _replace(g, node, target, args, kwargs):

@@ -58,3 +58,36 @@ def test_pointwise_and_bmm_kernels_say_fp_fusion(launches):
     torch.testing.assert_close(bmm_tf32x3(a, b), torch.bmm(a, b), rtol=1e-5, atol=1e-5)
     assert launches and all(f != "unset" for _, f in launches), launches
     assert any(f is False for _, f in launches) and any(f is True for _, f in launches), launches
+
+
+class MaskedFill(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x.masked_fill(x < 0, 0.25)) * 3
+
+
+class MaskedFillThenView(nn.Module):   # contiguous input; the model transposes, masks and flattens
+    def forward(self, x):
+        return x.t().masked_fill(x.t() > 0, 0.0).view(-1) + 1
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(9, 5).t(), lambda: torch.randn(5, 9),
+                                  lambda: torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)])
+def test_masked_fill_is_row_major_like_eager(make):
+    """aten's masked_fill returns a row-major tensor whatever x's layout; torch.where (its
+    rewrite) would keep x's (fuzz31c): the caller's .view() must work as on eager's result."""
+    model, x = MaskedFill().eval(), make()
+    opt = fxfuse.optimize(model, x)
+    for inp in (x, make()):
+        with torch.no_grad():
+            want, got = model(inp), opt(inp)
+        assert got.stride() == want.stride() and got.view(-1).shape == want.view(-1).shape
+        torch.testing.assert_close(got, want)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_masked_fill_then_view_inside_forward_is_optimized(recwarn):
+    model, x = MaskedFillThenView().eval(), torch.randn(4, 7)
+    opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["optimized"] and not [w for w in recwarn if "fxfuse" in str(w.message)]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
