@@ -6,10 +6,17 @@ shift = beta - mean * scale, constants per channel (dim 1). After a Conv (channe
 or a Linear on 2-d input (features = dim 1) whose only reader is the BatchNorm, it is
 absorbed into a new weight and bias; the user's model is never modified, the copies live on
 the GraphModule. Training-mode BatchNorm, or one without running statistics, is left alone.
+
+Half-precision layers are not folded, and their multiply-add keeps fp32 constants and computes
+in fp32 (one rounding, as eager's BatchNorm kernels): fp16 constants lost to cancellation where
+the running mean is large against the spread (fuzz31a: 3 to 10 times eager's error).
+
+A functional `F.batch_norm(x, self.rm, self.rv, ...)` reads its buffers live instead of folding
+them: a training-mode call updates running statistics in place without bumping their version
+counters, so constants taken from them would go stale unseen (nn.BatchNorm also bumps
+num_batches_tracked, which the runtime watches; a hand-written one has no such counter).
 """
 import operator
-from types import SimpleNamespace
-
 import torch
 import torch.fx
 import torch.nn as nn
@@ -21,6 +28,7 @@ from fxfuse.tracing import fetch_attr, fxfuse_meta
 from .normalize_layers import keywords_to_positions
 
 CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _scale_shift(bn: nn.modules.batchnorm._BatchNorm):
@@ -57,9 +65,9 @@ def _foldable_producer(gm, bn_node):
     if not isinstance(src, torch.fx.Node) or src.op != "call_module" or len(src.users) != 1:
         return None
     mod = gm.get_submodule(src.target)
-    if type(mod) in CONV_FUNCTIONS and mod.padding_mode == "zeros":
-        return src
     meta = src.meta.get("tensor_meta")
+    if type(mod) in CONV_FUNCTIONS and mod.padding_mode == "zeros":   # batched: channels are dim 1
+        return src if meta is not None and len(meta.shape) == mod.weight.dim() else None
     if type(mod) is nn.Linear and meta is not None and len(meta.shape) == 2:
         return src
     return None
@@ -82,8 +90,8 @@ def _constant(gm, node):
 
 
 def _functional_batchnorm(gm, node):
-    """A BatchNorm stand-in (what _scale_shift reads) holding the constants of an eval-mode
-    functional batch_norm, or None."""
+    """The arguments (a dict) of an eval-mode functional batch_norm whose statistics are module
+    tensors, or None."""
     names = BATCH_NORM_FUNCTIONS.get(node.target) if node.op == "call_function" else None
     if names is None or len(node.args) > len(names):
         return None
@@ -91,14 +99,13 @@ def _functional_batchnorm(gm, node):
     if args.get("training", False) is not False or not isinstance(args.get("input"), torch.fx.Node):
         return None
     try:
-        mean, var = _constant(gm, args.get("running_mean")), _constant(gm, args.get("running_var"))
-        weight, bias = _constant(gm, args.get("weight")), _constant(gm, args.get("bias"))
+        tensors = [_constant(gm, args.get(k)) for k in ("running_mean", "running_var", "weight", "bias")]
     except (LookupError, AttributeError):
         return None
-    if mean is None or var is None:
+    meta = node.meta.get("tensor_meta")
+    if tensors[0] is None or tensors[1] is None or len(getattr(meta, "shape", ())) < 2:
         return None
-    return SimpleNamespace(running_mean=mean, running_var=var, weight=weight, bias=bias,
-                           eps=float(args.get("eps", 1e-5)))
+    return args
 
 
 def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
@@ -107,10 +114,9 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         if node.op == "call_module" and node.kwargs:
             keywords_to_positions(gm, node)
     for node in list(g.nodes):
-        bn = _functional_batchnorm(gm, node)
-        if bn is not None:
-            _as_multiply_add(gm, node, bn, node.args[0] if node.args else node.kwargs["input"],
-                             node.name)
+        args = _functional_batchnorm(gm, node)
+        if args is not None:
+            _live_normalize(gm, node, args)
             continue
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
@@ -119,7 +125,7 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
             continue
         scale, shift = _scale_shift(bn)
         src = _foldable_producer(gm, node)
-        if src is not None:
+        if src is not None and gm.get_submodule(src.target).weight.dtype not in HALF:
             layer = gm.get_submodule(src.target)
             dtype = layer.weight.dtype
             shape = (-1,) + (1,) * (layer.weight.dim() - 1)
@@ -149,22 +155,62 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
 
 
 def _as_multiply_add(gm, node, bn, x, stem: str) -> None:
-    """Replace an eval BatchNorm node by x * scale + shift with per-channel constants."""
+    """Replace an eval BatchNorm node by x * scale + shift with per-channel constants (fp32 ones
+    and fp32 arithmetic for a half-precision x)."""
     g = gm.graph
     meta = node.meta.get("tensor_meta")
     if meta is None or not hasattr(meta, "shape") or len(meta.shape) < 2:
         return
     scale, shift = _scale_shift(bn)
     dtype = meta.dtype
+    constants = torch.float32 if dtype in HALF else dtype
     view = (-1,) + (1,) * (len(meta.shape) - 2)
     with g.inserting_before(node):
-        s = g.get_attr(_register(gm, f"{stem}.scale", scale.to(dtype).view(view)))
-        t = g.get_attr(_register(gm, f"{stem}.shift", shift.to(dtype).view(view)))
-        mul = g.call_function(operator.mul, (x, s))
-        new = g.call_function(operator.add, (mul, t))
-    fxfuse_meta(new)["note"] = f"eval-mode {stem} as a per-channel multiply-add"
+        s = g.get_attr(_register(gm, f"{stem}.scale", scale.to(constants).view(view)))
+        t = g.get_attr(_register(gm, f"{stem}.shift", shift.to(constants).view(view)))
+        x_up = g.call_method("to", (x, constants)) if constants != dtype else x
+        new = g.call_function(operator.add, (g.call_function(operator.mul, (x_up, s)), t))
+        if constants != dtype:
+            new = g.call_method("to", (new, dtype))
+    _replaced(gm, node, new, x, f"eval-mode {stem} as a per-channel multiply-add")
+
+
+def _live_normalize(gm, node, args: dict) -> None:
+    """An eval-mode functional batch_norm as pointwise ops over its live statistics:
+    (x - mean) * rsqrt(var + eps) [* weight] [+ bias], in fp32 for a half-precision x, each
+    vector viewed along dim 1 (module docstring: why not constants)."""
+    g = gm.graph
+    meta = node.meta["tensor_meta"]
+    dtype = meta.dtype
+    work = torch.float32 if dtype in HALF else dtype
+    view = (-1,) + (1,) * (len(meta.shape) - 2)
+
+    def channel(key):   # a view registered once: it shares the buffer's storage, so it stays live
+        tensor = _constant(gm, args[key])
+        live = g.get_attr(_register(gm, f"{node.name}.{key}", tensor.view(view)))
+        return live if tensor.dtype == work else g.call_method("to", (live, work))
+    with g.inserting_before(node):
+        x = args["input"]
+        y = g.call_function(operator.sub, (g.call_method("to", (x, work)) if work != dtype else x,
+                                           channel("running_mean")))
+        var = g.call_function(operator.add, (channel("running_var"), float(args.get("eps", 1e-5))))
+        y = g.call_function(operator.mul, (y, g.call_function(torch.rsqrt, (var,))))
+        if args.get("weight") is not None:
+            y = g.call_function(operator.mul, (y, channel("weight")))
+        if args.get("bias") is not None:
+            y = g.call_function(operator.add, (y, channel("bias")))
+        if work != dtype:
+            y = g.call_method("to", (y, dtype))
+    _replaced(gm, node, y, x, f"eval-mode {node.name} over its live running statistics")
+
+
+def _replaced(gm, node, new, x, note: str) -> None:
+    """node's users read `new` (eager's strides kept: the pointwise form follows x's layout,
+    batch_norm writes its own; as_layout copies only where they differ)."""
+    meta = node.meta.get("tensor_meta")
+    fxfuse_meta(new)["note"] = note
     node.replace_all_uses_with(new)
-    g.erase_node(node)
+    gm.graph.erase_node(node)
     x_meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
-    if x_meta is not None and tuple(x_meta.stride) != tuple(meta.stride):   # the multiply-add follows x's
-        keep_eager_layout(gm, new, meta, None)   # layout, batch_norm writes its own (as_layout: copy if other)
+    if x_meta is not None and tuple(x_meta.stride) != tuple(meta.stride):
+        keep_eager_layout(gm, new, meta, None)

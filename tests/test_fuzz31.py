@@ -91,3 +91,123 @@ def test_masked_fill_then_view_inside_forward_is_optimized(recwarn):
     assert fxfuse.stats(opt)["optimized"] and not [w for w in recwarn if "fxfuse" in str(w.message)]
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+class Warns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        import warnings
+        warnings.warn("the model's own warning")
+        h = x * self.w
+        return h / (h.std(-1, keepdim=True) + 1)
+
+
+def test_a_build_passes_each_warning_on_once():
+    """A build runs forward() several times (trace, verify, probes): each distinct warning comes
+    out once per build, not once per run (fuzz31c: 6 and 12 copies)."""
+    import warnings
+    model = Warns().eval()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+        with torch.no_grad():
+            opt(torch.randn(0, 8))        # a new specialization whose runs warn in std()
+    texts = [str(w.message) for w in seen]
+    assert texts.count("the model's own warning") == 2, texts   # once per build, as eager once per call
+    assert sum("std()" in t for t in texts) <= 2, texts         # the build's copy, the call's own
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["specializations"] == 2
+
+
+class FunctionalBatchNorm(nn.Module):   # hand-written BatchNorm: own buffers, no num_batches_tracked
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.register_buffer("rm", torch.zeros(4))
+        self.register_buffer("rv", torch.ones(4))
+
+    def forward(self, x):
+        import torch.nn.functional as F
+        return F.relu(F.batch_norm(self.conv(x), self.rm, self.rv, None, None, self.training, 0.3, 1e-5))
+
+
+def test_functional_batch_norm_reads_statistics_a_training_call_moved():
+    """torch's batch_norm updates running statistics in place without bumping their version
+    counters: constants folded from them went stale after a training-mode call (fuzz31a)."""
+    import warnings
+    model, x = FunctionalBatchNorm().eval(), torch.randn(2, 3, 5, 4)
+    opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt(torch.randn(2, 3, 5, 4) * 2 + 1)     # the original runs in training mode: moves rm / rv
+        model(torch.randn(2, 3, 5, 4) * 2 + 1)       # or the user trains it directly
+        model.eval()
+        assert model.rm.abs().sum() > 0
+        x2 = torch.randn(2, 3, 5, 4)
+        torch.testing.assert_close(opt(x2), model(x2))
+
+
+class UnbatchedConvBatchNorm(nn.Module):
+    def __init__(self, length):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 6, 3, padding=1)   # [4, L] -> [6, L]
+        self.bn = nn.BatchNorm1d(length)            # BatchNorm1d of a 2-d [6, L]: L channels
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+@pytest.mark.parametrize("length", [6, 10])
+def test_batch_norm_after_an_unbatched_conv_is_not_folded_into_its_channels(length):
+    """Its channels are dim 1 of the conv's output (L), not the conv's out-channels (fuzz31a:
+    wrong values with verify=False when L == 6, a refused model otherwise)."""
+    torch.manual_seed(0)
+    model = UnbatchedConvBatchNorm(length)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1), model.bn.running_var.uniform_(0.5, 2)
+        model.bn.weight.uniform_(0.5, 2), model.bn.bias.uniform_(-1, 1)
+    model.eval()
+    x = torch.randn(4, length)
+    opt = fxfuse.optimize(model, x, verify=False)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        x2 = torch.randn(4, length)
+        torch.testing.assert_close(opt(x2), model(x2))
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_half_batch_norm_as_accurate_as_eager(conv):
+    """fp16 BatchNorm with a running mean large against its spread: fp16 scale and shift (or
+    a fold into fp16 conv weights) cancelled badly, 3 to 10 times eager's error (fuzz31a)."""
+    import copy
+    torch.manual_seed(0)
+    mean, var = torch.linspace(100, 900, 8), torch.linspace(4, 400, 8)
+    layers = ([nn.Conv1d(8, 8, 1)] if conv else []) + [nn.BatchNorm1d(8), nn.ReLU()]
+    model = nn.Sequential(*layers).eval()
+    bn = layers[-2]
+    with torch.no_grad():
+        if conv:   # the conv passes the features through: its output carries the large mean
+            layers[0].weight.copy_(torch.eye(8)[:, :, None]), layers[0].bias.zero_()
+        bn.running_mean.copy_(mean), bn.running_var.copy_(var)
+    wide = copy.deepcopy(model).double()
+    half = model.half()
+
+    def data():
+        x = mean + torch.randn(16, 8) * var.sqrt()
+        return (x[:, :, None] if conv else x).half()
+    opt = fxfuse.optimize(half, data())
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for _ in range(3):
+            x = data()
+            want = wide(x.double())
+            eager_err = (half(x).double() - want).abs().max().item()
+            err = (opt(x).double() - want).abs().max().item()
+            assert err <= 1.5 * eager_err + 1e-3, (err, eager_err)

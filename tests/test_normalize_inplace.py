@@ -120,8 +120,11 @@ def test_functional_batch_norm_becomes_mul_add():
     model = M().eval()
     x = torch.randn(2, 3, 4, 4)
     gm = normalized(model, x)
-    assert targets(gm) == [operator.mul, operator.add, torch.relu]
+    # over the live statistics (fold_batchnorm._live_normalize): (x - mean) * rsqrt(var + eps) * w + b
+    assert targets(gm) == [operator.sub, operator.add, torch.rsqrt, operator.mul, operator.mul, operator.add,
+                           torch.relu]
     opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
     assert_matches_eager(opt, model, x)
 
 
