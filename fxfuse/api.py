@@ -15,7 +15,7 @@ import torch
 from .concrete_args import same_default
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
-from .log import logger, warnings_once
+from .log import logger
 from .mode_watch import probe_mode_dependence
 from .module_state import forward_hook_owner, kept_state, same_value
 from .options import Options
@@ -155,7 +155,7 @@ def build_graph(model, args: tuple, options: Options):
                        "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
                        "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
-    with warnings_once(), torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
+    with torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
         gm = trace(model, args)
         traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
