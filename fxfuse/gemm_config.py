@@ -46,7 +46,7 @@ ROWWISE_MAX_BATCH = 16       # rows up to which the row-wise form is chosen
 ROWWISE_FP32_MAX_BATCH = 256  # fp32 without TF32: tl.dot is FMA code as well, and the row-wise form wins up to here
 ROWWISE_TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_N * BLOCK_K of the accumulator per 4 warps (64 registers)
 ROWWISE_MAX_COLUMNS = 4       # columns per program at batch 1, twice that up to 16 rows (_rowwise_config)
-X_KEPT_FROM_K = 2048          # several rows and K from here: x's loads ask L2 to keep x (evict_last)
+X_KEPT_FROM_K = 2048          # 2-16 fp32 rows and K from here: x's loads ask L2 to keep x (evict_last)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -81,8 +81,8 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     cost model's measured table sends the layer to the library.
 
     x is read again by every column block (N / BLOCK_N times per layer) while W streams through
-    L2 once; from X_KEPT_FROM_K with several rows, x's loads carry evict_last so W's stream does
-    not push x out. rowwise_probe --set loads (H100, 8 layers, GPU us of the graph, plain /
+    L2 once; from X_KEPT_FROM_K with 2-16 fp32 rows (where it was measured), x's loads carry
+    evict_last so W's stream does not push x out. rowwise_probe --set loads (H100, 8 layers, GPU us of the graph, plain /
     evict_last): 16 x 2048 81.7 / 79.9, 16 x 4096 262.3 / 256.2, 16 x 1024 29.2 / 29.4, 16 x 512
     16.7 / 17.6, 1 x 2048 53.5 / 54.0 (rowwise_probe_loads_20261126.txt)."""
     block_m = (_pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64
@@ -104,7 +104,7 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
     return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split, num_warps=warps,
                 num_stages=max(stages, 1), pipelined=stages > 1,
                 precision="tf32" if allow_tf32 and spec.dtype == torch.float32 else "ieee", rowwise=True,
-                keep_x=block_m > 1 and spec.k >= X_KEPT_FROM_K)
+                keep_x=1 < m <= ROWWISE_MAX_BATCH and spec.k >= X_KEPT_FROM_K and spec.dtype == torch.float32)
 
 
 ROWWISE_STAGES = 4                  # K steps in flight through shared memory (tl.range num_stages)

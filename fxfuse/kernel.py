@@ -7,6 +7,7 @@ kernel never sees shapes, strides or dtypes it was not generated for.
 """
 import contextlib
 import threading
+import types
 
 import torch
 import torch.fx
@@ -85,7 +86,7 @@ def _used_strides(shape, stride) -> tuple:
     return tuple(st for n, st in zip(shape, stride) if n != 1)
 
 
-PRODUCT_FP_FUSION = {"enable_fp_fusion": True}
+PRODUCT_FP_FUSION = types.MappingProxyType({"enable_fp_fusion": True})
 """Launch option of the product kernels (generated GEMM, fused MLP, tf32x3 bmm, the library
 probe's sum): multiply-adds contract to FMA, as cuBLAS's do. Passed explicitly because Triton
 3.9 warns once when the option is left unset and 3.10 turns the default off, which would make

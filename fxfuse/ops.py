@@ -37,12 +37,13 @@ def as_layout(x, stride):
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
 
 
-def keep_eager_layout(gm, node, eager_meta, produced_stride) -> None:
+def keep_eager_layout(gm, node, eager_meta, produced_stride):
     """After `node` (a rewrite of an op eager ran), restore eager's strides where the rewrite
-    writes others: the users read as_layout(node) instead (fxfuse.ops.as_layout)."""
+    writes others: the users read as_layout(node) instead (fxfuse.ops.as_layout). Returns the
+    node they read."""
     stride = tuple(getattr(eager_meta, "stride", ()) or ())
     if not stride or produced_stride is not None and tuple(produced_stride) == stride:
-        return
+        return node
     users = list(node.users)
     with gm.graph.inserting_after(node):
         fixed = gm.graph.call_function(as_layout, (node, stride))
@@ -50,6 +51,7 @@ def keep_eager_layout(gm, node, eager_meta, produced_stride) -> None:
     fxfuse_meta(fixed)["note"] = "eager's memory layout restored (the rewrite writes another)"
     for user in users:
         user.replace_input_with(node, fixed)
+    return fixed
 
 
 def row_major(shape) -> tuple:

@@ -296,6 +296,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             want = _dtype_of(node)           # an in-place op keeps its operand's dtype
             got = _call_dtype(call)
             new = _replace(g, node, *call)
+            if row.fixed.get("_masked_fill"):   # x.masked_fill_(m, v) keeps x's layout; where may not
+                new = _masked_fill_layout(gm, new)
             if want is not None and got is not None and got != want:
                 # x.gt_(0) stays float, an fp16 x.add_(fp32) stays fp16: cast the functional result back
                 with g.inserting_after(new):
@@ -466,15 +468,22 @@ def _already_canonical(row, node) -> bool:
     return row.canonical is node.target and canonical_call(row, node) == (node.target, node.args, dict(node.kwargs))
 
 
-def _masked_fill_layout(gm, where: torch.fx.Node) -> None:
-    """x.masked_fill(mask, v) is always row-major in eager (aten clones x contiguous, then fills),
-    while torch.where keeps its operands' layout: over a transposed or channels_last x or mask,
-    restore eager's strides (a later .view() or the caller may rely on them)."""
-    def row_major_meta(a) -> bool:
+def _masked_fill_layout(gm, where: torch.fx.Node) -> torch.fx.Node:
+    """x.masked_fill(mask, v) is row-major in eager (aten clones x contiguous, then fills; the
+    in-place form keeps x's layout), while torch.where lays its result out after its operands:
+    where the two differ (a transposed or channels_last x), the users read eager's strides
+    (as_layout). torch.where's strides come from meta tensors of the operands' recorded layouts,
+    so a row-major x with a broadcast mask keeps its one kernel. Returns the node users read."""
+    def fake(a):
         meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
-        return meta is None or tuple(meta.stride) == row_major(meta.shape)
-    if not all(row_major_meta(a) for a in where.args):
-        keep_eager_layout(gm, where, where.meta.get("tensor_meta"), None)
+        if isinstance(a, torch.fx.Node) and meta is None:
+            raise LookupError(a.name)
+        return a if meta is None else torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    try:
+        produced = torch.where(*(fake(a) for a in where.args)).stride()
+    except (LookupError, RuntimeError, TypeError):   # unknown: as_layout checks at run time
+        produced = None
+    return keep_eager_layout(gm, where, where.meta.get("tensor_meta"), produced)
 
 
 def _replace(g, node, target, args, kwargs):

@@ -183,3 +183,35 @@ def test_half_batch_norm_as_accurate_as_eager(conv):
             eager_err = (half(x).double() - want).abs().max().item()
             err = (opt(x).double() - want).abs().max().item()
             assert err <= 1.5 * eager_err + 1e-3, (err, eager_err)
+
+
+class MaskedFillBroadcastMask(nn.Module):   # the key-padding pattern: row-major x, a broadcast mask
+    def forward(self, x, pad):
+        return torch.tanh((x * 0.5).masked_fill(pad.t()[:, None, None, :], -1e4) + 1)   # odd unit strides
+
+
+def test_masked_fill_with_a_broadcast_mask_stays_one_kernel():
+    """torch.where over a row-major x and a broadcast mask is row-major already: no layout
+    copy, so the group around masked_fill stays one kernel (review31)."""
+    model, x, pad = MaskedFillBroadcastMask().eval(), torch.randn(2, 2, 3, 5), torch.rand(5, 2) > 0.5
+    opt = fxfuse.optimize(model, (x, pad))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert "as_layout" not in fxfuse.explain(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, pad), model(x, pad))
+
+
+class MaskedFillInPlaceThenView(nn.Module):
+    def forward(self, x, m):
+        y = x.t() * 2                 # fresh, transposed strides
+        y.masked_fill_(m, 0.0)        # keeps y's layout in eager
+        return (y + 1).t().view(-1)   # which this view relies on
+
+
+def test_in_place_masked_fill_keeps_its_operands_layout():
+    model, x, m = MaskedFillInPlaceThenView().eval(), torch.randn(4, 6), torch.randn(6, 4) > 0
+    opt = fxfuse.optimize(model, (x, m))
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for inp in ((x, m), (torch.randn(4, 6), torch.randn(6, 4) > 0)):
+            torch.testing.assert_close(opt(*inp), model(*inp))

@@ -191,11 +191,13 @@ def test_gpu_epilogue_gemm(m, k, n, dtype):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.mark.parametrize("m,k,keep", [(16, 2048, True), (9, 4096, True), (1, 2048, False), (16, 1024, False)])
-def test_row_wise_keeps_x_in_l2_from_k_2048(m, k, keep):
-    """Several rows and K >= X_KEPT_FROM_K: x's loads carry evict_last (the rule's config only;
-    the kernel itself is checked at a tiny shape below)."""
-    spec = GemmSpec(k, 64, torch.float32)
+@pytest.mark.parametrize("m,k,dtype,keep", [(16, 2048, torch.float32, True), (9, 4096, torch.float32, True),
+                                            (1, 2048, torch.float32, False), (16, 1024, torch.float32, False),
+                                            (64, 2048, torch.float32, False), (16, 2048, torch.float16, False)])
+def test_row_wise_keeps_x_in_l2_from_k_2048(m, k, dtype, keep):
+    """2-16 fp32 rows and K >= X_KEPT_FROM_K (where it was measured): x's loads carry
+    evict_last (the rule's config only; the kernel is checked at a tiny shape below)."""
+    spec = GemmSpec(k, 64, dtype)
     cfg = choose_gemm_config(m, spec)
     assert cfg.rowwise and cfg.keep_x == keep
     assert ('eviction_policy="evict_last"' in generate_gemm(spec, (), cfg)[0]) == keep
