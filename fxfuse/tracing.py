@@ -328,9 +328,13 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         an F.linear / conv whose weight the parametrization computes in the graph, and its bias
         and activation fuse like any layer's; kept whole, it was one opaque call that nothing
         fused into. Other parametrized modules stay whole (a weight-normed MultiheadAttention
-        traced through was 26 library calls where it had been 2)."""
+        traced through was 26 library calls where it had been 2). A module whose forward was set
+        on the instance is traced through too (fuzz31d: a patched Linear was rewritten as a plain
+        one, silently)."""
         if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)) and parametrize.is_parametrized(m):
             return False
+        if "forward" in vars(m):   # a forward set on the instance (a monkeypatch, a LoRA-style wrapper):
+            return False           # a leaf would be rewritten by its type, so trace what the call runs
         return super().is_leaf_module(m, module_qualified_name)
 
     def create_arg(self, a):

@@ -7,6 +7,7 @@ model's plan); this module only rewrites the layers it is handed. The module doc
 passes/strassen.py describes the kernels and the padding.
 """
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -259,7 +260,9 @@ class _Rewriter:
             unchanged = {"scalar": t.dim() == 0, "row": t.dim() == 1 and Np == N,
                          "full": t.dim() == 2 and (Bp, Np) == (B, N)}[kind]
             if unchanged and t.is_contiguous():
-                node = self.g.get_attr(a.target)      # a fresh read: the original may come after the Linear
+                with warnings.catch_warnings():       # a fresh read: the original may come after the Linear
+                    warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying")
+                    node = self.g.get_attr(a.target)  # (torch.export's constants are plain attributes)
                 self._set_meta(node, torch.empty(t.shape, dtype=t.dtype, device="meta"))
                 return node
             if kind == "scalar":

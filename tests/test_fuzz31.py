@@ -215,3 +215,43 @@ def test_in_place_masked_fill_keeps_its_operands_layout():
     with torch.no_grad():
         for inp in ((x, m), (torch.randn(4, 6), torch.randn(6, 4) > 0)):
             torch.testing.assert_close(opt(*inp), model(*inp))
+
+
+def test_a_linear_whose_forward_is_patched_on_the_instance_runs_the_patch():
+    """A leaf module with a forward set on the instance (a monkeypatch, a LoRA-style wrapper)
+    was rewritten by its type, dropping the patch where the example input hid it (fuzz31d)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)).eval()
+    original = model[0].forward
+    model[0].forward = lambda x: original(x).clamp(-2.0, 2.0)
+    x = torch.randn(4, 16) * 0.1                      # nothing reaches the clip here
+    opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for inp in (x, torch.randn(4, 16) * 10, torch.randn(3, 16) * 10):
+            torch.testing.assert_close(opt(inp), model(inp))
+
+
+class ExportOnlyWithTensorAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.o = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.scale = torch.rand(16) + 0.5   # a plain tensor attribute, not a buffer
+
+    def forward(self, x):
+        if x.shape[0] > 64:                 # symbolic_trace cannot follow this: torch.export traces
+            x = x * 0.5
+        return self.o(torch.relu(self.l(x)) * self.scale)
+
+
+def test_strassen_over_an_exported_constant_warns_nothing():
+    import warnings
+    model, x = ExportOnlyWithTensorAttribute().eval(), torch.randn(4, 16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, strassen="force")
+        with torch.no_grad():
+            for inp in (x, torch.randn(3, 16)):   # the example, and a new specialization
+                torch.testing.assert_close(opt(inp), model(inp))
+    assert not seen, [str(w.message) for w in seen]
+    assert "strassen" in fxfuse.explain(opt).lower()
