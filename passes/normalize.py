@@ -21,14 +21,14 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.ops import POINTWISE, cast, is_pointwise_target, keep_eager_layout, row_major
+from fxfuse.ops import POINTWISE, cast, is_pointwise_target
 from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
 from .normalize_layers import broadcast_drops_unit_view, keywords_to_positions, matmul_as_linear, split_layer
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
                         DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
-                        SHAPE_METHODS, Spelling, cast_target, masked_fill_is_where)
+                        SHAPE_METHODS, Spelling, cast_target, masked_fill_is_where, masked_fill_layout)
 
 aten = torch.ops.aten
 
@@ -297,7 +297,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             got = _call_dtype(call)
             new = _replace(g, node, *call)
             if row.fixed.get("_masked_fill"):   # x.masked_fill_(m, v) keeps x's layout; where may not
-                new = _masked_fill_layout(gm, new)
+                new = masked_fill_layout(gm, new)
             if want is not None and got is not None and got != want:
                 # x.gt_(0) stays float, an fp16 x.add_(fp32) stays fp16: cast the functional result back
                 with g.inserting_after(new):
@@ -309,7 +309,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         else:
             new = _replace(g, node, *call)
             if row.fixed.get("_masked_fill"):
-                _masked_fill_layout(gm, new)
+                masked_fill_layout(gm, new)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         broadcast_drops_unit_view(node, is_pointwise_target)
@@ -466,24 +466,6 @@ def _dtype_on(call, device: str):
 
 def _already_canonical(row, node) -> bool:
     return row.canonical is node.target and canonical_call(row, node) == (node.target, node.args, dict(node.kwargs))
-
-
-def _masked_fill_layout(gm, where: torch.fx.Node) -> torch.fx.Node:
-    """x.masked_fill(mask, v) is row-major in eager (aten clones x contiguous, then fills; the
-    in-place form keeps x's layout), while torch.where lays its result out after its operands:
-    where the two differ (a transposed or channels_last x), the users read eager's strides
-    (as_layout). torch.where's strides come from meta tensors of the operands' recorded layouts,
-    so a row-major x with a broadcast mask keeps its one kernel. Returns the node users read."""
-    def fake(a):
-        meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
-        if isinstance(a, torch.fx.Node) and meta is None:
-            raise LookupError(a.name)
-        return a if meta is None else torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-    try:
-        produced = torch.where(*(fake(a) for a in where.args)).stride()
-    except (LookupError, RuntimeError, TypeError):   # unknown: as_layout checks at run time
-        produced = None
-    return keep_eager_layout(gm, where, where.meta.get("tensor_meta"), produced)
 
 
 def _replace(g, node, target, args, kwargs):
