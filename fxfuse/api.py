@@ -31,8 +31,7 @@ def _as_args(example_input) -> tuple:
     if isinstance(example_input, torch.Tensor):
         return (example_input,)
     if isinstance(example_input, (tuple, list)):
-        if any(isinstance(a, (list, tuple)) for a in example_input) and not any(
-                isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(example_input)):  # [[1.0, 2.0]]
+        if not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(example_input)):  # [1.0, 2.0]
             raise UnsupportedError("example_input holds no tensor (a list of numbers?): give a tensor, e.g. "
                                    "torch.tensor(...), or a tuple of the forward's arguments")
         return tuple(example_input)
@@ -147,6 +146,9 @@ def build_graph(model, args: tuple, options: Options):
 
     use_kernels, warning = options.use_kernels, None
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+    if any(t.is_meta for t in (*args, *model.parameters(), *model.buffers()) if isinstance(t, torch.Tensor)):
+        raise UnsupportedError("the model or its input is on the meta device: there is no data to run or verify. "
+                               "Optimize the model on a real device (or load its weights first)")
     available = bool(devices) and all(kernels_available(d) for d in devices)
     if use_kernels is None or (use_kernels and not available):   # use_kernels=True that cannot run: warned too
         use_kernels = available

@@ -33,7 +33,6 @@ import itertools
 import logging
 import math
 import os
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch
 
 # Calibration files (schema, names, reading, validating) live in fxfuse.calibration; these
 # names are re-exported here so `from fxfuse.cost_model import ...` keeps working.
+from fxfuse.errors import warn
 from fxfuse.mlp_spec import ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX, ROWWISE_TC_MAX_BATCH as MLP_ROWWISE_TC_MAX
 from fxfuse.calibration import (CALIBRATION_DIR, DTYPE_NAMES, ENV_VAR, GEMM_AXES, SCHEMA,  # noqa: F401
                                 TABLE_AXES, CalibrationError, CalibrationWarning, _grid_problems, _positive,
@@ -258,6 +258,14 @@ class Table:
 _WARNED: set = set()   # calibration problems already warned about (CostModel.load)
 
 
+def _warn_once(message: str) -> None:
+    """One CalibrationWarning per problem and process (every build loads the file again), at
+    the user's line."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warn(message, CalibrationWarning)
+
+
 class CostModel:
     """Estimates candidates from ceilings and (optionally) calibration tables. Immutable."""
 
@@ -309,12 +317,16 @@ class CostModel:
             desc = (f"calibration {Path(path).name} ({got['device']}, torch {got.get('torch')}, "
                     f"triton {got.get('triton')})")
             try:
-                return cls.from_dict(got, desc, cuda_graphs)
+                model = cls.from_dict(got, desc, cuda_graphs)
             except Exception as e:  # noqa: BLE001 - a bad file must never break optimize()
                 got = f"cannot use {path}: {type(e).__name__}: {e}"
-        if got not in _WARNED:   # once per problem and process: every build (specialization) loads again
-            _WARNED.add(got)
-            warnings.warn(f"fxfuse: {got}; cost estimates fall back to the roofline", CalibrationWarning, stacklevel=2)
+            else:
+                here = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+                if here and got["device"] != here:   # asked for by path or environment: used, but said once
+                    _warn_once(f"fxfuse: calibration {path} was measured on {got['device']!r}, this GPU is "
+                               f"{here!r}; its figures may not fit here (benchmarks.autotune measures this one)")
+                return model
+        _warn_once(f"fxfuse: {got}; cost estimates fall back to the roofline")
         return cls.roofline(device_name, cuda_graphs)
 
     # -- components ----------------------------------------------------------------------

@@ -45,7 +45,7 @@ def _internal(frame) -> bool:
     return name == "fxfuse" or name.startswith("fxfuse.") or name == "torch.nn.modules.module"
 
 
-def warn(message: str) -> None:
+def warn(message: str, category: type = FxfuseWarning) -> None:
     """Warn with FxfuseWarning at the user's line: the first frame outside fxfuse and torch's
     Module.__call__. A fixed stacklevel cannot do it (the same warning comes from optimize()
     and from a call several frames deeper), and a file:line inside fxfuse or torch would also
@@ -53,4 +53,4 @@ def warn(message: str) -> None:
     frame, level = sys._getframe(1), 2     # stacklevel 2 is warn()'s caller
     while frame is not None and _internal(frame):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, FxfuseWarning, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level)

@@ -41,8 +41,8 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import (PRODUCT_FP_FUSION, FusedKernel, kernels_available, launch_context, pdl_available, resolved,
-                     triton_cdiv)
+from .kernel import (BF16_INTERPRETED, PRODUCT_FP_FUSION, FusedKernel, interpreting, kernels_available,
+                     launch_context, pdl_available, resolved, triton_cdiv)
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 from .gemm_config import (GEMM_DTYPES, MAX_SPLIT_K, ROWWISE_FP32_MAX_BATCH, ROWWISE_MAX_BATCH,  # noqa: F401
@@ -52,6 +52,8 @@ from .tf32x3 import stored_parts
 def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | None:
     if spec.dtype not in GEMM_DTYPES:
         return f"dtype {spec.dtype} has no fused GEMM kernel"
+    if spec.dtype == torch.bfloat16 and interpreting():
+        return BF16_INTERPRETED
     if spec.k < 1 or spec.n < 1:
         return f"empty weight [{spec.n}, {spec.k}]"
     blocks = (config.block_m, config.block_n, config.block_k)

@@ -24,6 +24,9 @@ def interpreting() -> bool:
     return env_flag("TRITON_INTERPRET", False)
 
 
+BF16_INTERPRETED = ("bf16 products come out wrong in Triton's interpreter (TRITON_INTERPRET=1, "
+                    "triton-lang/triton#11584): the library computes this one")   # why_not_gemm, why_not_kernel
+
 PDL_ENABLED = env_flag("FXFUSE_PDL", True)   # escape hatch; the benchmarks' A/B switch
 _pdl_devices: dict = {}
 

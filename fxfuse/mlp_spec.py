@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernel import triton_cdiv
+from .kernel import BF16_INTERPRETED, interpreting, triton_cdiv
 
 MAX_WIDTH = 1024             # widest value a kernel may hold
 MAX_TILE = 64                # lanes per column tile (128 past 512 lanes: at most 8 x 8 products)
@@ -217,6 +217,8 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
     """None if the kernel can be generated for spec and config, else why not (legality)."""
     if spec.dtype not in KERNEL_DTYPES:
         return f"dtype {spec.dtype} has no fused MLP kernel"
+    if spec.dtype == torch.bfloat16 and interpreting():
+        return BF16_INTERPRETED
     if not spec.linears:
         return "no Linear layer"
     if min(spec.widths) < 1:

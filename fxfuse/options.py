@@ -83,8 +83,8 @@ class Options:
         if not 1 <= opts.strassen_levels <= MAX_STRASSEN_LEVELS:
             raise OptionError(f"strassen_levels must be 1..{MAX_STRASSEN_LEVELS}, got {opts.strassen_levels}")
         tol = opts.tolerance   # a negative or nan tolerance would silently reject (or accept) every layer
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
-                                or tol < 0):
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or isinstance(tol, float) and not math.isfinite(tol) or tol < 0):   # (an int is finite)
             raise OptionError(f"option tolerance={tol!r}: expected a finite number >= 0 (a relative error), or None")
         return opts
 

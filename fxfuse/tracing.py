@@ -190,8 +190,11 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
             raise refused from fx_error
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
         if given_values:
-            raise TraceError(f"symbolic_trace failed ({type(fx_error).__name__}: {fx_error}); "
-                             "torch.export is not tried for non-tensor inputs") from fx_error
+            advice = (" Check the example input's shapes and dtypes against the model."
+                      if isinstance(fx_error, ShapePropagationError) else "")
+            raise TraceError(f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}"
+                             f"{_root_cause(fx_error)}; torch.export is not tried for non-tensor inputs."
+                             f"{advice}") from fx_error
         padded = blocks_given_padding(model, clone_args(example_args))
         if padded:
             raise UnsupportedError(f"{padded[0]} is given a key-padding mask: torch.export records its slow "

@@ -56,6 +56,8 @@ def validate_calibration(data) -> list:
         return problems
     if data["schema"] != SCHEMA:
         problems.append(f"schema {data['schema']!r}, this fxfuse reads {SCHEMA}")
+    if not isinstance(data["device"], str) or not data["device"].strip():
+        problems.append(f"device {data['device']!r} is not a GPU's name")
     c, tables = data["ceilings"], data["tables"]
     if not isinstance(c, dict) or not isinstance(c.get("matmul_tflops"), dict) or not isinstance(tables, dict):
         return problems + ["ceilings must hold a matmul_tflops object, tables must be an object"]
