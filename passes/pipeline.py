@@ -11,6 +11,7 @@ from .fold_batchnorm import fold_batchnorm
 from .fuse_gemm import fuse_gemm
 from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
+from .hoist_permutes import hoist_permutes
 from .linear_epilogue import linear_epilogue
 from .normalize import normalize
 from .sink_views import sink_views
@@ -23,6 +24,7 @@ PIPELINE = [
     ("fold_batchnorm", fold_batchnorm, True),    # eval BatchNorm -> folded weights or per-channel mul-add
     ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
     ("sink_views", sink_views, True),            # view(y) -> pointwise op  =>  op(y) -> view: epilogues reach ops past views
+    ("hoist_permutes", hoist_permutes, False),   # op(a, b).permute(p) -> op(a', b'): a residual add past a permute fuses
     ("plan_linears", plan_linears, False),       # cost model: per chain of Linears, which candidate each layer runs as
     ("strassen", strassen, False),               # large Linears -> Strassen prefix | one bmm | suffix+epilogue+next prefix
     ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel

@@ -1,0 +1,125 @@
+"""Permutes move above the pointwise ops they read: `x + (gamma * y).permute(0, 3, 1, 2)` becomes
+`x + gamma' * y.permute(0, 3, 1, 2)`, so both ops join one kernel.
+
+Why (fuzz31b, fuzz31e): ConvNeXt's block (`gamma * pwconv2(h)`, permute back to NCHW, then the
+residual add), MLP-Mixer's token mixing (`x + mlp(ln(x).transpose(1, 2)).transpose(1, 2)`) and
+similar code put a permute between a Linear's bias or layer scale and the residual add. A
+permute is no pointwise op, so fusion stopped at it: the residual add ran as a kernel of its
+own, one more pass over the activation per block.
+
+An elementwise op commutes with any permutation of its (broadcast) operands: op(a, b).permute(p)
+is op(a'.permute(p), b'.permute(p)) with a', b' expanded to op's shape, views both (stride 0
+where a operand broadcasts), and the values are the same bits. The op moves when:
+  - the permute is its only reader, and every reader of the permute is a pointwise op (the
+    permute's own strides are then seen by nobody but the fused kernel);
+  - the moved op's result has the permute's strides (computed on meta tensors), so the readers'
+    results keep eager's layout;
+  - nothing involved is written in place, and the op is not a half-precision Linear's bias add
+    (normalize_layers.LINEAR_BIAS: that one stays next to its GEMM, which rounds once).
+"""
+import torch
+import torch.fx
+
+from fxfuse.node_meta import fetch_attr, single_tensor_meta as _meta
+from fxfuse.ops import is_pointwise_target
+from fxfuse.tracing import propagate_shapes
+
+from .fuse_pointwise import _mutated_values
+from .normalize_layers import LINEAR_BIAS, register_constant
+
+aten = torch.ops.aten
+
+PERMUTE_METHODS = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis"}
+PERMUTE_FUNCTIONS = {torch.permute, torch.transpose, torch.swapaxes, torch.swapdims, torch.movedim,
+                     torch.moveaxis, aten.permute.default, aten.transpose.int}
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _is_permute(node) -> bool:
+    return (node.op == "call_method" and node.target in PERMUTE_METHODS
+            or node.op == "call_function" and node.target in PERMUTE_FUNCTIONS) \
+        and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
+
+
+def _fake(meta):
+    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+
+def _permuted(permute, value):
+    """meta tensor: `value` (a meta tensor, or a number) as the permute reads op's result."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    source = _meta(permute.args[0])
+    moved = value.expand(source.shape)
+    fn = getattr(torch.Tensor, permute.target) if permute.op == "call_method" else permute.target
+    return fn(moved, *permute.args[1:], **permute.kwargs)
+
+
+def _movable(op, permute, written) -> bool:
+    meta, out = _meta(op), _meta(permute)
+    if meta is None or out is None or op in written or permute in written or len(op.users) != 1 \
+            or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) \
+            or any(a in written for a in op.args if isinstance(a, torch.fx.Node)) \
+            or op.meta.get(LINEAR_BIAS, False) and meta.dtype in HALF \
+            or not permute.users or not all(u.op == "call_function" and is_pointwise_target(u.target)
+                                            for u in permute.users):
+        return False
+    args = []
+    for a in op.args:
+        if isinstance(a, torch.fx.Node):
+            m = _meta(a)
+            if m is None or len(m.shape) > len(meta.shape):
+                return False
+            args.append(_fake(m))
+        else:
+            args.append(a)
+    try:
+        result = op.target(*(_permuted(permute, a) for a in args), **op.kwargs)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return tuple(result.shape) == tuple(out.shape) and tuple(result.stride()) == tuple(out.stride)
+
+
+def _hoist(gm, op, permute) -> None:
+    """Replace `permute(op(a, b))` by `op(permute(a.expand), permute(b.expand))`."""
+    g = gm.graph
+    shape = tuple(_meta(op).shape)
+    with g.inserting_before(permute):
+        args = []
+        for a in op.args:
+            if isinstance(a, torch.fx.Node) and a.op == "get_attr":   # a parameter or buffer: its view
+                view = _permuted(permute, fetch_attr(gm, a.target))    # registered once (the same storage,
+                a = g.get_attr(register_constant(gm, f"{a.target}.permuted", view))   # so it stays live)
+            elif isinstance(a, torch.fx.Node):
+                if tuple(_meta(a).shape) != shape:
+                    a = g.call_method("expand", (a, shape))
+                if permute.op == "call_method":
+                    a = g.call_method(permute.target, (a, *permute.args[1:]), dict(permute.kwargs))
+                else:
+                    a = g.call_function(permute.target, (a, *permute.args[1:]), dict(permute.kwargs))
+            args.append(a)
+        moved = g.call_function(op.target, tuple(args), dict(op.kwargs))
+    moved.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
+    moved.meta["tensor_meta"] = permute.meta.get("tensor_meta")
+    permute.replace_all_uses_with(moved)
+    g.erase_node(permute)
+    g.erase_node(op)
+
+
+def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
+    g = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        written = _mutated_values(gm)
+        for node in list(g.nodes):
+            if _is_permute(node):
+                op = node.args[0]
+                if op.op == "call_function" and is_pointwise_target(op.target) and _movable(op, node, written):
+                    _hoist(gm, op, node)
+                    propagate_shapes(gm, gm.meta["fxfuse_example_args"])   # the new permutes' shapes: the
+                    changed = True                                         # op before may move up next
+                    break   # the graph changed under the loop: look again
+    g.lint()
+    gm.recompile()
+    return gm
