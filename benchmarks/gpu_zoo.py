@@ -108,6 +108,29 @@ class NormedScaled(nn.Module):
         return self.l2(torch.relu(self.l1(x)) * self.g[None]) + x
 
 
+class ConvNeXtBlock(nn.Module):   # NHWC Linears, layer scale, permute back, residual (passes/hoist_permutes.py)
+    def __init__(self, d):
+        super().__init__()
+        self.dw = nn.Conv2d(d, d, 7, padding=3, groups=d)
+        self.norm = nn.LayerNorm(d)
+        self.pw1, self.pw2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        h = self.dw(x).permute(0, 2, 3, 1)
+        h = self.gamma * self.pw2(F.gelu(self.pw1(self.norm(h))))
+        return x + h.permute(0, 3, 1, 2)
+
+
+class MixerTokens(nn.Module):    # MLP-Mixer's token mixing: an MLP over the transposed tokens, residual
+    def __init__(self, tokens, d):
+        super().__init__()
+        self.ln, self.a, self.b = nn.LayerNorm(d), nn.Linear(tokens, 2 * tokens), nn.Linear(2 * tokens, tokens)
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(self.ln(x).transpose(1, 2)))).transpose(1, 2)
+
+
 def mlp(widths, act=nn.ReLU, bias=True):
     mods = []
     for i, o in zip(widths, widths[1:]):
@@ -159,6 +182,10 @@ def cases():
                 True))
     out.append(("einsum chain 4x72 gemm force", lambda: MatmulChain(72, 4, einsum=True), vec(72), 33, (1, 300),
                 {"gemm": "force"}, True))
+    out.append(("convnext d24 7x9", lambda: ConvNeXtBlock(24),
+                lambda b, dt: (torch.randn(b, 24, 7, 9, device=DEVICE, dtype=dt),), 2, (1, 5), {}, True))
+    out.append(("mixer t16 d40", lambda: MixerTokens(16, 40),
+                lambda b, dt: (torch.randn(b, 16, 40, device=DEVICE, dtype=dt),), 3, (1, 33), {}, True))
     return out
 
 
