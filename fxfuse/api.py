@@ -367,6 +367,8 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
             raise UnsupportedError(f"{hooked}; tracing does not run hooks, so the optimized graph would "
                                    "skip it. Remove the hook (or optimize without it)")
         return OptimizedModule(model, args, opts, build_graph)
+    except Warning:   # a warning the caller's filter turned into an error (-W error): theirs, as raised
+        raise
     except Exception as e:  # noqa: BLE001 -- the fallback policy covers internal errors too
         e = as_fxfuse_error(e, "optimizing")
         if opts.strict:

@@ -379,3 +379,13 @@ def test_a_half_precision_linear_bias_stays_by_its_gemm(dtype):
         torch.testing.assert_close(opt(x), model(x), rtol=2e-3, atol=2e-3)
     code = fxfuse.explain(opt).split("def forward")[1].split("\nnode")[0]
     assert ("b_bias_permuted" in code) == (dtype == torch.float32), code
+
+
+def test_a_warning_made_an_error_by_the_caller_comes_out_as_itself(tmp_path):
+    """-W error turned a CalibrationWarning inside the build into "internal error" (fuzz31g)."""
+    import warnings
+    from fxfuse.calibration import CalibrationWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CalibrationWarning, match="cannot read"):
+            fxfuse.optimize(seed(), torch.randn(3, 24), calibration=str(tmp_path / "missing.json"))
