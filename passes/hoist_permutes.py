@@ -1,5 +1,6 @@
 """Permutes move above the pointwise ops they read: `x + (gamma * y).permute(0, 3, 1, 2)` becomes
-`x + gamma' * y.permute(0, 3, 1, 2)`, so both ops join one kernel.
+`x + gamma' * y.permute(0, 3, 1, 2)`, so both ops join one kernel (a reshape right before the
+permute, as torch.export writes MultiheadAttention's output, moves along with it).
 
 Why (fuzz31b, fuzz31e): ConvNeXt's block (`gamma * pwconv2(h)`, permute back to NCHW, then the
 residual add), MLP-Mixer's token mixing (`x + mlp(ln(x).transpose(1, 2)).transpose(1, 2)`) and
@@ -26,6 +27,7 @@ from fxfuse.tracing import propagate_shapes
 
 from .fuse_pointwise import _mutated_values
 from .normalize_layers import LINEAR_BIAS, register_constant
+from .sink_views import reshape_source
 
 aten = torch.ops.aten
 
@@ -41,28 +43,41 @@ def _is_permute(node) -> bool:
         and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
 
 
+def _chain(permute) -> tuple:
+    """(op, [layout nodes from op's result to the permute]) where the permute reads a pointwise
+    op directly or through one reshape that nothing else reads (torch.export's MultiheadAttention
+    output: view, then transpose), else (None, [])."""
+    chain, src = [permute], permute.args[0]
+    if reshape_source(src) is not None and src.op != "call_module" and len(src.users) == 1:
+        chain, src = [src, permute], src.args[0]
+    if src.op == "call_function" and is_pointwise_target(src.target):
+        return src, chain
+    return None, []
+
+
 def _fake(meta):
     return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
 
 
-def _permuted(permute, value):
-    """meta tensor: `value` (a meta tensor, or a number) as the permute reads op's result."""
+def _laid_out(chain, shape, value):
+    """`value` (a tensor, or a number) expanded to the op's shape and read through the chain."""
     if not isinstance(value, torch.Tensor):
         return value
-    source = _meta(permute.args[0])
-    moved = value.expand(source.shape)
-    fn = getattr(torch.Tensor, permute.target) if permute.op == "call_method" else permute.target
-    return fn(moved, *permute.args[1:], **permute.kwargs)
+    out = value.expand(shape)
+    for node in chain:
+        fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+        out = fn(out, *node.args[1:], **node.kwargs)
+    return out
 
 
-def _movable(op, permute, written) -> bool:
-    meta, out = _meta(op), _meta(permute)
-    if meta is None or out is None or op in written or permute in written or len(op.users) != 1 \
+def _movable(op, chain, written) -> bool:
+    meta, out, last = _meta(op), _meta(chain[-1]), chain[-1]
+    if meta is None or out is None or op in written or any(n in written for n in chain) or len(op.users) != 1 \
             or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) \
             or any(a in written for a in op.args if isinstance(a, torch.fx.Node)) \
             or op.meta.get(LINEAR_BIAS, False) and meta.dtype in HALF \
-            or not permute.users or not all(u.op == "call_function" and is_pointwise_target(u.target)
-                                            for u in permute.users):
+            or not last.users or not all(u.op == "call_function" and is_pointwise_target(u.target)
+                                         for u in last.users):
         return False
     args = []
     for a in op.args:
@@ -74,35 +89,37 @@ def _movable(op, permute, written) -> bool:
         else:
             args.append(a)
     try:
-        result = op.target(*(_permuted(permute, a) for a in args), **op.kwargs)
+        laid = [_laid_out(chain, tuple(meta.shape), a) for a in args]
+        result = op.target(*laid, **op.kwargs)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
-    return tuple(result.shape) == tuple(out.shape) and tuple(result.stride()) == tuple(out.stride)
+    views = all(t._base is not None for t in laid if isinstance(t, torch.Tensor))   # no reshape copied
+    return views and tuple(result.shape) == tuple(out.shape) and tuple(result.stride()) == tuple(out.stride)
 
 
-def _hoist(gm, op, permute) -> None:
-    """Replace `permute(op(a, b))` by `op(permute(a.expand), permute(b.expand))`."""
+def _hoist(gm, op, chain) -> None:
+    """Replace `chain(op(a, b))` by `op(chain(a.expand), chain(b.expand))`."""
     g = gm.graph
-    shape = tuple(_meta(op).shape)
-    with g.inserting_before(permute):
+    shape, last = tuple(_meta(op).shape), chain[-1]
+    with g.inserting_before(last):
         args = []
         for a in op.args:
             if isinstance(a, torch.fx.Node) and a.op == "get_attr":   # a parameter or buffer: its view
-                view = _permuted(permute, fetch_attr(gm, a.target))    # registered once (the same storage,
-                a = g.get_attr(register_constant(gm, f"{a.target}.permuted", view))   # so it stays live)
+                view = _laid_out(chain, shape, fetch_attr(gm, a.target))   # registered once (the same
+                a = g.get_attr(register_constant(gm, f"{a.target}.permuted", view))   # storage: stays live)
             elif isinstance(a, torch.fx.Node):
                 if tuple(_meta(a).shape) != shape:
                     a = g.call_method("expand", (a, shape))
-                if permute.op == "call_method":
-                    a = g.call_method(permute.target, (a, *permute.args[1:]), dict(permute.kwargs))
-                else:
-                    a = g.call_function(permute.target, (a, *permute.args[1:]), dict(permute.kwargs))
+                for node in chain:
+                    make = g.call_method if node.op == "call_method" else g.call_function
+                    a = make(node.target, (a, *node.args[1:]), dict(node.kwargs))
             args.append(a)
         moved = g.call_function(op.target, tuple(args), dict(op.kwargs))
     moved.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
-    moved.meta["tensor_meta"] = permute.meta.get("tensor_meta")
-    permute.replace_all_uses_with(moved)
-    g.erase_node(permute)
+    moved.meta["tensor_meta"] = last.meta.get("tensor_meta")
+    last.replace_all_uses_with(moved)
+    for node in reversed(chain):
+        g.erase_node(node)
     g.erase_node(op)
 
 
@@ -113,13 +130,12 @@ def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         changed = False
         written = _mutated_values(gm)
         for node in list(g.nodes):
-            if _is_permute(node):
-                op = node.args[0]
-                if op.op == "call_function" and is_pointwise_target(op.target) and _movable(op, node, written):
-                    _hoist(gm, op, node)
-                    propagate_shapes(gm, gm.meta["fxfuse_example_args"])   # the new permutes' shapes: the
-                    changed = True                                         # op before may move up next
-                    break   # the graph changed under the loop: look again
+            op, chain = _chain(node) if _is_permute(node) else (None, [])
+            if op is not None and _movable(op, chain, written):
+                _hoist(gm, op, chain)
+                propagate_shapes(gm, gm.meta["fxfuse_example_args"])   # the new permutes' shapes: the
+                changed = True                                         # op before may move up next
+                break   # the graph changed under the loop: look again
     g.lint()
     gm.recompile()
     return gm

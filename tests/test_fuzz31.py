@@ -389,3 +389,18 @@ def test_a_warning_made_an_error_by_the_caller_comes_out_as_itself(tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(CalibrationWarning, match="cannot read"):
             fxfuse.optimize(seed(), torch.randn(3, 24), calibration=str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_attention_output_bias_and_residual_share_a_kernel_past_view_and_transpose(norm_first):
+    """torch.export writes MultiheadAttention's output as view + transpose between the output
+    projection's bias and the residual add: the pair moves above the bias add (fuzz31b)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(24, 3, 40, dropout=0.0, batch_first=True, norm_first=norm_first).eval()
+    x = torch.randn(2, 7, 24)
+    opt = fxfuse.optimize(layer, x)
+    code = fxfuse.explain(opt).split("def forward")[1].split("\nnode")[0]
+    assert "out_proj_bias_permuted" in code and fxfuse.stats(opt)["fused_kernels"] == 4, code
+    with torch.no_grad():
+        for inp in (x, torch.randn(2, 7, 24), torch.randn(3, 5, 24)):
+            torch.testing.assert_close(opt(inp), layer(inp))
