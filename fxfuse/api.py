@@ -268,7 +268,9 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
         return False     # only numbers are excused, never another dtype or shape
     try:
         model64 = copy.deepcopy(model).double()
-        args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in clone_args(args)]
+        wide = {}   # one float64 copy per tensor object: `f(a, a)` stays the same tensor twice
+        args64 = [wide.setdefault(id(a), a.double()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                  for a in clone_args(args)]
         ref = torch.utils._pytree.tree_flatten(model64(*args64))[0][k].double()
     except Exception as err:  # noqa: BLE001 -- no float64 run (memory, ops without fp64): no excuse either
         logger.info("no float64 reference for the verification: %s", err)

@@ -25,8 +25,12 @@ def signature(args) -> tuple:
             if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.layout is not torch.strided) \
                     and (why := not_plain_tensor(a)):
                 raise UnsupportedInput(f"input {k} {why}")
-        return tuple([(a.shape, a.dtype, a.device, a.stride(), a.requires_grad) if isinstance(a, torch.Tensor)
-                      else ("const", type(a).__name__, repr(a)) for a in args])
+        first = {}   # a tensor passed twice (`f(a, a)`): forward() may test `key is query`, which the trace
+        #              cannot see, so identity is part of the signature (fuzz31h)
+        return tuple([((a.shape, a.dtype, a.device, a.stride(), a.requires_grad)
+                       + ((j,) if (j := first.setdefault(id(a), k)) != k else ()))
+                      if isinstance(a, torch.Tensor) else ("const", type(a).__name__, repr(a))
+                      for k, a in enumerate(args)])
     except UnsupportedInput:
         raise
     except RuntimeError as e:      # a tensor without strides (a nested tensor): say which and why
@@ -66,6 +70,8 @@ def describe_mismatch(expected: tuple, got: tuple) -> str:
                 if ev != gv:
                     ev, gv = (tuple(v) if isinstance(v, torch.Size) else v for v in (ev, gv))
                     return f"input {k}: {name} {gv} where the specialization has {ev}"
+            same = lambda entry: f"input {entry[5]}'s tensor" if len(entry) > 5 else "a tensor of its own"  # noqa: E731
+            return f"input {k}: {same(g)} where the specialization has {same(e)}"
     return "no difference"
 
 

@@ -105,12 +105,16 @@ def clone_args(args) -> tuple:
     """Copies of the tensor arguments with the same strides and storage offset (other values as
     they are). Running a graph executes the model's in-place ops (`x.add_(1)` on an input), so
     fxfuse runs graphs on copies: optimize() must not change the user's example input."""
+    copies = {}   # one copy per tensor object: `f(a, a)` stays the same tensor twice (`key is query`)
+
     def clone(a):
         if not isinstance(a, torch.Tensor):
             return a
-        storage = a.untyped_storage().clone()
-        return torch.empty(0, dtype=a.dtype, device=a.device).set_(
-            storage, a.storage_offset(), a.shape, a.stride())
+        if id(a) not in copies:
+            storage = a.untyped_storage().clone()
+            copies[id(a)] = torch.empty(0, dtype=a.dtype, device=a.device).set_(
+                storage, a.storage_offset(), a.shape, a.stride())
+        return copies[id(a)]
     return tuple(clone(a) for a in args)
 
 
@@ -132,6 +136,12 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
             _parametrization_cache_off():
         gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
+    if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
+        if given_values:
+            raise TraceError("forward() checks a value's type against torch.Tensor (isinstance, torch.is_tensor, "
+                             "type): symbolic_trace's stand-ins are no tensors, so the graph could hold the other "
+                             "branch; torch.export, which runs real tensors, is not tried for non-tensor inputs")
+        gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
     mode_reads |= mode_functions_imported(model)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
@@ -142,6 +152,20 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                                "reads_inference_mode": inference_mode if "inference" in mode_reads else None,
                                "attribute_reads": attribute_reads}
     return gm
+
+
+TENSOR_TYPE_CHECKS = {"isinstance", "is_tensor", "type", "issubclass"}
+
+
+def _checks_tensor_type(reads: dict) -> bool:
+    """Whether the model's code that ran in the trace may test a value against torch.Tensor:
+    under symbolic_trace `isinstance(mask, torch.Tensor)` is false for a Proxy, so the traced
+    graph dropped the tensor branch, silently where the example input hid it (fuzz31h). Such a
+    model is traced by torch.export instead (which runs fake tensors). From the names its code
+    reads (attribute_reads): a type test and `Tensor`, or torch.is_tensor; unknown (every name
+    watched) counts as no."""
+    names = reads.get("names") or set()
+    return "is_tensor" in names or bool(names & TENSOR_TYPE_CHECKS) and "Tensor" in names
 
 
 @contextlib.contextmanager

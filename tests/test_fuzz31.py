@@ -404,3 +404,79 @@ def test_attention_output_bias_and_residual_share_a_kernel_past_view_and_transpo
     with torch.no_grad():
         for inp in (x, torch.randn(2, 7, 24), torch.randn(3, 5, 24)):
             torch.testing.assert_close(opt(inp), layer(inp))
+
+
+class MaskIfTensor(nn.Module):   # the HF-style optional mask: `if isinstance(mask, torch.Tensor)`
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.lin(x)
+        if isinstance(mask, torch.Tensor):
+            h = h.masked_fill(mask, 0.0)
+        return torch.relu(h)
+
+
+def test_a_tensor_type_test_in_forward_is_traced_with_real_tensors():
+    """symbolic_trace's stand-ins fail `isinstance(mask, torch.Tensor)`, so its graph dropped the
+    mask, silently where the example's mask was empty (fuzz31h): torch.export traces instead."""
+    model, x = MaskIfTensor().eval(), torch.randn(3, 8)
+    opt = fxfuse.optimize(model, (x, torch.zeros(3, 8, dtype=torch.bool)))
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        mask = torch.rand(3, 8) > 0.5
+        torch.testing.assert_close(opt(x, mask), model(x, mask))
+
+
+class SameTensorBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(13, 13), nn.Linear(13, 13)
+
+    def forward(self, query, key):
+        q = self.q(query)
+        if key is query:   # self-attention: reuse q
+            return q * 2
+        return q + self.k(key)
+
+
+def test_the_same_tensor_passed_twice_is_another_signature():
+    """`key is query` cannot be traced: a call with (a, a) after a build for (a, b) ran the
+    (a, b) graph silently (fuzz31h). Identity is part of the signature now, and verify runs
+    eager and the float64 reference on (a', a') too, so that build is refused (one warning)."""
+    import warnings
+    model, a, b = SameTensorBranch().eval(), torch.randn(3, 13), torch.randn(3, 13)
+    opt = fxfuse.optimize(model, (a, b))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(a, b), model(a, b))
+        torch.testing.assert_close(opt(a, a), model(a, a))
+        torch.testing.assert_close(opt(b, b), model(b, b))
+    assert len(seen) == 1 and "original module" in str(seen[0].message)
+    with pytest.warns(fxfuse.FxfuseWarning):
+        same = fxfuse.optimize(model, (a, a))
+    assert not fxfuse.stats(same)["optimized"]
+
+
+class ScalesAViewOfItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(13, 13)
+
+    def forward(self, x):
+        v = x[:, 2:6]
+        v.mul_(0.5)
+        return self.f(x), v
+
+
+def test_a_view_of_the_input_written_in_place_and_returned():
+    """The grad-mode probe read grad_fn of such a view, which raises (fuzz31h: internal error)."""
+    model, x = ScalesAViewOfItsInput().eval(), torch.randn(3, 13)
+    opt = fxfuse.optimize(model, (x.clone(),))
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        x1, x2 = x.clone(), x.clone()
+        for got, want in zip(opt(x1), model(x2)):
+            torch.testing.assert_close(got, want)
+        torch.testing.assert_close(x1, x2)
