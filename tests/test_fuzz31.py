@@ -318,29 +318,14 @@ def test_a_huge_integer_tolerance_is_a_number():
     assert fxfuse.Options.from_kwargs(tolerance=10 ** 400).tolerance == 10 ** 400
 
 
-class ConvNeXtBlock(nn.Module):   # the reference block: NHWC Linears, layer scale, permute back, residual
-    def __init__(self, d=8):
-        super().__init__()
-        self.dw = nn.Conv2d(d, d, 7, padding=3, groups=d)
-        self.norm = nn.LayerNorm(d)
-        self.pw1, self.pw2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
-
-    def forward(self, x):
-        import torch.nn.functional as F
-        h = self.dw(x).permute(0, 2, 3, 1)
-        h = self.gamma * self.pw2(F.gelu(self.pw1(self.norm(h))))
-        return x + h.permute(0, 3, 1, 2)
+def convnext_block():   # the reference block: NHWC Linears, layer scale, permute back, residual
+    from benchmarks.gpu_zoo import ConvNeXtBlock
+    return ConvNeXtBlock(8)
 
 
-class MixerTokens(nn.Module):    # MLP-Mixer's token mixing: transpose, MLP over tokens, transpose back
-    def __init__(self, tokens=6, d=8):
-        super().__init__()
-        self.ln, self.a, self.b = nn.LayerNorm(d), nn.Linear(tokens, 12), nn.Linear(12, tokens)
-
-    def forward(self, x):
-        import torch.nn.functional as F
-        return x + self.b(F.gelu(self.a(self.ln(x).transpose(1, 2)))).transpose(1, 2)
+def mixer_tokens():   # MLP-Mixer's token mixing: transpose, MLP over the tokens, transpose back
+    from benchmarks.gpu_zoo import MixerTokens
+    return MixerTokens(6, 8)
 
 
 class PermuteReturned(nn.Module):   # the permute's strides are the caller's: nothing moves
@@ -352,7 +337,7 @@ class PermuteReturned(nn.Module):   # the permute's strides are the caller's: no
         return (torch.sigmoid(self.lin(x)) * 2).transpose(1, 2)
 
 
-@pytest.mark.parametrize("model,x,kernels", [(ConvNeXtBlock, (2, 8, 5, 6), 3), (MixerTokens, (3, 6, 8), 2),
+@pytest.mark.parametrize("model,x,kernels", [(convnext_block, (2, 8, 5, 6), 3), (mixer_tokens, (3, 6, 8), 2),
                                              (PermuteReturned, (2, 5, 8), 1)])
 def test_a_permute_between_an_op_and_the_residual_add_no_longer_splits_them(model, x, kernels):
     """op(a, b).permute(p) -> op(a', b') with permuted views (passes/hoist_permutes.py): the
@@ -372,7 +357,7 @@ def test_a_permute_between_an_op_and_the_residual_add_no_longer_splits_them(mode
 def test_a_half_precision_linear_bias_stays_by_its_gemm(dtype):
     """fp32: the bias add moves past the transpose (read through a permuted view of the bias);
     fp16: it stays next to its GEMM, which rounds the sum once (normalize_layers.LINEAR_BIAS)."""
-    model = MixerTokens().eval().to(dtype)
+    model = mixer_tokens().eval().to(dtype)
     x = torch.randn(3, 6, 8).to(dtype)
     opt = fxfuse.optimize(model, x, gemm="off", fused_mlp="off")
     with torch.no_grad():
