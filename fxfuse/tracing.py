@@ -275,6 +275,10 @@ def _exported(model, example_args, tensor_args) -> torch.fx.GraphModule:
     # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
     for name in ("train", "eval"):
         vars(gm).pop(name, None)
+    # a view that raised inside forward's try/except stays in export's graph with no reader: it
+    # would raise again when the graph runs (fuzz31h). Dead pure nodes go; writes and asserts stay
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
     propagate_shapes(gm, tensor_args)
     return gm
 

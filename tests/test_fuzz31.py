@@ -465,3 +465,25 @@ def test_a_view_of_the_input_written_in_place_and_returned():
         for got, want in zip(opt(x1), model(x2)):
             torch.testing.assert_close(got, want)
         torch.testing.assert_close(x1, x2)
+
+
+class TriesAView(nn.Module):   # torch.export only (a try/except); the failed view stays in its graph
+    def __init__(self):
+        super().__init__()
+        self.f, self.g = nn.Linear(12, 12), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.f(x)
+        try:
+            v = h.view(x.shape[0], 2, 7)   # fails for these shapes
+        except RuntimeError:
+            v = h.view(-1, 4)
+        return self.g(v) + v
+
+
+def test_a_dead_failing_view_in_an_exported_graph_is_dropped():
+    model, x = TriesAView().eval(), torch.randn(3, 12)
+    opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
