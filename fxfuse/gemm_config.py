@@ -82,9 +82,9 @@ def _rowwise_config(m: int, spec: GemmSpec, allow_tf32: bool) -> dict:
 
     x is read again by every column block (N / BLOCK_N times per layer) while W streams through
     L2 once; from X_KEPT_FROM_K with 2-16 fp32 rows (where it was measured), x's loads carry
-    evict_last so W's stream does not push x out. rowwise_probe --set loads (H100, 8 layers, GPU us of the graph, plain /
-    evict_last): 16 x 2048 81.7 / 79.9, 16 x 4096 262.3 / 256.2, 16 x 1024 29.2 / 29.4, 16 x 512
-    16.7 / 17.6, 1 x 2048 53.5 / 54.0 (rowwise_probe_loads_20261126.txt)."""
+    evict_last so W's stream does not push x out. rowwise_probe --set loads (H100, 8 layers,
+    GPU us of the graph, plain / evict_last): 16 x 2048 81.7 / 79.9, 16 x 4096 262.3 / 256.2,
+    16 x 1024 29.2 / 29.4, 16 x 512 16.7 / 17.6, 1 x 2048 53.5 / 54.0 (rowwise_probe_loads_20261126.txt)."""
     block_m = (_pow2_at_least(m) if m <= ROWWISE_MAX_BATCH else 16 if m < 64
                else 32 if m == 64 and spec.k < 1024 else 64)
     warps = 8 if block_m == 32 else 4

@@ -23,6 +23,12 @@ def single_tensor_meta(node):
     return meta if isinstance(meta, torch.fx.passes.shape_prop.TensorMetadata) else None
 
 
+def meta_tensor(meta) -> torch.Tensor:
+    """A tensor on the meta device with a TensorMetadata's shape, strides and dtype: what an op
+    would return for it (its strides included) is computed without data."""
+    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+
+
 def fetch_attr(gm: torch.nn.Module, target: str):
     """The object a get_attr target ("layer.0.weight") names in gm."""
     obj = gm

@@ -213,6 +213,7 @@ BY_NAME: dict = {op.name: op for op in _TABLE}
 
 # dtypes a fused kernel computes on: loads of these are upcast to fp32, results stored back
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_DTYPE = {
     torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
     torch.float64: "tl.float64", torch.bool: "tl.int1", torch.int8: "tl.int8",

@@ -17,18 +17,18 @@ counters, so constants taken from them would go stale unseen (nn.BatchNorm also 
 num_batches_tracked, which the runtime watches; a hand-written one has no such counter).
 """
 import operator
+
 import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.ops import keep_eager_layout
+from fxfuse.ops import HALF_DTYPES as HALF, keep_eager_layout
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 from .normalize_layers import keywords_to_positions
 
 CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
-HALF = (torch.float16, torch.bfloat16)
 
 
 def _scale_shift(bn: nn.modules.batchnorm._BatchNorm):

@@ -21,9 +21,10 @@ where a operand broadcasts), and the values are the same bits. The op moves when
 import torch
 import torch.fx
 
-from fxfuse.node_meta import fetch_attr, single_tensor_meta as _meta
-from fxfuse.ops import is_pointwise_target
-from fxfuse.tracing import propagate_shapes
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from fxfuse.node_meta import fetch_attr, meta_tensor, single_tensor_meta as _meta
+from fxfuse.ops import HALF_DTYPES as HALF, is_pointwise_target
 
 from .fuse_pointwise import _mutated_values
 from .normalize_layers import LINEAR_BIAS, register_constant
@@ -34,7 +35,6 @@ aten = torch.ops.aten
 PERMUTE_METHODS = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis"}
 PERMUTE_FUNCTIONS = {torch.permute, torch.transpose, torch.swapaxes, torch.swapdims, torch.movedim,
                      torch.moveaxis, aten.permute.default, aten.transpose.int}
-HALF = (torch.float16, torch.bfloat16)
 
 
 def _is_permute(node) -> bool:
@@ -55,19 +55,20 @@ def _chain(permute) -> tuple:
     return None, []
 
 
-def _fake(meta):
-    return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-
-
 def _laid_out(chain, shape, value):
     """`value` (a tensor, or a number) expanded to the op's shape and read through the chain."""
     if not isinstance(value, torch.Tensor):
         return value
     out = value.expand(shape)
     for node in chain:
-        fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
-        out = fn(out, *node.args[1:], **node.kwargs)
+        out = _step(node, out)
     return out
+
+
+def _step(node, value: torch.Tensor) -> torch.Tensor:
+    """What a layout node (a reshape or permute) makes of `value`."""
+    fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+    return fn(value, *node.args[1:], **node.kwargs)
 
 
 def _movable(op, chain, written) -> bool:
@@ -85,7 +86,7 @@ def _movable(op, chain, written) -> bool:
             m = _meta(a)
             if m is None or len(m.shape) > len(meta.shape):
                 return False
-            args.append(_fake(m))
+            args.append(meta_tensor(m))
         else:
             args.append(a)
     try:
@@ -107,12 +108,16 @@ def _hoist(gm, op, chain) -> None:
             if isinstance(a, torch.fx.Node) and a.op == "get_attr":   # a parameter or buffer: its view
                 view = _laid_out(chain, shape, fetch_attr(gm, a.target))   # registered once (the same
                 a = g.get_attr(register_constant(gm, f"{a.target}.permuted", view))   # storage: stays live)
-            elif isinstance(a, torch.fx.Node):
-                if tuple(_meta(a).shape) != shape:
-                    a = g.call_method("expand", (a, shape))
+                a.meta["tensor_meta"] = _extract_tensor_metadata(view)
+            elif isinstance(a, torch.fx.Node):   # each new node's meta from a meta tensor: no graph run
+                fake = meta_tensor(_meta(a))
+                if tuple(fake.shape) != shape:
+                    a, fake = g.call_method("expand", (a, shape)), fake.expand(shape)
+                    a.meta["tensor_meta"] = _extract_tensor_metadata(fake)
                 for node in chain:
                     make = g.call_method if node.op == "call_method" else g.call_function
-                    a = make(node.target, (a, *node.args[1:]), dict(node.kwargs))
+                    a, fake = make(node.target, (a, *node.args[1:]), dict(node.kwargs)), _step(node, fake)
+                    a.meta["tensor_meta"] = _extract_tensor_metadata(fake)
             args.append(a)
         moved = g.call_function(op.target, tuple(args), dict(op.kwargs))
     moved.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
@@ -132,9 +137,8 @@ def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         for node in list(g.nodes):
             op, chain = _chain(node) if _is_permute(node) else (None, [])
             if op is not None and _movable(op, chain, written):
-                _hoist(gm, op, chain)
-                propagate_shapes(gm, gm.meta["fxfuse_example_args"])   # the new permutes' shapes: the
-                changed = True                                         # op before may move up next
+                _hoist(gm, op, chain)   # the new permutes carry their meta: the op before may move next
+                changed = True
                 break   # the graph changed under the loop: look again
     g.lint()
     gm.recompile()

@@ -19,14 +19,13 @@ import torch.fx
 import torch.nn.functional as F
 
 from fxfuse.library_choice import bias_in_library_gemm, relu_in_library_gemm, split_k_library_gemm, split_k_mm
-from fxfuse.ops import is_pointwise_target
+from fxfuse.ops import HALF_DTYPES, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta
 
 from .normalize_layers import LINEAR_BIAS
 
 LIBRARY_EPILOGUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 HALF_REASON = ("bias in the library GEMM: in fp16/bf16 it adds the bias before its one rounding, as eager's "
                "Linear (F.linear, addmm) does; the product rounded to fp16 with the bias added after would round "
                "twice (up to ~1.7x eager's error against float64). A bias the model adds itself (x @ W.T + b) "

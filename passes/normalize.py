@@ -21,7 +21,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.ops import POINTWISE, cast, is_pointwise_target
+from fxfuse.ops import HALF_DTYPES, POINTWISE, cast, is_pointwise_target
 from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
@@ -98,8 +98,7 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             # kept as it is: in fp16/bf16 CUDA computes x + alpha * y in fp32 and rounds once (split,
             # y * alpha would round to fp16 first, and may overflow); and eager scales y in the result's
             # dtype (a uint8 y * 3 of its own would wrap around)
-            halves = (torch.float16, torch.bfloat16)
-            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in halves
+            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in HALF_DTYPES
                    for a in (x, other) if isinstance(a, torch.fx.Node)) or isinstance(other, torch.fx.Node) \
                     and getattr(other.meta.get("tensor_meta"), "dtype", None) \
                     != getattr(node.meta.get("tensor_meta"), "dtype", False):

@@ -13,7 +13,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fxfuse_meta, single_tensor_meta
+from fxfuse.node_meta import fxfuse_meta, meta_tensor, single_tensor_meta
 from fxfuse.ops import keep_eager_layout
 
 aten = torch.ops.aten
@@ -253,7 +253,7 @@ def masked_fill_layout(gm, where: torch.fx.Node) -> torch.fx.Node:
         meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
         if isinstance(a, torch.fx.Node) and meta is None:
             raise LookupError(a.name)
-        return a if meta is None else torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+        return a if meta is None else meta_tensor(meta)
     try:
         produced = torch.where(*(fake(a) for a in where.args)).stride()
     except (LookupError, RuntimeError, TypeError):   # unknown: as_layout checks at run time
