@@ -76,6 +76,29 @@ class MatmulChain(nn.Module):
         return x
 
 
+class ConvNeXtBlock(nn.Module):   # NHWC Linears, layer scale, permute back, residual (passes/hoist_permutes.py)
+    def __init__(self, d):
+        super().__init__()
+        self.dw = nn.Conv2d(d, d, 7, padding=3, groups=d)
+        self.norm = nn.LayerNorm(d)
+        self.pw1, self.pw2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        h = self.dw(x).permute(0, 2, 3, 1)
+        h = self.gamma * self.pw2(F.gelu(self.pw1(self.norm(h))))
+        return x + h.permute(0, 3, 1, 2)
+
+
+class MixerTokens(nn.Module):    # MLP-Mixer's token mixing: an MLP over the transposed tokens, residual
+    def __init__(self, tokens, d):
+        super().__init__()
+        self.ln, self.a, self.b = nn.LayerNorm(d), nn.Linear(tokens, 2 * tokens), nn.Linear(2 * tokens, tokens)
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(self.ln(x).transpose(1, 2)))).transpose(1, 2)
+
+
 CASES = {   # name -> (factory, input shape, note)
     "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
     "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
@@ -84,6 +107,9 @@ CASES = {   # name -> (factory, input shape, note)
     "matmul-chain": (lambda: MatmulChain(1024, 8), (64, 1024), "8 x relu(x @ W + b), 64 x 1024"),
     "matmul-chain-narrow": (lambda: MatmulChain(128, 8), (1, 128), "8 x relu(x @ W + b), 1 x 128"),
     "einsum-chain": (lambda: MatmulChain(512, 8, einsum=True), (16, 512), "8 x relu(einsum + b), 16 x 512"),
+    "convnext": (lambda: ConvNeXtBlock(96), (1, 96, 56, 56), "ConvNeXt-T stage-1 block, 96 x 56 x 56"),
+    "mixer-tokens": (lambda: MixerTokens(196, 512), (4, 196, 512),
+                     "MLP-Mixer-S token mixing, 196 tokens x 512, batch 4"),
 }
 
 
@@ -123,7 +149,21 @@ def build_no_skips(model, example):
 
 NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
                         private_copy=True)
-for _tool in (BEFORE, NO_SKIPS):
+def build_no_hoist(model, example):
+    """fxfuse without passes/hoist_permutes.py (before stop 31): the op under a permute keeps
+    its own kernel instead of joining the residual add after the permute."""
+    import fxfuse.passes.pipeline as pl
+    saved = pl.PIPELINE
+    pl.PIPELINE = [p for p in pl.PIPELINE if p[0] != "hoist_permutes"]
+    try:
+        return toolmod.build_fxfuse(model, example)
+    finally:
+        pl.PIPELINE = saved
+
+
+NO_HOIST = toolmod.Tool("fxfuse-no-hoist", "fxfuse no hoist", build_no_hoist, default=False, fxfuse=True,
+                        private_copy=True)
+for _tool in (BEFORE, NO_SKIPS, NO_HOIST):
     toolmod.TOOLS.append(_tool)
     toolmod.TOOLS_BY_KEY[_tool.key] = _tool
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fxfuse
 from benchmarks.mlp import ResidualMLP
-from benchmarks.blocks import GPT2MLP, MatmulChain
+from benchmarks.blocks import ConvNeXtBlock, GPT2MLP, MatmulChain, MixerTokens
 
 DEVICE = "cuda"
 
@@ -108,27 +108,16 @@ class NormedScaled(nn.Module):
         return self.l2(torch.relu(self.l1(x)) * self.g[None]) + x
 
 
-class ConvNeXtBlock(nn.Module):   # NHWC Linears, layer scale, permute back, residual (passes/hoist_permutes.py)
+class PackedSplit(nn.Module):   # a packed [q; kv] projection split in forward (fold_constant_slice)
     def __init__(self, d):
         super().__init__()
-        self.dw = nn.Conv2d(d, d, 7, padding=3, groups=d)
-        self.norm = nn.LayerNorm(d)
-        self.pw1, self.pw2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+        self.w, self.b = nn.Parameter(torch.randn(3 * d, d) / d ** 0.5), nn.Parameter(torch.randn(3 * d) * 0.1)
+        self.d = d
 
-    def forward(self, x):
-        h = self.dw(x).permute(0, 2, 3, 1)
-        h = self.gamma * self.pw2(F.gelu(self.pw1(self.norm(h))))
-        return x + h.permute(0, 3, 1, 2)
-
-
-class MixerTokens(nn.Module):    # MLP-Mixer's token mixing: an MLP over the transposed tokens, residual
-    def __init__(self, tokens, d):
-        super().__init__()
-        self.ln, self.a, self.b = nn.LayerNorm(d), nn.Linear(tokens, 2 * tokens), nn.Linear(2 * tokens, tokens)
-
-    def forward(self, x):
-        return x + self.b(F.gelu(self.a(self.ln(x).transpose(1, 2)))).transpose(1, 2)
+    def forward(self, q, kv):
+        wq, wkv = self.w.split([self.d, 2 * self.d])
+        k, v = F.linear(kv, wkv, self.b[self.d:]).chunk(2, -1)
+        return torch.relu(F.linear(q, wq, self.b[:self.d])) + F.gelu(k) * v
 
 
 def mlp(widths, act=nn.ReLU, bias=True):
@@ -186,6 +175,9 @@ def cases():
                 lambda b, dt: (torch.randn(b, 24, 7, 9, device=DEVICE, dtype=dt),), 2, (1, 5), {}, True))
     out.append(("mixer t16 d40", lambda: MixerTokens(16, 40),
                 lambda b, dt: (torch.randn(b, 16, 40, device=DEVICE, dtype=dt),), 3, (1, 33), {}, True))
+    out.append(("packed split d48 gemm force", lambda: PackedSplit(48),
+                lambda b, dt: (torch.randn(b, 48, device=DEVICE, dtype=dt), torch.randn(b, 48, device=DEVICE, dtype=dt)),
+                5, (1, 40), {"gemm": "force"}, True))
     return out
 
 

@@ -25,7 +25,8 @@ from fxfuse.ops import HALF_DTYPES, POINTWISE, cast, is_pointwise_target
 from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
-from .normalize_layers import broadcast_drops_unit_view, keywords_to_positions, matmul_as_linear, split_layer
+from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, keywords_to_positions,
+                               matmul_as_linear, split_layer)
 from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
                         DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
                         SHAPE_METHODS, Spelling, cast_target, masked_fill_is_where, masked_fill_layout)
@@ -227,8 +228,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     order = {n: k for k, n in enumerate(g.nodes)}
     kept_inplace = []
     for node in list(g.nodes):
-        if node.op in ("placeholder", "output", "get_attr"):
-            continue
+        if node.op in ("placeholder", "output", "get_attr") or node._erased:   # a getitem a slicing
+            continue                                                           # node's fold took
         if _is_shape_value(node) and node.users:
             value = node.meta["fxfuse"]["value"]
             returned = isinstance(value, torch.Size) and any(u.op == "output" for u in node.users)
@@ -252,7 +253,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 or node.op == "call_module" and node.target == "_guards_fn" and not node.users):
             g.erase_node(node)  # torch.export's dtype/device/shape checks: the runtime guards those on every call
             continue
-        if matmul_as_linear(gm, node):
+        if fold_constant_slice(gm, node) or matmul_as_linear(gm, node):
             continue
         if split_layer(gm, node):
             continue

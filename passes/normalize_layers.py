@@ -13,6 +13,8 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
 from fxfuse.node_meta import fetch_attr, tensor_meta
 
 from .spellings import CONV_FUNCTIONS
@@ -304,4 +306,69 @@ def broadcast_drops_unit_view(node, is_pointwise) -> bool:
     if not all(u.op == "call_function" and is_pointwise(u.target) and other_rank(u) >= rank for u in node.users):
         return False
     node.replace_all_uses_with(base)
+    return True
+
+
+SLICING_METHODS = {"narrow", "select", "chunk", "split", "tensor_split", "unbind"}
+SLICING_FUNCTIONS = {torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
+                     aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.chunk.default,
+                     aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+
+
+def _selects_part(index) -> bool:
+    """A basic index that selects part of a tensor (`W[:16]`, `W[::2]`, `b[3]`, `W[:, :8]`):
+    slices, ints, None and ... only; not g[None] alone (unit_view_of_constant's form)."""
+    items = index if isinstance(index, tuple) else (index,)
+    basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) and not isinstance(i, bool)
+                for i in items)
+    return basic and not _only_unit_indices(index) and all(
+        not isinstance(i, slice) or all(v is None or type(v) is int for v in (i.start, i.stop, i.step)) for i in items)
+
+
+def fold_constant_slice(gm, node) -> bool:
+    """`F.linear(x, W[:16], b[:16])`, `w_q, w_kv = W.split([e, 2 * e])` (nn.MultiheadAttention's
+    packed projection for cross-attention), `W.chunk(3)[0]`: a part of a parameter or buffer
+    sliced in forward() becomes a constant of its own, registered as a view of the model's
+    tensor (the same storage, so in-place edits are seen as for the tensor itself). The Linear
+    passes then see a weight the model holds (a get_attr) instead of a weight computed in the
+    graph, which kept such layers library GEMMs with their bias and activation unfused."""
+    is_slicing = (node.op == "call_method" and node.target in SLICING_METHODS
+                  or node.op == "call_function" and node.target in SLICING_FUNCTIONS
+                  or node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
+                  and _selects_part(node.args[1]))
+    if not is_slicing or not node.args or not isinstance(node.args[0], torch.fx.Node) \
+            or node.args[0].op != "get_attr" or any(isinstance(a, torch.fx.Node) for a in node.args[1:]) \
+            or any(isinstance(a, torch.fx.Node) for a in node.kwargs.values()):
+        return False
+    base = fetch_attr(gm, node.args[0].target)
+    if not isinstance(base, torch.Tensor) or not base.dtype.is_floating_point or base.device.type == "meta":
+        return False
+    call = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+    try:
+        with torch.no_grad():
+            part = call(base, *node.args[1:], **node.kwargs)
+    except Exception:   # noqa: BLE001 -- an index eager would refuse: left for the graph to raise
+        return False
+    parts = part if isinstance(part, (tuple, list)) else None
+    if parts is None:
+        return _replace_by_view(gm, node, node, part)
+    users = list(node.users)
+    if not all(u.op == "call_function" and u.target is operator.getitem and type(u.args[1]) is int
+               and -len(parts) <= u.args[1] < len(parts) for u in users):
+        return False   # the tuple itself is used (returned, unpacked by a call): left as it is
+    done = [_replace_by_view(gm, u, node, parts[u.args[1]]) for u in users]
+    if not node.users:
+        gm.graph.erase_node(node)
+    return any(done)
+
+
+def _replace_by_view(gm, node, source, part) -> bool:
+    """node -> a get_attr of `part`, a view of source's constant registered in gm."""
+    if not isinstance(part, torch.Tensor) or part._base is None:
+        return False   # a copy would not see in-place edits of the model's tensor
+    with gm.graph.inserting_before(node):
+        const = gm.graph.get_attr(register_constant(gm, f"{source.args[0].target}.part", part))
+    const.meta["tensor_meta"] = _extract_tensor_metadata(part)
+    node.replace_all_uses_with(const)
+    gm.graph.erase_node(node)
     return True

@@ -319,12 +319,12 @@ def test_a_huge_integer_tolerance_is_a_number():
 
 
 def convnext_block():   # the reference block: NHWC Linears, layer scale, permute back, residual
-    from benchmarks.gpu_zoo import ConvNeXtBlock
+    from benchmarks.blocks import ConvNeXtBlock
     return ConvNeXtBlock(8)
 
 
 def mixer_tokens():   # MLP-Mixer's token mixing: transpose, MLP over the tokens, transpose back
-    from benchmarks.gpu_zoo import MixerTokens
+    from benchmarks.blocks import MixerTokens
     return MixerTokens(6, 8)
 
 
