@@ -5,6 +5,7 @@ live in a real file and be imported from it; exec() of a string is not enough. K
 files across processes also lets a warm start skip code generation. Each entry is named by a
 hash of its source and of the versions that shaped it, so stale entries are never reused.
 """
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -15,6 +16,8 @@ import linecache
 import logging
 import os
 import pathlib
+import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -93,7 +96,7 @@ class KernelCache:
                 raise PermissionError(f"{path} is not writable")
         except OSError as e:
             # A read-only home or a full disk should cost warm starts, not the compile.
-            fallback = pathlib.Path(tempfile.mkdtemp(prefix="fxfuse-"))
+            fallback = _private_directory()
             logger.warning("kernel cache %s unusable (%s); using %s for this process", path, e, fallback)
             path = fallback
         self.directory = path
@@ -120,6 +123,8 @@ class KernelCache:
         path = self._path(key)
         text = _render(source)
         try:
+            if not stat.S_ISREG(path.stat().st_mode):   # a FIFO or a device would block the read
+                raise OSError("not a regular file")
             problem = _problem(path.read_bytes(), source)
         except OSError as e:
             problem = "missing" if isinstance(e, FileNotFoundError) else f"unreadable ({e})"
@@ -131,7 +136,13 @@ class KernelCache:
                 problem = f"failed to import ({type(e).__name__}: {e})"
         log = logger.debug if problem == "missing" else logger.warning
         log("kernel cache entry %s %s; writing it", path, problem)
-        self._write(path, text)
+        try:
+            self._write(path, text)
+        except OSError as e:   # the directory became unwritable, another user's folder, a directory
+            private = _private_directory() / path.parent.name / path.name   # at the entry's path:
+            logger.warning("kernel cache entry %s cannot be written (%s); using %s", path, e, private)
+            path = private                              # this process's own copy
+            self._write(path, text)
         try:
             return self._import(key, path, text)
         except Exception as e:
@@ -148,6 +159,7 @@ class KernelCache:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)   # mkstemp's 0600 would hide the entry from other users of the cache
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -167,6 +179,15 @@ class KernelCache:
             sys.modules.pop(name, None)
             raise
         return module
+
+
+@functools.lru_cache(maxsize=None)
+def _private_directory() -> pathlib.Path:
+    """One temporary directory per process for entries the cache directory cannot take,
+    removed when the process exits."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="fxfuse-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 _caches = {}

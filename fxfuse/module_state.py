@@ -64,14 +64,31 @@ for _register in ("register_module_parameter_registration_hook", "register_modul
 
 def structure(model: torch.nn.Module) -> list:
     """Every submodule's parameters, buffers and children, by identity: what a build baked in
-    (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale)."""
-    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()
+    (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale); and the
+    storage of each parameter and buffer: torch.nn.utils.prune.remove puts the same Parameter
+    back with its .data replaced, which no version counter sees (runtime compares this only
+    after a registration somewhere, so a plain `p.data = ...` stays unseen: documented)."""
+    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), _addresses(m)) for m in model.modules()
             if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: run as one opaque call
+
+
+def _addresses(m) -> tuple:
+    return tuple(_address(t) for t in (*m._parameters.values(), *m._buffers.values()))
+
+
+def _address(t):
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:   # a tensor subclass without storage
+        return None
 
 
 def structure_changed(saved: list) -> bool:
     return any(len(now) != len(then) or any(now.get(k, _MISSING) is not v for k, v in then.items())
-               for m, *dicts in saved for now, then in zip((m._parameters, m._buffers, m._modules), dicts))
+               for m, *dicts, _ in saved for now, then in zip((m._parameters, m._buffers, m._modules), dicts)) \
+        or any(_addresses(m) != addresses for m, *_, addresses in saved)
 
 
 def version(t: torch.Tensor) -> int | None:
@@ -357,9 +374,10 @@ def forward_hook_owner(model: torch.nn.Module) -> str | None:
     return None
 
 
-def share_memory(args) -> bool:
-    """Whether two tensor arguments share storage (opt(x, x), or two views of one tensor)."""
-    seen = set()
+def share_memory(args, taken=frozenset()) -> bool:
+    """Whether two tensor arguments share storage (opt(x, x), or two views of one tensor), or
+    one shares a storage of `taken` (the model's own tensors: opt(model.lin.weight))."""
+    seen = set(taken)
     for a in args:
         if isinstance(a, torch.Tensor) and a.numel():
             address = a.untyped_storage().data_ptr()
@@ -367,3 +385,9 @@ def share_memory(args) -> bool:
                 return True
             seen.add(address)
     return False
+
+
+def storages(tensors) -> frozenset:
+    """The storage addresses of tensors (for share_memory's `taken`)."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors
+                     if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta")

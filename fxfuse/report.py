@@ -34,7 +34,8 @@ def _call_text(node) -> str:
     if node.op == "call_module":
         return f"self.{node.target}({args})"
     if node.op == "call_method":
-        return f"{_arg(node.args[0])}.{node.target}({', '.join(_arg(a) for a in node.args[1:])})"
+        rest = [_arg(a) for a in node.args[1:]] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+        return f"{_arg(node.args[0])}.{node.target}({', '.join(rest)})"
     if node.op == "get_attr":
         return _attr_path(node.target)
     return f"{_function_name(node.target)}({args})"

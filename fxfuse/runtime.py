@@ -49,8 +49,8 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording
-from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, structure,
-                           structure_changed, version)
+from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, storages,
+                           structure, structure_changed, version)
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
@@ -61,6 +61,15 @@ def _moved(watched: tuple) -> bool:
         if t._version != seen:
             return True
     return False
+
+
+INFERENCE_COPIES = (
+    "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
+    "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "
+    "created or loaded under torch.inference_mode()): torch keeps no version counter for them, so an "
+    "in-place edit after optimize() (p.copy_(...), p.mul_(...)) is not seen and the copies go stale. "
+    "load_state_dict() and assigning a new parameter are seen; after other edits, call fxfuse.optimize again "
+    "(or create the model outside inference mode)")
 
 
 # One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide
@@ -142,6 +151,7 @@ class OptimizedModule(torch.nn.Module):
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
+        self._model_storages = frozenset()  # then: the storages of the model's parameters and buffers
         self._grad = GradRecording(model)  # what the builds' probes found about autograd, and the rule
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
@@ -195,7 +205,7 @@ class OptimizedModule(torch.nn.Module):
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
         self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
-        self._children = tuple(m._modules for m, _, _, children in self._structure if children)   # live dicts
+        self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
         self._child_counts = sum(map(len, self._children))
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
             + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
@@ -262,6 +272,8 @@ class OptimizedModule(torch.nn.Module):
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
+        if self._writes_in_place:   # an input that is one of them must not be written under a copy's reader
+            self._model_storages = storages((*self.original.parameters(), *self.original.buffers()))
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}))
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
@@ -281,6 +293,8 @@ class OptimizedModule(torch.nn.Module):
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
         # the temporary tensors in the model after the call
+        if any(version(t) is None for t in gm.meta.get("fxfuse_copied", ())):
+            self._warn_once("inference-copies", INFERENCE_COPIES)
         if gm.meta.get("fxfuse_warning"):   # once per OptimizedModule, not per specialization
             self._warn_once("no-cuda", gm.meta["fxfuse_warning"])
         return spec
@@ -312,6 +326,28 @@ class OptimizedModule(torch.nn.Module):
         if key not in self._warned:
             self._warned.add(key)
             warn(message)
+
+    def _positional_names(self) -> list:
+        try:
+            params = inspect.signature(self.original.forward).parameters.values()
+        except (TypeError, ValueError):
+            return []
+        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def _without_trailing_defaults(self, args: tuple) -> tuple:
+        """args without the trailing ones equal to forward()'s defaults (as _positional trims
+        keyword calls); only on a miss, never on the hot path."""
+        try:
+            params = list(inspect.signature(self.original.forward).parameters.values())
+        except (TypeError, ValueError):
+            return args
+        args = list(args)
+        while args and len(args) <= len(params) and params[len(args) - 1].kind in (
+                inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) \
+                and params[len(args) - 1].default is not inspect.Parameter.empty \
+                and same_default(args[-1], params[len(args) - 1].default):
+            args.pop()
+        return tuple(args)
 
     def _positional(self, args, kwargs):
         """args with keyword arguments bound into their positions of the original forward(), None
@@ -355,8 +391,10 @@ class OptimizedModule(torch.nn.Module):
         # trace of one (the guards cannot read proxies; another thread's trace: the call waits).
         # Here, not in __call__: opt.compile(), torch.compile(opt.forward), a parent calling
         # opt.forward and opt's own hooks (through nn.Module.__call__) come through forward too.
-        if dynamo_traces() or COMPILER._is_compiling_flag or FX_TRACE_STATE._is_fx_tracing_flag and (
-                BUILD_LOCK._is_owned() or holds_proxy(args, kwargs) or traced_in_this_thread()):
+        # Inside a build or a run in this thread (a parent's verify and grad probes, its original):
+        # the original too, so a parent's builds spend none of opt's specializations or warnings
+        if dynamo_traces() or COMPILER._is_compiling_flag or BUILD_LOCK._is_owned() or \
+                FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = self._positional(args, kwargs)
@@ -378,9 +416,10 @@ class OptimizedModule(torch.nn.Module):
                                       "dtypes it was built with, autocast would change them", args)
         if RemovableHandle.next_id != self._hook_ids_seen and self._hook_added():
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
-        if self._writes_in_place and share_memory(args):
-            return self._run_original("aliased", "two inputs share memory and the graph writes one in place "
-                                      "(fusion assumed distinct inputs)", args)
+        if self._writes_in_place and share_memory(args, self._model_storages):
+            return self._run_original("aliased", "two inputs share memory, or an input is (a view of) a "
+                                      "parameter or buffer of the model, and the graph writes an input in "
+                                      "place (fusion assumed distinct tensors)", args)
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
@@ -432,6 +471,11 @@ class OptimizedModule(torch.nn.Module):
             return self._run_original(*self._failed_builds[sig], args)
         if self._positional(args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
+        trimmed = self._without_trailing_defaults(args)
+        if len(trimmed) < len(args):   # model(x, y, 1.0) with alpha=1.0 the default: model(x, y)
+            args, sig = trimmed, signature(trimmed)
+            if sig in self.specializations:
+                return self._run(self.specializations[sig], args)
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
             return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
                                       "ones run the original module without trying", args)
@@ -439,7 +483,7 @@ class OptimizedModule(torch.nn.Module):
         if rebuild:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
-            reason = describe_mismatch(next(iter(self.specializations)), sig)
+            reason = describe_mismatch(next(iter(self.specializations)), sig, self._positional_names())
             self.miss_count, self.last_miss = self.miss_count + 1, reason
             if len(self.misses) < MAX_MISSES_KEPT:
                 self.misses.append(reason)

@@ -58,9 +58,16 @@ def not_plain_tensor(a: torch.Tensor) -> str | None:
     return None
 
 
-def describe_mismatch(expected: tuple, got: tuple) -> str:
+def describe_mismatch(expected: tuple, got: tuple, names=()) -> str:
+    """The first difference between two signatures in words; `names` are forward()'s
+    positional parameter names, for an argument one side lacks."""
     if len(expected) != len(got):
-        return f"expected {len(expected)} inputs, got {len(got)}"
+        k = min(len(expected), len(got))
+        name = f" ({names[k]})" if k < len(names) else ""
+        if len(got) > len(expected):
+            return (f"input {k}{name} is {_described(got[k])} where the specialization was built without it "
+                    "(forward()'s default)")
+        return f"input {k}{name} is not given where the specialization has {_described(expected[k])}"
     fields = ("shape", "dtype", "device", "stride", "requires_grad")
     for k, (e, g) in enumerate(zip(expected, got)):
         if e != g:

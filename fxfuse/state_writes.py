@@ -40,11 +40,30 @@ def _writes_in_place(n: torch.fx.Node):
         return n.args[0] if n.args else None
     if "out" in n.kwargs:
         return n.kwargs["out"]
+    if n.op == "call_function" and n.target in RENORMS:   # F.embedding(ids, W, max_norm=1.0) rescales W's rows
+        bound = dict(zip(RENORMS[n.target], n.args), **n.kwargs)
+        return bound.get("weight") if bound.get("max_norm") is not None else None
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" else ""
     in_place = isinstance(name, str) and ((name.endswith("_") and not name.startswith("_"))
                                           or (name.startswith("__i") and name.endswith("__")))
     if in_place or n.kwargs.get("inplace") is True:
         return n.args[0] if n.args else None
+    return None
+
+
+RENORMS = {   # functions whose max_norm renormalizes the looked-up rows of the weight in place
+    torch.nn.functional.embedding: ("input", "weight", "padding_idx", "max_norm"),
+    torch.nn.functional.embedding_bag: ("input", "weight", "offsets", "max_norm"),
+}
+
+
+def _module_writes(gm, n: torch.fx.Node) -> str | None:
+    """The parameter a called module writes: nn.Embedding(max_norm=...) / EmbeddingBag."""
+    if n.op != "call_module":
+        return None
+    mod = gm.get_submodule(n.target)
+    if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.max_norm is not None:
+        return f"{n.target}.weight"
     return None
 
 
@@ -68,7 +87,7 @@ def refuse_state_writes(gm: torch.fx.GraphModule) -> None:
     write, and module_state, which compares and restores buffers and tensor attributes by value
     (a scratch buffer written and reset in forward() passes), keeps no copy of the parameters."""
     for n in gm.graph.nodes:
-        target = _root_attribute(_writes_in_place(n))
+        target = _module_writes(gm, n) or _root_attribute(_writes_in_place(n))
         if target is not None and isinstance(fetch_attr(gm, target), torch.nn.Parameter):
             raise StateWriteError(f"forward() changes the module's state: node {n.name} writes into the parameter "
                                   f"{target} in place; fxfuse's graphs keep no state between calls, so the original "

@@ -13,7 +13,6 @@ eval-mode Dropout and Identity vanish; shape arithmetic (`x.size(0) * 2`) folds 
 the mutation, and otherwise stay as they are, so eager semantics hold either way.
 """
 import inspect
-import math
 import operator
 
 import torch
@@ -21,111 +20,20 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.ops import HALF_DTYPES, POINTWISE, cast, is_pointwise_target
+from fxfuse.ops import POINTWISE, cast, is_pointwise_target
 from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, keywords_to_positions,
                                matmul_as_linear, split_layer)
-from .spellings import (ACTIVATION_PARAMS, ARITH, ATEN_SPELLINGS, CONV_FUNCTIONS, DROPOUT_FUNCTIONS,
-                        DROPOUT_MODULES, EXPORT_ASSERTS, FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS,
-                        SHAPE_METHODS, Spelling, cast_target, masked_fill_is_where, masked_fill_layout)
+from .spellings import (ARITH, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
+                        FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
+                        cast_target, masked_fill_layout, spelling_of)
 
 aten = torch.ops.aten
 
 
-def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
-    """The Spelling row of a node, with module spellings bound to the module's attributes."""
-    if node.op == "call_function":
-        row = FUNCTION_SPELLINGS.get(node.target) or ATEN_SPELLINGS.get(node.target)
-        return row
-    if node.op == "call_method":
-        return METHOD_SPELLINGS.get(node.target)
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        for canon, (params, cls) in ACTIVATION_PARAMS.items():
-            if type(mod) is cls:
-                fixed = {p: getattr(mod, p) for p in params}
-                return Spelling(canon, ("input",), inplace=getattr(mod, "inplace", False), fixed=fixed)
-        if type(mod) in (nn.Hardtanh, nn.ReLU6):
-            return Spelling(torch.clamp, ("input",), inplace=mod.inplace,
-                            fixed={"min": float(mod.min_val), "max": float(mod.max_val)})
-    return None
-
-
-def _bind(row: Spelling, node: torch.fx.Node) -> dict | None:
-    names = row.names
-    if row.fixed.get("_where_method"):
-        names = ("input", "condition", "other")
-    if len(node.args) > len(names):
-        return None
-    bound = dict(zip(names, node.args))
-    for k, v in node.kwargs.items():
-        if k not in names or k in bound:
-            return None
-        bound[k] = v
-    bound.pop("inplace", None)
-    return {row.rename.get(k, k): v for k, v in bound.items()}
-
-
-def canonical_call(row: Spelling, node: torch.fx.Node):
-    """(target, args, kwargs) of the canonical form of a node, or None if it has none."""
-    bound = _bind(row, node)
-    if bound is None:
-        return None
-    params = {k: v for k, v in row.fixed.items() if not k.startswith("_")}
-    params.update(bound)
-    canon = row.canonical
-    op = POINTWISE[canon]
-    if canon is torch.where:
-        if {"condition", "input", "other"} - set(params):  # torch.where(cond) is nonzero(), not pointwise
-            return None
-        if row.fixed.get("_masked_fill") and not masked_fill_is_where(params["other"], params["input"]):
-            return None
-        return canon, (params["condition"], params["input"], params["other"]), {}
-    x = params.pop("input")
-    if op.nargs == 2:
-        other = params.pop("other")
-        if params.pop("rounding_mode", None) is not None:
-            return None
-        alpha = params.pop("alpha", 1)
-        if params:
-            return None
-        if row.fixed.get("_swap"):  # rsub(input, other, alpha) = other - alpha * input
-            x, other = other, x
-        if alpha != 1:
-            if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
-                return None
-            # kept as it is: in fp16/bf16 CUDA computes x + alpha * y in fp32 and rounds once (split,
-            # y * alpha would round to fp16 first, and may overflow); and eager scales y in the result's
-            # dtype (a uint8 y * 3 of its own would wrap around)
-            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in HALF_DTYPES
-                   for a in (x, other) if isinstance(a, torch.fx.Node)) or isinstance(other, torch.fx.Node) \
-                    and getattr(other.meta.get("tensor_meta"), "dtype", None) \
-                    != getattr(node.meta.get("tensor_meta"), "dtype", False):
-                return None
-            return ("alpha", canon), (x, other, alpha), {}
-        return canon, (x, other), {}
-    if canon is operator.pow:
-        e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one
-        dtype = getattr(x.meta.get("tensor_meta"), "dtype", None) if isinstance(x, torch.fx.Node) else None
-        if type(e) is float and dtype in (torch.float16, torch.bfloat16, torch.float32) and math.isfinite(e):
-            e = float(torch.tensor(e, dtype=dtype))   # CUDA's pow reads the exponent in the tensor's dtype:
-            #                                           2.0001 is 2.0 in fp16 ((-2) ** e is 4, not nan)
-        return (canon, (x, e), {}) if isinstance(e, (int, float)) and not params else None
-    if canon is torch.clamp:
-        lo, hi = params.get("min"), params.get("max")
-        if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
-            return "tensor_clamp", (x, lo, hi), {}
-        return canon, (x,), {"min": lo, "max": hi}  # ints stay ints: clamp(int tensor, 0, 6) is an int tensor
-    allowed = set(op.params)
-    if set(params) - allowed:
-        return None
-    if any(isinstance(v, torch.fx.Node) for v in params.values()):
-        return None
-    return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}
-
-
+CREATED = ("zeros", "ones", "full", "empty")
 FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
                    torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.softmax, F.softmax,
                    torch.log_softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.cat, torch.stack,
@@ -136,8 +44,14 @@ FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.ma
                    aten.matmul.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
                    aten.convolution.default, aten.softmax.int, aten._softmax.default,
                    aten.log_softmax.int, aten._log_softmax.default, aten.layer_norm.default,
-                   aten.group_norm.default, aten.cat.default, aten.stack.default, aten.clone.default}
-FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone"}
+                   aten.group_norm.default, aten.cat.default, aten.stack.default, aten.clone.default,
+                   # new tensors (an accumulator `acc = torch.zeros_like(x); acc.add_(y)`), torch's and aten's
+                   torch.zeros, torch.ones, torch.full, torch.empty, aten.zeros.default, aten.ones.default,
+                   aten.full.default, aten.empty.memory_format, *(getattr(torch, k + "_like") for k in CREATED),
+                   *(getattr(aten, k + "_like").default for k in CREATED),
+                   *(getattr(aten, "new_" + k).default for k in CREATED)}
+FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone", "new_zeros", "new_ones", "new_full",
+                 "new_empty"}
 
 
 def _produces_fresh_tensor(node) -> bool:
@@ -178,9 +92,9 @@ def _is_shape_value(node) -> bool:
         return True
     if node.op == "call_function" and node.target in (aten.sym_size.int, aten.sym_numel.default):
         return True
-    if node.op == "call_function" and node.target in ARITH:
-        return all(_is_shape_value(a) for a in node.all_input_nodes)
-    return False
+    if node.op == "call_function" and (node.target in ARITH or getattr(node.target, "__module__", None) == "math"):
+        return all(_is_shape_value(a) for a in node.all_input_nodes)   # math.sqrt(q.size(-1)): torch.fx
+    return False                                                       # records math's functions
 
 
 def _is_plain_number(arg) -> bool:

@@ -5,6 +5,7 @@ and the two spellings that need a node's metadata to decide (casts, masked_fill)
 Kept apart from the pass so that adding an op's spellings is an edit to tables, not to the
 rewriting logic in passes/normalize.py.
 """
+import math
 import operator
 from dataclasses import dataclass, field, replace
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.node_meta import fxfuse_meta, meta_tensor, single_tensor_meta
-from fxfuse.ops import keep_eager_layout
+from fxfuse.ops import HALF_DTYPES, POINTWISE, keep_eager_layout
 
 aten = torch.ops.aten
 
@@ -100,6 +101,7 @@ def _build_function_spellings() -> dict:
     table[torch.pow] = Spelling(operator.pow, ("input", "exponent"))
     table[operator.pow] = Spelling(operator.pow, ("input", "exponent"))
     table[torch.square] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
+    table[operator.abs] = Spelling(torch.abs, ("input",))   # the builtin abs(h)
     clamp = ("input", "min", "max")
     for fn in (torch.clamp, torch.clip):
         table[fn] = Spelling(torch.clamp, clamp)
@@ -144,6 +146,7 @@ def _build_method_spellings() -> dict:
     table["pow"] = Spelling(operator.pow, ("input", "exponent"))
     table["pow_"] = Spelling(operator.pow, ("input", "exponent"), inplace=True)
     table["square"] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
+    table["square_"] = Spelling(operator.pow, ("input",), inplace=True, fixed={"exponent": 2})
     for name in ("clamp", "clip"):
         table[name] = Spelling(torch.clamp, ("input", "min", "max"))
         table[name + "_"] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
@@ -192,6 +195,18 @@ def _build_aten_spellings() -> dict:
     table[aten.clamp_min.default] = Spelling(torch.clamp, ("input", "min"))
     table[aten.clamp_max.default] = Spelling(torch.clamp, ("input", "max"))
     table[aten.square.default] = Spelling(operator.pow, ("input",), fixed={"exponent": 2})
+    optional = (   # (packet, overload, row): not every torch names them all
+        ("square_", "default", Spelling(operator.pow, ("input",), inplace=True, fixed={"exponent": 2})),
+        ("relu6_", "default", Spelling(torch.clamp, ("input",), inplace=True, fixed={"min": 0.0, "max": 6.0})),
+        ("pow_", "Scalar", Spelling(operator.pow, ("input", "exponent"), inplace=True)),
+        ("masked_fill_", "Scalar", MASKED_FILL_), ("masked_fill_", "Tensor", MASKED_FILL_),
+        ("clamp", "Tensor", Spelling(torch.clamp, ("input", "min", "max"))),
+        ("clamp_", "Tensor", Spelling(torch.clamp, ("input", "min", "max"), inplace=True)),
+        ("clamp_min", "Tensor", Spelling(torch.clamp, ("input", "min"))),
+        ("clamp_max", "Tensor", Spelling(torch.clamp, ("input", "max"))))
+    for name, overload, row in optional:
+        if hasattr(getattr(aten, name, None), overload):
+            table[getattr(getattr(aten, name), overload)] = row
     for overload in (aten.rsub.Scalar, aten.rsub.Tensor):
         table[overload] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
     for overload in (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
@@ -287,3 +302,98 @@ def cast_target(node):
     if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
         return node.kwargs["dtype"]
     return None
+
+
+def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """The Spelling row of a node, with module spellings bound to the module's attributes."""
+    if node.op == "call_function":
+        row = FUNCTION_SPELLINGS.get(node.target) or ATEN_SPELLINGS.get(node.target)
+        return row
+    if node.op == "call_method":
+        return METHOD_SPELLINGS.get(node.target)
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        for canon, (params, cls) in ACTIVATION_PARAMS.items():
+            if type(mod) is cls:
+                fixed = {p: getattr(mod, p) for p in params}
+                return Spelling(canon, ("input",), inplace=getattr(mod, "inplace", False), fixed=fixed)
+        if type(mod) in (nn.Hardtanh, nn.ReLU6):
+            return Spelling(torch.clamp, ("input",), inplace=mod.inplace,
+                            fixed={"min": float(mod.min_val), "max": float(mod.max_val)})
+    return None
+
+
+def _bind(row: Spelling, node: torch.fx.Node) -> dict | None:
+    names = row.names
+    if row.fixed.get("_where_method"):
+        names = ("input", "condition", "other")
+    if len(node.args) > len(names):
+        return None
+    bound = dict(zip(names, node.args))
+    for k, v in node.kwargs.items():
+        if k not in names or k in bound:
+            return None
+        bound[k] = v
+    bound.pop("inplace", None)
+    return {row.rename.get(k, k): v for k, v in bound.items()}
+
+
+def canonical_call(row: Spelling, node: torch.fx.Node):
+    """(target, args, kwargs) of the canonical form of a node, or None if it has none."""
+    bound = _bind(row, node)
+    if bound is None:
+        return None
+    params = {k: v for k, v in row.fixed.items() if not k.startswith("_")}
+    params.update(bound)
+    canon = row.canonical
+    op = POINTWISE[canon]
+    if canon is torch.where:
+        if {"condition", "input", "other"} - set(params):  # torch.where(cond) is nonzero(), not pointwise
+            return None
+        if row.fixed.get("_masked_fill") and not masked_fill_is_where(params["other"], params["input"]):
+            return None
+        return canon, (params["condition"], params["input"], params["other"]), {}
+    x = params.pop("input")
+    if op.nargs == 2:
+        other = params.pop("other")
+        if params.pop("rounding_mode", None) is not None:
+            return None
+        alpha = params.pop("alpha", 1)
+        if params:
+            return None
+        if row.fixed.get("_swap"):  # rsub(input, other, alpha) = other - alpha * input
+            x, other = other, x
+        if alpha != 1:
+            if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
+                return None
+            # kept as it is: in fp16/bf16 CUDA computes x + alpha * y in fp32 and rounds once (split,
+            # y * alpha would round to fp16 first, and may overflow); and eager scales y in the result's
+            # dtype (a uint8 y * 3 of its own would wrap around)
+            if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in HALF_DTYPES
+                   for a in (x, other) if isinstance(a, torch.fx.Node)) or isinstance(other, torch.fx.Node) \
+                    and getattr(other.meta.get("tensor_meta"), "dtype", None) \
+                    != getattr(node.meta.get("tensor_meta"), "dtype", False):
+                return None
+            return ("alpha", canon), (x, other, alpha), {}
+        return canon, (x, other), {}
+    dtype = getattr(x.meta.get("tensor_meta"), "dtype", None) if isinstance(x, torch.fx.Node) else None
+    if canon in (F.hardshrink, F.softshrink, F.threshold) and dtype in HALF_DTYPES:   # CUDA reads them in
+        params = {k: float(torch.tensor(v, dtype=dtype)) if type(v) is float else v   # x's dtype: fp16(0.3)
+                  for k, v in params.items()}                                         # is 0.30005
+    if canon is operator.pow:
+        e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one
+        if type(e) is float and dtype in (torch.float16, torch.bfloat16, torch.float32) and math.isfinite(e):
+            e = float(torch.tensor(e, dtype=dtype))   # CUDA's pow reads the exponent in the tensor's dtype:
+            #                                           2.0001 is 2.0 in fp16 ((-2) ** e is 4, not nan)
+        return (canon, (x, e), {}) if isinstance(e, (int, float)) and not params else None
+    if canon is torch.clamp:
+        lo, hi = params.get("min"), params.get("max")
+        if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
+            return "tensor_clamp", (x, lo, hi), {}
+        return canon, (x,), {"min": lo, "max": hi}  # ints stay ints: clamp(int tensor, 0, 6) is an int tensor
+    allowed = set(op.params)
+    if set(params) - allowed:
+        return None
+    if any(isinstance(v, torch.fx.Node) for v in params.values()):
+        return None
+    return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}

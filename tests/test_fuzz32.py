@@ -101,3 +101,210 @@ def test_slices_keep_eager_semantics_where_they_are_no_weight():
         for a, b in zip(_outputs(opt, (x,)), _outputs(model, (x,))):
             torch.testing.assert_close(a, b)
             assert a.stride() == b.stride()
+
+
+def _bn_block():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(13, 13), nn.BatchNorm1d(13), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2)
+    return model
+
+
+def test_a_parent_build_spends_none_of_an_optimized_childs_specializations(recwarn):
+    """The parent's verify and grad probes called the child OptimizedModule, which built two
+    unused specializations per parent build; at the parent's 5th shape came the child's
+    "all 8 specializations are in use" warning (a strict child raised GuardError)."""
+    class Parent(nn.Module):
+        def __init__(self, child):
+            super().__init__()
+            self.child, self.head = child, nn.Linear(13, 3)
+
+        def forward(self, x):
+            return torch.sigmoid(self.head(torch.relu(self.child(x))))
+    child = _bn_block()
+    opt_child = fxfuse.optimize(child, torch.randn(5, 13), strict=True)
+    parent = Parent(opt_child).eval()
+    opt = fxfuse.optimize(parent, torch.randn(5, 13))
+    for batch in (2, 3, 4, 6, 7, 9):
+        x = torch.randn(batch, 13)
+        with torch.no_grad():
+            want = torch.sigmoid(parent.head(torch.relu(child(x))))   # not through opt_child
+        torch.testing.assert_close(_outputs(opt, (x,))[0], want)
+    assert len(opt_child.specializations) == 1 and len(opt.specializations) == 7
+    assert not [w for w in recwarn if "fxfuse" in str(w.message)]
+
+
+def test_an_input_that_is_a_weight_written_in_place_runs_the_original():
+    """forward() writes its input, and the input is the weight BatchNorm was folded into: eager
+    computes with the written weight, the graph read its folded copy."""
+    class WritesInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = _bn_block()
+
+        def forward(self, x):
+            x.add_(1)
+            return self.block(x)
+    model = WritesInput().eval()
+    twin = WritesInput().eval()
+    twin.load_state_dict(model.state_dict())
+    opt = fxfuse.optimize(model, torch.randn(13, 13))
+    with pytest.warns(fxfuse.FxfuseWarning, match="parameter or buffer of the model"):
+        got = _outputs(opt, (model.block[0].weight,))[0]
+    want = _outputs(twin, (twin.block[0].weight,))[0]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(model.block[0].weight, twin.block[0].weight)
+
+
+def test_copies_of_inference_tensors_are_announced_once():
+    with torch.inference_mode():
+        model = _bn_block()
+    x = torch.randn(5, 13)
+    with pytest.warns(fxfuse.FxfuseWarning, match="inference tensors") as seen:
+        opt = fxfuse.optimize(model, x)
+        with torch.inference_mode():
+            opt(torch.randn(7, 13))     # a second build: no second warning
+    assert len([w for w in seen if "inference tensors" in str(w.message)]) == 1
+    assert len(opt.specializations) == 2
+
+
+def test_prune_remove_is_seen():
+    """prune.remove puts the same Parameter back with its .data replaced: no version counter
+    moves, but the registration it makes has the storages compared."""
+    from torch.nn.utils import prune
+    model, x = _bn_block(), torch.randn(5, 13)
+    opt = fxfuse.optimize(model, x)
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    with pytest.warns(fxfuse.FxfuseWarning, match="hook"):
+        _outputs(opt, (x,))                       # while pruned: a forward pre-hook, the original runs
+    prune.remove(model[0], "weight")
+    assert (model[0].weight == 0).sum() > 0
+    torch.testing.assert_close(_outputs(opt, (x,))[0], _outputs(model, (x,))[0])
+
+
+def test_a_positional_default_is_the_same_specialization_and_misses_name_the_argument():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x, y, alpha=1.0):
+            return torch.relu(self.lin(x) + alpha * y)
+    torch.manual_seed(0)
+    model, x, y = Scaled().eval(), torch.randn(3, 6), torch.randn(3, 6)
+    opt = fxfuse.optimize(model, (x, y), strict=True, max_specializations=1)
+    torch.testing.assert_close(_outputs(opt, (x, y, 1.0))[0], _outputs(model, (x, y))[0])
+    assert len(opt.specializations) == 1
+    with pytest.raises(fxfuse.GuardError, match=r"input 2 \(alpha\) is the float 2.0"):
+        _outputs(opt, (x, y, 2.0))
+
+
+@pytest.mark.parametrize("spelling", ["module", "functional"])
+def test_max_norm_embeddings_are_refused_before_anything_runs(spelling):
+    """max_norm rescales the looked-up rows of the weight in place: optimize() ran forward()
+    (verify, probes) before it refused, and left the rows rescaled."""
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.head = nn.Embedding(10, 6, max_norm=1.0), nn.Linear(6, 3)
+
+        def forward(self, ids):
+            h = self.e(ids) if spelling == "module" else F.embedding(ids, self.e.weight, max_norm=1.0)
+            return self.head(h), F.linear(h, self.e.weight)
+    torch.manual_seed(0)
+    model = Table().eval()
+    with torch.no_grad():
+        model.e.weight.mul_(5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(fxfuse.FxfuseWarning, match="e.weight in place"):
+        assert fxfuse.optimize(model, torch.randint(0, 10, (2, 4))) is model
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("make", ["torch.zeros_like(x)", "x.new_zeros(x.shape)", "torch.zeros(x.shape)"])
+def test_an_accumulator_created_from_x_leaves_x_unwritten(make):
+    """`acc = torch.zeros_like(x); acc.add_(...)` made x look written in place: the ops reading
+    x were not fused ("may alias a value an in-place op writes")."""
+    class Accumulates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            acc = eval(make)
+            h = torch.sigmoid(x) * 2 + x
+            acc.add_(F.gelu(self.a(x)))
+            acc.mul_(0.5)
+            return F.relu(self.b(h)) + acc
+    torch.manual_seed(0)
+    model, x = Accumulates().eval(), torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x, strict=True, verify=False)
+    assert "may alias" not in fxfuse.explain(opt) and fxfuse.stats(opt)["fused_kernels"] == 2
+    torch.testing.assert_close(_outputs(opt, (x,))[0], _outputs(model, (x,))[0])
+
+
+def test_math_of_sizes_folds_into_the_kernel_and_explain_keeps_keywords():
+    import math
+
+    class Scores(nn.Module):
+        def forward(self, q, k):
+            a, b = q.split(4, dim=-1)
+            s = (a @ b.transpose(-1, -2)) / math.sqrt(a.size(-1))
+            return torch.relu(s) * math.log(k.shape[0] + 1) + k.mean(-1, keepdim=True)
+    model = Scores().eval()
+    q, k = torch.randn(2, 5, 8), torch.randn(2, 5, 5)
+    opt = fxfuse.optimize(model, (q, k), strict=True)
+    report = fxfuse.explain(opt)
+    assert "sqrt" not in report and "split(4, dim=-1)" in report and "keepdim=True" in report
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    torch.testing.assert_close(_outputs(opt, (q, k))[0], _outputs(model, (q, k))[0])
+    q, k = torch.randn(3, 5, 8), torch.randn(3, 5, 5)   # another batch: the log's value follows it
+    torch.testing.assert_close(_outputs(opt, (q, k))[0], _outputs(model, (q, k))[0])
+
+
+SPELLINGS = {
+    "abs(h) builtin": lambda s, h: abs(h * 2) + 1,
+    "h.square_()": lambda s, h: (h * 2).square_() + 1,
+    "clamp(min=tensor)": lambda s, h: (h * 2).clamp(min=s.lo) + 1,
+    "clamp_(min=tensor)": lambda s, h: (h * 2).clamp_(min=s.lo) + 1,
+    "clamp_max(tensor)": lambda s, h: torch.clamp_max(h * 2, s.lo) + 1,
+    "pow_(2)": lambda s, h: (h * 2).pow_(2) + 1,
+    "masked_fill_": lambda s, h: (h * 2).masked_fill_(h > 0, 0.5) + 1,
+    "relu6(inplace)": lambda s, h: F.relu6(h * 2, inplace=True) + 1,
+}
+
+
+@pytest.mark.parametrize("path", ["symbolic_trace", "export"])
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_more_spellings_fuse_on_both_trace_paths(name, path):
+    """fuzz32b: these stayed library calls, each splitting its pointwise chain in two."""
+    class Sym(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("lo", torch.randn(32) - 0.5)
+
+        def forward(self, x):
+            return SPELLINGS[name](self, x)
+
+    class Exported(Sym):   # *xs: only torch.export traces it, and its graph spells aten overloads
+        def forward(self, *xs):
+            return SPELLINGS[name](self, *xs)
+    torch.manual_seed(0)
+    model, x = (Sym if path == "symbolic_trace" else Exported)().eval(), torch.randn(5, 32)
+    opt = fxfuse.optimize(model, x, strict=True, verify=False)
+    stats = fxfuse.stats(opt)
+    assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0), fxfuse.explain(opt)
+    fresh = torch.randn(5, 32)
+    torch.testing.assert_close(_outputs(opt, (fresh,))[0], _outputs(model, (fresh,))[0])
+
+
+def test_fp16_hardshrink_reads_lambd_in_fp16():
+    """eager rounds lambd to the tensor's dtype (fp16(0.3) = 0.30005) before comparing: an input
+    of exactly 0.30005 becomes 0 there, and was kept by the kernel."""
+    model = nn.Sequential(nn.Hardshrink(0.3)).eval()
+    x = torch.tensor([[0.300048828125, -0.300048828125, 0.2998046875, 0.5]], dtype=torch.float16).repeat(3, 1)
+    opt = fxfuse.optimize(model, torch.randn(3, 4, dtype=torch.float16), strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert torch.equal(_outputs(opt, (x,))[0], _outputs(model, (x,))[0])

@@ -332,3 +332,17 @@ def test_pow_exponents_as_cuda_eager_reads_them(dtype, exponent):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     with torch.no_grad():
         torch.testing.assert_close(opt(special), model(special), equal_nan=True)
+
+
+@pytest.mark.parametrize("module", [nn.Hardshrink(0.3), nn.Softshrink(0.3), nn.Threshold(0.3, 0.1)],
+                         ids=["hardshrink", "softshrink", "threshold"])
+def test_fp16_activation_parameters_are_read_in_fp16_as_cuda_reads_them(module):
+    """CUDA's kernels convert lambd / threshold / value to the tensor's dtype first: an input of
+    exactly fp16(0.3) = 0.30005 lies on the edge there, not above it."""
+    edge = [0.300048828125, -0.300048828125, 0.2998046875, 0.30029296875, 0.5, -2.0]
+    x = torch.tensor(edge, dtype=torch.float16, device="cuda").repeat(7, 1)
+    model = nn.Sequential(module).eval()
+    opt = fxfuse.optimize(model, torch.randn(7, 6, dtype=torch.float16, device="cuda"), strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        assert torch.equal(opt(x), model(x))

@@ -177,6 +177,7 @@ def test_default_cache_honors_env(tmp_path, monkeypatch):
 
 def test_unwritable_directory_falls_back_to_temp(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # keep the fallback dir inside tmp_path
+    kernel_cache._private_directory.cache_clear()
     monkeypatch.setattr(kernel_cache.os, "access", lambda *a, **k: False)
     with caplog.at_level(logging.WARNING, logger="fxfuse"):
         cache = KernelCache(tmp_path / "ro")
@@ -185,6 +186,41 @@ def test_unwritable_directory_falls_back_to_temp(tmp_path, monkeypatch, caplog):
     assert cache.directory.parent == tmp_path
     monkeypatch.undo()
     _check_kernel(cache.load(KERNEL_SRC, "add_kernel"))
+
+
+@pytest.mark.parametrize("blocker", ["fifo", "directory", "unwritable"])
+def test_an_entry_that_cannot_be_read_or_written_goes_to_a_private_copy(tmp_path, monkeypatch, blocker):
+    """A FIFO at the entry's path blocked the read forever; a directory there, or a folder that
+    became unwritable (another user's, a full disk), raised from the kernel's first call."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    kernel_cache._private_directory.cache_clear()
+    cache = KernelCache(tmp_path / "cache")
+    path = cache.path_for(KERNEL_SRC)
+    path.parent.mkdir(parents=True)
+    if blocker == "fifo":
+        os.mkfifo(path)
+    elif blocker == "directory":
+        path.mkdir()
+    else:
+        write = KernelCache._write
+
+        def refuse_the_cache(target, text):
+            if target.is_relative_to(tmp_path / "cache"):
+                raise PermissionError(13, "Permission denied", str(target))
+            write(target, text)
+        monkeypatch.setattr(KernelCache, "_write", staticmethod(refuse_the_cache))
+    _check_kernel(cache.load(KERNEL_SRC, "add_kernel"))
+    if blocker == "fifo":   # replaced by the entry
+        _assert_valid_entry(path)
+    else:
+        assert any((tmp_path / "tmp").rglob(path.name))
+
+
+def test_entries_are_readable_by_other_users_of_the_cache(tmp_path):
+    cache = KernelCache(tmp_path)
+    cache.load(KERNEL_SRC, "add_kernel")
+    assert cache.path_for(KERNEL_SRC).stat().st_mode & 0o777 == 0o644
 
 
 def test_key_depends_on_source_and_versions(monkeypatch):
