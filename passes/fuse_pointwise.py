@@ -16,7 +16,7 @@ import torch.fx
 
 from fxfuse.ir import IndexMap, IRBuilder
 from fxfuse.kernel import FusedKernel
-from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
+from fxfuse.ops import FLOAT_DTYPES, POINTWISE, PointwiseOp, as_layout, is_pointwise_target
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 from .normalize import _reads_without_alias
@@ -27,6 +27,17 @@ UNSUPPORTED_INPUT_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 
 def _meta(node):
     return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+
+
+# as_layout (eager's strides restored after a rewrite that writes others) joins a group as the
+# identity: the kernel stores each output in its node's strides, so a group ending in it writes
+# eager's layout itself, where the copy used to be a kernel of its own. Only here: its stride
+# argument belongs to its shape, so the passes that move ops across views must not see it.
+LAYOUT = PointwiseOp("as_layout", as_layout, 1, lambda a, stride: a, ("stride",), False, {})
+
+
+def _op_of(target):
+    return LAYOUT if target is as_layout else POINTWISE.get(target) if is_pointwise_target(target) else None
 
 
 def broadcast_shapes(*shapes) -> tuple:
@@ -45,9 +56,9 @@ def broadcast_shapes(*shapes) -> tuple:
 
 def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
     """None if node can join a fused kernel, else the reason (shown by explain)."""
-    if node.op != "call_function" or not is_pointwise_target(node.target):
+    op = _op_of(node.target) if node.op == "call_function" else None
+    if op is None:
         return "not a pointwise op"
-    op = POINTWISE[node.target]
     meta = _meta(node)
     if not hasattr(meta, "shape"):
         return "output is not a single tensor"
@@ -55,6 +66,8 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
         return f"output dtype {meta.dtype} is computed by the library"
     if meta.shape.numel() == 0:
         return "empty tensor"
+    if op is LAYOUT and not _is_dense(meta.shape, meta.stride):
+        return "eager's layout there is not dense (the kernel stores dense layouts only)"
     operands, params = node.args[:op.nargs], list(node.args[op.nargs:]) + list(node.kwargs.values())
     if any(isinstance(p, torch.fx.Node) for p in params):
         return "a parameter of the op is a tensor"
@@ -300,7 +313,7 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         reason = why_not_fusible(node, mutated)
         if reason is None:
             fusible.add(node)
-        elif node.op == "call_function" and is_pointwise_target(node.target):
+        elif node.op == "call_function" and _op_of(node.target) is not None:
             fxfuse_meta(node)["decision"] = f"not fused: {reason}"
     grouping = Grouping(g, fusible)
     for before, after in write_order_edges(gm, writes):
@@ -372,7 +385,7 @@ def build_fused_kernel(gm, members, use_kernels: bool):
         b.add_input(_meta(a).dtype)
     value = {}
     for m in members:
-        op = POINTWISE[m.target]
+        op = _op_of(m.target)
         args = []
         for a in m.args[:op.nargs]:
             if isinstance(a, torch.fx.Node) and a in inside:
@@ -382,6 +395,9 @@ def build_fused_kernel(gm, members, use_kernels: bool):
                 args.append(b.load(inputs.index(a), IndexMap.broadcast(meta.shape, meta.stride, shape)))
             else:
                 args.append(b.const(a))
+        if op is LAYOUT:
+            value[m] = args[0]
+            continue
         args = _round_operands(b, m, args)
         params = dict(zip(op.params, m.args[op.nargs:]))
         params.update(m.kwargs)
@@ -394,7 +410,7 @@ def build_fused_kernel(gm, members, use_kernels: bool):
         b.store(value[out], meta.dtype, strides=meta.stride if _is_dense(meta.shape, meta.stride) else None)
     reference = _reference_module(members, inputs, outputs)
     input_meta = tuple((tuple(_meta(a).shape), tuple(_meta(a).stride), _meta(a).dtype) for a in inputs)
-    described = tuple(f"{m.name}={POINTWISE[m.target].name}" for m in members)
+    described = tuple(f"{m.name}={_op_of(m.target).name}" for m in members)
     return inputs, outputs, FusedKernel(b.build(), reference, input_meta, described, use_kernels)
 
 

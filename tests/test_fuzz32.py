@@ -308,3 +308,35 @@ def test_fp16_hardshrink_reads_lambd_in_fp16():
     opt = fxfuse.optimize(model, torch.randn(3, 4, dtype=torch.float16), strict=True, verify=False)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert torch.equal(_outputs(opt, (x,))[0], _outputs(model, (x,))[0])
+
+
+class MaskedTransposed(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x.t())
+        return (y.masked_fill(y > 1, 0.5) * 2 + 1).view(-1)
+
+
+class NormTransposed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        return (torch.relu(self.bn(torch.sigmoid(x).t())) + 1).view(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls,kernels", [(MaskedTransposed, 1), (NormTransposed, 2)])
+def test_eager_layout_is_written_by_the_fused_kernel_itself(cls, kernels, dtype):
+    """review31 #4: the copy restoring eager's strides after masked_fill or BatchNorm over a
+    transposed tensor was a kernel of its own, splitting the group; `.view()` needs that layout."""
+    torch.manual_seed(0)
+    model, x = cls().eval().to(dtype), torch.randn(6, 5, dtype=dtype)
+    opt = fxfuse.optimize(model, x, strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == kernels
+    fresh = torch.randn(6, 5, dtype=dtype)
+    torch.testing.assert_close(_outputs(opt, (fresh,))[0], _outputs(model, (fresh,))[0],
+                               **({"rtol": 2e-3, "atol": 4e-3} if dtype == torch.float16 else {}))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import fxfuse
 
+from fxfuse.kernel import FusedKernel
 from fxfuse.ops import as_layout
 
 
@@ -28,8 +29,12 @@ class TransposedResidual(nn.Module):
 
 
 def _graph_targets(opt):
+    """Every node's target, and as_layout where a fused kernel took it as a member (the kernel
+    then writes eager's layout itself)."""
     spec = next(iter(opt.specializations.values()))
-    return [n.target for n in spec.gm.graph.nodes]
+    kernels = [m for m in spec.gm.modules() if isinstance(m, FusedKernel)]
+    return [n.target for n in spec.gm.graph.nodes] + [as_layout for k in kernels
+                                                      if any(d.endswith("=as_layout") for d in k.members)]
 
 
 @pytest.mark.parametrize("view", [True, False])
