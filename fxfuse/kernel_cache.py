@@ -159,7 +159,8 @@ class KernelCache:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)   # mkstemp's 0600 would hide the entry from other users of the cache
+            with contextlib.suppress(OSError):   # a filesystem without POSIX modes: the entry as it is
+                os.chmod(tmp, 0o644)   # mkstemp's 0600 would hide the entry from other users of the cache
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -21,6 +21,8 @@ import dataclasses
 import dis
 import functools
 import inspect
+import random
+import sys
 import types
 
 import torch
@@ -81,7 +83,7 @@ def _address(t):
         return None
     try:
         return t.data_ptr()
-    except RuntimeError:   # a tensor subclass without storage
+    except (RuntimeError, ValueError):   # a tensor subclass without storage, an UninitializedParameter
         return None
 
 
@@ -338,24 +340,63 @@ def _cached(m: torch.nn.Module, k: str) -> bool:
 
 @contextlib.contextmanager
 def kept_state(model: torch.nn.Module):
-    """Run a build; afterwards the model is as before, and a forward() that changed it is refused."""
-    snapshot = _Snapshot(model)
+    """Run a build; afterwards the model and the random number streams are as before, and a
+    forward() that changed the model or drew from Python's random module is refused."""
+    snapshot, streams = _Snapshot(model), _RandomStreams()
     try:
         yield
     except Exception as e:   # the state, when changed, is the better reason (verification fails on it too)
-        changed = snapshot.restore()
+        changed = snapshot.restore() + streams.restore()
         if changed:
             raise _refusal(changed) from e
         raise
     except BaseException:
         snapshot.restore()
+        streams.restore()
         raise
-    changed = snapshot.restore()
+    changed = snapshot.restore() + streams.restore()
     if changed:
         raise _refusal(changed)
 
 
+class _RandomStreams:
+    """torch's, Python's and numpy's global random states. A build runs forward() several times
+    (trace, verify, probes): without this, optimize() would move the caller's streams (a seeded
+    run then draws other numbers than eager), and a draw from Python's `random` (a random flip at
+    test time) would be frozen into the graph as the value the trace drew. torch's random ops
+    are graph nodes that draw again on every call; Python's and numpy's are not: refused."""
+
+    def __init__(self):
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+
+    def restore(self) -> list:
+        """Put every stream back; the Python-side ones forward() moved, by name."""
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        moved = []
+        if random.getstate() != self.python:
+            moved.append("Python's random module")
+            random.setstate(self.python)
+        numpy = sys.modules.get("numpy")
+        if self.numpy is not None and _numpy_state_moved(numpy.random.get_state(), self.numpy):
+            moved.append("numpy.random")
+            numpy.random.set_state(self.numpy)
+        return [f"it draws from {m}, whose value a traced graph would keep" for m in moved]
+
+
+def _numpy_state_moved(now, before) -> bool:
+    return any((a != b).any() if hasattr(a, "any") else a != b for a, b in zip(now, before))
+
+
 def _refusal(changed: list) -> UnsupportedError:
+    if all(c.startswith("it draws from") for c in changed):
+        return UnsupportedError(f"forward() {' and '.join(c[3:] for c in changed)}; the original module runs")
     return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}); fxfuse's "
                             "graphs keep no state between calls, so the original module runs")
 
@@ -377,11 +418,11 @@ def forward_hook_owner(model: torch.nn.Module) -> str | None:
 def share_memory(args, taken=frozenset()) -> bool:
     """Whether two tensor arguments share storage (opt(x, x), or two views of one tensor), or
     one shares a storage of `taken` (the model's own tensors: opt(model.lin.weight))."""
-    seen = set(taken)
+    seen = set()
     for a in args:
         if isinstance(a, torch.Tensor) and a.numel():
             address = a.untyped_storage().data_ptr()
-            if address in seen:
+            if address in seen or address in taken:
                 return True
             seen.add(address)
     return False

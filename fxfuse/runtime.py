@@ -76,6 +76,7 @@ INFERENCE_COPIES = (
 # (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
 # not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
 BUILD_LOCK = threading.RLock()
+BUILDING = [0]   # builds in progress (under BUILD_LOCK: the thread that owns it is the one building)
 UNBINDABLE = object()   # OptimizedModule._positional: the arguments do not bind to forward()
 
 
@@ -142,6 +143,7 @@ class OptimizedModule(torch.nn.Module):
         self.miss_count, self.last_miss = 0, None
         self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
+        self._trimmed: dict = {}           # signature with trailing defaults -> (its trimmed one, its length)
         self._warned: set = set()
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
@@ -267,7 +269,11 @@ class OptimizedModule(torch.nn.Module):
         first = not self.specializations
         self._flags = baked_settings()
         with BUILD_LOCK, _autocast_off():   # in the model's own dtypes; autocast calls run the original
-            gm = self._build(self.original, args, self.options)
+            BUILDING[0] += 1
+            try:
+                gm = self._build(self.original, args, self.options)
+            finally:
+                BUILDING[0] -= 1
         gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
@@ -314,6 +320,7 @@ class OptimizedModule(torch.nn.Module):
     def drop_specializations(self, reason: str) -> None:
         """Forget every specialization (the next call builds one from the current weights)."""
         self._failed_builds = {}   # the state changed: a build that failed may work now
+        self._trimmed = {}
         if not self.specializations:
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
@@ -391,9 +398,9 @@ class OptimizedModule(torch.nn.Module):
         # trace of one (the guards cannot read proxies; another thread's trace: the call waits).
         # Here, not in __call__: opt.compile(), torch.compile(opt.forward), a parent calling
         # opt.forward and opt's own hooks (through nn.Module.__call__) come through forward too.
-        # Inside a build or a run in this thread (a parent's verify and grad probes, its original):
-        # the original too, so a parent's builds spend none of opt's specializations or warnings
-        if dynamo_traces() or COMPILER._is_compiling_flag or BUILD_LOCK._is_owned() or \
+        # Inside a build in this thread (a parent's verify and grad probes): the original too, so a
+        # parent's builds spend none of opt's specializations or warnings
+        if dynamo_traces() or COMPILER._is_compiling_flag or BUILDING[0] and BUILD_LOCK._is_owned() or \
                 FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
@@ -449,6 +456,10 @@ class OptimizedModule(torch.nn.Module):
         # another thread may have built this signature, or taken the last slot, meanwhile
         with BUILD_LOCK:
             spec = self.specializations.get(sig)
+            if spec is None and sig in self._trimmed:   # model(x, 1.0) with 1.0 forward()'s default
+                short, length = self._trimmed[sig]
+                if short in self.specializations:
+                    return self._run(self.specializations[short], args[:length])
             return self._run(spec, args) if spec is not None else self._miss(sig, args)
 
     def _run(self, spec, args):
@@ -472,10 +483,14 @@ class OptimizedModule(torch.nn.Module):
         if self._positional(args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
         trimmed = self._without_trailing_defaults(args)
-        if len(trimmed) < len(args):   # model(x, y, 1.0) with alpha=1.0 the default: model(x, y)
-            args, sig = trimmed, signature(trimmed)
+        if len(trimmed) < len(args):   # model(x, y, 1.0) with alpha=1.0 the default: model(x, y), and the
+            full, args, sig = sig, trimmed, signature(trimmed)   # next such call finds it in forward
+            if len(self._trimmed) < MAX_MISSES_KEPT:
+                self._trimmed[full] = (sig, len(trimmed))
             if sig in self.specializations:
                 return self._run(self.specializations[sig], args)
+            if sig in self._failed_builds:
+                return self._run_original(*self._failed_builds[sig], args)
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
             return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
                                       "ones run the original module without trying", args)

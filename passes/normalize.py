@@ -59,8 +59,14 @@ def _produces_fresh_tensor(node) -> bool:
     if node.op == "call_method":   # x.clone(), x.matmul(w): new memory
         return node.target in FRESH_METHODS and "out" not in node.kwargs
     return node.op == "call_function" and "out" not in node.kwargs and (   # out=: the result IS `out`
-        (is_pointwise_target(node.target) and node.target is not cast)
+        (is_pointwise_target(node.target) and (node.target is not cast or _converts(node)))
         or node.target in FRESH_FUNCTIONS)
+
+
+def _converts(cast_node) -> bool:
+    """A cast to another dtype allocates (to() of the same dtype returns its input: an alias)."""
+    src = cast_node.args[0] if cast_node.args else None
+    return isinstance(src, torch.fx.Node) and _dtype_of(src) is not None and _dtype_of(src) != _dtype_of(cast_node)
 
 
 def _reads_without_alias(gm, user) -> bool:
@@ -132,8 +138,12 @@ def _is_detach(node) -> bool:
     of it, as in eager). torch.export wraps every tensor constant in detach_, which would
     otherwise count as an in-place op and keep everything it touches out of fusion."""
     if node.op == "call_method":
-        return node.target in ("detach", "detach_") and len(node.args) == 1 and not node.kwargs
-    return node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
+        cut = node.target in ("detach", "detach_") and len(node.args) == 1 and not node.kwargs
+    else:
+        cut = node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
+    source = node.args[0] if cut else None   # `return x.detach()` of an input or parameter: eager's
+    return cut and not (isinstance(source, torch.fx.Node) and source.op in ("placeholder", "get_attr")   # result
+                        and any(u.op == "output" for u in node.users))   # requires no grad where x does
 
 
 
@@ -248,9 +258,10 @@ def _is_impure(node) -> bool:
     return node.is_impure() or node.op in ("call_module", "call_method")
 
 
-# Tensor methods that only view or describe their operand: dead, they go (a W.t() whose
-# Linear became F.linear(x, W) was kept and counted as a library call)
-PURE_METHODS = VIEW_METHODS | {"contiguous", "size", "dim"}
+# Tensor methods that only view, describe or reduce their operand: dead, they go (a W.t() whose
+# Linear became F.linear(x, W) was kept and counted as a library call; a debug print's h.max().item())
+PURE_METHODS = VIEW_METHODS | {"contiguous", "size", "dim", "item", "tolist", "max", "min", "sum", "mean", "amax",
+                               "amin", "norm", "std", "var", "any", "all", "abs", "float", "double", "half"}
 
 
 def _inplace_flag(row: Spelling, node: torch.fx.Node) -> bool:

@@ -240,7 +240,7 @@ DROPOUT_FUNCTIONS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 
 SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
 SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
 ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
-         operator.mod, operator.getitem, operator.neg, operator.pow}
+         operator.mod, operator.getitem, operator.neg, operator.pow, operator.abs}
 CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 EXPORT_ASSERTS = {p.default for p in (getattr(aten, "_assert_tensor_metadata", None),) if p is not None}
 
@@ -307,8 +307,9 @@ def cast_target(node):
 def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """The Spelling row of a node, with module spellings bound to the module's attributes."""
     if node.op == "call_function":
-        row = FUNCTION_SPELLINGS.get(node.target) or ATEN_SPELLINGS.get(node.target)
-        return row
+        if node.target is operator.abs and not (node.args and single_tensor_meta(node.args[0]) is not None):
+            return None   # abs() of a number (a size the shape folding did not take) stays Python's
+        return FUNCTION_SPELLINGS.get(node.target) or ATEN_SPELLINGS.get(node.target)
     if node.op == "call_method":
         return METHOD_SPELLINGS.get(node.target)
     if node.op == "call_module":

@@ -208,7 +208,8 @@ def test_max_norm_embeddings_are_refused_before_anything_runs(spelling):
     class Table(nn.Module):
         def __init__(self):
             super().__init__()
-            self.e, self.head = nn.Embedding(10, 6, max_norm=1.0), nn.Linear(6, 3)
+            self.e = nn.Embedding(10, 6, max_norm=1.0 if spelling == "module" else None)
+            self.head = nn.Linear(6, 3)
 
         def forward(self, ids):
             h = self.e(ids) if spelling == "module" else F.embedding(ids, self.e.weight, max_norm=1.0)
@@ -218,7 +219,7 @@ def test_max_norm_embeddings_are_refused_before_anything_runs(spelling):
     with torch.no_grad():
         model.e.weight.mul_(5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.warns(fxfuse.FxfuseWarning, match="e.weight in place"):
+    with pytest.warns(fxfuse.FxfuseWarning, match="e has max_norm set" if spelling == "module" else "e.weight in place"):
         assert fxfuse.optimize(model, torch.randint(0, 10, (2, 4))) is model
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -288,14 +289,15 @@ def test_more_spellings_fuse_on_both_trace_paths(name, path):
         def forward(self, x):
             return SPELLINGS[name](self, x)
 
-    class Exported(Sym):   # *xs: only torch.export traces it, and its graph spells aten overloads
-        def forward(self, *xs):
-            return SPELLINGS[name](self, *xs)
+    class Exported(Sym):   # int(size) stops symbolic_trace: torch.export's graph spells aten overloads
+        def forward(self, x):
+            return SPELLINGS[name](self, x) * int(x.shape[0])
     torch.manual_seed(0)
     model, x = (Sym if path == "symbolic_trace" else Exported)().eval(), torch.randn(5, 32)
     opt = fxfuse.optimize(model, x, strict=True, verify=False)
-    stats = fxfuse.stats(opt)
+    stats, spec = fxfuse.stats(opt), next(iter(opt.specializations.values()))
     assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0), fxfuse.explain(opt)
+    assert ("export" in spec.gm.meta["fxfuse_trace"]["tracer"]) == (path == "export")
     fresh = torch.randn(5, 32)
     torch.testing.assert_close(_outputs(opt, (fresh,))[0], _outputs(model, (fresh,))[0])
 
@@ -340,3 +342,100 @@ def test_eager_layout_is_written_by_the_fused_kernel_itself(cls, kernels, dtype)
     fresh = torch.randn(6, 5, dtype=dtype)
     torch.testing.assert_close(_outputs(opt, (fresh,))[0], _outputs(model, (fresh,))[0],
                                **({"rtol": 2e-3, "atol": 4e-3} if dtype == torch.float16 else {}))
+
+
+def test_a_python_random_draw_in_forward_is_refused_and_no_stream_moves():
+    """A random flip at test time (`if random.random() < 0.5`) was frozen into the graph as the
+    trace's draw; and optimize() moved torch's and Python's streams (its forward runs)."""
+    import random
+
+    class Flip(nn.Module):
+        def __init__(self, flips):
+            super().__init__()
+            self.lin, self.flips = nn.Linear(4, 4), flips
+
+        def forward(self, x):
+            if self.flips and random.random() < 0.5:
+                x = x.flip(-1)
+            return torch.relu(self.lin(x)) + torch.rand_like(x) * 0   # a torch draw, in the graph
+    x = torch.randn(3, 4)
+    for flips in (True, False):
+        model = Flip(flips).eval()
+        torch.manual_seed(0)
+        random.seed(0)
+        if flips:
+            with pytest.warns(fxfuse.FxfuseWarning, match="draws from Python's random module"):
+                assert fxfuse.optimize(model, x) is model
+        else:
+            assert fxfuse.optimize(model, x, verify=False) is not model
+        drawn = torch.rand(3), random.random()
+        torch.manual_seed(0)
+        random.seed(0)
+        assert torch.equal(drawn[0], torch.rand(3)) and drawn[1] == random.random()
+
+
+def test_a_returned_detach_of_an_input_requires_no_grad_and_dead_debug_reads_go():
+    class Debug(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 5)
+
+        def forward(self, x):
+            h = torch.relu(self.lin(x))
+            print(h.max().item())        # a debug print: prints a Proxy once, at the trace
+            return h * 2, x.detach()
+    model, x = Debug().eval(), torch.randn(3, 5, requires_grad=True)
+    opt = fxfuse.optimize(model, x.detach(), strict=True)
+    report = fxfuse.explain(opt)
+    assert ".item()" not in report and ".max()" not in report
+    with torch.no_grad():
+        y, same = opt(x)
+    assert not same.requires_grad and torch.equal(same, x.detach())
+
+
+def test_abs_of_a_size_stays_a_number_and_a_default_given_again_runs_the_graph():
+    """review32: abs(x.size(0) - 5) became torch.abs(-2) (the model was refused); model(x, 1.0)
+    with 1.0 the default went through the miss path on every call."""
+    class Sized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, alpha=1.0):
+            return torch.relu(self.lin(x)) * abs(x.size(0) - 5) * alpha
+    model, x = Sized().eval(), torch.randn(3, 4)
+    opt = fxfuse.optimize(model, x, strict=True)
+    torch.testing.assert_close(_outputs(opt, (x, 1.0))[0], _outputs(model, (x,))[0])
+    runs = next(iter(opt.specializations.values())).calls
+    _outputs(opt, (x, 1.0))
+    assert next(iter(opt.specializations.values())).calls == runs + 1 and len(opt._trimmed) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_half_batchnorm_then_an_in_place_relu_and_residual_fuse(dtype):
+    """fuzz32g: in fp16 BatchNorm is an fp32 multiply-add cast back to fp16; the cast was not
+    known to allocate, so `ReLU(inplace=True)` and `out += identity` after it (ResNet's basic
+    block) stayed library calls: 7 of them instead of 2."""
+    class Basic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+            self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+            self.relu = nn.ReLU(inplace=True)
+            for bn in (self.bn1, self.bn2):
+                with torch.no_grad():
+                    bn.running_mean.normal_()
+                    bn.running_var.uniform_(0.5, 2)
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            out += x
+            return self.relu(out)
+    torch.manual_seed(0)
+    model, x = Basic().eval().to(dtype), torch.randn(2, 4, 5, 6, dtype=dtype)
+    opt = fxfuse.optimize(model, x, strict=True, verify=False)
+    assert fxfuse.stats(opt)["library_calls"] == 2 and fxfuse.stats(opt)["fused_kernels"] == 2
+    fresh = torch.randn(2, 4, 5, 6, dtype=dtype)
+    torch.testing.assert_close(_outputs(opt, (fresh,))[0], _outputs(model, (fresh,))[0],
+                               **({"rtol": 4e-3, "atol": 4e-3} if dtype == torch.float16 else {}))
