@@ -340,8 +340,8 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
     count = 0
     for head in units:
         members = sorted(grouping.members[head], key=order.get)
-        if head not in grouping.fusible:
-            env[head] = new.node_copy(head, lambda n: env[n])
+        if head not in grouping.fusible or all(m.target is as_layout for m in members):   # alone, as_layout
+            env[head] = new.node_copy(head, lambda n: env[n])   # copies only where strides differ at run time
             continue
         name = f"fused_{count}"
         while hasattr(gm, name):   # the model's own submodule may be called fused_0

@@ -439,3 +439,16 @@ def test_half_batchnorm_then_an_in_place_relu_and_residual_fuse(dtype):
     fresh = torch.randn(2, 4, 5, 6, dtype=dtype)
     torch.testing.assert_close(_outputs(opt, (fresh,))[0], _outputs(model, (fresh,))[0],
                                **({"rtol": 4e-3, "atol": 4e-3} if dtype == torch.float16 else {}))
+
+
+def test_an_as_layout_alone_stays_a_library_call():
+    """A group of as_layout alone would be a copy kernel on every call; the library op copies
+    only where the strides differ at run time (Strassen's padded suffix: 4 kernels, not 5)."""
+    from fxfuse.demo import seed_network
+    from fxfuse.ops import as_layout
+    torch.manual_seed(0)
+    model, x = seed_network(34, 3).eval(), torch.randn(30, 34)
+    opt = fxfuse.optimize(model, x, strict=True, strassen="force", strassen_levels=2)
+    spec = next(iter(opt.specializations.values()))
+    assert fxfuse.stats(opt)["fused_kernels"] == 4 and any(n.target is as_layout for n in spec.gm.graph.nodes)
+    torch.testing.assert_close(_outputs(opt, (x,))[0], _outputs(model, (x,))[0], rtol=1e-4, atol=1e-5)
