@@ -137,30 +137,33 @@ BEFORE = toolmod.Tool("fxfuse-spelled-before", "fxfuse before", build_before, de
                       private_copy=True)
 
 
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
 def build_no_skips(model, example):
     """fxfuse without skip tensors in the generated GEMM's epilogue (before 2026-11-26, stop 30)."""
     import fxfuse.gemm_kernel as gk
-    saved, gk.MAX_SKIPS = gk.MAX_SKIPS, 0
-    try:
+    with _patched(gk, "MAX_SKIPS", 0):
         return toolmod.build_fxfuse(model, example)
-    finally:
-        gk.MAX_SKIPS = saved
 
 
-NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
-                        private_copy=True)
 def build_no_hoist(model, example):
     """fxfuse without passes/hoist_permutes.py (before stop 31): the op under a permute keeps
     its own kernel instead of joining the residual add after the permute."""
     import fxfuse.passes.pipeline as pl
-    saved = pl.PIPELINE
-    pl.PIPELINE = [p for p in pl.PIPELINE if p[0] != "hoist_permutes"]
-    try:
+    with _patched(pl, "PIPELINE", [p for p in pl.PIPELINE if p[0] != "hoist_permutes"]):
         return toolmod.build_fxfuse(model, example)
-    finally:
-        pl.PIPELINE = saved
 
 
+NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
+                        private_copy=True)
 NO_HOIST = toolmod.Tool("fxfuse-no-hoist", "fxfuse no hoist", build_no_hoist, default=False, fxfuse=True,
                         private_copy=True)
 for _tool in (BEFORE, NO_SKIPS, NO_HOIST):
