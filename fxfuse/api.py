@@ -68,12 +68,6 @@ def _check_call_path(model, args: tuple) -> None:
     if lazy is not None:
         raise UnsupportedError(f"{lazy} is a lazy module whose parameters are not materialized yet: call the model "
                                "once on a real input before fxfuse.optimize")
-    renorm = next((name for name, m in model.named_modules()
-                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None), None)
-    if renorm is not None:   # before any trace: torch.export's would apply the rescaling once
-        raise UnsupportedError(f"forward() changes the module's state: {renorm} has max_norm set, so each call "
-                               "rescales the weight rows it looks up in place; fxfuse's graphs keep no state "
-                               "between calls, so the original module runs")
     owner = next(c for c in type(model).__mro__ if "__call__" in vars(c))
     if (owner.__module__ or "").startswith("torch.") or vars(owner)["__call__"] is torch.nn.Module.__call__:
         return   # torch's own (GraphModule's) only wrap nn.Module.__call__

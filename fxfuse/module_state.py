@@ -23,6 +23,7 @@ import functools
 import inspect
 import random
 import sys
+import threading
 import types
 
 import torch
@@ -262,7 +263,10 @@ class _Snapshot:
             tensors = {k: (v, v.detach().clone()) for kind, k, v in held if kind == "tensor"}
             containers = {k: (v, _contents(v)) for kind, k, v in held if kind == "container"}
             buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
-            params = {k: (p, version(p) if p is not None else None) for k, p in m._parameters.items()}
+            # by value only where torch's own forward writes them (max_norm rescales looked-up rows)
+            renorms = isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
+            params = {k: (p, version(p) if p is not None else None,
+                          p.detach().clone() if renorms and p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
@@ -286,7 +290,7 @@ class _Snapshot:
             for k, (t, saved) in tensors.items():
                 if not same_value(t, saved):
                     changed.append(f"{name}.{k}")
-                    with torch.no_grad(), torch.inference_mode(t.is_inference()):
+                    with torch.inference_mode(t.is_inference()), torch.no_grad():
                         t.copy_(saved)
             for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
                 if not k.startswith("_tensor_constant") and not _cached(m, k):   # torch.fx's own constants;
@@ -302,15 +306,19 @@ class _Snapshot:
                     m._buffers[k] = b
                 if b is not None and not same_value(b, saved):
                     changed.append(f"{name}.{k}")
-                    with torch.no_grad(), torch.inference_mode(b.is_inference()):
+                    with torch.inference_mode(b.is_inference()), torch.no_grad():
                         b.copy_(saved)
             for k in [k for k in m._buffers if k not in buffers]:
                 changed.append(f"{name}.{k}")
                 del m._buffers[k]
-            for k, (p, v) in params.items():
+            for k, (p, v, saved) in params.items():
                 if m._parameters.get(k) is not p or (p is not None and v is not None and version(p) != v):
                     changed.append(f"{name}.{k}")
                     m._parameters[k] = p
+                if saved is not None and not same_value(p, saved):
+                    changed.append(f"{name}.{k}")
+                    with torch.inference_mode(p.is_inference()), torch.no_grad():   # inference_mode(False)
+                        p.copy_(saved)                                              # turns grad on again
             if dict(m._modules) != modules or any(m._modules[k] is not v for k, v in modules.items()):
                 changed.append(f"{name} (submodules)")
                 m._modules.clear()
@@ -364,9 +372,14 @@ class _RandomStreams:
     (trace, verify, probes): without this, optimize() would move the caller's streams (a seeded
     run then draws other numbers than eager), and a draw from Python's `random` (a random flip at
     test time) would be frozen into the graph as the value the trace drew. torch's random ops
-    are graph nodes that draw again on every call; Python's and numpy's are not: refused."""
+    are graph nodes that draw again on every call; Python's and numpy's are not: refused.
+    Only while this is the process's one thread: the streams are the process's, and another
+    thread's draws would be rewound (repeated) and read as forward()'s."""
 
     def __init__(self):
+        self.alone = threading.active_count() == 1
+        if not self.alone:
+            return
         self.torch = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
             else None
@@ -376,6 +389,8 @@ class _RandomStreams:
 
     def restore(self) -> list:
         """Put every stream back; the Python-side ones forward() moved, by name."""
+        if not self.alone:
+            return []
         torch.set_rng_state(self.torch)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)

@@ -49,6 +49,8 @@ def keep_eager_layout(gm, node, eager_meta, produced_stride):
         fixed = gm.graph.call_function(as_layout, (node, stride))
     fixed.meta["tensor_meta"] = eager_meta
     fxfuse_meta(fixed)["note"] = "eager's memory layout restored (the rewrite writes another)"
+    if "device" in fxfuse_meta(node):   # fusion groups ops of one device: the kernel after it takes it
+        fxfuse_meta(fixed)["device"] = fxfuse_meta(node)["device"]
     for user in users:
         user.replace_input_with(node, fixed)
     return fixed
@@ -153,6 +155,7 @@ _TABLE = [
     _op("le", operator.le, 2, lambda a, b: f"({a} <= {b})", returns_bool=True),
     _op("eq", operator.eq, 2, lambda a, b: f"({a} == {b})", returns_bool=True),
     _op("ne", operator.ne, 2, lambda a, b: f"({a} != {b})", returns_bool=True),
+    _op("logical_not", torch.logical_not, 1, lambda a: f"({a} == 0)", returns_bool=True),   # ~mask of a bool
     # unary math
     _op("exp", torch.exp, 1, lambda a: f"tl.exp({a})"),
     _op("log", torch.log, 1, lambda a: f"tl.log({a})"),

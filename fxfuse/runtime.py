@@ -484,9 +484,10 @@ class OptimizedModule(torch.nn.Module):
             return self.original(*args)               # not a guard miss (nor its one warning)
         trimmed = self._without_trailing_defaults(args)
         if len(trimmed) < len(args):   # model(x, y, 1.0) with alpha=1.0 the default: model(x, y), and the
-            full, args, sig = sig, trimmed, signature(trimmed)   # next such call finds it in forward
-            if len(self._trimmed) < MAX_MISSES_KEPT:
-                self._trimmed[full] = (sig, len(trimmed))
+            full, args, sig, dropped = sig, trimmed, signature(trimmed), args[len(trimmed):]
+            if len(self._trimmed) < MAX_MISSES_KEPT and all(   # next such call finds it in forward; not
+                    isinstance(a, (bool, int, float, str, type(None))) for a in dropped):   # a tensor default:
+                self._trimmed[full] = (sig, len(trimmed))   # another tensor of its shape has the same signature
             if sig in self.specializations:
                 return self._run(self.specializations[sig], args)
             if sig in self._failed_builds:

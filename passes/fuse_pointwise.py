@@ -102,7 +102,8 @@ def comparison_dtype(node: torch.fx.Node) -> torch.dtype:
     def like(a):
         m = _meta(a) if isinstance(a, torch.fx.Node) else None
         return torch.empty((1,) * len(m.shape), dtype=m.dtype, device="meta") if m is not None else a
-    return torch.result_type(*[like(a) for a in node.args[:2]])
+    operands = [like(a) for a in node.args[:_op_of(node.target).nargs]]
+    return torch.result_type(*operands) if len(operands) == 2 else getattr(operands[0], "dtype", torch.float32)
 
 
 def _compares_wide_integers(node) -> bool:
@@ -340,8 +341,12 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
     count = 0
     for head in units:
         members = sorted(grouping.members[head], key=order.get)
-        if head not in grouping.fusible or all(m.target is as_layout for m in members):   # alone, as_layout
-            env[head] = new.node_copy(head, lambda n: env[n])   # copies only where strides differ at run time
+        if head not in grouping.fusible:
+            env[head] = new.node_copy(head, lambda n: env[n])
+            continue
+        if all(m.target is as_layout for m in members):   # only layouts: the library op copies only where
+            for m in members:                              # the strides differ at run time
+                env[m] = new.node_copy(m, lambda n: env[n])
             continue
         name = f"fused_{count}"
         while hasattr(gm, name):   # the model's own submodule may be called fused_0

@@ -142,8 +142,9 @@ def _is_detach(node) -> bool:
     else:
         cut = node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
     source = node.args[0] if cut else None   # `return x.detach()` of an input or parameter: eager's
-    return cut and not (isinstance(source, torch.fx.Node) and source.op in ("placeholder", "get_attr")   # result
-                        and any(u.op == "output" for u in node.users))   # requires no grad where x does
+    in_place = node.target in ("detach_", aten.detach_.default)   # result requires no grad where x does
+    return cut and (in_place or not (isinstance(source, torch.fx.Node) and source.op in ("placeholder", "get_attr")
+                                     and any(u.op == "output" for u in node.users)))
 
 
 

@@ -39,12 +39,15 @@ UNARY = {  # canonical target: function spellings (each also has methods `name` 
     torch.sigmoid: [torch.sigmoid, F.sigmoid, torch.special.expit], torch.tanh: [torch.tanh, F.tanh],
     F.silu: [F.silu], F.mish: [F.mish], F.selu: [F.selu], F.hardsigmoid: [F.hardsigmoid],
     F.hardswish: [F.hardswish], operator.neg: [operator.neg, torch.neg, torch.negative],
+    torch.logical_not: [torch.logical_not],
 }
 METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
                 torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
                 torch.floor: "floor", torch.ceil: "ceil", torch.expm1: "expm1",
                 torch.log1p: "log1p", torch.reciprocal: "reciprocal", torch.relu: "relu",
-                torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg"}
+                torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg", torch.logical_not: "logical_not"}
+# `~mask`, torch.bitwise_not(mask): logical_not where the operand is bool (on integers a bitwise not)
+BOOL_NOTS = {operator.invert, torch.bitwise_not, aten.bitwise_not.default, "bitwise_not", "__invert__"}
 BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, torch.subtract]),
           operator.mul: ("mul", [torch.mul, torch.multiply]),
           operator.truediv: ("div", [torch.div, torch.divide, torch.true_divide]),
@@ -306,6 +309,9 @@ def cast_target(node):
 
 def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """The Spelling row of a node, with module spellings bound to the module's attributes."""
+    if node.op in ("call_function", "call_method") and _is_hashable(node.target) and node.target in BOOL_NOTS:
+        meta = single_tensor_meta(node.args[0]) if len(node.args) == 1 and not node.kwargs else None
+        return Spelling(torch.logical_not, ("input",)) if meta is not None and meta.dtype == torch.bool else None
     if node.op == "call_function":
         if node.target is operator.abs and not (node.args and single_tensor_meta(node.args[0]) is not None):
             return None   # abs() of a number (a size the shape folding did not take) stays Python's
@@ -398,3 +404,11 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     if any(isinstance(v, torch.fx.Node) for v in params.values()):
         return None
     return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}
+
+
+def _is_hashable(target) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
