@@ -16,13 +16,15 @@ where a operand broadcasts), and the values are the same bits. The op moves when
   - the moved op's result has the permute's strides (computed on meta tensors), so the readers'
     results keep eager's layout;
   - nothing involved is written in place, and the op is not a Linear's bias add
-    (normalize_layers.LINEAR_BIAS) before linear_epilogue has run: that one stays next to its
-    GEMM, which in fp16/bf16 rounds the sum once, and on the GPU takes it into cuBLAS where
-    linear_epilogue measured that faster. Moved past the permute first, the bias cost MLP-Mixer's
-    token mixing (4 x 196 x 512, fp32, H100) 0.7 and 1.7 us in two runs (`blocks_20261126-155737`,
-    `-151232`: 51.2 against 50.5 without this pass), where the add in the residual kernel replaced
-    a bias cuBLAS adds for free. A bias add the library GEMM did not take moves afterwards
-    (hoist_linear_biases, a second run of this pass after linear_epilogue).
+    (normalize_layers.LINEAR_BIAS): that one stays next to its GEMM, which in fp16/bf16 rounds
+    the sum once, and on the GPU takes it into cuBLAS where linear_epilogue measured that faster.
+    Moved past the permute, the bias cost MLP-Mixer's token mixing (4 x 196 x 512, fp32, H100)
+    0.7 and 1.7 us in two runs (`blocks_20261126-155737`, `-151232`: 51.2 against 50.5 without
+    this pass), where the add in the residual kernel replaced a bias cuBLAS adds for free.
+    Nor after linear_epilogue (tried in stop 32 for a bias cuBLAS did not take): on ConvNeXt-T's
+    block it moved the sum of 4 split-K partials past the permute, each then read transposed by
+    the residual kernel: 71.1 us against 66.0 before and 65.3 for eager in a CUDA graph
+    (`blocks_20261126-163025`).
 """
 import torch
 import torch.fx
@@ -77,12 +79,12 @@ def _step(node, value: torch.Tensor) -> torch.Tensor:
     return fn(value, *node.args[1:], **node.kwargs)
 
 
-def _movable(op, chain, written, linear_bias=False) -> bool:
+def _movable(op, chain, written) -> bool:
     meta, out, last = _meta(op), _meta(chain[-1]), chain[-1]
     if meta is None or out is None or op in written or any(n in written for n in chain) or len(op.users) != 1 \
             or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) \
             or any(a in written for a in op.args if isinstance(a, torch.fx.Node)) \
-            or op.meta.get(LINEAR_BIAS, False) and not linear_bias \
+            or op.meta.get(LINEAR_BIAS, False) \
             or not last.users or not all(u.op == "call_function" and is_pointwise_target(u.target)
                                          for u in last.users):
         return False
@@ -134,14 +136,7 @@ def _hoist(gm, op, chain) -> None:
     g.erase_node(op)
 
 
-def hoist_linear_biases(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
-    """The same, after linear_epilogue, for a Linear's bias add that stayed out of the GEMM (the
-    GPU measured cuBLAS faster without it, or no GPU measured): it is one more pointwise op
-    then, and joins the residual add past the permute like any other."""
-    return hoist_permutes(gm, options, linear_bias=True)
-
-
-def hoist_permutes(gm: torch.fx.GraphModule, options=None, linear_bias=False) -> torch.fx.GraphModule:
+def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     changed = True
     while changed:
@@ -149,7 +144,7 @@ def hoist_permutes(gm: torch.fx.GraphModule, options=None, linear_bias=False) ->
         written = _mutated_values(gm)
         for node in list(g.nodes):
             op, chain = _chain(node) if _is_permute(node) else (None, [])
-            if op is not None and _movable(op, chain, written, linear_bias):
+            if op is not None and _movable(op, chain, written):
                 _hoist(gm, op, chain)   # the new permutes carry their meta: the op before may move next
                 changed = True
                 break   # the graph changed under the loop: look again

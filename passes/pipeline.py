@@ -11,7 +11,7 @@ from .fold_batchnorm import fold_batchnorm
 from .fuse_gemm import fuse_gemm
 from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
-from .hoist_permutes import hoist_linear_biases, hoist_permutes
+from .hoist_permutes import hoist_permutes
 from .linear_epilogue import linear_epilogue
 from .normalize import normalize
 from .sink_views import sink_views
@@ -30,7 +30,6 @@ PIPELINE = [
     ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel
     ("fuse_gemm", fuse_gemm, False),             # a Linear + its epilogue -> one generated split-K GEMM where it pays
     ("linear_epilogue", linear_epilogue, False), # bias back into the GEMM where the GPU measures that faster
-    ("hoist_linear_biases", hoist_linear_biases, False),   # a bias the GEMM did not take: past the permute too
     ("fuse_pointwise", fuse_pointwise, False),   # maximal convex pointwise groups -> one Triton kernel each
     ("weight_views", weight_views, False),       # library Linears read W stored [in, out] as W.t(), not a copy
 ]
