@@ -159,3 +159,54 @@ def _drop_leaf_placeholder(leaf: torch.fx.Node, name: str) -> None:
             raise TraceError(f"the concrete argument {name!r} is read by {check.name}")
         check.graph.erase_node(check)
     leaf.graph.erase_node(leaf)
+
+
+UNBINDABLE = object()   # bind_positional: the arguments do not bind to forward()
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def positional_names(forward) -> list:
+    """forward()'s positional parameter names (for messages naming an argument)."""
+    try:
+        return [p.name for p in inspect.signature(forward).parameters.values() if p.kind in POSITIONAL]
+    except (TypeError, ValueError):
+        return []
+
+
+def without_trailing_defaults(forward, args: tuple) -> tuple:
+    """args without the trailing ones equal to forward()'s defaults (as bind_positional trims
+    keyword calls); the runtime calls it only on a miss, never on the hot path."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return args
+    args = list(args)
+    while args and len(args) <= len(params) and params[len(args) - 1].kind in POSITIONAL \
+            and params[len(args) - 1].default is not inspect.Parameter.empty \
+            and same_default(args[-1], params[len(args) - 1].default):
+        args.pop()
+    return tuple(args)
+
+
+def bind_positional(forward, args, kwargs):
+    """args with keyword arguments bound into their positions of forward(), None where that is
+    impossible (keyword-only or **kwargs parameters), or UNBINDABLE where the call does not fit
+    forward() at all (eager raises its TypeError)."""
+    try:
+        bound = inspect.signature(forward).bind(*args, **kwargs)
+    except TypeError:
+        return UNBINDABLE
+    given = set(bound.arguments)
+    bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
+    params = bound.signature.parameters
+    if not all(name in given or constant_default(bound.arguments[name]) for name in
+               list(bound.arguments)[:len(bound.args)]):
+        return None           # a default filled in before a keyword is not a constant (a function, a tensor)
+    if not all(name in params and same_default(value, params[name].default)
+               for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
+        return None           # a keyword-only parameter given a value the traced graph does not have
+    positional = list(bound.args)   # keyword-only parameters at their defaults, as traced
+    names = [n for n in params if params[n].kind in POSITIONAL]
+    while len(positional) > len(args) and same_default(positional[-1], params[names[len(positional) - 1]].default):
+        positional.pop()      # model(x, scale=2.0) with the default 2.0 is model(x): the same specialization
+    return tuple(positional)

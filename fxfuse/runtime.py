@@ -31,7 +31,6 @@ and specializations used up. torch.compile and torch.export of opt (or of a mode
 trace the original module, as torch.jit.trace does.
 """
 import contextlib
-import inspect
 import re
 import threading
 import time
@@ -44,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, dynamo_traces, functorch_active, holds_proxy,
                            traced_in_this_thread)
-from .concrete_args import constant_default, mutable_defaults, same_default
+from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
@@ -77,7 +76,6 @@ INFERENCE_COPIES = (
 # not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
 BUILD_LOCK = threading.RLock()
 BUILDING = [0]   # builds in progress (under BUILD_LOCK: the thread that owns it is the one building)
-UNBINDABLE = object()   # OptimizedModule._positional: the arguments do not bind to forward()
 
 
 def _autocast_off() -> contextlib.ExitStack:
@@ -334,51 +332,6 @@ class OptimizedModule(torch.nn.Module):
             self._warned.add(key)
             warn(message)
 
-    def _positional_names(self) -> list:
-        try:
-            params = inspect.signature(self.original.forward).parameters.values()
-        except (TypeError, ValueError):
-            return []
-        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-    def _without_trailing_defaults(self, args: tuple) -> tuple:
-        """args without the trailing ones equal to forward()'s defaults (as _positional trims
-        keyword calls); only on a miss, never on the hot path."""
-        try:
-            params = list(inspect.signature(self.original.forward).parameters.values())
-        except (TypeError, ValueError):
-            return args
-        args = list(args)
-        while args and len(args) <= len(params) and params[len(args) - 1].kind in (
-                inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) \
-                and params[len(args) - 1].default is not inspect.Parameter.empty \
-                and same_default(args[-1], params[len(args) - 1].default):
-            args.pop()
-        return tuple(args)
-
-    def _positional(self, args, kwargs):
-        """args with keyword arguments bound into their positions of the original forward(), None
-        where that is impossible (keyword-only or **kwargs parameters), or UNBINDABLE where the
-        call does not fit forward() at all (eager raises its TypeError)."""
-        try:
-            bound = inspect.signature(self.original.forward).bind(*args, **kwargs)
-        except TypeError:
-            return UNBINDABLE
-        given = set(bound.arguments)
-        bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
-        params = bound.signature.parameters
-        if not all(name in given or constant_default(bound.arguments[name]) for name in
-                   list(bound.arguments)[:len(bound.args)]):
-            return None           # a default filled in before a keyword is not a constant (a function, a tensor)
-        if not all(name in params and same_default(value, params[name].default)
-                   for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
-            return None           # a keyword-only parameter given a value the traced graph does not have
-        positional = list(bound.args)   # keyword-only parameters at their defaults, as traced
-        names = [n for n in params if params[n].kind in (params[n].POSITIONAL_ONLY, params[n].POSITIONAL_OR_KEYWORD)]
-        while len(positional) > len(args) and same_default(positional[-1], params[names[len(positional) - 1]].default):
-            positional.pop()      # model(x, scale=2.0) with the default 2.0 is model(x): the same specialization
-        return tuple(positional)
-
     def __call__(self, *args, **kwargs):
         """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
         opt nor a global one, no TorchScript tracing, opt not torch.compile'd): a small model's
@@ -404,7 +357,7 @@ class OptimizedModule(torch.nn.Module):
                 FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
-            positional = self._positional(args, kwargs)
+            positional = bind_positional(self.original.forward, args, kwargs)
             if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError
                 return self.original(*args, **kwargs)
             if positional is None:
@@ -480,9 +433,9 @@ class OptimizedModule(torch.nn.Module):
         """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
-        if self._positional(args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
+        if bind_positional(self.original.forward, args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
-        trimmed = self._without_trailing_defaults(args)
+        trimmed = without_trailing_defaults(self.original.forward, args)
         if len(trimmed) < len(args):   # model(x, y, 1.0) with alpha=1.0 the default: model(x, y), and the
             full, args, sig, dropped = sig, trimmed, signature(trimmed), args[len(trimmed):]
             if len(self._trimmed) < MAX_MISSES_KEPT and all(   # next such call finds it in forward; not
@@ -499,7 +452,8 @@ class OptimizedModule(torch.nn.Module):
         if rebuild:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
-            reason = describe_mismatch(next(iter(self.specializations)), sig, self._positional_names())
+            reason = describe_mismatch(next(iter(self.specializations)), sig,
+                                       positional_names(self.original.forward))
             self.miss_count, self.last_miss = self.miss_count + 1, reason
             if len(self.misses) < MAX_MISSES_KEPT:
                 self.misses.append(reason)
