@@ -17,7 +17,7 @@ from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .module_state import forward_hook_owner, kept_state, same_value
+from .module_state import forward_hook_owner, kept_state, same_value, storage_address
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
@@ -161,8 +161,8 @@ def build_graph(model, args: tuple, options: Options):
         gm = trace(model, args)
         traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
-        traced = {_storage(t) for t in traced_reads}
-        derived = any(t.is_floating_point() and _storage(t) not in traced for t in tensors_read(gm))
+        traced = {storage_address(t) for t in traced_reads}
+        derived = any(t.is_floating_point() and storage_address(t) not in traced for t in tensors_read(gm))
         gm.meta["fxfuse_copied"] = tuple(traced_reads) if derived else ()   # a copy may come from any of them
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
@@ -197,10 +197,6 @@ def tensors_read(gm) -> list:
             continue
         read.update((id(t), t) for t in tensors)
     return list(read.values())
-
-
-def _storage(t: torch.Tensor):
-    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else None
 
 
 def _verify(model, gm, args) -> list:

@@ -98,6 +98,15 @@ def version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+INFERENCE_COPIES = (   # the runtime's one warning where version() is None for a tensor a copy came from
+    "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
+    "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "
+    "created or loaded under torch.inference_mode()): torch keeps no version counter for them, so an "
+    "in-place edit after optimize() (p.copy_(...), p.mul_(...)) is not seen and the copies go stale. "
+    "load_state_dict() and assigning a new parameter are seen; after other edits, call fxfuse.optimize again "
+    "(or create the model outside inference mode)")
+
+
 def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shape, dtype, device and values, NaN equal to NaN."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
@@ -430,9 +439,15 @@ def forward_hook_owner(model: torch.nn.Module) -> str | None:
     return None
 
 
+def storage_address(t: torch.Tensor):
+    """Where t's storage lies (views of one tensor share it), None for an empty or meta tensor."""
+    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else None
+
+
 def share_memory(args, taken=frozenset()) -> bool:
     """Whether two tensor arguments share storage (opt(x, x), or two views of one tensor), or
-    one shares a storage of `taken` (the model's own tensors: opt(model.lin.weight))."""
+    one shares a storage of `taken` (the model's own tensors: opt(model.lin.weight), `taken`
+    from storages())."""
     seen = set()
     for a in args:
         if isinstance(a, torch.Tensor) and a.numel():
@@ -444,6 +459,4 @@ def share_memory(args, taken=frozenset()) -> bool:
 
 
 def storages(tensors) -> frozenset:
-    """The storage addresses of tensors (for share_memory's `taken`)."""
-    return frozenset(t.untyped_storage().data_ptr() for t in tensors
-                     if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta")
+    return frozenset(storage_address(t) for t in tensors if isinstance(t, torch.Tensor)) - {None}

@@ -48,8 +48,8 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording
-from .module_state import (GLOBAL_HOOKS, MODE_FREE, REGISTRATIONS, forward_hook_owner, share_memory, storages,
-                           structure, structure_changed, version)
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner,
+                           share_memory, storages, structure, structure_changed, version)
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
@@ -60,15 +60,6 @@ def _moved(watched: tuple) -> bool:
         if t._version != seen:
             return True
     return False
-
-
-INFERENCE_COPIES = (
-    "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
-    "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "
-    "created or loaded under torch.inference_mode()): torch keeps no version counter for them, so an "
-    "in-place edit after optimize() (p.copy_(...), p.mul_(...)) is not seen and the copies go stale. "
-    "load_state_dict() and assigning a new parameter are seen; after other edits, call fxfuse.optimize again "
-    "(or create the model outside inference mode)")
 
 
 # One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide

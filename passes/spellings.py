@@ -309,7 +309,7 @@ def cast_target(node):
 
 def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """The Spelling row of a node, with module spellings bound to the module's attributes."""
-    if node.op in ("call_function", "call_method") and _is_hashable(node.target) and node.target in BOOL_NOTS:
+    if node.op in ("call_function", "call_method") and node.target in BOOL_NOTS:
         meta = single_tensor_meta(node.args[0]) if len(node.args) == 1 and not node.kwargs else None
         return Spelling(torch.logical_not, ("input",)) if meta is not None and meta.dtype == torch.bool else None
     if node.op == "call_function":
@@ -404,11 +404,3 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     if any(isinstance(v, torch.fx.Node) for v in params.values()):
         return None
     return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}
-
-
-def _is_hashable(target) -> bool:
-    try:
-        hash(target)
-    except TypeError:
-        return False
-    return True
