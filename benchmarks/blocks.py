@@ -99,6 +99,43 @@ class MixerTokens(nn.Module):    # MLP-Mixer's token mixing: an MLP over the tra
         return x + self.b(F.gelu(self.a(self.ln(x).transpose(1, 2)))).transpose(1, 2)
 
 
+class PackedSwiGLU(nn.Module):   # LLaMA's FFN with w1 and w3 packed into one Linear (passes/hoist_slices.py)
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.w13, self.w2 = nn.Linear(d, 2 * hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        a, b = self.w13(x).chunk(2, -1)
+        return x + self.w2(F.silu(a) * b)
+
+
+class LSTMByHand(nn.Module):   # an LSTM written as its cell, unrolled over the sequence by the trace
+    def __init__(self, inputs, hidden):
+        super().__init__()
+        self.hidden, self.ih, self.hh = hidden, nn.Linear(inputs, 4 * hidden), nn.Linear(hidden, 4 * hidden)
+
+    def forward(self, x):
+        h = c = x.new_zeros(x.size(0), self.hidden)
+        for t in range(x.size(1)):
+            i, f, g, o = (self.ih(x[:, t]) + self.hh(h)).chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+        return h
+
+
+class WaveNetStack(nn.Module):   # dilated causal convs, gated tanh * sigmoid, residual
+    def __init__(self, channels, layers):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv1d(channels, 2 * channels, 2, dilation=2 ** k) for k in range(layers))
+        self.outs = nn.ModuleList(nn.Conv1d(channels, channels, 1) for _ in range(layers))
+
+    def forward(self, x):
+        for k, (conv, out) in enumerate(zip(self.convs, self.outs)):
+            a, b = conv(F.pad(x, (2 ** k, 0))).chunk(2, 1)
+            x = x + out(torch.tanh(a) * torch.sigmoid(b))
+        return x
+
+
 CASES = {   # name -> (factory, input shape, note)
     "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
     "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
@@ -110,6 +147,9 @@ CASES = {   # name -> (factory, input shape, note)
     "convnext": (lambda: ConvNeXtBlock(96), (1, 96, 56, 56), "ConvNeXt-T stage-1 block, 96 x 56 x 56"),
     "mixer-tokens": (lambda: MixerTokens(196, 512), (4, 196, 512),
                      "MLP-Mixer-S token mixing, 196 tokens x 512, batch 4"),
+    "swiglu-packed": (lambda: PackedSwiGLU(512, 1376), (1, 64, 512), "packed SwiGLU FFN, 512 -> 2 x 1376, 64 tokens"),
+    "lstm-by-hand": (lambda: LSTMByHand(128, 256), (32, 8, 128), "LSTM cell by hand, batch 32, 8 steps, 128 -> 256"),
+    "wavenet": (lambda: WaveNetStack(64, 4), (1, 64, 1024), "4 gated dilated conv layers, 64 channels, 1024 steps"),
 }
 
 
@@ -162,11 +202,23 @@ def build_no_hoist(model, example):
         return toolmod.build_fxfuse(model, example)
 
 
+def build_no_slices(model, example):
+    """fxfuse without passes/hoist_slices.py and the fp32 glu rewrite (before stop 33): the op
+    before a chunk or split keeps its own kernel instead of joining the gate after it."""
+    import fxfuse.passes.normalize as nz
+    import fxfuse.passes.pipeline as pl
+    with _patched(pl, "PIPELINE", [p for p in pl.PIPELINE if p[0] != "hoist_slices"]), \
+            _patched(nz, "glu_as_gate", lambda gm, node: False):
+        return toolmod.build_fxfuse(model, example)
+
+
 NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
                         private_copy=True)
 NO_HOIST = toolmod.Tool("fxfuse-no-hoist", "fxfuse no hoist", build_no_hoist, default=False, fxfuse=True,
                         private_copy=True)
-for _tool in (BEFORE, NO_SKIPS, NO_HOIST):
+NO_SLICES = toolmod.Tool("fxfuse-no-slices", "fxfuse no slices", build_no_slices, default=False, fxfuse=True,
+                         private_copy=True)
+for _tool in (BEFORE, NO_SKIPS, NO_HOIST, NO_SLICES):
     toolmod.TOOLS.append(_tool)
     toolmod.TOOLS_BY_KEY[_tool.key] = _tool
 

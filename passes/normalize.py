@@ -24,7 +24,7 @@ from fxfuse.ops import POINTWISE, cast, is_pointwise_target
 from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
-from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, keywords_to_positions,
+from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, split_layer)
 from .spellings import (ARITH, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
@@ -180,7 +180,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if fold_constant_slice(gm, node) or matmul_as_linear(gm, node):
             continue
-        if split_layer(gm, node):
+        if split_layer(gm, node) or glu_as_gate(gm, node):
             continue
         dtype = cast_target(node)
         if dtype is not None:

@@ -372,3 +372,32 @@ def _replace_by_view(gm, node, source, part) -> bool:
     node.replace_all_uses_with(const)
     gm.graph.erase_node(node)
     return True
+
+
+GLU_FUNCTIONS = {F.glu, torch._C._nn.glu, aten.glu.default}
+
+
+def glu_as_gate(gm, node) -> bool:
+    """fp32 `F.glu(x, dim)` / `nn.GLU(dim)` -> `a, b = x.chunk(2, dim); a * torch.sigmoid(b)`:
+    pointwise ops (and a slice, which hoist_slices moves above what made x), so a conv's bias
+    and the gate share one kernel, where glu was a library op between two kernels (fuzz32d).
+    fp16/bf16 stay glu: eager computes a * sigmoid(b) in fp32 and rounds once."""
+    if node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.GLU and len(node.args) == 1:
+        x, dim = node.args[0], gm.get_submodule(node.target).dim
+    elif node.op == "call_function" and node.target in GLU_FUNCTIONS:
+        args = dict(zip(("input", "dim"), node.args), **node.kwargs)
+        x, dim = args.get("input"), args.get("dim", -1)
+    else:
+        return False
+    meta = x.meta.get("tensor_meta") if isinstance(x, torch.fx.Node) else None
+    if getattr(meta, "dtype", None) != torch.float32 or type(dim) is not int \
+            or not -len(meta.shape) <= dim < len(meta.shape) or meta.shape[dim] % 2:
+        return False
+    g = gm.graph
+    with g.inserting_before(node):
+        parts = g.call_method("chunk", (x, 2, dim))
+        gate = g.call_function(torch.sigmoid, (g.call_function(operator.getitem, (parts, 1)),))
+        out = g.call_function(operator.mul, (g.call_function(operator.getitem, (parts, 0)), gate))
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return True

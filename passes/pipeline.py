@@ -12,6 +12,7 @@ from .fuse_gemm import fuse_gemm
 from .fuse_mlp import fuse_mlp
 from .fuse_pointwise import fuse_pointwise
 from .hoist_permutes import hoist_permutes
+from .hoist_slices import hoist_slices
 from .linear_epilogue import linear_epilogue
 from .normalize import normalize
 from .sink_views import sink_views
@@ -25,6 +26,7 @@ PIPELINE = [
     ("normalize", normalize, True),              # one canonical spelling per op; Linear/Conv bias split out
     ("sink_views", sink_views, True),            # view(y) -> pointwise op  =>  op(y) -> view: epilogues reach ops past views
     ("hoist_permutes", hoist_permutes, False),   # op(a, b).permute(p) -> op(a', b'): a residual add past a permute fuses
+    ("hoist_slices", hoist_slices, False),       # op(a, b)[s] -> op(a[s], b[s]): a bias add past a chunk fuses with the gate
     ("plan_linears", plan_linears, False),       # cost model: per chain of Linears, which candidate each layer runs as
     ("strassen", strassen, False),               # large Linears -> Strassen prefix | one bmm | suffix+epilogue+next prefix
     ("fuse_mlp", fuse_mlp, False),               # chains of narrow Linear layers + epilogues -> one Triton kernel

@@ -346,3 +346,20 @@ def test_fp16_activation_parameters_are_read_in_fp16_as_cuda_reads_them(module):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     with torch.no_grad():
         assert torch.equal(opt(x), model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["swiglu-packed", "lstm-by-hand", "wavenet"])
+def test_ops_moved_past_slices_on_gpu(name, dtype):
+    """hoist_slices on the GPU: the blocks' gated units (chunk/split of a packed projection or
+    conv) in a CUDA graph, against eager."""
+    from benchmarks import blocks
+    torch.manual_seed(0)
+    factory, shape, _ = blocks.CASES[name]
+    model = factory().cuda().eval().to(dtype)
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert next(iter(opt.specializations.values())).cuda_graph_note.startswith("captured")
+    with torch.no_grad():
+        fresh = torch.randn(*shape, device="cuda", dtype=dtype)
+        assert rel_err(opt(fresh), model(fresh)) < (1e-5 if dtype == torch.float32 else 3e-3)
