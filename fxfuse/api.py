@@ -9,6 +9,7 @@ mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 import collections
 import copy
 import inspect
+import numbers
 
 import torch
 
@@ -31,7 +32,8 @@ def _as_args(example_input) -> tuple:
     if isinstance(example_input, torch.Tensor):
         return (example_input,)
     if isinstance(example_input, (tuple, list)):
-        if not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(example_input)):  # [1.0, 2.0]
+        leaves = torch.utils._pytree.tree_leaves(example_input)   # (a dataclass is one leaf: not a number)
+        if all(isinstance(a, (numbers.Number, str)) or a is None for a in leaves):   # [1.0, 2.0]
             raise UnsupportedError("example_input holds no tensor (a list of numbers?): give a tensor, e.g. "
                                    "torch.tensor(...), or a tuple of the forward's arguments")
         return tuple(example_input)

@@ -7,6 +7,7 @@ defaults of the parameters the example leaves out (as the call binds them).
 """
 import enum
 import inspect
+import operator
 
 import torch
 import torch.fx
@@ -144,6 +145,20 @@ def one_placeholder_per_parameter(graph: torch.fx.Graph, model, concrete: dict) 
         out.args = (torch.utils._pytree.tree_unflatten(list(out.args[0]), info.out_spec),)
     graph._codegen = torch.fx.graph.CodeGen()
     graph.lint()
+
+
+def drop_value_checks(graph: torch.fx.Graph) -> None:
+    """torch.fx checks each concrete number or string argument in the graph (`eq(scale, 2.0)`,
+    then `torch._assert`); the runtime checks it already, by value, in the call's signature. The
+    two nodes ran on every call outside a CUDA graph and were counted and explained as library
+    calls (fuzz33g)."""
+    for check in [n for n in graph.nodes if n.op == "call_function" and n.target is torch._assert]:
+        cond, message = (check.args + (None, None))[:2]
+        if isinstance(cond, torch.fx.Node) and isinstance(message, str) and "has been specialized to have value" \
+                in message and cond.target is operator.eq and len(cond.users) == 1 \
+                and isinstance(cond.args[0], torch.fx.Node) and cond.args[0].op == "placeholder":
+            graph.erase_node(check)
+            graph.erase_node(cond)
 
 
 def _drop_leaf_placeholder(leaf: torch.fx.Node, name: str) -> None:

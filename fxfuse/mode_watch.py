@@ -193,8 +193,9 @@ class GradRecording:
     autograd here? Then the original runs (GRAD_REASON). Unknown facts (a build without
     verify) count as recording, except turning grad on under no_grad, as before the probes."""
 
-    def __init__(self, model):
+    def __init__(self, model, plain_tensors=tuple):
         self.model = model
+        self.plain_tensors = plain_tensors   # () -> the plain tensor attributes the traces read (`self.T`)
         self.reads_grad_mode = False   # forward() asks torch.is_grad_enabled() (any build; kept)
         self.forget_builds()
 
@@ -210,18 +211,25 @@ class GradRecording:
             self.forget_builds()
         self.reads_grad_mode |= bool(trace.get("reads_grad_mode"))
         self.records_autograd |= trace.get("records_autograd", True)
-        self.records_from_state |= trace.get("records_from_state", True)
+        # unprobed (verify=False): it records from its state where some state tensor requires grad
+        self.records_from_state |= trace.get("records_from_state", any(flags))
         self.enables_grad |= trace.get("enables_grad", False)
         self.flags = flags
 
+    def _state(self) -> tuple:
+        """Parameters, buffers and plain tensor attributes: `self.T.requires_grad_(True)` on a
+        temperature after optimize() makes eager record as much as unfreezing a parameter does
+        (fuzz33a)."""
+        return (*self.model.parameters(), *self.model.buffers(), *self.plain_tensors())
+
     def _flags(self) -> tuple:
-        return tuple(t.requires_grad for t in (*self.model.parameters(), *self.model.buffers()))
+        return tuple(t.requires_grad for t in self._state())
 
     def _something_requires_grad(self, args) -> bool:
         if torch.is_inference_mode_enabled():
             return False
         return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or \
-            any(t.requires_grad for t in (*self.model.parameters(), *self.model.buffers()))
+            any(t.requires_grad for t in self._state())
 
     def records(self, args) -> bool:
         """Under no_grad: where forward() turns grad on itself. With grad on: where forward()

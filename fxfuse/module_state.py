@@ -65,6 +65,27 @@ for _register in ("register_module_parameter_registration_hook", "register_modul
         getattr(torch.nn.modules.module, _register)(_count_registration)
 
 
+UNVERSIONED_STEPS = [0, set()]   # fused optimizer steps in this process, ids of the parameters they wrote
+
+
+def _count_fused_step(optimizer, args, kwargs) -> None:
+    """torch's fused optimizers (`Adam(fused=True)`, SGD, AdamW, Adagrad) write parameters in
+    one kernel that bumps no version counter (fuzz33a), so a copy made from a parameter (a
+    folded BatchNorm, a packed weight) would stay stale: the ids of what they wrote, and a
+    count the runtime compares per call."""
+    groups = [g for g in getattr(optimizer, "param_groups", ()) if g.get("fused")]
+    if groups:
+        UNVERSIONED_STEPS[0] += 1
+        UNVERSIONED_STEPS[1].update(id(p) for g in groups for p in g["params"])
+
+
+try:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(_count_fused_step)
+except ImportError:   # pragma: no cover -- torch < 2.0
+    pass
+
+
 def structure(model: torch.nn.Module) -> list:
     """Every submodule's parameters, buffers and children, by identity: what a build baked in
     (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale); and the

@@ -156,6 +156,8 @@ _TABLE = [
     _op("eq", operator.eq, 2, lambda a, b: f"({a} == {b})", returns_bool=True),
     _op("ne", operator.ne, 2, lambda a, b: f"({a} != {b})", returns_bool=True),
     _op("logical_not", torch.logical_not, 1, lambda a: f"({a} == 0)", returns_bool=True),   # ~mask of a bool
+    _op("logical_and", torch.logical_and, 2, lambda a, b: f"(({a} != 0) & ({b} != 0))", returns_bool=True),
+    _op("logical_or", torch.logical_or, 2, lambda a, b: f"(({a} != 0) | ({b} != 0))", returns_bool=True),
     # unary math
     _op("exp", torch.exp, 1, lambda a: f"tl.exp({a})"),
     _op("log", torch.log, 1, lambda a: f"tl.log({a})"),
@@ -192,7 +194,8 @@ _TABLE = [
     _op("softplus", F.softplus, 1,
         lambda a, beta=1.0, threshold=20.0: f"_softplus({a}, {literal(beta)}, {literal(threshold)})",
         ("beta", "threshold"), beta=1.0, threshold=20.0),
-    _op("hardsigmoid", F.hardsigmoid, 1, lambda a: _clamp(f"({a} / 6.0 + 0.5)", 0.0, 1.0)),
+    # as CUDA's eager kernel: min(max(x + 3, 0), 6) * (1/6); x / 6 + 0.5 lost bits near x = -3 (fuzz33d)
+    _op("hardsigmoid", F.hardsigmoid, 1, lambda a: f"({_clamp(f'({a} + 3.0)', 0.0, 6.0)} * 0.16666666666666666)"),
     _op("hardswish", F.hardswish, 1, lambda a: f"({a} * {_clamp(f'({a} + 3.0)', 0.0, 6.0)} / 6.0)"),
     # as ATen computes them, NaN and signed zeros included (softshrink keeps a zero's sign: a * 0)
     _op("celu", F.celu, 1, lambda a, alpha=1.0: (

@@ -48,7 +48,8 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording
-from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner,
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, UNVERSIONED_STEPS,
+                           forward_hook_owner,
                            share_memory, storages, structure, structure_changed, version)
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
@@ -143,7 +144,8 @@ class OptimizedModule(torch.nn.Module):
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._model_storages = frozenset()  # then: the storages of the model's parameters and buffers
-        self._grad = GradRecording(model)  # what the builds' probes found about autograd, and the rule
+        self._plain_tensors = ()           # tensor attributes the traces read (add_specialization)
+        self._grad = GradRecording(model, lambda: self._plain_tensors)  # what the builds' probes found about autograd, and the rule
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
@@ -196,6 +198,7 @@ class OptimizedModule(torch.nn.Module):
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
         self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
+        self._steps_seen = UNVERSIONED_STEPS[0]
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
         self._child_counts = sum(map(len, self._children))
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
@@ -213,9 +216,13 @@ class OptimizedModule(torch.nn.Module):
 
     def _drop_if_edited(self) -> None:
         self._registrations_seen, self._child_counts = REGISTRATIONS[0], sum(map(len, self._children))
+        stepped, self._steps_seen = self._steps_seen != UNVERSIONED_STEPS[0], UNVERSIONED_STEPS[0]
         if self._buffer_versions and _moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
                       "the build")
+        elif stepped and any(id(t) in UNVERSIONED_STEPS[1] for t, _ in self._buffer_versions):
+            reason = ("a fused optimizer step (fused=True: no version counter sees its writes) changed a parameter "
+                      "the graph holds a copy of")
         elif structure_changed(self._structure):
             reason = "a parameter, buffer or submodule of the model was replaced since the build"
         elif name := reassigned(self._attributes):
@@ -269,7 +276,6 @@ class OptimizedModule(torch.nn.Module):
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
         if self._writes_in_place:   # an input that is one of them must not be written under a copy's reader
             self._model_storages = storages((*self.original.parameters(), *self.original.buffers()))
-        self._grad.note_build(gm.meta.get("fxfuse_trace", {}))
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
@@ -281,6 +287,8 @@ class OptimizedModule(torch.nn.Module):
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
+        self._plain_tensors = tuple(plain_tensors)
+        self._grad.note_build(gm.meta.get("fxfuse_trace", {}))
         watched = {id(t) for t, _ in self._buffer_versions}
         self._buffer_versions += tuple((t, t._version) for t in dict.fromkeys((*gm.meta.get("fxfuse_copied", ()),
                                                                                *plain_tensors))
@@ -375,6 +383,7 @@ class OptimizedModule(torch.nn.Module):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
+                or UNVERSIONED_STEPS[0] != self._steps_seen
                 or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()

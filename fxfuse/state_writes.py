@@ -32,6 +32,11 @@ VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze,
                   torch.unbind, torch.detach, torch.movedim, torch.swapaxes, torch.swapdims}
 
 
+# named with a trailing underscore only because `and`, `or`, `not` and `is` are Python keywords:
+# `mask_a & mask_b` writes nothing (fuzz33d: it was taken for an in-place op)
+KEYWORD_OPERATORS = (operator.and_, operator.or_, operator.not_, operator.is_)
+
+
 def _writes_in_place(n: torch.fx.Node):
     """The tensor an in-place node writes into (`b += 0.1`, `b.add_(1)`, `torch.relu_(b)`,
     `b[0] = 1`, `out=b`), else None."""
@@ -44,7 +49,8 @@ def _writes_in_place(n: torch.fx.Node):
         bound = dict(zip(RENORMS[n.target], n.args), **n.kwargs)
         return bound.get("weight") if bound.get("max_norm") is not None else None
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-    in_place = isinstance(name, str) and ((name.endswith("_") and not name.startswith("_"))
+    in_place = isinstance(name, str) and ((name.endswith("_") and not name.startswith("_")
+                                           and n.target not in KEYWORD_OPERATORS)
                                           or (name.startswith("__i") and name.endswith("__")))
     if in_place or n.kwargs.get("inplace") is True:
         return n.args[0] if n.args else None

@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from .concrete_args import one_placeholder_per_parameter, split_concrete
+from .concrete_args import drop_value_checks, one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
 from .attribute_reads import recording_attribute_reads
@@ -308,6 +308,8 @@ def _quiet_symbolic_trace(model, concrete):
         graph = tracer.trace(model, concrete_args=concrete)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
             one_placeholder_per_parameter(graph, model, concrete)
+        if concrete:
+            drop_value_checks(graph)
         name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
         gm = torch.fx.GraphModule(tracer.root, graph, name)
     if tracer.autocast_node is not None:
@@ -374,6 +376,13 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         refused. Rebuilt as OrderedDict(dict) in the graph instead."""
         if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
+        if isinstance(a, dict) and type(a) not in (dict, torch.fx.immutable_collections.immutable_dict):
+            # fuzz33g: a Hugging Face ModelOutput, a defaultdict, a dataclass that is a dict came back
+            # as a plain dict (with verify=False silently; a dict dataclass as an empty one)
+            raise UnsupportedError(
+                f"forward() returns (or passes on) a {type(a).__qualname__}, a subclass of dict, which torch.fx "
+                "records as a plain dict: the optimized module would return another type. Return a plain dict, "
+                "an OrderedDict or a tuple (a Hugging Face model: return_dict=False)")
         return super().create_arg(a)
 
 

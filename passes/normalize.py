@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.ops import POINTWISE, cast, is_pointwise_target
-from fxfuse.state_writes import AUGMENTED_NAMES, VIEW_METHODS
+from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
@@ -327,8 +327,8 @@ def _mutates(gm, node) -> bool:
     if node.target is operator.setitem or "out" in node.kwargs or _passes_inplace(node):
         return True
     name = getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.startswith("_"):   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x)
-        return True
+    if name.endswith("_") and not name.startswith("_") and node.target not in KEYWORD_OPERATORS:
+        return True   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x); not `a & b`
     if node.target in INPLACE_OPERATORS_UNKNOWN:
         return bool(node.args) and _is_tensor_node(node.args[0])
     schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export

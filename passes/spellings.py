@@ -55,7 +55,13 @@ BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, 
           operator.ge: ("ge", [torch.ge, torch.greater_equal]),
           operator.le: ("le", [torch.le, torch.less_equal]), operator.eq: ("eq", [torch.eq]),
           operator.ne: ("ne", [torch.ne, torch.not_equal]),
-          torch.maximum: ("maximum", [torch.maximum]), torch.minimum: ("minimum", [torch.minimum])}
+          torch.maximum: ("maximum", [torch.maximum]), torch.minimum: ("minimum", [torch.minimum]),
+          torch.logical_and: ("logical_and", [torch.logical_and]), torch.logical_or: ("logical_or", [torch.logical_or])}
+# `mask_a & mask_b`, `|`, bitwise_and/or of two bool tensors: logical_and/or (on integers bitwise ops)
+BOOL_BINARY = {operator.and_: torch.logical_and, torch.bitwise_and: torch.logical_and, "bitwise_and": torch.logical_and,
+               "__and__": torch.logical_and, aten.bitwise_and.Tensor: torch.logical_and,
+               operator.or_: torch.logical_or, torch.bitwise_or: torch.logical_or, "bitwise_or": torch.logical_or,
+               "__or__": torch.logical_or, aten.bitwise_or.Tensor: torch.logical_or}
 _OPERANDS = {operator.pow: ("input", "exponent")}   # canonical parameter names where not (input, other)
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
                      operator.imul: operator.mul, operator.itruediv: operator.truediv, operator.ipow: operator.pow}
@@ -312,6 +318,10 @@ def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     if node.op in ("call_function", "call_method") and node.target in BOOL_NOTS:
         meta = single_tensor_meta(node.args[0]) if len(node.args) == 1 and not node.kwargs else None
         return Spelling(torch.logical_not, ("input",)) if meta is not None and meta.dtype == torch.bool else None
+    if node.op in ("call_function", "call_method") and node.target in BOOL_BINARY:
+        metas = [single_tensor_meta(a) for a in node.args] if len(node.args) == 2 and not node.kwargs else [None]
+        both_bool = all(m is not None and m.dtype == torch.bool for m in metas)
+        return Spelling(BOOL_BINARY[node.target], ("input", "other")) if both_bool else None
     if node.op == "call_function":
         if node.target is operator.abs and not (node.args and single_tensor_meta(node.args[0]) is not None):
             return None   # abs() of a number (a size the shape folding did not take) stays Python's
