@@ -55,6 +55,11 @@ from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
 
+SWAPPED = ("the model's parameters or buffers are swapped for others without a registration (torch.func."
+           "functional_call, torch.nn.utils.stateless): a specialization built now would keep the temporary "
+           "tensors; the original module runs")
+
+
 def _moved(watched: tuple) -> bool:
     """Whether a (tensor, version at build) pair's tensor changed in place since."""
     for t, seen in watched:
@@ -324,7 +329,8 @@ class OptimizedModule(torch.nn.Module):
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
-        self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
+        self._children, self._child_counts = (), 0   # next build (_watch_state); the structure now is what
+        self._structure = structure(self.original)   # a build must find (_miss: functional_call swaps)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -460,6 +466,8 @@ class OptimizedModule(torch.nn.Module):
         if len(self.specializations) >= self.options.max_specializations:
             return self._run_original("full", f"{reason}; all {self.options.max_specializations} specializations "
                                       "are in use (option max_specializations)", args)
+        if self._structure and structure_changed(self._structure):   # swapped without a registration hook:
+            return self._run_original("swapped", SWAPPED, args)             # a build would bake them in (fuzz33e)
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too

@@ -215,8 +215,8 @@ def _builds_tf32x3(node, options) -> bool:
 
 def _guard_text(rec: dict) -> str:
     if not math.isfinite(rec["classical_error"]):
-        return (f"no 3xTF32: the error cannot be measured on {rec['measured_on']} (it holds NaN or inf, or "
-                "the product overflows)")
+        return (f"no 3xTF32: the error cannot be measured on {rec['measured_on']} (it holds NaN or inf, the "
+                "product overflows, or it is all zeros)")
     verdict = "3xTF32" if rec["ok"] else "no 3xTF32: its error exceeds the tolerance"
     return (f"{verdict} (error {rec['error']:.1e} vs tolerance {rec['tolerance']:.1e}, classical "
             f"{rec['classical_error']:.1e}, on {rec['measured_on']})")

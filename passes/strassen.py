@@ -183,7 +183,7 @@ def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             worst = min(rec["errors_by_levels"].values())
             if not math.isfinite(rec["classical_error"]):   # NaN/inf in the input: no measure of rounding
                 decision = (f"classical: the error cannot be measured on {rec['measured_on']} (it holds NaN "
-                            "or inf, and Strassen would spread them to other rows)")
+                            "or inf, which Strassen would spread to other rows, or its product is all zeros)")
             else:
                 decision = (f"classical: Strassen error {worst:.1e} on {rec['measured_on']} exceeds tolerance "
                             f"{rec['tolerance']:.1e} (classical {rec['classical_error']:.1e})")

@@ -182,3 +182,34 @@ def test_hardsigmoid_keeps_its_bits_near_minus_three():
     opt = fxfuse.optimize(nn.Sequential(nn.Hardsigmoid(), nn.ReLU()).eval(), x, strict=True)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     torch.testing.assert_close(opt(x), torch.relu(model(x)), rtol=1e-6, atol=0)
+
+
+def test_a_build_inside_functional_call_is_not_kept():
+    """A specialization built while torch.func.functional_call had swapped the weights kept the
+    temporary ones for every later call at that shape (fuzz33e)."""
+    torch.manual_seed(0)
+    model = _bn_net()
+    opt = fxfuse.optimize(model, torch.randn(5, 7))
+    temporary = {k: v * 2 for k, v in opt.named_parameters()}
+    with torch.no_grad():
+        x = torch.randn(3, 7)   # a new shape: a miss inside the call
+        with pytest.warns(fxfuse.FxfuseWarning, match="swapped"):
+            inside = torch.func.functional_call(opt, temporary, (x,))
+        torch.testing.assert_close(inside, torch.func.functional_call(model, {k[len("original."):]: v for k, v in
+                                                                              temporary.items()}, (x,)))
+        torch.testing.assert_close(opt(x), model(x))
+        assert fxfuse.stats(opt)["specializations"] >= 1
+
+
+@pytest.mark.parametrize("options", [{"strassen": "force"}, {"gemm": "force", "tf32x3": "force"}])
+def test_an_all_zero_example_keeps_the_numerics_guard_closed(options):
+    """The guard compared errors relative to a zero reference as 0.0 and let Strassen / 3xTF32
+    in on a zeros example (fuzz33f): now the error cannot be measured there, as for NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 24)).eval()
+    opt = fxfuse.optimize(model, torch.zeros(40, 64), verify=False, **options)
+    report = fxfuse.explain(opt)
+    assert "all zeros" in report, report
+    x = torch.randn(40, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
