@@ -121,6 +121,19 @@ def recording_attribute_reads(model: torch.nn.Module):
             reads["all"] = True
         else:
             reads["names"] = names
+        reads["probed"] = _probed(codes)
+
+
+def _probed(codes) -> dict:
+    """Class qualname ("" for a plain function) -> the names its code may look up while they
+    are absent: string constants of code that calls getattr or hasattr (`getattr(self,
+    "temperature", 1.0)`); a model without such code watches no absent name (no cost per call)."""
+    probed = {}
+    for c in codes:
+        if "getattr" in c.co_names or "hasattr" in c.co_names:
+            owner = getattr(c, "co_qualname", "").rpartition(".")[0]
+            probed.setdefault(owner, set()).update(s for k in c.co_consts for s in _strings(k) if s.isidentifier())
+    return probed
 
 
 def _generated(name: str) -> bool:
@@ -141,12 +154,15 @@ def _class_code(model: torch.nn.Module) -> set:
     return found
 
 
-def merge_reads(into: dict | None, new: dict) -> dict | None:
-    """The union of two builds' reads (None: everything is watched)."""
-    if into is None or new.get("all") or "names" not in new:
-        return None
-    into["names"] = into.get("names", set()) | new["names"]
-    return into
+def merge_reads(into: dict, new: dict) -> dict:
+    """The union of two builds' reads ({"all": True}: every attribute is watched); "probed": the
+    string constants that name an attribute (`getattr(self, "temperature", 1.0)`, `hasattr(self,
+    "shift")`), which may be read while absent."""
+    probed = {k: into.get("probed", {}).get(k, set()) | new.get("probed", {}).get(k, set())
+              for k in {*into.get("probed", {}), *new.get("probed", {})}}
+    if into.get("all") or new.get("all") or "names" not in new:
+        return {"all": True, "probed": probed}
+    return {"names": into.get("names", set()) | new["names"], "probed": probed}
 
 
 def _torch_class(cls) -> bool:
@@ -165,7 +181,8 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
     module's instance dict and, for the model's own classes, on their class dicts; where a
     class attribute is watched, the instance's own entry of that name is watched to stay
     absent. An OptimizedModule inside the model keeps its own watch."""
-    names = None if reads is None else reads.get("names")
+    names = None if reads is None or reads.get("all") else reads.get("names")
+    probed = {} if reads is None else reads.get("probed", {})
     out, absent, classes = [], [], set()
     for m in dict.fromkeys(model.modules()):
         if isinstance(m, torch.jit.ScriptModule) or getattr(type(m), "fxfuse_runtime", False):
@@ -186,9 +203,23 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                 if class_keys:
                     out.append(_entry(vars(cls), class_keys))
                     absent += [(m.__dict__, k) for k in class_keys if k not in m.__dict__]
-    if absent:
-        out.append((None, absent, None, ()))
+            # a name forward() may look up while it is absent, set after optimize() (fuzz33e): on
+            # the instance or the class, it would change what the trace took as missing
+            looked_up = set().union(*(probed.get(q, ()) for q in ("", *(c.__qualname__ for c in type(m).__mro__))))
+            missing = [k for k in looked_up if k not in m.__dict__ and not _defined(m, k)]
+            absent += [(d, k) for k in missing for d in (m.__dict__, vars(type(m)))]
+    if absent:   # grouped by dict: one C-level isdisjoint per dict and call
+        grouped = {}
+        for d, k in absent:
+            grouped.setdefault(id(d), (d, set()))[1].add(k)
+        out.append((None, tuple([d, frozenset(keys), -1] for d, keys in grouped.values()), None, ()))
     return tuple(out)
+
+
+def _defined(m, name: str) -> bool:
+    """A parameter, buffer, submodule or class attribute of that name (no property runs)."""
+    return name in m._parameters or name in m._buffers or name in m._modules or any(
+        name in vars(c) for c in type(m).__mro__)
 
 
 def _entry(d, keys: tuple) -> tuple:
@@ -206,10 +237,14 @@ def reassigned(watched: tuple) -> str | None:
     value (a float by its repr: -0.0 is not 0.0), or set on an instance where the class's was
     read. Per call: one C-level lookup and identity compare per dict."""
     for d, get, values, keys in watched:
-        if d is None:                    # instance entries that must stay absent
-            for inst, k in get:
-                if k in inst:
-                    return k
+        if d is None:                    # entries that must stay absent, by dict (looked at when its size moves)
+            for entry in get:
+                inst, keys, size = entry
+                if len(inst) != size:
+                    hit = next((k for k in keys if k in inst), None)
+                    if hit is not None:
+                        return hit
+                    entry[2] = len(inst)
             continue
         try:
             now = get(d)

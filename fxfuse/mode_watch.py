@@ -193,9 +193,9 @@ class GradRecording:
     autograd here? Then the original runs (GRAD_REASON). Unknown facts (a build without
     verify) count as recording, except turning grad on under no_grad, as before the probes."""
 
-    def __init__(self, model, plain_tensors=tuple):
+    def __init__(self, model, plain_tensors=()):
         self.model = model
-        self.plain_tensors = plain_tensors   # () -> the plain tensor attributes the traces read (`self.T`)
+        self.plain_tensors = plain_tensors   # the plain tensor attributes the traces read (`self.T`), kept current
         self.reads_grad_mode = False   # forward() asks torch.is_grad_enabled() (any build; kept)
         self.forget_builds()
 
@@ -220,7 +220,7 @@ class GradRecording:
         """Parameters, buffers and plain tensor attributes: `self.T.requires_grad_(True)` on a
         temperature after optimize() makes eager record as much as unfreezing a parameter does
         (fuzz33a)."""
-        return (*self.model.parameters(), *self.model.buffers(), *self.plain_tensors())
+        return (*self.model.parameters(), *self.model.buffers(), *self.plain_tensors)
 
     def _flags(self) -> tuple:
         return tuple(t.requires_grad for t in self._state())

@@ -119,6 +119,9 @@ def version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+SWAPPED = ("the model's parameters or buffers are swapped for others without a registration (torch.func."
+           "functional_call, torch.nn.utils.stateless): a specialization built now would keep the temporary "
+           "tensors; the original module runs")   # the runtime's reason where a miss finds that (fuzz33e)
 INFERENCE_COPIES = (   # the runtime's one warning where version() is None for a tensor a copy came from
     "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
     "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "

@@ -48,17 +48,11 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording
-from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, UNVERSIONED_STEPS,
-                           forward_hook_owner,
-                           share_memory, storages, structure, structure_changed, version)
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, SWAPPED, UNVERSIONED_STEPS,
+                           forward_hook_owner, share_memory, storages, structure, structure_changed, version)
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
-
-SWAPPED = ("the model's parameters or buffers are swapped for others without a registration (torch.func."
-           "functional_call, torch.nn.utils.stateless): a specialization built now would keep the temporary "
-           "tensors; the original module runs")
-
 
 def _moved(watched: tuple) -> bool:
     """Whether a (tensor, version at build) pair's tensor changed in place since."""
@@ -149,8 +143,8 @@ class OptimizedModule(torch.nn.Module):
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._model_storages = frozenset()  # then: the storages of the model's parameters and buffers
-        self._plain_tensors = ()           # tensor attributes the traces read (add_specialization)
-        self._grad = GradRecording(model, lambda: self._plain_tensors)  # what the builds' probes found about autograd, and the rule
+        self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
+        self._grad = GradRecording(model, self._plain_tensors)   # shared, not a closure: no cycle through self  # what the builds' probes found about autograd, and the rule
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
@@ -292,7 +286,7 @@ class OptimizedModule(torch.nn.Module):
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
-        self._plain_tensors = tuple(plain_tensors)
+        self._plain_tensors[:] = plain_tensors
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}))
         watched = {id(t) for t, _ in self._buffer_versions}
         self._buffer_versions += tuple((t, t._version) for t in dict.fromkeys((*gm.meta.get("fxfuse_copied", ()),
@@ -468,6 +462,8 @@ class OptimizedModule(torch.nn.Module):
                                       "are in use (option max_specializations)", args)
         if self._structure and structure_changed(self._structure):   # swapped without a registration hook:
             return self._run_original("swapped", SWAPPED, args)             # a build would bake them in (fuzz33e)
+        if rebuild and (hooked := forward_hook_owner(self.original)):   # a module assigned since, with its hook:
+            return self._run_original("hook", f"{hooked}, which the optimized graph would not run", args)   # fuzz33e
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too

@@ -43,7 +43,7 @@ def _writes_in_place(n: torch.fx.Node):
     if (n.op == "call_function" and (n.target in AUGMENTED_OPERATORS or n.target is operator.setitem)) or \
             (n.op == "call_method" and n.target == "__setitem__"):   # b.__setitem__(i, v): fx keeps the method
         return n.args[0] if n.args else None
-    if "out" in n.kwargs:
+    if n.kwargs.get("out") is not None:   # torch.fx records F.normalize(x) with out=None: no write
         return n.kwargs["out"]
     if n.op == "call_function" and n.target in RENORMS:   # F.embedding(ids, W, max_norm=1.0) rescales W's rows
         bound = dict(zip(RENORMS[n.target], n.args), **n.kwargs)

@@ -221,9 +221,10 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
                              f"{advice}") from fx_error
         padded = blocks_given_padding(model, clone_args(example_args))
         if padded:
-            raise UnsupportedError(f"{padded[0]} is given a key-padding mask: torch.export records its slow "
-                                   "path, which differs from eager's inference fast path at padded positions "
-                                   "(zeros, NaN for a fully padded sequence)") from fx_error
+            raise UnsupportedError(f"{padded[0]} is given a mask (key-padding or attention): torch.export "
+                                   "records its slow path, which differs from eager's inference fast path at "
+                                   "padded positions (zeros) and where a mask hides every key of a row (NaN)"
+                                   ) from fx_error
         versions = parameter_versions(model)
         try:
             gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
@@ -380,7 +381,7 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
             # fuzz33g: a Hugging Face ModelOutput, a defaultdict, a dataclass that is a dict came back
             # as a plain dict (with verify=False silently; a dict dataclass as an empty one)
             raise UnsupportedError(
-                f"forward() returns (or passes on) a {type(a).__qualname__}, a subclass of dict, which torch.fx "
+                f"forward() returns a {type(a).__name__} (or passes one on), a subclass of dict, which torch.fx "
                 "records as a plain dict: the optimized module would return another type. Return a plain dict, "
                 "an OrderedDict or a tuple (a Hugging Face model: return_dict=False)")
         return super().create_arg(a)

@@ -3,8 +3,9 @@
 symbolic_trace keeps every torch.nn module as one call, so an nn.TransformerEncoder inside a
 model was one opaque library call, its Linears, bias adds and residual adds unfused, while the
 same layer as the root model went through torch.export and fused into 5 kernels
-(tracing._trace). Except where a block is given a key-padding mask: there eager's inference
-fast path and the slow path export records differ (fuzzing round 7).
+(tracing._trace). Except where a block is given a mask: there eager's inference fast path and
+the slow path export records differ (fuzzing round 7: a key-padding mask; fuzz33c: an
+attention mask that hides every key of a row, NaN in eager, numbers in the slow path).
 """
 import inspect
 
@@ -21,10 +22,11 @@ DECOMPOSED_BY_EXPORT = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDe
 
 def opaque_blocks(gm) -> list:
     """The targets of the blocks of a symbolic_trace graph to trace through with torch.export;
-    none where any block is given a key-padding mask. There eager's inference fast path
-    (nested tensors, the fused encoder-layer kernel) and the slow path export records differ:
-    zeros against values at padded positions, NaN against numbers for a fully padded sequence.
-    Fuzzing found the first as a silent difference on calls whose padding the example did not have."""
+    none where any block is given a mask. There eager's inference fast path (nested tensors,
+    the fused encoder-layer kernel) and the slow path export records differ: zeros against
+    values at padded positions, NaN against numbers for a fully padded sequence or a row of an
+    attention mask that hides every key. Fuzzing found both as silent differences on calls
+    whose masks the example did not have."""
     targets = []
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(block := gm.get_submodule(node.target), DECOMPOSED_BY_EXPORT):
@@ -35,12 +37,12 @@ def opaque_blocks(gm) -> list:
 
 
 def blocks_given_padding(model, args) -> list:
-    """The blocks of model (DECOMPOSED_BY_EXPORT), itself included, that receive a key-padding
-    mask when model runs on args (which it may change: pass a copy): found by running it once
+    """The blocks of model (DECOMPOSED_BY_EXPORT, MultiheadAttention), itself included, that
+    receive a mask (attention or key-padding) when model runs on args (which it may change: pass a copy): found by running it once
     with forward pre-hooks, for a model no symbolic_trace graph shows the arguments of."""
     found, handles = [], []
-    for name, block in model.named_modules():
-        if isinstance(block, DECOMPOSED_BY_EXPORT):
+    for name, block in model.named_modules():   # export decomposes MultiheadAttention too (its fast path)
+        if isinstance(block, (*DECOMPOSED_BY_EXPORT, torch.nn.MultiheadAttention)):
             def note(module, block_args, kwargs, label=name or type(block).__name__):
                 if padding_mask_given(module, block_args, kwargs):
                     found.append(label)
@@ -63,4 +65,4 @@ def padding_mask_given(block, args, kwargs) -> bool:
         bound = inspect.signature(block.forward).bind(*args, **kwargs)
     except TypeError:
         return True   # not understood: keep the block opaque
-    return any(name.endswith("key_padding_mask") and value is not None for name, value in bound.arguments.items())
+    return any(name.endswith("mask") and value is not None for name, value in bound.arguments.items())

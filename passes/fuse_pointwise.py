@@ -161,7 +161,7 @@ def _aliases(gm, write, kept, attributes) -> set:
     an `out=` tensor), the op's own result, and, transitively, what those are views of, what is
     a view of them, and other reads of the same attribute (`attributes`: _attribute_groups)."""
     written = [write.args[0]] if write.args else []
-    written += [write.kwargs["out"]] if "out" in write.kwargs else []
+    written += [write.kwargs["out"]] if write.kwargs.get("out") is not None else []
     written = [w for w in written if isinstance(w, torch.fx.Node)]
     out, stack = {write}, written or list(write.all_input_nodes)
     stack += [u for u in write.users if _may_alias(gm, u, kept)]

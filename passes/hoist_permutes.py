@@ -79,6 +79,21 @@ def _step(node, value: torch.Tensor) -> torch.Tensor:
     return fn(value, *node.args[1:], **node.kwargs)
 
 
+def meta_operands(op) -> list | None:
+    """op's operands as meta tensors (numbers as they are); None where one has no tensor meta or
+    more dims than op's result (it would not broadcast to it)."""
+    meta, args = _meta(op), []
+    for a in op.args:
+        if isinstance(a, torch.fx.Node):
+            m = _meta(a)
+            if m is None or len(m.shape) > len(meta.shape):
+                return None
+            args.append(meta_tensor(m))
+        else:
+            args.append(a)
+    return args
+
+
 def _movable(op, chain, written) -> bool:
     meta, out, last = _meta(op), _meta(chain[-1]), chain[-1]
     if meta is None or out is None or op in written or any(n in written for n in chain) or len(op.users) != 1 \
@@ -88,15 +103,9 @@ def _movable(op, chain, written) -> bool:
             or not last.users or not all(u.op == "call_function" and is_pointwise_target(u.target)
                                          for u in last.users):
         return False
-    args = []
-    for a in op.args:
-        if isinstance(a, torch.fx.Node):
-            m = _meta(a)
-            if m is None or len(m.shape) > len(meta.shape):
-                return False
-            args.append(meta_tensor(m))
-        else:
-            args.append(a)
+    args = meta_operands(op)
+    if args is None:
+        return False
     try:
         laid = [_laid_out(chain, tuple(meta.shape), a) for a in args]
         result = op.target(*laid, **op.kwargs)

@@ -33,7 +33,7 @@ from fxfuse.node_meta import fetch_attr, meta_tensor, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target
 
 from .fuse_pointwise import _mutated_values
-from .hoist_permutes import _laid_out, _step
+from .hoist_permutes import _laid_out, _step, meta_operands
 from .normalize_layers import LINEAR_BIAS, SLICING_FUNCTIONS, SLICING_METHODS, _selects_part, register_constant
 
 aten = torch.ops.aten
@@ -113,15 +113,9 @@ def _movable(op, chains, written) -> bool:
             or any(a in written for a in op.args if isinstance(a, torch.fx.Node)) \
             or (op.meta.get(LINEAR_BIAS, False) and meta.dtype != torch.float32):
         return False
-    args = []
-    for a in op.args:
-        if isinstance(a, torch.fx.Node):
-            m = _meta(a)
-            if m is None or len(m.shape) > len(meta.shape):
-                return False
-            args.append(meta_tensor(m))
-        else:
-            args.append(a)
+    args = meta_operands(op)
+    if args is None:
+        return False
     for chain in chains:
         leaf = chain[-1]
         out = _meta(leaf)

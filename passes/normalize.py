@@ -57,8 +57,8 @@ FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone", "new_
 def _produces_fresh_tensor(node) -> bool:
     """True if node's output is a new tensor that no view or parameter shares."""
     if node.op == "call_method":   # x.clone(), x.matmul(w): new memory
-        return node.target in FRESH_METHODS and "out" not in node.kwargs
-    return node.op == "call_function" and "out" not in node.kwargs and (   # out=: the result IS `out`
+        return node.target in FRESH_METHODS and node.kwargs.get("out") is None
+    return node.op == "call_function" and node.kwargs.get("out") is None and (   # out=: the result IS `out`
         (is_pointwise_target(node.target) and (node.target is not cast or _converts(node)))
         or node.target in FRESH_FUNCTIONS)
 
@@ -206,7 +206,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if call is None:
             if row.inplace and _functional_twin(gm, node, order):   # masked_fill_ of a tensor value
                 continue
-            if row.inplace or _inplace_flag(row, node) or "out" in node.kwargs:   # x.div_(y, rounding_mode="floor")
+            if row.inplace or _inplace_flag(row, node) or node.kwargs.get("out") is not None:   # x.div_(y, rounding_mode="floor")
                 fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
                 kept_inplace.append(node)
             continue
@@ -324,7 +324,7 @@ def _mutates(gm, node) -> bool:
         return getattr(gm.get_submodule(node.target), "inplace", False) is True
     if node.op != "call_function":
         return False
-    if node.target is operator.setitem or "out" in node.kwargs or _passes_inplace(node):
+    if node.target is operator.setitem or node.kwargs.get("out") is not None or _passes_inplace(node):
         return True
     name = getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.startswith("_") and node.target not in KEYWORD_OPERATORS:

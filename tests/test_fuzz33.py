@@ -213,3 +213,95 @@ def test_an_all_zero_example_keeps_the_numerics_guard_closed(options):
     x = torch.randn(40, 64)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_an_attribute_first_set_after_optimize_is_seen():
+    """`getattr(self, "temperature", 1.0)` / `hasattr(self, "shift")`: an attribute absent at the
+    build and set afterwards kept the traced "absent" branch at the shapes already built (fuzz33e)."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(13, 7)
+
+        def forward(self, x):
+            logits = self.fc(x) / getattr(self, "temperature", 1.0)
+            if hasattr(self, "shift"):
+                logits = logits + self.shift
+            return logits
+
+    torch.manual_seed(0)
+    model = Head().eval()
+    x = torch.randn(5, 13)
+    opt = fxfuse.optimize(model, x)
+    with torch.no_grad():
+        model.temperature = 4.0
+        torch.testing.assert_close(opt(x), model(x))
+        model.shift = torch.randn(7)
+        torch.testing.assert_close(opt(x), model(x))
+        Head.scale_unused = 3   # a class attribute no code looks up: no rebuild needed, values as before
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_out_none_keywords_are_no_writes():
+    """torch.fx records F.normalize, torch.norm and tensordot with out=None: each was taken for
+    a write (fusion refused around it, opt(x, x) ran the original or raised under strict; fuzz33b)."""
+    class Cosine(nn.Module):
+        def forward(self, a, b):
+            sim = (F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1) * 10
+            return torch.relu(sim) + 1, torch.norm(a, dim=-1) * 2, torch.tensordot(a, b, dims=([1], [1])) + 1
+
+    torch.manual_seed(0)
+    model, a, b = Cosine().eval(), torch.randn(4, 6), torch.randn(4, 6)
+    opt = fxfuse.optimize(model, (a, b), strict=True)
+    assert "in-place op" not in fxfuse.explain(opt)
+    with torch.no_grad():
+        for args in ((a, b), (a, a)):   # the same tensor twice: no fallback (strict would raise)
+            for got, want in zip(opt(*args), model(*args)):
+                torch.testing.assert_close(got, want)
+
+
+def test_a_submodule_assigned_with_a_hook_runs_the_original_from_the_first_call():
+    """A module assigned after optimize() carrying a forward hook: the rebuild traced past the
+    hook (verify=False: the first call skipped it; with verify a failed build blamed fxfuse and
+    stuck after the hook's removal; fuzz33e)."""
+    for options in ({"verify": False}, {}):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(13, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
+        opt = fxfuse.optimize(model, torch.randn(5, 13), **options)
+        new = nn.Linear(33, 7)
+        handle = new.register_forward_hook(lambda mod, inp, out: out * 10)
+        model[2] = new
+        x = torch.randn(5, 13)
+        with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="forward hook"):
+            torch.testing.assert_close(opt(x), model(x))
+        handle.remove()
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+        assert fxfuse.stats(opt)["specializations"] == 1   # built once the hook is gone
+
+
+def test_an_encoder_layer_given_an_attention_mask_keeps_eagers_fast_path():
+    """A src_mask hiding every key of some rows: eager's fast path gives NaN there, the slow
+    path torch.export records gave numbers, silently on calls unlike the example (fuzz33c).
+    A block given any mask now stays one library call."""
+    batch, tokens, width, heads = 3, 5, 8, 2
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.TransformerEncoderLayer(width, heads, 16, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(width, 4)
+
+        def forward(self, x, mask):
+            return self.head(self.enc(x, src_mask=mask))
+
+    def mask_from(lengths):
+        valid = torch.arange(tokens)[None] < lengths[:, None]
+        return (~(valid[:, :, None] & valid[:, None, :])).repeat_interleave(heads, 0)
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, (torch.randn(batch, tokens, width), mask_from(torch.tensor([5, 5, 5]))))
+        x, mask = torch.randn(batch, tokens, width), mask_from(torch.tensor([5, 3, 4]))
+        torch.testing.assert_close(opt(x, mask), model(x, mask), equal_nan=True)
