@@ -317,14 +317,14 @@ class OptimizedModule(torch.nn.Module):
         """Forget every specialization (the next call builds one from the current weights)."""
         self._failed_builds = {}   # the state changed: a build that failed may work now
         self._trimmed = {}
+        self._structure = structure(self.original)   # what a build must find (_miss: functional_call swaps)
         if not self.specializations:
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
-        self._children, self._child_counts = (), 0   # next build (_watch_state); the structure now is what
-        self._structure = structure(self.original)   # a build must find (_miss: functional_call swaps)
+        self._children, self._child_counts = (), 0   # watched again from the next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

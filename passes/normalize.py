@@ -28,7 +28,7 @@ from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, g
                                matmul_as_linear, split_layer)
 from .spellings import (ARITH, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
-                        cast_target, masked_fill_layout, spelling_of)
+                        cast_target, divide_as_cuda_does, masked_fill_layout, spelling_of)
 
 aten = torch.ops.aten
 
@@ -238,6 +238,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         broadcast_drops_unit_view(node, is_pointwise_target)
+        divide_as_cuda_does(node)
     g.eliminate_dead_code(is_impure_node=_is_impure)
     g.lint()
     gm.recompile()
