@@ -91,7 +91,7 @@ def recording_attribute_reads(model: torch.nn.Module):
     """Yields a dict filled when the block ends: {"names": the names the model's code running
     in the block could read}, or {"all": True}: that code reads attributes by computed names
     (DYNAMIC), or both a profiler and a tracer are installed (no hook left to use)."""
-    reads, codes, own = {}, set(), _class_code(model)
+    reads, codes, own = {}, set(), class_code(model)
 
     def hook(frame, event, arg):
         if event == "call":
@@ -140,7 +140,7 @@ def _generated(name: str) -> bool:
     return name in ("<module>", "__create_fn__", "_") or (name.startswith("__") and name.endswith("__"))
 
 
-def _class_code(model: torch.nn.Module) -> set:
+def class_code(model: torch.nn.Module) -> set:
     """The code objects of the functions and properties defined on the model's own classes."""
     found = set()
     for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not _torch_class(c)}:

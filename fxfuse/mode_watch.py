@@ -187,6 +187,23 @@ GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by f
                "call under torch.no_grad() or torch.inference_mode() to use the optimized graph")
 
 
+def _decorated_to_enable_grad(model) -> bool:
+    """forward() decorated with @torch.enable_grad() or @torch.set_grad_enabled(True): entered
+    outside any trace, so only a probe (verify) would see it turn grad on (fuzz33a)."""
+    fn = getattr(type(model), "forward", None)
+    while fn is not None:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                manager = getattr(cell.cell_contents, "__self__", None)
+            except ValueError:   # an empty cell
+                continue
+            if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
+                                                          and getattr(manager, "mode", False) is True):
+                return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 class GradRecording:
     """What the builds' probes (probe_mode_dependence) found about autograd in one model's
     forward(), and the rule runtime.OptimizedModule asks on each call: would eager record
@@ -213,7 +230,7 @@ class GradRecording:
         self.records_autograd |= trace.get("records_autograd", True)
         # unprobed (verify=False): it records from its state where some state tensor requires grad
         self.records_from_state |= trace.get("records_from_state", any(flags))
-        self.enables_grad |= trace.get("enables_grad", False)
+        self.enables_grad |= trace.get("enables_grad", _decorated_to_enable_grad(self.model))
         self.flags = flags
 
     def _state(self) -> tuple:

@@ -26,7 +26,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from .concrete_args import drop_value_checks, one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
-from .attribute_reads import recording_attribute_reads
+from .attribute_reads import class_code, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_versions, refuse_state_writes,
@@ -233,7 +233,9 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         except Exception as export_error:  # noqa: BLE001
             # either graph traced, but failed on the input: the input's problem, not control flow
             ran = isinstance(fx_error, ShapePropagationError) or isinstance(export_error, ShapePropagationError)
-            advice = ("Check the example input's shapes and dtypes against the model" if ran else
+            advice = ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
+                      "graphs do not capture: keep that part out of the optimized module" if _runs_autograd(model)
+                      else "Check the example input's shapes and dtypes against the model" if ran else
                       "Remove data-dependent Python control flow from forward() (use torch.where), or mark "
                       "the offending submodule as a leaf")
             raise TraceError(
@@ -244,6 +246,12 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
                 f"{advice}.") from export_error
         refuse_written_parameters(versions)   # before the graph runs: shape propagation and the checks write again
     return gm, how
+
+
+def _runs_autograd(model) -> bool:
+    """The model's own code calls torch.autograd (forces from an energy, fuzz33a) or backward()."""
+    return isinstance(model, torch.nn.Module) and any(
+        "autograd" in code.co_names or "backward" in code.co_names for code in class_code(model))
 
 
 def _check_traceable_forward(model) -> None:

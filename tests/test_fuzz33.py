@@ -305,3 +305,36 @@ def test_an_encoder_layer_given_an_attention_mask_keeps_eagers_fast_path():
         opt = fxfuse.optimize(model, (torch.randn(batch, tokens, width), mask_from(torch.tensor([5, 5, 5]))))
         x, mask = torch.randn(batch, tokens, width), mask_from(torch.tensor([5, 3, 4]))
         torch.testing.assert_close(opt(x, mask), model(x, mask), equal_nan=True)
+
+
+def test_a_forward_decorated_with_enable_grad_records_without_verify():
+    class Grads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+
+        @torch.enable_grad()
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    model, x = Grads().eval(), torch.randn(4, 5)
+    opt = fxfuse.optimize(model, x, verify=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert opt(x).requires_grad == model(x).requires_grad == True   # noqa: E712
+
+
+def test_a_forward_that_runs_autograd_is_told_so():
+    class Forces(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def forward(self, pos):
+            with torch.enable_grad():
+                pos = pos.detach().requires_grad_()
+                energy = self.net(pos).sum()
+                return -torch.autograd.grad(energy, pos)[0]
+
+    with pytest.warns(fxfuse.FxfuseWarning, match="forward\\(\\) runs autograd"):
+        fxfuse.optimize(Forces().eval(), torch.randn(5, 3))
