@@ -127,7 +127,8 @@ def recording_attribute_reads(model: torch.nn.Module):
 def _probed(codes) -> dict:
     """Class qualname ("" for a plain function) -> the names its code may look up while they
     are absent: string constants of code that calls getattr or hasattr (`getattr(self,
-    "temperature", 1.0)`); a model without such code watches no absent name (no cost per call)."""
+    "temperature", 1.0)`); a model without such code watches no absent name (no cost per call).
+    They are watched on every module of the model (the code may probe a child)."""
     probed = {}
     for c in codes:
         if "getattr" in c.co_names or "hasattr" in c.co_names:
@@ -184,9 +185,15 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
     names = None if reads is None or reads.get("all") else reads.get("names")
     probed = {} if reads is None else reads.get("probed", {})
     out, absent, classes = [], [], set()
+    looked_up = set().union(*probed.values())
     for m in dict.fromkeys(model.modules()):
         if isinstance(m, torch.jit.ScriptModule) or getattr(type(m), "fxfuse_runtime", False):
             continue
+        # a name the model's code may look up while it is absent (getattr / hasattr), set after
+        # optimize() on the instance or a class (fuzz33e), on any module: `hasattr(self.block,
+        # "scale")` looks at a child, which may be one of torch's (review33)
+        missing = [k for k in looked_up if k not in m.__dict__ and not _defined(m, k)]
+        absent += [(d, k) for k in missing for d in (m.__dict__, *(vars(c) for c in type(m).__mro__[:-2]))]
         narrowed = names is not None and (_own_class(m) or type(m) in ATTRIBUTE_FREE)
         if not narrowed and type(m) in ATTRIBUTE_FREE:
             continue
@@ -203,11 +210,6 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                 if class_keys:
                     out.append(_entry(vars(cls), class_keys))
                     absent += [(m.__dict__, k) for k in class_keys if k not in m.__dict__]
-            # a name forward() may look up while it is absent, set after optimize() (fuzz33e): on
-            # the instance or the class, it would change what the trace took as missing
-            looked_up = set().union(*(probed.get(q, ()) for q in ("", *(c.__qualname__ for c in type(m).__mro__))))
-            missing = [k for k in looked_up if k not in m.__dict__ and not _defined(m, k)]
-            absent += [(d, k) for k in missing for d in (m.__dict__, vars(type(m)))]
     if absent:   # grouped by dict: one C-level isdisjoint per dict and call
         grouped = {}
         for d, k in absent:

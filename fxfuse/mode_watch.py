@@ -222,14 +222,15 @@ class GradRecording:
         self.enables_grad = False          # records under no_grad (torch.enable_grad() inside)
         self.flags = ()                    # the requires_grad flags of parameters and buffers they held for
 
-    def note_build(self, trace: dict) -> None:
+    def note_build(self, trace: dict, constants_require_grad: bool = False) -> None:
         flags = self._flags()
         if flags != self.flags:   # what earlier builds saw held for other flags (a model frozen since)
             self.forget_builds()
         self.reads_grad_mode |= bool(trace.get("reads_grad_mode"))
         self.records_autograd |= trace.get("records_autograd", True)
-        # unprobed (verify=False): it records from its state where some state tensor requires grad
-        self.records_from_state |= trace.get("records_from_state", any(flags))
+        # unprobed (verify=False): it records from its state where some state tensor requires grad,
+        # or a tensor the graph holds as a constant (a module-level global, one in a list attribute)
+        self.records_from_state |= trace.get("records_from_state", any(flags) or constants_require_grad)
         self.enables_grad |= trace.get("enables_grad", _decorated_to_enable_grad(self.model))
         self.flags = flags
 

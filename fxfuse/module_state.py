@@ -65,6 +65,32 @@ for _register in ("register_module_parameter_registration_hook", "register_modul
         getattr(torch.nn.modules.module, _register)(_count_registration)
 
 
+REPARAMETRIZING = [0]   # torch.func.functional_call / torch.nn.utils.stateless swaps in progress, any thread
+
+
+def _counting_swaps(reparametrize):
+    """torch.func.functional_call swaps a module's tensors by writing its _parameters/_buffers
+    dicts, which no registration hook sees: a build then baked the temporary tensors in, and a
+    CUDA graph replays the registered ones (fuzz33e, review33). While this count is up, the
+    runtime runs the original module."""
+    @contextlib.contextmanager
+    def swapped(*args, **kwargs):
+        REPARAMETRIZING[0] += 1
+        try:
+            with reparametrize(*args, **kwargs):
+                yield
+        finally:
+            REPARAMETRIZING[0] -= 1
+    swapped.fxfuse_counts_swaps = True
+    return swapped
+
+
+_stateless = getattr(getattr(torch.nn, "utils", None), "stateless", None)
+if _stateless is not None and hasattr(_stateless, "_reparametrize_module") \
+        and not getattr(_stateless._reparametrize_module, "fxfuse_counts_swaps", False):   # once per process
+    _stateless._reparametrize_module = _counting_swaps(_stateless._reparametrize_module)
+
+
 UNVERSIONED_STEPS = [0, set()]   # fused optimizer steps in this process, ids of the parameters they wrote
 
 
@@ -120,8 +146,7 @@ def version(t: torch.Tensor) -> int | None:
 
 
 SWAPPED = ("the model's parameters or buffers are swapped for others without a registration (torch.func."
-           "functional_call, torch.nn.utils.stateless): a specialization built now would keep the temporary "
-           "tensors; the original module runs")   # the runtime's reason where a miss finds that (fuzz33e)
+           "functional_call, torch.nn.utils.stateless), which the optimized graph would not read")   # fuzz33e
 INFERENCE_COPIES = (   # the runtime's one warning where version() is None for a tensor a copy came from
     "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
     "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "

@@ -48,8 +48,10 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording
-from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, SWAPPED, UNVERSIONED_STEPS,
-                           forward_hook_owner, share_memory, storages, structure, structure_changed, version)
+from .node_meta import fetch_attr
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, REPARAMETRIZING, SWAPPED,
+                           UNVERSIONED_STEPS, forward_hook_owner, share_memory, storages, structure,
+                           structure_changed, version)
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .tracing import autocast_enabled
@@ -287,7 +289,8 @@ class OptimizedModule(torch.nn.Module):
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors
-        self._grad.note_build(gm.meta.get("fxfuse_trace", {}))
+        self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
+            getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
         watched = {id(t) for t, _ in self._buffer_versions}
         self._buffer_versions += tuple((t, t._version) for t in dict.fromkeys((*gm.meta.get("fxfuse_copied", ()),
                                                                                *plain_tensors))
@@ -370,6 +373,8 @@ class OptimizedModule(torch.nn.Module):
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
                                       "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
+        if REPARAMETRIZING[0]:   # inside torch.func.functional_call: the model's tensors are swapped
+            return self._run_original("swapped", SWAPPED, args)
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
                                       "dtypes it was built with, autocast would change them", args)

@@ -65,8 +65,8 @@ def _chain(permute) -> tuple:
 
 def _laid_out(chain, shape, value):
     """`value` (a tensor, or a number) expanded to the op's shape and read through the chain."""
-    if not isinstance(value, torch.Tensor):
-        return value
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value   # a 0-dim tensor promotes as a number does: expanded, it would not (fuzz33h)
     out = value.expand(shape)
     for node in chain:
         out = _step(node, out)

@@ -19,8 +19,9 @@ bits. The op moves when:
   - nothing involved is written in place, and the op is not the bias add of a Linear in
     fp16/bf16 (normalize_layers.LINEAR_BIAS), which the GEMM adds before its one rounding as
     eager does.
-Each part's op reads only its part of the operands, so work is not repeated where the parts
-do not overlap. Reshapes and permutes have passes of their own (sink_views, hoist_permutes).
+Each part's op reads only its part of the operands; the parts together may hold no more
+elements than the op's result (no overlap), or a stencil (`h[:, 1:] - h[:, :-1]`, repeated)
+would compute the ops before it 2^n times (review33). Reshapes and permutes have passes of their own (sink_views, hoist_permutes).
 """
 import operator
 
@@ -107,6 +108,10 @@ def _readers_keep_strides(leaf, result) -> bool:
     return True
 
 
+def _numel(meta) -> int:
+    return meta.shape.numel() if meta is not None else 1 << 62
+
+
 def _movable(op, chains, written) -> bool:
     meta = _meta(op)
     if meta is None or op in written or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) \
@@ -114,8 +119,8 @@ def _movable(op, chains, written) -> bool:
             or (op.meta.get(LINEAR_BIAS, False) and meta.dtype != torch.float32):
         return False
     args = meta_operands(op)
-    if args is None:
-        return False
+    if args is None or sum(_numel(_meta(c[-1])) for c in chains) > _numel(meta):
+        return False   # overlapping parts would compute op twice; in a stencil, 2^n times (review33)
     for chain in chains:
         leaf = chain[-1]
         out = _meta(leaf)
@@ -123,11 +128,12 @@ def _movable(op, chains, written) -> bool:
                 u.op == "call_function" and is_pointwise_target(u.target) for u in leaf.users):
             return False
         try:
-            laid = [_laid_out(chain, tuple(meta.shape), a) for a in args]
+            laid = [a if isinstance(a, torch.Tensor) and a.dim() == 0 else _laid_out(chain, tuple(meta.shape), a)
+                    for a in args]
             result = op.target(*laid, **op.kwargs)
         except (RuntimeError, TypeError, ValueError, NotImplementedError, IndexError):
             return False
-        if not all(t._base is not None for t in laid if isinstance(t, torch.Tensor)) \
+        if not all(t._base is not None for t in laid if isinstance(t, torch.Tensor) and t.dim()) \
                 or not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(out.shape) \
                 or result.dtype != out.dtype or not _readers_keep_strides(leaf, result):
             return False
@@ -137,8 +143,8 @@ def _movable(op, chains, written) -> bool:
 def _sliced(gm, a, chain, shape, cache):
     """Operand `a` of the moved op, expanded to its shape and read through the chain (a view)."""
     g = gm.graph
-    if not isinstance(a, torch.fx.Node):
-        return a
+    if not isinstance(a, torch.fx.Node) or _meta(a).shape == ():
+        return a   # a 0-dim tensor stays one: it takes part in type promotion as a number does (fuzz33h)
     if a.op == "get_attr":   # a parameter or buffer: its view, registered once (the same storage: stays live)
         view = _laid_out(chain, shape, fetch_attr(gm, a.target))
         node = g.get_attr(register_constant(gm, f"{a.target}.part", view))
@@ -169,7 +175,7 @@ def _hoist(gm, op, chains) -> None:
     shape, cache = tuple(_meta(op).shape), {}
     for chain in chains:
         leaf = chain[-1]
-        with g.inserting_before(leaf):
+        with g.inserting_before(op):   # before every leaf: a chain may reuse what an earlier one made (fuzz33h)
             args = tuple(_sliced(gm, a, chain, shape, cache) for a in op.args)
             moved = g.call_function(op.target, args, dict(op.kwargs))
         moved.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
@@ -183,6 +189,9 @@ def _hoist(gm, op, chains) -> None:
             if not node._erased and not node.users:
                 g.erase_node(node)
     g.erase_node(op)
+    for a in op.args:   # a bias read only by op: its parts are registered views now
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr" and not a.users:
+            g.erase_node(a)
 
 
 def hoist_slices(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:

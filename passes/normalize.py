@@ -155,6 +155,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     for node in list(g.nodes):
         if node.op in ("placeholder", "output", "get_attr") or node._erased:   # a getitem a slicing
             continue                                                           # node's fold took
+        if "out" in node.kwargs and node.kwargs["out"] is None:   # torch.sigmoid(x, out=None): the default
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
         if _is_shape_value(node) and node.users:
             value = node.meta["fxfuse"]["value"]
             returned = isinstance(value, torch.Size) and any(u.op == "output" for u in node.users)

@@ -374,7 +374,7 @@ def _replace_by_view(gm, node, source, part) -> bool:
     return True
 
 
-GLU_FUNCTIONS = {F.glu, torch._C._nn.glu, aten.glu.default}
+GLU_FUNCTIONS = {F.glu, torch._C._nn.glu, aten.glu, aten.glu.default}
 
 
 def glu_as_gate(gm, node) -> bool:

@@ -338,3 +338,51 @@ def test_a_forward_that_runs_autograd_is_told_so():
 
     with pytest.warns(fxfuse.FxfuseWarning, match="forward\\(\\) runs autograd"):
         fxfuse.optimize(Forces().eval(), torch.randn(5, 3))
+
+
+GLOBAL_WEIGHT = torch.randn(6, requires_grad=True)
+
+
+def test_review33_regressions():
+    """review33: functional_call at a built shape after any module was created (the drop took
+    the swapped tensors as the structure, then rebuilt from them); a global tensor requiring
+    grad with verify=False (the unprobed rule looked at the model's tensors only); a child
+    probed with hasattr(self.block, ...); out=None on a canonical op."""
+    torch.manual_seed(0)
+    model = _bn_net()
+    x = torch.randn(5, 7)
+    opt = fxfuse.optimize(model, x)
+    nn.Linear(2, 2)   # any module created anywhere moves the registration count
+    temporary = {k: v * 2 for k, v in opt.named_parameters()}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.func.functional_call(opt, temporary, (x,))
+        torch.testing.assert_close(opt(x), model(x))
+
+    class Global(nn.Module):
+        def forward(self, x):
+            return torch.relu(x * GLOBAL_WEIGHT) + 1
+
+    x = torch.randn(3, 6)
+    opt = fxfuse.optimize(Global().eval(), x, verify=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert opt(x).requires_grad
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.block = nn.Linear(6, 6), nn.Identity()
+
+        def forward(self, x):
+            y = self.lin(x)
+            if hasattr(self.block, "scale"):
+                y = y * self.block.scale
+            return torch.sigmoid(y, out=None)
+
+    model = Probe().eval()
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    model.block.scale = 5.0
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
