@@ -418,9 +418,9 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
 
 def divide_as_cuda_does(node) -> bool:
     """`x / c` with c a number, in fp32/fp16/bf16 on CUDA: eager's kernel multiplies by 1/c, the
-    reciprocal computed once in fp32 (BinaryDivTrueKernel.cu: "if the second argument is a CPU
-    scalar, compute a * reciprocal(b)"), which differs from a true division in the last bit of
-    about a third of the values for c = 3 (fuzz33d). Written so, every kernel computes what eager
+    reciprocal computed once (BinaryDivTrueKernel.cu: "if the second argument is a CPU scalar,
+    compute a * reciprocal(b)"), which can differ from a true division in the last bit (fuzz33d;
+    on an H100, x / 1e-3 and x / 2.5e-4 did). Written so, every kernel computes what eager
     computes. CPU eager divides (and so do the kernels there)."""
     if node.op != "call_function" or node.target is not operator.truediv or node.kwargs or len(node.args) != 2:
         return False
@@ -430,9 +430,9 @@ def divide_as_cuda_does(node) -> bool:
     if not isinstance(x, torch.fx.Node) or type(c) not in (int, float) or meta is None \
             or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) or getattr(device, "type", None) != "cuda":
         return False
-    try:
-        one_over = (torch.tensor(1.0) / torch.tensor(float(c), dtype=torch.float32)).item()
-    except OverflowError:   # an int beyond float's range: left as it is
+    try:   # 1/c in double, then rounded to fp32: what CUDA's eager matched, bit for bit, on an H100 (x / 1e-3,
+        one_over = torch.tensor(1.0 / c, dtype=torch.float32).item()   # x / 2.5e-4); 1/fp32(c) did not
+    except (OverflowError, ZeroDivisionError):   # x / 0 (inf, nan) and huge ints: left as they are
         return False
     node.target, node.args = operator.mul, (x, one_over)
     return True
