@@ -125,15 +125,17 @@ def recording_attribute_reads(model: torch.nn.Module):
 
 
 def _probed(codes) -> dict:
-    """Class qualname ("" for a plain function) -> the names its code may look up while they
-    are absent: string constants of code that calls getattr or hasattr (`getattr(self,
-    "temperature", 1.0)`); a model without such code watches no absent name (no cost per call).
-    They are watched on every module of the model (the code may probe a child)."""
+    """Class qualname ("" for a plain function) -> (the names its code may look up while they are
+    absent, the names it reads): string constants of code that calls getattr or hasattr
+    (`getattr(self, "temperature", 1.0)`), and its co_names (`self.block` in `hasattr(self.block,
+    "scale")`: the child it may probe). A model without such code watches no absent name."""
     probed = {}
     for c in codes:
         if "getattr" in c.co_names or "hasattr" in c.co_names:
             owner = getattr(c, "co_qualname", "").rpartition(".")[0]
-            probed.setdefault(owner, set()).update(s for k in c.co_consts for s in _strings(k) if s.isidentifier())
+            names, refs = probed.setdefault(owner, (set(), set()))
+            names.update(s for k in c.co_consts for s in _strings(k) if s.isidentifier())
+            refs.update(c.co_names)
     return probed
 
 
@@ -159,8 +161,12 @@ def merge_reads(into: dict, new: dict) -> dict:
     """The union of two builds' reads ({"all": True}: every attribute is watched); "probed": the
     string constants that name an attribute (`getattr(self, "temperature", 1.0)`, `hasattr(self,
     "shift")`), which may be read while absent."""
-    probed = {k: into.get("probed", {}).get(k, set()) | new.get("probed", {}).get(k, set())
-              for k in {*into.get("probed", {}), *new.get("probed", {})}}
+    probed = {}
+    for part in (into.get("probed", {}), new.get("probed", {})):
+        for owner, (names, refs) in part.items():
+            have = probed.setdefault(owner, (set(), set()))
+            have[0].update(names)
+            have[1].update(refs)
     if into.get("all") or new.get("all") or "names" not in new:
         return {"all": True, "probed": probed}
     return {"names": into.get("names", set()) | new["names"], "probed": probed}
@@ -185,15 +191,19 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
     names = None if reads is None or reads.get("all") else reads.get("names")
     probed = {} if reads is None else reads.get("probed", {})
     out, absent, classes = [], [], set()
-    looked_up = set().union(*probed.values())
     for m in dict.fromkeys(model.modules()):
         if isinstance(m, torch.jit.ScriptModule) or getattr(type(m), "fxfuse_runtime", False):
             continue
         # a name the model's code may look up while it is absent (getattr / hasattr), set after
-        # optimize() on the instance or a class (fuzz33e), on any module: `hasattr(self.block,
-        # "scale")` looks at a child, which may be one of torch's (review33)
-        missing = [k for k in looked_up if k not in m.__dict__ and not _defined(m, k)]
-        absent += [(d, k) for k in missing for d in (m.__dict__, *(vars(c) for c in type(m).__mro__[:-2]))]
+        # optimize() on the instance or a class (fuzz33e): on the modules of the classes whose
+        # code looks it up and on the children that code names (`hasattr(self.block, "scale")`,
+        # review33), each class once (review33b: 245 dicts a call for a 123-module model otherwise)
+        for owner in ("", *(c.__qualname__ for c in type(m).__mro__[:-2])) if probed and _own_class(m) else ():
+            looked_up, refs = probed.get(owner, ((), ()))
+            targets = [m] + [child for name, child in m._modules.items() if name in refs and child is not None]
+            for t in targets:
+                missing = [k for k in looked_up if k not in t.__dict__ and not _defined(t, k)]
+                absent += [(t, k) for k in missing] + [(c, k) for k in missing for c in type(t).__mro__[:-2]]
         narrowed = names is not None and (_own_class(m) or type(m) in ATTRIBUTE_FREE)
         if not narrowed and type(m) in ATTRIBUTE_FREE:
             continue
@@ -209,11 +219,11 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                 class_keys = tuple(k for k in vars(cls) if (names is None or k in names) and not k.startswith("__"))
                 if class_keys:
                     out.append(_entry(vars(cls), class_keys))
-                    absent += [(m.__dict__, k) for k in class_keys if k not in m.__dict__]
-    if absent:   # grouped by dict: one C-level isdisjoint per dict and call
+                    absent += [(m, k) for k in class_keys if k not in m.__dict__]
+    if absent:   # grouped by owner (a module or a class), each dict looked at when its size moves
         grouped = {}
-        for d, k in absent:
-            grouped.setdefault(id(d), (d, set()))[1].add(k)
+        for owner, k in absent:
+            grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
         out.append((None, tuple([d, frozenset(keys), -1] for d, keys in grouped.values()), None, ()))
     return tuple(out)
 

@@ -188,19 +188,22 @@ GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by f
 
 
 def _decorated_to_enable_grad(model) -> bool:
-    """forward() decorated with @torch.enable_grad() or @torch.set_grad_enabled(True): entered
-    outside any trace, so only a probe (verify) would see it turn grad on (fuzz33a)."""
-    fn = getattr(type(model), "forward", None)
-    while fn is not None:
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                manager = getattr(cell.cell_contents, "__self__", None)
-            except ValueError:   # an empty cell
-                continue
-            if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
-                                                          and getattr(manager, "mode", False) is True):
-                return True
-        fn = getattr(fn, "__wrapped__", None)
+    """A forward() of the model or a submodule decorated with @torch.enable_grad() or
+    @torch.set_grad_enabled(True): entered outside any trace, so only a probe (verify) would see
+    it turn grad on (fuzz33a, review33b). Any surprise while looking counts as no."""
+    for cls in {type(m) for m in model.modules()}:
+        fn, seen = getattr(cls, "forward", None), set()
+        while fn is not None and id(fn) not in seen:
+            seen.add(id(fn))
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    manager = getattr(cell.cell_contents, "__self__", None)
+                    if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
+                                                                  and getattr(manager, "mode", False) is True):
+                        return True
+                except Exception:  # noqa: BLE001 -- an empty cell, an object whose __getattr__ raises
+                    continue
+            fn = getattr(fn, "__wrapped__", None)
     return False
 
 
@@ -231,7 +234,7 @@ class GradRecording:
         # unprobed (verify=False): it records from its state where some state tensor requires grad,
         # or a tensor the graph holds as a constant (a module-level global, one in a list attribute)
         self.records_from_state |= trace.get("records_from_state", any(flags) or constants_require_grad)
-        self.enables_grad |= trace.get("enables_grad", _decorated_to_enable_grad(self.model))
+        self.enables_grad |= trace["enables_grad"] if "enables_grad" in trace else _decorated_to_enable_grad(self.model)
         self.flags = flags
 
     def _state(self) -> tuple:

@@ -145,8 +145,9 @@ def version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-SWAPPED = ("the model's parameters or buffers are swapped for others without a registration (torch.func."
-           "functional_call, torch.nn.utils.stateless), which the optimized graph would not read")   # fuzz33e
+SWAPPED = ("torch.func.functional_call (torch.nn.utils.stateless) is swapping a module's tensors, in this or "
+           "another thread, without the registrations fxfuse watches: the optimized graph could read the wrong "
+           "ones")   # fuzz33e, review33b
 INFERENCE_COPIES = (   # the runtime's one warning where version() is None for a tensor a copy came from
     "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
     "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "
@@ -157,9 +158,15 @@ INFERENCE_COPIES = (   # the runtime's one warning where version() is None for a
 
 
 def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shape, dtype, device and values, NaN equal to NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+    """Equal shape, dtype, device, layout and values, NaN equal to NaN. A sparse tensor (a GCN's
+    adjacency buffer) is compared dense: == is not defined on sparse layouts (fuzz33k)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.layout != b.layout:
         return False
+    if a.layout != torch.strided:
+        try:
+            a, b = a.to_dense(), b.to_dense()
+        except (RuntimeError, NotImplementedError):   # a layout with no dense form: the same object only
+            return a is b
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)
@@ -489,8 +496,10 @@ def forward_hook_owner(model: torch.nn.Module) -> str | None:
 
 
 def storage_address(t: torch.Tensor):
-    """Where t's storage lies (views of one tensor share it), None for an empty or meta tensor."""
-    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" else None
+    """Where t's storage lies (views of one tensor share it), None for an empty or meta tensor and
+    for a sparse one (no storage of its own: a GCN's adjacency buffer, fuzz33k)."""
+    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" and t.layout == torch.strided \
+        else None
 
 
 def share_memory(args, taken=frozenset()) -> bool:

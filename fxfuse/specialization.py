@@ -10,6 +10,7 @@ from .graph_launch import GraphLauncher, clear_cublas_workspaces, draws_random_n
 from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger
+from .module_state import storage_address
 
 def signature(args) -> tuple:
     """What a specialization is built for, per argument: a tensor's shape, dtype, device,
@@ -233,7 +234,7 @@ class Specialization(SlotChoice):
             self._constant_storages = _constant_storages(self.gm, self.model_tensors)
         if not self._constant_storages:
             return out
-        return map_tensors(lambda t: t.clone() if t.untyped_storage().data_ptr() in self._constant_storages else t, out)
+        return map_tensors(lambda t: t.clone() if storage_address(t) in self._constant_storages else t, out)
 
     def __call__(self, args):
         self.calls += 1
@@ -266,13 +267,13 @@ def _constant_storages(gm, model_tensors: tuple) -> set:
     """Storage addresses of the graph's tensor constants that are not the model's own
     parameters or buffers (returning one of those, or a view of it, is what eager does too):
     fx's `_tensor_constant`s and what fxfuse folded or packed."""
-    own = {t.untyped_storage().data_ptr() for t in model_tensors if t.numel()}
+    own = {storage_address(t) for t in model_tensors}
     found = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = gm
             for part in node.target.split("."):
                 value = getattr(value, part, None)
-            if isinstance(value, torch.Tensor) and value.numel():
-                found.add(value.untyped_storage().data_ptr())
-    return found - own
+            if isinstance(value, torch.Tensor):
+                found.add(storage_address(value))
+    return found - own - {None}

@@ -236,8 +236,8 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
             advice = ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
                       "graphs do not capture: keep that part out of the optimized module" if _runs_autograd(model)
                       else "Check the example input's shapes and dtypes against the model" if ran else
-                      "Remove data-dependent Python control flow from forward() (use torch.where), or mark "
-                      "the offending submodule as a leaf")
+                      "Remove data-dependent Python control flow from forward() (use torch.where), or optimize "
+                      "the submodules around the part that has it (model.block = fxfuse.optimize(model.block, h))")
             raise TraceError(
                 f"could not capture a graph of {type(model).__name__}: "
                 f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}"
@@ -249,9 +249,11 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
 
 
 def _runs_autograd(model) -> bool:
-    """The model's own code calls torch.autograd (forces from an energy, fuzz33a) or backward()."""
+    """A forward() of the model's own classes calls torch.autograd (forces from an energy,
+    fuzz33a) or backward(); other methods (a train_step) do not count (review33b)."""
     return isinstance(model, torch.nn.Module) and any(
-        "autograd" in code.co_names or "backward" in code.co_names for code in class_code(model))
+        code.co_name == "forward" and ({"autograd", "grad"} <= set(code.co_names) or "backward" in code.co_names)
+        for code in class_code(model))
 
 
 def _check_traceable_forward(model) -> None:

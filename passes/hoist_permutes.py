@@ -111,7 +111,7 @@ def _movable(op, chain, written) -> bool:
         result = op.target(*laid, **op.kwargs)
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
-    views = all(t._base is not None for t in laid if isinstance(t, torch.Tensor))   # no reshape copied
+    views = all(t._base is not None for t in laid if isinstance(t, torch.Tensor) and t.dim())   # no reshape copied
     return views and tuple(result.shape) == tuple(out.shape) and tuple(result.stride()) == tuple(out.stride)
 
 
@@ -122,7 +122,9 @@ def _hoist(gm, op, chain) -> None:
     with g.inserting_before(last):
         args = []
         for a in op.args:
-            if isinstance(a, torch.fx.Node) and a.op == "get_attr":   # a parameter or buffer: its view
+            if isinstance(a, torch.fx.Node) and _meta(a).shape == ():   # 0-dim: stays as it is (_laid_out)
+                pass
+            elif isinstance(a, torch.fx.Node) and a.op == "get_attr":   # a parameter or buffer: its view
                 view = _laid_out(chain, shape, fetch_attr(gm, a.target))   # registered once (the same
                 a = g.get_attr(register_constant(gm, f"{a.target}.permuted", view))   # storage: stays live)
                 a.meta["tensor_meta"] = _extract_tensor_metadata(view)

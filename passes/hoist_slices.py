@@ -108,6 +108,12 @@ def _readers_keep_strides(leaf, result) -> bool:
     return True
 
 
+def _part(chain) -> tuple:
+    """What a chain selects, whichever nodes spell it: two `h.chunk(2, -1)` nodes' first parts
+    are one part (review33b)."""
+    return tuple((n.op, n.target, repr(n.args[1:]), repr(sorted(n.kwargs.items()))) for n in chain)
+
+
 def _numel(meta) -> int:
     return meta.shape.numel() if meta is not None else 1 << 62
 
@@ -119,7 +125,8 @@ def _movable(op, chains, written) -> bool:
             or (op.meta.get(LINEAR_BIAS, False) and meta.dtype != torch.float32):
         return False
     args = meta_operands(op)
-    if args is None or sum(_numel(_meta(c[-1])) for c in chains) > _numel(meta):
+    parts = {_part(chain): _numel(_meta(chain[-1])) for chain in chains}   # the same part read twice counts once
+    if args is None or sum(parts.values()) > _numel(meta):
         return False   # overlapping parts would compute op twice; in a stencil, 2^n times (review33)
     for chain in chains:
         leaf = chain[-1]
@@ -188,9 +195,10 @@ def _hoist(gm, op, chains) -> None:
         for node in reversed(chain[:-1]):
             if not node._erased and not node.users:
                 g.erase_node(node)
+    operands = [a for a in op.args if isinstance(a, torch.fx.Node)]
     g.erase_node(op)
-    for a in op.args:   # a bias read only by op: its parts are registered views now
-        if isinstance(a, torch.fx.Node) and a.op == "get_attr" and not a.users:
+    for a in operands:   # a bias read only by op: its parts are registered views now
+        if a.op == "get_attr" and not a.users:
             g.erase_node(a)
 
 

@@ -193,7 +193,7 @@ def test_a_build_inside_functional_call_is_not_kept():
     temporary = {k: v * 2 for k, v in opt.named_parameters()}
     with torch.no_grad():
         x = torch.randn(3, 7)   # a new shape: a miss inside the call
-        with pytest.warns(fxfuse.FxfuseWarning, match="swapped"):
+        with pytest.warns(fxfuse.FxfuseWarning, match="functional_call"):
             inside = torch.func.functional_call(opt, temporary, (x,))
         torch.testing.assert_close(inside, torch.func.functional_call(model, {k[len("original."):]: v for k, v in
                                                                               temporary.items()}, (x,)))
@@ -386,3 +386,103 @@ def test_review33_regressions():
     model.block.scale = 5.0
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_buffer_is_no_internal_error(layout):
+    """A GCN keeping its adjacency as a sparse buffer: comparing and locating sparse tensors
+    raised NotImplementedError inside optimize ("internal error"; fuzz33k)."""
+    torch.manual_seed(5)
+    adjacency = torch.sparse_coo_tensor(torch.randint(0, 9, (2, 20)), torch.rand(20), (9, 9)).coalesce()
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("adj", adjacency if layout == "coo" else adjacency.to_sparse_csr())
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return F.relu(torch.sparse.mm(self.adj, self.lin(x)) + x)
+
+    model, x = GCN().eval(), torch.randn(9, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch's own sparse beta warnings
+        opt = fxfuse.optimize(model, x, strict=True)
+        with torch.no_grad():
+            fresh = torch.randn(9, 6)
+            torch.testing.assert_close(opt(fresh), model(fresh))
+
+
+def test_review33b_regressions():
+    """review33b: a submodule's @torch.enable_grad() forward without verify; a decorator closing
+    over an object whose __getattr__ raises KeyError; the same part read through two chunk
+    nodes (`(h * sigmoid(h)).chunk(2)`) counted as overlap; a 0-dim scale kept hoist_permutes
+    from moving the op (ReZero)."""
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 5)
+
+        @torch.enable_grad()
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x) + 1
+
+    x = torch.randn(3, 5)
+    model = Outer().eval()
+    opt = fxfuse.optimize(model, x, verify=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert opt(x).requires_grad == model(x).requires_grad
+
+    class AttrDict(dict):
+        def __getattr__(self, name):
+            return self[name]   # KeyError, not AttributeError
+
+    config = AttrDict(scale=2.0)
+
+    def scaled(fn):
+        def wrapper(*args):
+            return fn(*args) * config["scale"]
+        return wrapper
+
+    class Decorated(nn.Module):
+        @scaled
+        def forward(self, x):
+            return torch.relu(x) + 1
+
+    opt = fxfuse.optimize(Decorated().eval(), x, strict=True)
+    torch.testing.assert_close(opt(x), Decorated()(x))
+
+    class SwishGate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(10))
+
+        def forward(self, x):
+            h = x + self.bias
+            a, b = (h * torch.sigmoid(h)).chunk(2, -1)
+            return a * torch.tanh(b)
+
+    class ReZero(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return x + (self.alpha * torch.tanh(x * 2)).transpose(1, 2)
+
+    for model, shape in ((SwishGate(), (3, 10)), (ReZero(), (2, 6, 6))):
+        model.eval()
+        x = torch.randn(*shape)
+        opt = fxfuse.optimize(model, x, strict=True)
+        assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
