@@ -65,21 +65,33 @@ for _register in ("register_module_parameter_registration_hook", "register_modul
         getattr(torch.nn.modules.module, _register)(_count_registration)
 
 
-REPARAMETRIZING = [0]   # torch.func.functional_call / torch.nn.utils.stateless swaps in progress, any thread
+REPARAMETRIZING = [0, {}]   # functional_call swaps in progress (any thread); id of each module they touch -> count
 
 
 def _counting_swaps(reparametrize):
     """torch.func.functional_call swaps a module's tensors by writing its _parameters/_buffers
     dicts, which no registration hook sees: a build then baked the temporary tensors in, and a
-    CUDA graph replays the registered ones (fuzz33e, review33). While this count is up, the
-    runtime runs the original module."""
+    CUDA graph replays the registered ones (fuzz33e, review33). While a swap of a module is in
+    progress, the runtime of an optimized module among its modules runs the original; other
+    models, in any thread, run on (review33b)."""
     @contextlib.contextmanager
     def swapped(*args, **kwargs):
+        module = args[0] if args else kwargs.get("module")
+        ids = [id(m) for m in module.modules()] if isinstance(module, torch.nn.Module) else []
+        touched = REPARAMETRIZING[1]
         REPARAMETRIZING[0] += 1
+        for i in ids:
+            touched[i] = touched.get(i, 0) + 1
         try:
             with reparametrize(*args, **kwargs):
                 yield
         finally:
+            for i in ids:
+                left = touched.get(i, 1) - 1
+                if left:
+                    touched[i] = left
+                else:
+                    touched.pop(i, None)
             REPARAMETRIZING[0] -= 1
     swapped.fxfuse_counts_swaps = True
     return swapped
@@ -145,9 +157,8 @@ def version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-SWAPPED = ("torch.func.functional_call (torch.nn.utils.stateless) is swapping a module's tensors, in this or "
-           "another thread, without the registrations fxfuse watches: the optimized graph could read the wrong "
-           "ones")   # fuzz33e, review33b
+SWAPPED = ("torch.func.functional_call (torch.nn.utils.stateless) swaps the model's tensors for others without "
+           "the registrations fxfuse watches: the optimized graph would read the wrong ones")   # fuzz33e, review33b
 INFERENCE_COPIES = (   # the runtime's one warning where version() is None for a tensor a copy came from
     "fxfuse: the optimized graph holds copies derived from the model's tensors (BatchNorm folded into "
     "weights, packed or transposed weights), and some of those tensors are inference tensors (the model was "

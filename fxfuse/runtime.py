@@ -373,8 +373,8 @@ class OptimizedModule(torch.nn.Module):
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
                                       "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
-        if REPARAMETRIZING[0]:   # inside torch.func.functional_call: the model's tensors are swapped
-            return self._run_original("swapped", SWAPPED, args)
+        if REPARAMETRIZING[0] and (id(self) in REPARAMETRIZING[1] or id(self.original) in REPARAMETRIZING[1]):
+            return self._run_original("swapped", SWAPPED, args)   # inside torch.func.functional_call
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
                                       "dtypes it was built with, autocast would change them", args)

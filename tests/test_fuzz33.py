@@ -486,3 +486,22 @@ def test_review33b_regressions():
         assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
+
+
+def test_functional_call_of_another_module_leaves_the_optimized_one_alone():
+    """The swap count was process-wide: functional_call of any module, in any thread, sent every
+    optimized module to its original (review33b). Now only the modules the swap touches."""
+    model, x = _bn_net(), torch.randn(4, 7)
+    opt = fxfuse.optimize(model, x, strict=True)   # strict: running the original would raise
+
+    class Caller(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, h):
+            return opt(h) * self.scale
+
+    with torch.no_grad():
+        out = torch.func.functional_call(Caller(), {"scale": torch.tensor(2.0)}, (x,))
+        torch.testing.assert_close(out, model(x) * 2)
