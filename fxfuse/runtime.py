@@ -48,20 +48,13 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
+                           share_memory, storages, structure, structure_changed, version)
 from .node_meta import fetch_attr
-from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, REPARAMETRIZING, SWAPPED,
-                           UNVERSIONED_STEPS, forward_hook_owner, share_memory, storages, structure,
-                           structure_changed, version)
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
+from .torch_hooks import REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS
 from .tracing import autocast_enabled
-
-def _moved(watched: tuple) -> bool:
-    """Whether a (tensor, version at build) pair's tensor changed in place since."""
-    for t, seen in watched:
-        if t._version != seen:
-            return True
-    return False
 
 
 # One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide
@@ -218,7 +211,7 @@ class OptimizedModule(torch.nn.Module):
     def _drop_if_edited(self) -> None:
         self._registrations_seen, self._child_counts = REGISTRATIONS[0], sum(map(len, self._children))
         stepped, self._steps_seen = self._steps_seen != UNVERSIONED_STEPS[0], UNVERSIONED_STEPS[0]
-        if self._buffer_versions and _moved(self._buffer_versions):
+        if self._buffer_versions and moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
                       "the build")
         elif stepped and any(id(t) in UNVERSIONED_STEPS[1] for t, _ in self._buffer_versions):
@@ -387,7 +380,7 @@ class OptimizedModule(torch.nn.Module):
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
-        if (self._buffer_versions and _moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
+        if (self._buffer_versions and moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
                 or UNVERSIONED_STEPS[0] != self._steps_seen
                 or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
