@@ -129,13 +129,16 @@ def _probed(codes) -> dict:
     absent, the names it reads): string constants of code that calls getattr or hasattr
     (`getattr(self, "temperature", 1.0)`), and its co_names (`self.block` in `hasattr(self.block,
     "scale")`: the child it may probe). A model without such code watches no absent name."""
+    def owner(c):   # a helper or generator expression inside forward() belongs to forward's class (fuzz33l)
+        return getattr(c, "co_qualname", "").split(".<locals>")[0].rpartition(".")[0]
     probed = {}
     for c in codes:
         if "getattr" in c.co_names or "hasattr" in c.co_names:
-            owner = getattr(c, "co_qualname", "").rpartition(".")[0]
-            names, refs = probed.setdefault(owner, (set(), set()))
-            names.update(s for k in c.co_consts for s in _strings(k) if s.isidentifier())
-            refs.update(c.co_names)
+            probed.setdefault(owner(c), (set(), set()))[0].update(
+                s for k in c.co_consts for s in _strings(k) if s.isidentifier())
+    for c in codes:   # what the owner's code names, the probing part or not (`for b in self.blocks`)
+        if owner(c) in probed:
+            probed[owner(c)][1].update(c.co_names)
     return probed
 
 
@@ -200,7 +203,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         # review33), each class once (review33b: 245 dicts a call for a 123-module model otherwise)
         for owner in ("", *(c.__qualname__ for c in type(m).__mro__[:-2])) if probed and _own_class(m) else ():
             looked_up, refs = probed.get(owner, ((), ()))
-            targets = [m] + [child for name, child in m._modules.items() if name in refs and child is not None]
+            targets = [m] + _named_children(m, refs)
             for t in targets:
                 missing = [k for k in looked_up if k not in t.__dict__ and not _defined(t, k)]
                 absent += [(t, k) for k in missing] + [(c, k) for k in missing for c in type(t).__mro__[:-2]]
@@ -226,6 +229,23 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
             grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
         out.append((None, tuple([d, frozenset(keys), -1] for d, keys in grouped.values()), None, ()))
     return tuple(out)
+
+
+CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+def _named_children(m, refs) -> list:
+    """The children of m that code reading `refs` may probe: those it names (`self.block`), all
+    of them where it walks `self.children()`/`modules()`, and the elements of a named container
+    (`for b in self.blocks: hasattr(b, "gamma")`, fuzz33l)."""
+    every = bool({"children", "named_children", "modules", "named_modules"} & set(refs))
+    out = []
+    for name, child in m._modules.items():
+        if child is not None and (every or name in refs):
+            out.append(child)
+            if isinstance(child, CONTAINERS):
+                out += [c for c in child._modules.values() if c is not None]
+    return out
 
 
 def _defined(m, name: str) -> bool:

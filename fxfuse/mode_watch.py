@@ -188,22 +188,35 @@ GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by f
 
 
 def _decorated_to_enable_grad(model) -> bool:
-    """A forward() of the model or a submodule decorated with @torch.enable_grad() or
-    @torch.set_grad_enabled(True): entered outside any trace, so only a probe (verify) would see
-    it turn grad on (fuzz33a, review33b). Any surprise while looking counts as no."""
+    """A method of the model's or a submodule's class that turns grad on: decorated with
+    @torch.enable_grad() or @torch.set_grad_enabled(True), a `with torch.enable_grad():` block, a
+    decorator of its own that enters one. Entered outside any trace (or not recorded by it), so
+    only a probe (verify) would see it (fuzz33a, review33b, fuzz33l). Any surprise counts as no."""
     for cls in {type(m) for m in model.modules()}:
-        fn, seen = getattr(cls, "forward", None), set()
-        while fn is not None and id(fn) not in seen:
-            seen.add(id(fn))
-            for cell in getattr(fn, "__closure__", None) or ():
-                try:
-                    manager = getattr(cell.cell_contents, "__self__", None)
-                    if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
-                                                                  and getattr(manager, "mode", False) is True):
-                        return True
-                except Exception:  # noqa: BLE001 -- an empty cell, an object whose __getattr__ raises
-                    continue
-            fn = getattr(fn, "__wrapped__", None)
+        if (cls.__module__ or "").startswith("torch."):
+            continue
+        for value in [v for c in cls.__mro__[:-2] for v in vars(c).values() if callable(v)]:
+            fn, seen = value, set()
+            while fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                if _turns_grad_on(fn):
+                    return True
+                fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _turns_grad_on(fn) -> bool:
+    try:
+        names = getattr(getattr(fn, "__code__", None), "co_names", ())
+        if "enable_grad" in names or "set_grad_enabled" in names:
+            return True
+        for cell in getattr(fn, "__closure__", None) or ():
+            manager = getattr(cell.cell_contents, "__self__", None)
+            if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
+                                                          and getattr(manager, "mode", False) is True):
+                return True
+    except Exception:  # noqa: BLE001 -- an empty cell, an object whose __getattr__ raises
+        return False
     return False
 
 

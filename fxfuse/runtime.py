@@ -210,11 +210,12 @@ class OptimizedModule(torch.nn.Module):
 
     def _drop_if_edited(self) -> None:
         self._registrations_seen, self._child_counts = REGISTRATIONS[0], sum(map(len, self._children))
-        stepped, self._steps_seen = self._steps_seen != UNVERSIONED_STEPS[0], UNVERSIONED_STEPS[0]
+        since, self._steps_seen = self._steps_seen, UNVERSIONED_STEPS[0]   # steps after `since` wrote what?
         if self._buffer_versions and moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
                       "the build")
-        elif stepped and any(id(t) in UNVERSIONED_STEPS[1] for t, _ in self._buffer_versions):
+        elif since != self._steps_seen and any(UNVERSIONED_STEPS[1].get(id(t), 0) > since
+                                               for t, _ in self._buffer_versions):
             reason = ("a fused optimizer step (fused=True: no version counter sees its writes) changed a parameter "
                       "the graph holds a copy of")
         elif structure_changed(self._structure):

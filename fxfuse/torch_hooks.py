@@ -14,13 +14,14 @@ REPARAMETRIZING = [0, {}]   # functional_call swaps in progress (any thread); id
 def _counting_swaps(reparametrize):
     """torch.func.functional_call swaps a module's tensors by writing its _parameters/_buffers
     dicts, which no registration hook sees: a build then baked the temporary tensors in, and a
-    CUDA graph replays the registered ones (fuzz33e, review33). While a swap of a module is in
-    progress, the runtime of an optimized module among its modules runs the original; other
-    models, in any thread, run on (review33b)."""
+    CUDA graph replays the registered ones (fuzz33e, review33). While a swap is in progress, an
+    optimized module on the path to a swapped tensor runs its original; other models, in any
+    thread, run on (review33b)."""
     @contextlib.contextmanager
     def swapped(*args, **kwargs):
         module = args[0] if args else kwargs.get("module")
-        ids = [id(m) for m in module.modules()] if isinstance(module, torch.nn.Module) else []
+        swapped_names = args[1] if len(args) > 1 else kwargs.get("parameters_and_buffers", {})
+        ids = list(_on_paths(module, swapped_names)) if isinstance(module, torch.nn.Module) else []
         touched = REPARAMETRIZING[1]
         REPARAMETRIZING[0] += 1
         for i in ids:
@@ -40,24 +41,40 @@ def _counting_swaps(reparametrize):
     return swapped
 
 
+def _on_paths(root, names) -> set:
+    """ids of the modules from root down to each swapped tensor's owner (`block.original.lin.weight`:
+    root, block, block.original, block.original.lin). An optimized module elsewhere under root
+    (functional_call of a parent swapping only its head) runs on (fuzz33l)."""
+    ids = {id(root)}
+    for name in names:
+        module = root
+        for part in str(name).split(".")[:-1]:
+            module = module._modules.get(part) if isinstance(module, torch.nn.Module) else None
+            if module is None:
+                break
+            ids.add(id(module))
+    return ids
+
+
 _stateless = getattr(getattr(torch.nn, "utils", None), "stateless", None)
 if _stateless is not None and hasattr(_stateless, "_reparametrize_module") \
         and not getattr(_stateless._reparametrize_module, "fxfuse_counts_swaps", False):   # once per process
     _stateless._reparametrize_module = _counting_swaps(_stateless._reparametrize_module)
 
 
-UNVERSIONED_STEPS = [0, set()]   # fused optimizer steps in this process, ids of the parameters they wrote
+UNVERSIONED_STEPS = [0, {}]   # fused optimizer steps in this process; id of each parameter -> the step that last wrote it
 
 
 def _count_fused_step(optimizer, args, kwargs) -> None:
     """torch's fused optimizers (`Adam(fused=True)`, SGD, AdamW, Adagrad) write parameters in
     one kernel that bumps no version counter (fuzz33a), so a copy made from a parameter (a
-    folded BatchNorm, a packed weight) would stay stale: the ids of what they wrote, and a
-    count the runtime compares per call."""
+    folded BatchNorm, a packed weight) would stay stale: a count the runtime compares per call,
+    and for each parameter the step that last wrote it (a model whose parameters another
+    optimizer steps need not rebuild: fuzz33l)."""
     groups = [g for g in getattr(optimizer, "param_groups", ()) if g.get("fused")]
     if groups:
         UNVERSIONED_STEPS[0] += 1
-        UNVERSIONED_STEPS[1].update(id(p) for g in groups for p in g["params"])
+        UNVERSIONED_STEPS[1].update((id(p), UNVERSIONED_STEPS[0]) for g in groups for p in g["params"])
 
 
 try:

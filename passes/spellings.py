@@ -61,7 +61,8 @@ BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, 
 BOOL_BINARY = {operator.and_: torch.logical_and, torch.bitwise_and: torch.logical_and, "bitwise_and": torch.logical_and,
                "__and__": torch.logical_and, aten.bitwise_and.Tensor: torch.logical_and,
                operator.or_: torch.logical_or, torch.bitwise_or: torch.logical_or, "bitwise_or": torch.logical_or,
-               "__or__": torch.logical_or, aten.bitwise_or.Tensor: torch.logical_or}
+               "__or__": torch.logical_or, aten.bitwise_or.Tensor: torch.logical_or,
+               aten.__and__.Tensor: torch.logical_and, aten.__or__.Tensor: torch.logical_or}   # export's `&` (fuzz33m)
 _OPERANDS = {operator.pow: ("input", "exponent")}   # canonical parameter names where not (input, other)
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
                      operator.imul: operator.mul, operator.itruediv: operator.truediv, operator.ipow: operator.pow}

@@ -505,3 +505,101 @@ def test_functional_call_of_another_module_leaves_the_optimized_one_alone():
     with torch.no_grad():
         out = torch.func.functional_call(Caller(), {"scale": torch.tensor(2.0)}, (x,))
         torch.testing.assert_close(out, model(x) * 2)
+
+
+def test_fuzz33l_absent_attributes_in_loops_and_helpers():
+    """`for b in self.blocks: hasattr(b, "gamma")`, getattr in a generator expression or a
+    helper defined in forward(): set after optimize, not seen (fuzz33l)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    class LayerScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x) * b.gamma if hasattr(b, "gamma") else b(x)
+            return x * sum(getattr(b, "scale", 1.0) for b in self.blocks)
+
+    torch.manual_seed(0)
+    model, x = LayerScale().eval(), torch.randn(3, 6)
+    opt = fxfuse.optimize(model, x)
+    with torch.no_grad():
+        model.blocks[1].gamma = 3.0
+        torch.testing.assert_close(opt(x), model(x))
+        model.blocks[0].scale = 2.0
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_fuzz33l_another_models_fused_steps_do_not_rebuild():
+    teacher, student = _bn_net(), _bn_net()
+    x = torch.randn(4, 7)
+    opt = fxfuse.optimize(teacher, x)
+    step = torch.optim.Adam(student.parameters(), lr=0.01, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            student(x).pow(2).mean().backward()
+            step.step()
+            with torch.no_grad():
+                torch.testing.assert_close(opt(x), teacher(x))
+    assert fxfuse.stats(opt)["specializations"] == 1 and opt._state_rebuilds == 0
+
+
+def test_fuzz33l_functional_call_of_a_parent_swapping_its_head_only():
+    class Parent(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block, self.head = block, nn.Linear(13, 2)
+
+        def forward(self, x):
+            return self.head(self.block(x))
+
+    x = torch.randn(4, 7)
+    block = fxfuse.optimize(_bn_net()[:3].eval(), x, strict=True)   # Linear, BN, ReLU
+    parent = Parent(block).eval()
+    with torch.no_grad():
+        out = torch.func.functional_call(parent, {"head.weight": torch.ones(2, 13)}, (x,))
+        torch.testing.assert_close(out, block.original(x) @ torch.ones(2, 13).T + parent.head.bias)
+
+
+def test_fuzz33l_enable_grad_blocks_and_helpers_without_verify():
+    class WithBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            with torch.enable_grad():
+                return self.b(h)
+
+    model, x = WithBlock().eval(), torch.randn(4, 5)
+    opt = fxfuse.optimize(model, x, verify=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert opt(x).requires_grad == model(x).requires_grad == True   # noqa: E712
+
+
+def test_fuzz33m_export_bool_and_or_fuse():
+    class ExportOnly(nn.Module):
+        def forward(self, x, y):
+            if x.shape[0] > 1:   # makes symbolic_trace fail on nothing; the loop below needs export
+                pass
+            out = x
+            for i in range(x.shape[1]):
+                out = out + 0
+            return torch.where((x > 0) & (y < 0.5) | (y > 2), x, y * 2)
+
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    opt = fxfuse.optimize(ExportOnly().eval(), (x, y), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, y), ExportOnly()(x, y))
