@@ -223,11 +223,11 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                 if class_keys:
                     out.append(_entry(vars(cls), class_keys))
                     absent += [(m, k) for k in class_keys if k not in m.__dict__]
-    if absent:   # grouped by owner (a module or a class), each dict looked at when its size moves
+    if absent:   # grouped by owner (a module or a class)
         grouped = {}
         for owner, k in absent:
             grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
-        out.append((None, tuple([d, frozenset(keys), -1] for d, keys in grouped.values()), None, ()))
+        out.append((None, tuple((d, tuple(keys)) for d, keys in grouped.values()), None, ()))
     return tuple(out)
 
 
@@ -269,14 +269,11 @@ def reassigned(watched: tuple) -> str | None:
     value (a float by its repr: -0.0 is not 0.0), or set on an instance where the class's was
     read. Per call: one C-level lookup and identity compare per dict."""
     for d, get, values, keys in watched:
-        if d is None:                    # entries that must stay absent, by dict (looked at when its size moves)
-            for entry in get:
-                inst, keys, size = entry
-                if len(inst) != size:
-                    hit = next((k for k in keys if k in inst), None)
-                    if hit is not None:
-                        return hit
-                    entry[2] = len(inst)
+        if d is None:                    # entries that must stay absent, by dict: each name looked up (a
+            for inst, keys in get:       # size check missed `del m.a; m.probed = 1` between calls: fuzz33n)
+                for k in keys:
+                    if k in inst:
+                        return k
             continue
         try:
             now = get(d)

@@ -53,7 +53,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATI
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
-from .torch_hooks import REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS
+from .torch_hooks import REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled
 
 
@@ -367,8 +367,8 @@ class OptimizedModule(torch.nn.Module):
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
             return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
                                       "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
-        if REPARAMETRIZING[0] and (id(self) in REPARAMETRIZING[1] or id(self.original) in REPARAMETRIZING[1]):
-            return self._run_original("swapped", SWAPPED, args)   # inside torch.func.functional_call
+        if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
+            return self._run_original("swapped", SWAPPED, args)
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
                                       "dtypes it was built with, autocast would change them", args)

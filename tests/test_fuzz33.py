@@ -603,3 +603,24 @@ def test_fuzz33m_export_bool_and_or_fuse():
     assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
     with torch.no_grad():
         torch.testing.assert_close(opt(x, y), ExportOnly()(x, y))
+
+
+def test_fuzz33n_an_absent_name_set_while_another_attribute_goes():
+    """The absent-name watch looked at a dict only when its size moved: `del m.tmp; m.shift = 5.0`
+    between two calls kept the size and the stale graph (fuzz33n)."""
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.tmp = nn.Linear(4, 4), 1
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y + self.shift if hasattr(self, "shift") else y
+
+    model, x = Shifted().eval(), torch.randn(2, 4)
+    opt = fxfuse.optimize(model, x)
+    with torch.no_grad():
+        opt(x)
+        del model.tmp
+        model.shift = 5.0
+        torch.testing.assert_close(opt(x), model(x))
