@@ -234,9 +234,10 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
-def _named_children(m, refs) -> list:
-    """The children of m that code reading `refs` may probe: those it names (`self.block`), all
-    of them where it walks `self.children()`/`modules()`, and the elements of a named container
+def _named_children(m, refs, depth: int = 0) -> list:
+    """The modules below m that code reading `refs` may probe: the children it names
+    (`self.block`), and theirs down the names it reads (`self.block.inner`, review33c), all of
+    them where it walks `self.children()`/`modules()`, and the elements of a named container
     (`for b in self.blocks: hasattr(b, "gamma")`, fuzz33l)."""
     every = bool({"children", "named_children", "modules", "named_modules"} & set(refs))
     out = []
@@ -245,6 +246,8 @@ def _named_children(m, refs) -> list:
             out.append(child)
             if isinstance(child, CONTAINERS):
                 out += [c for c in child._modules.values() if c is not None]
+            if depth < 8:
+                out += _named_children(child, refs, depth + 1) if not every else []
     return out
 
 

@@ -10,6 +10,7 @@ mode too (probe_mode_dependence), which catches every other way of asking (a hel
 imported the function, one stored on the module, `h.is_inference()`).
 """
 import contextlib
+import inspect
 import os
 import sys
 import warnings
@@ -188,20 +189,27 @@ GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by f
 
 
 def _decorated_to_enable_grad(model) -> bool:
-    """A method of the model's or a submodule's class that turns grad on: decorated with
-    @torch.enable_grad() or @torch.set_grad_enabled(True), a `with torch.enable_grad():` block, a
-    decorator of its own that enters one. Entered outside any trace (or not recorded by it), so
-    only a probe (verify) would see it (fuzz33a, review33b, fuzz33l). Any surprise counts as no."""
+    """A forward() of the model's or a submodule's class, or a method it calls by name, that
+    turns grad on: decorated with @torch.enable_grad() or @torch.set_grad_enabled(True), a
+    `with torch.enable_grad():` block, a decorator of its own that enters one. Entered outside
+    any trace (or not recorded by it), so only a probe (verify) would see it (fuzz33a, review33b,
+    fuzz33l); a training helper forward() never calls does not count (review33c)."""
     for cls in {type(m) for m in model.modules()}:
         if (cls.__module__ or "").startswith("torch."):
             continue
-        for value in [v for c in cls.__mro__[:-2] for v in vars(c).values() if callable(v)]:
-            fn, seen = value, set()
-            while fn is not None and id(fn) not in seen:
-                seen.add(id(fn))
-                if _turns_grad_on(fn):
-                    return True
-                fn = getattr(fn, "__wrapped__", None)
+        try:
+            forward = getattr(cls, "forward", None)
+            called = set(getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ()))
+            methods = [forward] + [getattr(cls, n, None) for n in called if n != "forward"]
+            for value in methods:
+                fn, seen = value, set()
+                while callable(fn) and id(fn) not in seen:
+                    seen.add(id(fn))
+                    if _turns_grad_on(fn):
+                        return True
+                    fn = getattr(fn, "__wrapped__", None)
+        except Exception:  # noqa: BLE001 -- an attribute whose __getattr__ raises (review33c): not a method
+            continue
     return False
 
 

@@ -8,54 +8,43 @@ import contextlib
 
 import torch
 
-REPARAMETRIZING = [0, []]   # functional_call swaps in progress (any thread): (module, names of the swapped tensors)
+from .module_state import REGISTRATIONS
+
+REPARAMETRIZING = [0, []]   # functional_call swaps in progress (any thread), and a [module] entry for each
 
 
 def _counting_swaps(reparametrize):
     """torch.func.functional_call swaps a module's tensors by writing its _parameters/_buffers
     dicts, which no registration hook sees: a build then baked the temporary tensors in, and a
     CUDA graph replays the registered ones (fuzz33e, review33). While a swap is in progress, an
-    optimized module on the path to a swapped tensor runs its original; other models, in any
-    thread, run on (review33b)."""
+    optimized module anywhere under the swapped module runs its original (a tied or shared
+    tensor is swapped under every name it has: review33c); other models, in any thread, run on
+    (review33b)."""
     @contextlib.contextmanager
     def swapped(*args, **kwargs):
-        entry = (args[0] if args else kwargs.get("module"),
-                 tuple(args[1] if len(args) > 1 else kwargs.get("parameters_and_buffers", {})))
-        REPARAMETRIZING[1].append(entry)   # O(1) here: the paths are walked only when an optimized
+        entry = [args[0] if args else kwargs.get("module")]   # a list: removed by identity, not ==
+        REPARAMETRIZING[1].append(entry)   # O(1) here: the modules are walked only when an optimized
         REPARAMETRIZING[0] += 1            # module is called meanwhile (fuzz33n: 12-96 us per call otherwise)
         try:
             with reparametrize(*args, **kwargs):
                 yield
         finally:
             REPARAMETRIZING[0] -= 1
-            try:
-                REPARAMETRIZING[1].remove(entry)
-            except ValueError:
-                pass
+            REGISTRATIONS[0] += 1   # the next call compares what each model holds: torch may leave a swapped
+            active = REPARAMETRIZING[1]   # tensor behind (a module shared under two names, review33c)
+            for k in range(len(active) - 1, -1, -1):
+                if active[k] is entry:
+                    del active[k]
+                    break
     swapped.fxfuse_counts_swaps = True
     return swapped
 
 
 def swapped_now(*modules) -> bool:
-    """Whether a functional_call in progress swaps a tensor under one of `modules` (by identity)."""
+    """Whether a functional_call in progress swaps tensors of a module that holds one of `modules`."""
     wanted = {id(m) for m in modules}
-    return any(_on_paths(root, names) & wanted for root, names in list(REPARAMETRIZING[1])
-               if isinstance(root, torch.nn.Module))
-
-
-def _on_paths(root, names) -> set:
-    """ids of the modules from root down to each swapped tensor's owner (`block.original.lin.weight`:
-    root, block, block.original, block.original.lin). An optimized module elsewhere under root
-    (functional_call of a parent swapping only its head) runs on (fuzz33l)."""
-    ids = {id(root)}
-    for name in names:
-        module = root
-        for part in str(name).split(".")[:-1]:
-            module = module._modules.get(part) if isinstance(module, torch.nn.Module) else None
-            if module is None:
-                break
-            ids.add(id(module))
-    return ids
+    return any(isinstance(root, torch.nn.Module) and any(id(m) in wanted for m in root.modules())
+               for root, in list(REPARAMETRIZING[1]))
 
 
 _stateless = getattr(getattr(torch.nn, "utils", None), "stateless", None)
@@ -72,15 +61,19 @@ def _count_fused_step(optimizer, args, kwargs) -> None:
     one kernel that bumps no version counter (fuzz33a), so a copy made from a parameter (a
     folded BatchNorm, a packed weight) would stay stale: a count the runtime compares per call,
     and for each parameter the step that last wrote it (a model whose parameters another
-    optimizer steps need not rebuild: fuzz33l)."""
+    optimizer steps need not rebuild: fuzz33l). Counted before the step and after it: the
+    optimizer's own post hooks run before the global ones, and may call the model (review33c);
+    the parameters are marked before the count moves, so a reader that sees it sees them."""
     groups = [g for g in getattr(optimizer, "param_groups", ()) if g.get("fused")]
     if groups:
-        UNVERSIONED_STEPS[0] += 1
-        UNVERSIONED_STEPS[1].update((id(p), UNVERSIONED_STEPS[0]) for g in groups for p in g["params"])
+        step = UNVERSIONED_STEPS[0] + 1
+        UNVERSIONED_STEPS[1].update((id(p), step) for g in groups for p in g["params"])
+        UNVERSIONED_STEPS[0] = step
 
 
 try:
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _count_fused_step(optimizer, args, kwargs))
     register_optimizer_step_post_hook(_count_fused_step)
 except ImportError:   # pragma: no cover -- torch < 2.0
     pass

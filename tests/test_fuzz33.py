@@ -554,6 +554,8 @@ def test_fuzz33l_another_models_fused_steps_do_not_rebuild():
 
 
 def test_fuzz33l_functional_call_of_a_parent_swapping_its_head_only():
+    """Values right; the block inside runs its original while the parent's tensors are swapped
+    (a tied or shared tensor is swapped under every name: review33c)."""
     class Parent(nn.Module):
         def __init__(self, block):
             super().__init__()
@@ -563,9 +565,10 @@ def test_fuzz33l_functional_call_of_a_parent_swapping_its_head_only():
             return self.head(self.block(x))
 
     x = torch.randn(4, 7)
-    block = fxfuse.optimize(_bn_net()[:3].eval(), x, strict=True)   # Linear, BN, ReLU
+    block = fxfuse.optimize(_bn_net()[:3].eval(), x)   # Linear, BN, ReLU
     parent = Parent(block).eval()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         out = torch.func.functional_call(parent, {"head.weight": torch.ones(2, 13)}, (x,))
         torch.testing.assert_close(out, block.original(x) @ torch.ones(2, 13).T + parent.head.bias)
 
@@ -623,4 +626,77 @@ def test_fuzz33n_an_absent_name_set_while_another_attribute_goes():
         opt(x)
         del model.tmp
         model.shift = 5.0
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_review33c_regressions():
+    """review33c: a module shared between a parent and an optimized submodule, swapped by
+    functional_call under the parent's name (the path walk missed it; torch also leaves the
+    temporary tensor behind); nested functional_calls of a class with __eq__; a grandchild probed
+    by getattr(self.block.inner, ...); a training helper using enable_grad that forward() never
+    calls (every no_grad call ran the original without verify)."""
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(7, 7), nn.BatchNorm1d(7)
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.lin(x)))
+
+    class Root(nn.Module):
+        def __init__(self, a, body):
+            super().__init__()
+            self.a, self.body = a, body
+
+        def forward(self, x):
+            return self.a(x) + self.body(x)
+
+    torch.manual_seed(0)
+    body = Body().eval()
+    with torch.no_grad():
+        body.bn.running_mean.normal_()
+    x = torch.randn(5, 7)
+    opt = fxfuse.optimize(body, x, verify=False)
+    root, reference = Root(body.lin, opt).eval(), Root(body.lin, body).eval()
+    new = {"a.weight": torch.randn(7, 7)}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(torch.func.functional_call(root, new, (x,)),
+                                   torch.func.functional_call(reference, new, (x,)))
+        torch.testing.assert_close(opt(x), body(x))
+
+    class WithEq(nn.Linear):
+        def __eq__(self, other):
+            return self.in_features == other.in_features   # raises for a module without it
+        __hash__ = nn.Linear.__hash__
+
+    outer, inner = WithEq(3, 3), nn.Identity()
+    class Nest(nn.Module):
+        def forward(self, h):
+            return torch.func.functional_call(inner, {}, (h,))
+    torch.func.functional_call(outer, {}, (torch.randn(2, 3),))
+    torch.func.functional_call(Nest(), {}, (torch.randn(2, 3),))
+
+    class Inner(nn.Module):
+        def forward(self, x):
+            return x
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Module()
+            self.block.inner, self.lin = Inner(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * getattr(self.block.inner, "scale", 1.0)
+
+        def train_step(self, x):
+            with torch.enable_grad():
+                return self.forward(x).sum()
+
+    model, x = Deep().eval(), torch.randn(2, 4)
+    opt = fxfuse.optimize(model, x, verify=False, strict=True)
+    with torch.no_grad():
+        opt(x)   # strict: a fallback for the unused train_step would raise
+        model.block.inner.scale = 3.0
         torch.testing.assert_close(opt(x), model(x))
