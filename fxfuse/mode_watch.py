@@ -214,17 +214,18 @@ def _decorated_to_enable_grad(model) -> bool:
 
 
 def _turns_grad_on(fn) -> bool:
-    try:
-        names = getattr(getattr(fn, "__code__", None), "co_names", ())
-        if "enable_grad" in names or "set_grad_enabled" in names:
-            return True
-        for cell in getattr(fn, "__closure__", None) or ():
+    """fn enters enable_grad / set_grad_enabled in its code or holds one it entered as a decorator."""
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    if "enable_grad" in names or "set_grad_enabled" in names:
+        return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
             manager = getattr(cell.cell_contents, "__self__", None)
-            if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
-                                                          and getattr(manager, "mode", False) is True):
-                return True
-    except Exception:  # noqa: BLE001 -- an empty cell, an object whose __getattr__ raises
-        return False
+        except ValueError:   # an empty cell
+            continue
+        if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
+                                                      and getattr(manager, "mode", False) is True):
+            return True
     return False
 
 

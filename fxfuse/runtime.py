@@ -139,7 +139,8 @@ class OptimizedModule(torch.nn.Module):
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._model_storages = frozenset()  # then: the storages of the model's parameters and buffers
         self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
-        self._grad = GradRecording(model, self._plain_tensors)   # shared, not a closure: no cycle through self  # what the builds' probes found about autograd, and the rule
+        self._grad = GradRecording(model, self._plain_tensors)   # what the builds' probes found about autograd,
+        #                                     and the rule; the list shared, not a closure: no cycle through self
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
@@ -314,14 +315,13 @@ class OptimizedModule(torch.nn.Module):
         """Forget every specialization (the next call builds one from the current weights)."""
         self._failed_builds = {}   # the state changed: a build that failed may work now
         self._trimmed = {}
-        self._structure = structure(self.original)   # what a build must find (_miss: functional_call swaps)
         if not self.specializations:
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
-        self._children, self._child_counts = (), 0   # watched again from the next build (_watch_state)
+        self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -459,8 +459,6 @@ class OptimizedModule(torch.nn.Module):
         if len(self.specializations) >= self.options.max_specializations:
             return self._run_original("full", f"{reason}; all {self.options.max_specializations} specializations "
                                       "are in use (option max_specializations)", args)
-        if self._structure and structure_changed(self._structure):   # swapped without a registration hook:
-            return self._run_original("swapped", SWAPPED, args)             # a build would bake them in (fuzz33e)
         if rebuild and (hooked := forward_hook_owner(self.original)):   # a module assigned since, with its hook:
             return self._run_original("hook", f"{hooked}, which the optimized graph would not run", args)   # fuzz33e
         try:
