@@ -160,6 +160,36 @@ def class_code(model: torch.nn.Module) -> set:
     return found
 
 
+INPLACE_FLAGGED = (torch.nn.ReLU, torch.nn.SiLU, torch.nn.Mish, torch.nn.Hardswish, torch.nn.Hardsigmoid)
+
+
+def note_inplace_flags(gm, reads: dict) -> None:
+    """ATTRIBUTE_FREE activations' `inplace` changes no result, but where one is applied to a
+    tensor the caller sees (an input, a parameter, a view of one), setting it after optimize()
+    makes eager write into that tensor: watch the name then (fuzz34h). Found by the node's
+    module: a call_module node (symbolic_trace), else export's nn_module_stack."""
+    from .state_writes import VIEW_FUNCTIONS, VIEW_METHODS
+    if reads.get("all") or "names" not in reads:
+        return
+    kinds = {cls.__name__ for cls in INPLACE_FLAGGED}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            kind = type(gm.get_submodule(n.target)).__name__
+        else:
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            kind = str(getattr(stack[-1][1], "__name__", stack[-1][1])).rsplit(".", 1)[-1] if stack else None
+        if kind not in kinds or not n.args:
+            continue
+        a = n.args[0]
+        while isinstance(a, torch.fx.Node) and a.args and (
+                a.op == "call_method" and a.target in VIEW_METHODS or a.op == "call_function" and (
+                a.target in VIEW_FUNCTIONS or getattr(a.target, "is_view", False))):
+            a = a.args[0]
+        if isinstance(a, torch.fx.Node) and a.op in ("placeholder", "get_attr"):
+            reads["names"].add("inplace")
+            return
+
+
 def merge_reads(into: dict, new: dict) -> dict:
     """The union of two builds' reads ({"all": True}: every attribute is watched); "probed": the
     string constants that name an attribute (`getattr(self, "temperature", 1.0)`, `hasattr(self,
@@ -193,7 +223,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
     absent. An OptimizedModule inside the model keeps its own watch."""
     names = None if reads is None or reads.get("all") else reads.get("names")
     probed = {} if reads is None else reads.get("probed", {})
-    out, absent, classes = [], [], set()
+    out, absent, classes, contents = [], [], set(), []
     for m in dict.fromkeys(model.modules()):
         if isinstance(m, torch.jit.ScriptModule) or getattr(type(m), "fxfuse_runtime", False):
             continue
@@ -214,8 +244,10 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                      and (not narrowed or k in names))
         if keys:
             out.append(_entry(m.__dict__, keys))
+            contents += [(k, m.__dict__[k]) for k in keys]
         if _own_class(m):   # its class attributes too (`Net.temperature = 0.5`)
-            for cls in type(m).__mro__[:-2]:
+            mro = type(m).__mro__[:-2]
+            for i, cls in enumerate(mro):
                 if cls in classes:
                     continue
                 classes.add(cls)
@@ -223,12 +255,49 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                 if class_keys:
                     out.append(_entry(vars(cls), class_keys))
                     absent += [(m, k) for k in class_keys if k not in m.__dict__]
+                    # and on the subclasses before it: `Sub.scale = 5.0` shadows `A.scale` (fuzz34h)
+                    absent += [(c, k) for c in mro[:i] for k in class_keys if k not in vars(c)]
     if absent:   # grouped by owner (a module or a class)
         grouped = {}
         for owner, k in absent:
             grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
         out.append((None, tuple((d, tuple(keys)) for d, keys in grouped.values()), None, ()))
+    snapshots = tuple((value, snap, k) for k, value in contents if (snap := _contents(value)) is not None)
+    if snapshots:
+        out.append((CONTENTS, snapshots, None, ()))
     return tuple(out)
+
+
+CONTENTS = "contents"   # marks the entry of plain_attributes whose containers are watched item by item
+
+
+def _contents(value):
+    """A shallow snapshot of a list, dict or set the model's code reads, or of a plain object's
+    attributes (a config namespace or dataclass), else None: an item appended or an attribute
+    set in place (peft's LoRA merge appends to `merged_adapters`, which forward() branches on:
+    fuzz34g; `self.config.scale = 2`) rebuilds. Shallow: a container inside one is compared by
+    identity."""
+    if isinstance(value, set):
+        return frozenset(value)
+    if isinstance(value, (list, dict)):
+        return _items(value)
+    if isinstance(value, (torch.nn.Module, torch.Tensor, type)) or callable(value) or inspect.ismodule(value):
+        return None
+    return _items(value) if type(getattr(value, "__dict__", None)) is dict else None
+
+
+def _items(value) -> tuple:
+    """A list's items, a dict's keys and values (interleaved), an object's attribute names and values."""
+    if isinstance(value, list):
+        return tuple(value)
+    return tuple(x for item in (value if isinstance(value, dict) else vars(value)).items() for x in item)
+
+
+def _contents_changed(value, snap) -> bool:
+    if isinstance(value, set):
+        return frozenset(value) != snap
+    now = _items(value)
+    return len(now) != len(snap) or not all(a is b or same_attr(a, b) for a, b in zip(now, snap))
 
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
@@ -263,7 +332,7 @@ def _entry(d, keys: tuple) -> tuple:
 
 
 def watched_values(watched: tuple) -> list:
-    return [v for d, _, values, keys in watched if d is not None
+    return [v for d, _, values, keys in watched if d is not None and d is not CONTENTS
             for v in (values if len(keys) > 1 else (values,))]
 
 
@@ -272,6 +341,11 @@ def reassigned(watched: tuple) -> str | None:
     value (a float by its repr: -0.0 is not 0.0), or set on an instance where the class's was
     read. Per call: one C-level lookup and identity compare per dict."""
     for d, get, values, keys in watched:
+        if d is CONTENTS:
+            for value, snap, k in get:
+                if _contents_changed(value, snap):
+                    return k
+            continue
         if d is None:                    # entries that must stay absent, by dict: each name looked up (a
             for inst, keys in get:       # size check missed `del m.a; m.probed = 1` between calls: fuzz33n)
                 for k in keys:

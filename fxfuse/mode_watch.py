@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from .errors import FxfuseWarning
-from .module_state import forward_globals
+from .module_state import MODE_FREE, forward_globals
 
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
@@ -180,6 +180,24 @@ def _records_autograd(model, args, grad: bool) -> bool:
     except Exception:  # noqa: BLE001
         return grad
     return _computed(got, inputs)
+
+
+def training_submodule(model) -> str | None:
+    """The module of model (itself included) in training mode whose forward may read the mode
+    (MODE_FREE types' does not), by name, else None. Checked before every build, not only in
+    optimize(): a module assigned after optimize starts in training mode, and a rebuild would
+    trace its training branch, which the graph then kept after model.eval() (fuzz34h)."""
+    for name, m in model.named_modules():
+        if m.training and (m is model or type(m) not in MODE_FREE):
+            return name or type(model).__name__
+    return None
+
+
+def training_reason(model) -> str:
+    where = training_submodule(model)
+    what = "the module is" if where is None or where == type(model).__name__ else f"its submodule {where} is"
+    return (f"{what} in training mode; fxfuse's graphs are eval-mode graphs (Dropout removed, BatchNorm "
+            "folded). Call .eval() to use them")
 
 
 GRAD_REASON = ("this call would record autograd (grad mode on, or turned on by forward() itself, and "

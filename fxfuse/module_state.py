@@ -70,9 +70,10 @@ def structure(model: torch.nn.Module) -> list:
     (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale); and the
     storage of each parameter and buffer: torch.nn.utils.prune.remove puts the same Parameter
     back with its .data replaced, which no version counter sees (runtime compares this only
-    after a registration somewhere, so a plain `p.data = ...` stays unseen: documented)."""
-    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), _addresses(m)) for m in model.modules()
-            if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: run as one opaque call
+    after a registration somewhere, so a plain `p.data = ...` stays unseen: documented); and each
+    module's training flag (torch_hooks counts train() calls as registrations)."""
+    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), (_addresses(m), m.training))
+            for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: opaque
 
 
 def _addresses(m) -> tuple:
@@ -91,7 +92,7 @@ def _address(t):
 def structure_changed(saved: list) -> bool:
     return any(len(now) != len(then) or any(now.get(k, _MISSING) is not v for k, v in then.items())
                for m, *dicts, _ in saved for now, then in zip((m._parameters, m._buffers, m._modules), dicts)) \
-        or any(_addresses(m) != addresses for m, *_, addresses in saved)
+        or any((_addresses(m), m.training) != state for m, *_, state in saved)
 
 
 def moved(watched: tuple) -> bool:
@@ -446,11 +447,24 @@ def forward_hook_owner(model: torch.nn.Module) -> str | None:
     model itself, and global module hooks, which eager runs for every submodule) would silently
     not run: a hook that edits an output would give another answer."""
     if GLOBAL_HOOKS is not None and any(GLOBAL_HOOKS[2:]):
-        return "a global module forward hook (torch.nn.modules.module.register_module_forward_hook)"
+        kind = "forward hook" if GLOBAL_HOOKS[2] else "forward pre-hook"
+        return f"a global module {kind} (torch.nn.modules.module.register_module_{kind.replace(' ', '_').replace('-', '_')})"
     for name, m in model.named_modules():
         if m._forward_hooks or m._forward_pre_hooks:
-            return f"{name or type(model).__name__} has a forward {'hook' if m._forward_hooks else 'pre-hook'}"
+            where = f"submodule {name} ({type(m).__name__})" if name else type(model).__name__
+            return f"{where} has a forward {'hook' if m._forward_hooks else 'pre-hook'}{_hook_advice(m)}"
     return None
+
+
+def _hook_advice(m) -> str:
+    """torch's own hook-based reparametrizations, which fxfuse could take in another form (fuzz34g)."""
+    kinds = {type(h).__module__ for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())}
+    if "torch.nn.utils.prune" in kinds:
+        return " (torch.nn.utils.prune's mask: call prune.remove(module, name) to make the pruning permanent first)"
+    if kinds & {"torch.nn.utils.weight_norm", "torch.nn.utils.spectral_norm"}:
+        return (" (the old torch.nn.utils.weight_norm / spectral_norm: torch.nn.utils.parametrizations.weight_norm "
+                "/ spectral_norm, which fxfuse follows, compute the same)")
+    return ""
 
 
 def storage_address(t: torch.Tensor):

@@ -170,6 +170,15 @@ _TABLE = [
     _op("erf", torch.erf, 1, lambda a: f"tl.erf({a})"),
     _op("floor", torch.floor, 1, lambda a: f"tl.floor({a})"),
     _op("ceil", torch.ceil, 1, lambda a: f"tl.ceil({a})"),
+    _op("trunc", torch.trunc, 1, lambda a: f"_trunc({a})"),   # -0.5 -> -0.0, as eager
+    _op("round", torch.round, 1, lambda a: f"_round({a})"),   # half to even; decimals= stays in the library
+    _op("frac", torch.frac, 1, lambda a: f"({a} - _trunc({a}))"),   # -0.0 -> 0.0 and inf -> nan, as eager
+    _op("sign", torch.sign, 1, lambda a: f"tl.where({a} > 0, 1.0, tl.where({a} < 0, -1.0, 0.0))"),   # nan -> 0
+    _op("exp2", torch.exp2, 1, lambda a: f"tl.exp2({a})"),
+    _op("log2", torch.log2, 1, lambda a: f"tl.log2({a})"),
+    _op("isnan", torch.isnan, 1, lambda a: f"({a} != {a})", returns_bool=True),
+    _op("isinf", torch.isinf, 1, lambda a: f"(tl.abs({a}) == 1e999)", returns_bool=True),
+    _op("isfinite", torch.isfinite, 1, lambda a: f"(tl.abs({a}) < 1e999)", returns_bool=True),
     _op("expm1", torch.expm1, 1, lambda a: f"_expm1({a})"),
     _op("log1p", torch.log1p, 1, lambda a: f"_log1p({a})"),
     _op("clamp", torch.clamp, 1, _clamp, ("min", "max"), min=None, max=None),
@@ -267,6 +276,22 @@ def _maximum(a, b):
 @triton.jit
 def _minimum(a, b):
     return tl.where(a != a, a, tl.where(a < b, a, b))
+
+
+@triton.jit
+def _trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def _round(x):
+    # half to even, as torch.round (rint): r + 1 above the half, r below, at a tie whichever is
+    # even; a zero result takes x's sign (round(-0.4) is -0.0); inf and nan come through
+    r = tl.floor(x)
+    d = x - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    out = tl.where(d > 0.5, r + 1.0, tl.where(d < 0.5, r, tl.where(odd, r + 1.0, r)))
+    return tl.where(out == 0.0, x * 0.0, out)
 
 
 @triton.jit

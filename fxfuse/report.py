@@ -102,7 +102,7 @@ def node_table(gm: torch.fx.GraphModule) -> str:
         elif meta.get("kept"):
             decision = "kept: " + meta["kept"]
         elif not decision:
-            decision = "library op: not pointwise"
+            decision = "library op (not one of the pointwise ops fxfuse fuses)"
         rows.append([node.name, kind, shape_str(node), members, decision, kernel])
     return tabulate(rows, headers=["node", "kind", "output", "members", "decision / reason", "kernel"],
                     tablefmt="simple", maxcolwidths=[None, None, None, 48, 56, None])

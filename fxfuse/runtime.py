@@ -43,11 +43,12 @@ from torch.utils.hooks import RemovableHandle
 from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, dynamo_traces, functorch_active, holds_proxy,
                            traced_in_this_thread)
+from .delegation import PassesThroughToOriginal
 from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
 from .log import logger
-from .mode_watch import GRAD_REASON, GradRecording
+from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
                            share_memory, storages, structure, structure_changed, version)
 from .node_meta import fetch_attr
@@ -61,6 +62,7 @@ from .tracing import autocast_enabled
 # (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
 # not installed as a submodule"), and the quiet-trace stdout redirect is process-wide too
 BUILD_LOCK = threading.RLock()
+RUNNING_ORIGINAL = [0]   # _run_original calls in progress (under BUILD_LOCK)
 BUILDING = [0]   # builds in progress (under BUILD_LOCK: the thread that owns it is the one building)
 
 
@@ -112,7 +114,7 @@ def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
         del state_dict[key]
 
 
-class OptimizedModule(torch.nn.Module):
+class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
 
     fxfuse_runtime = True   # module_state: its call counters are bookkeeping, not model state
@@ -149,6 +151,7 @@ class OptimizedModule(torch.nn.Module):
                    if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: its parent's hook sees its load
         weakref.finalize(self, _remove_hooks, handles)
         self.register_load_state_dict_pre_hook(_load_drops_specializations)
+        self._passing_through = True   # from here, a write of the original's names is the original's
 
     @property
     def training(self) -> bool:
@@ -163,6 +166,8 @@ class OptimizedModule(torch.nn.Module):
 
     def __setattr__(self, name, value) -> None:
         self._refuse_replacing(name)
+        if self._passes_write(name):   # delegation.py
+            return setattr(self.original, name, value)
         super().__setattr__(name, value)
 
     def __delattr__(self, name) -> None:
@@ -220,7 +225,8 @@ class OptimizedModule(torch.nn.Module):
             reason = ("a fused optimizer step (fused=True: no version counter sees its writes) changed a parameter "
                       "the graph holds a copy of")
         elif structure_changed(self._structure):
-            reason = "a parameter, buffer or submodule of the model was replaced since the build"
+            reason = ("a parameter, buffer or submodule of the model was replaced, or a submodule's training flag "
+                      "changed, since the build")
         elif name := reassigned(self._attributes):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
@@ -324,7 +330,8 @@ class OptimizedModule(torch.nn.Module):
         self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
+        if key not in self._warned and not RUNNING_ORIGINAL[0]:   # inside an optimized parent's original
+            # run, whose one warning told the cause (fuzz34h: a child in training mode warned twice)
             self._warned.add(key)
             warn(message)
 
@@ -365,8 +372,7 @@ class OptimizedModule(torch.nn.Module):
                                           "value (a function, a module, a tensor, NaN)", args, kwargs)
             args = positional
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
-            return self._run_original("train", "the module is in training mode; fxfuse's graphs are eval-mode "
-                                      "graphs (Dropout removed, BatchNorm folded). Call .eval() to use them", args)
+            return self._run_original("train", training_reason(self.original), args)
         if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
             return self._run_original("swapped", SWAPPED, args)
         if autocast_enabled():
@@ -461,6 +467,8 @@ class OptimizedModule(torch.nn.Module):
                                       "are in use (option max_specializations)", args)
         if rebuild and (hooked := forward_hook_owner(self.original)):   # a module assigned since, with its hook:
             return self._run_original("hook", f"{hooked}, which the optimized graph would not run", args)   # fuzz33e
+        if training_submodule(self.original) is not None:   # a module assigned since: its training branch
+            return self._run_original("train", training_reason(self.original), args)   # must not be traced
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too
@@ -489,7 +497,11 @@ class OptimizedModule(torch.nn.Module):
             raise GuardError(reason)
         self._count_original(key, reason)
         with BUILD_LOCK:   # not while another thread traces (see forward)
-            return self.original(*args, **(kwargs or {}))
+            RUNNING_ORIGINAL[0] += 1
+            try:
+                return self.original(*args, **(kwargs or {}))
+            finally:
+                RUNNING_ORIGINAL[0] -= 1
 
     def _count_original(self, key: str, reason: str) -> None:
         self._warn_once(key, f"fxfuse: {reason}; running the original module")

@@ -1,5 +1,6 @@
 """What fxfuse hooks into torch to see changes that no version counter or module registration
-reports: torch.func.functional_call's tensor swaps, and fused optimizer steps.
+reports: torch.func.functional_call's tensor swaps, fused optimizer steps, training flags set by
+train()/eval(), and parameters set to None.
 
 Both are process-wide and installed once, on import. runtime.OptimizedModule reads the counts per
 call (one integer compare each while nothing happens).
@@ -51,6 +52,29 @@ _stateless = getattr(getattr(torch.nn, "utils", None), "stateless", None)
 if _stateless is not None and hasattr(_stateless, "_reparametrize_module") \
         and not getattr(_stateless._reparametrize_module, "fxfuse_counts_swaps", False):   # once per process
     _stateless._reparametrize_module = _counting_swaps(_stateless._reparametrize_module)
+
+
+def _counting(method):
+    """nn.Module.train (eval() calls it), register_parameter and __delattr__, wrapped to move REGISTRATIONS,
+    after which the next call of an optimized model compares what its build baked in
+    (module_state.structure): a submodule's training flag, which forward() may read of a child
+    whose own forward ignores it (`if self.backbone.training`, `training=self.head.training`:
+    fuzz34h), and a parameter set to None (`bn.weight = None`) or deleted (`del lin.bias`), for
+    which torch calls no registration hook, while the graph went on using a copy folded from the
+    old one (fuzz34h)."""
+    def counted(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            REGISTRATIONS[0] += 1
+    counted.fxfuse_counts = True
+    counted.__name__, counted.__qualname__, counted.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    return counted
+
+
+for _name in ("train", "register_parameter", "__delattr__"):   # once per process
+    if not getattr(getattr(torch.nn.Module, _name), "fxfuse_counts", False):
+        setattr(torch.nn.Module, _name, _counting(getattr(torch.nn.Module, _name)))
 
 
 UNVERSIONED_STEPS = [0, {}]   # fused optimizer steps in this process; id of each parameter -> the step that last wrote it

@@ -26,7 +26,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from .concrete_args import drop_value_checks, one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
-from .attribute_reads import class_code, recording_attribute_reads
+from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_versions, refuse_state_writes,
@@ -143,6 +143,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
                              "branch; torch.export, which runs real tensors, is not tried for non-tensor inputs")
         gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
     mode_reads |= mode_functions_imported(model)
+    note_inplace_flags(gm, attribute_reads)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "

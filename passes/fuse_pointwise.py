@@ -69,6 +69,8 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
     if op is LAYOUT and not _is_dense(meta.shape, meta.stride):
         return "eager's layout there is not dense (the kernel stores dense layouts only)"
     operands, params = node.args[:op.nargs], list(node.args[op.nargs:]) + list(node.kwargs.values())
+    if set(node.kwargs) - set(op.params) or len(node.args) > op.nargs + len(op.params):   # torch.round(x, decimals=1)
+        return "a parameter the kernel does not implement"   # keeps the canonical target: not normalized
     if any(isinstance(p, torch.fx.Node) for p in params):
         return "a parameter of the op is a tensor"
     for a in operands:

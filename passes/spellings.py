@@ -39,13 +39,17 @@ UNARY = {  # canonical target: function spellings (each also has methods `name` 
     torch.sigmoid: [torch.sigmoid, F.sigmoid, torch.special.expit], torch.tanh: [torch.tanh, F.tanh],
     F.silu: [F.silu], F.mish: [F.mish], F.selu: [F.selu], F.hardsigmoid: [F.hardsigmoid],
     F.hardswish: [F.hardswish], operator.neg: [operator.neg, torch.neg, torch.negative],
-    torch.logical_not: [torch.logical_not],
+    torch.logical_not: [torch.logical_not], torch.trunc: [torch.trunc, torch.fix], torch.round: [torch.round],
+    torch.frac: [torch.frac], torch.sign: [torch.sign, torch.sgn], torch.exp2: [torch.exp2, torch.special.exp2],
+    torch.log2: [torch.log2], torch.isnan: [torch.isnan], torch.isinf: [torch.isinf], torch.isfinite: [torch.isfinite],
 }
 METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
                 torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
                 torch.floor: "floor", torch.ceil: "ceil", torch.expm1: "expm1",
                 torch.log1p: "log1p", torch.reciprocal: "reciprocal", torch.relu: "relu",
-                torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg", torch.logical_not: "logical_not"}
+                torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg", torch.logical_not: "logical_not",
+                torch.trunc: "trunc", torch.round: "round", torch.frac: "frac", torch.sign: "sign", torch.exp2: "exp2",
+                torch.log2: "log2", torch.isnan: "isnan", torch.isinf: "isinf", torch.isfinite: "isfinite"}
 # `~mask`, torch.bitwise_not(mask): logical_not where the operand is bool (on integers a bitwise not)
 BOOL_NOTS = {operator.invert, torch.bitwise_not, aten.bitwise_not.default, "bitwise_not", "__invert__"}
 BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, torch.subtract]),
@@ -134,7 +138,7 @@ def _build_function_spellings() -> dict:
 ALIASES = {"absolute": "abs", "negative": "neg", "divide": "div", "true_divide": "div", "subtract": "sub",
            "multiply": "mul", "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
            "not_equal": "ne", "special_expit": "sigmoid", "special_erf": "erf", "special_expm1": "expm1",
-           "special_log1p": "log1p"}   # torch's other names of fused ops (x.multiply_, aten.special_expit, ...)
+           "special_log1p": "log1p", "fix": "trunc", "sgn": "sign", "special_exp2": "exp2"}   # torch's other names of fused ops (x.multiply_, aten.special_expit, ...)
 
 
 def _build_method_spellings() -> dict:

@@ -60,7 +60,7 @@ def test_hook_before_optimize_returns_the_original(verify):
         warnings.simplefilter("always")
         opt = fxfuse.optimize(model, torch.randn(5, 13), verify=verify)
     assert opt is model
-    assert len(caught) == 1 and "1 has a forward hook" in str(caught[0].message)
+    assert len(caught) == 1 and "submodule 1 (ReLU) has a forward hook" in str(caught[0].message)
     with pytest.raises(fxfuse.FxfuseError, match="forward hook"):
         fxfuse.optimize(model, torch.randn(5, 13), strict=True)
 

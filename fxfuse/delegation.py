@@ -1,0 +1,46 @@
+"""What an OptimizedModule passes through to its original module: attribute reads and writes
+of the model's own names, and indexing, length and iteration of a container.
+
+Why: `model.encoder = fxfuse.optimize(model.encoder, x)` swaps a child for its optimized
+version, and the parent's code goes on reading that child: `self.encoder.config`,
+`self.head.weight` (a tied output layer), `self.blocks[0]`, `len(self.blocks)` (fuzz34h:
+each raised AttributeError or TypeError). torch.compile's wrapper passes them through as well.
+Names with a leading underscore stay the wrapper's own (torch's internals probe modules for
+them), and so do the wrapper's attributes (specializations, options, the counters)."""
+import torch
+
+
+class PassesThroughToOriginal:
+    """A mixin for OptimizedModule (before torch.nn.Module in its bases)."""
+
+    def __getattr__(self, name):
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            original = self.__dict__.get("_modules", {}).get("original")
+            if original is None or name.startswith("_"):
+                raise
+            return getattr(original, name)
+
+    def _passes_write(self, name) -> bool:
+        """A write of a name the original has and the wrapper does not (after __init__): the
+        original's, which the graphs follow (`opt.scale = 3.0` rebuilds as `model.scale = 3.0`
+        does), not a new attribute of the wrapper that forward() never reads."""
+        d = self.__dict__
+        if not d.get("_passing_through") or name.startswith("_") or name in d or hasattr(type(self), name):
+            return False
+        if any(name in d.get(k, {}) for k in ("_parameters", "_buffers", "_modules")):
+            return False
+        return hasattr(d["_modules"]["original"], name)
+
+    def __getitem__(self, index):
+        return self._modules["original"][index]
+
+    def __len__(self) -> int:
+        return len(self._modules["original"])
+
+    def __iter__(self):
+        return iter(self._modules["original"])
+
+    def __bool__(self) -> bool:   # with __len__ defined, bool() would ask it (a non-container raises)
+        return bool(self._modules["original"])
