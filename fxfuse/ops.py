@@ -27,6 +27,13 @@ def cast(x, dtype):
     return x.to(dtype)
 
 
+def add_scaled(x, other, alpha):
+    """x + alpha * other: torch.add(x, other, alpha=...) (sub and rsub with a negated alpha),
+    which eager computes as one fused multiply-add in fp32 (fuzz34e: `x + other * alpha`
+    rounded twice, 3e38 came out inf and cancelling terms lost every bit)."""
+    return torch.add(x, other, alpha=alpha)
+
+
 def as_layout(x, stride):
     """x with the strides eager's op gave its result (a copy only where they differ). Inserted
     after a rewrite whose kernel writes row-major where eager kept its input's layout (a Linear's
@@ -99,8 +106,8 @@ def _pow(x, exponent) -> str:
                 f"tl.where(tl.abs({x}) > 1.0, {literal(above)}, {literal(math.nan)})))")
     if e == 0:
         return f"tl.where({x} == {x}, 1.0, 1.0)"  # x ** 0 == 1, also for nan and inf, as in torch
-    if e.is_integer() and abs(e) <= 4:
-        prod = " * ".join([f"{x}"] * int(abs(e)))
+    if e in (1, 2, 3, -1, -2):   # the exponents eager computes as products (ATen's pow_tensor_scalar); 4, -3,
+        prod = " * ".join([f"{x}"] * int(abs(e)))   # -4 call powf: as products they lost subnormal results (fuzz34e)
         return f"({prod})" if e > 0 else f"_div(1.0, {prod})"
     if e == 0.5:
         return f"_sqrt({x})"
@@ -144,7 +151,11 @@ _TABLE = [
     _op("sub", operator.sub, 2, lambda a, b: f"({a} - {b})"),
     _op("mul", operator.mul, 2, lambda a, b: f"({a} * {b})"),
     _op("div", operator.truediv, 2, lambda a, b: f"_div({a}, {b})"),
-    _op("neg", operator.neg, 1, lambda a: f"(-{a})"),
+    _op("neg", operator.neg, 1, lambda a: f"({a} * -1.0)"),   # Triton's -x is 0 - x: +0.0 for x = +0.0 (fuzz34e)
+    # the product exact in fp64 (both factors fp32: alpha as eager's fp32 opmath reads it), then one rounding
+    _op("add_scaled", add_scaled, 2, lambda a, b, alpha: (   # (b is a tensor; a may be a number: rsub(x, 2.0))
+        f"(({b}).to(tl.float64) * {literal(float(torch.tensor(alpha, dtype=torch.float32)))} + {a})"
+        ".to(tl.float32)"), ("alpha",)),
     _op("pow", operator.pow, 1, _pow, ("exponent",)),
     _op("maximum", torch.maximum, 2, lambda a, b: f"_maximum({a}, {b})"),
     _op("minimum", torch.minimum, 2, lambda a, b: f"_minimum({a}, {b})"),
@@ -168,8 +179,8 @@ _TABLE = [
     _op("sin", torch.sin, 1, lambda a: f"tl.sin({a})"),
     _op("cos", torch.cos, 1, lambda a: f"tl.cos({a})"),
     _op("erf", torch.erf, 1, lambda a: f"tl.erf({a})"),
-    _op("floor", torch.floor, 1, lambda a: f"tl.floor({a})"),
-    _op("ceil", torch.ceil, 1, lambda a: f"tl.ceil({a})"),
+    _op("floor", torch.floor, 1, lambda a: f"_floor({a})"),
+    _op("ceil", torch.ceil, 1, lambda a: f"_ceil({a})"),
     _op("trunc", torch.trunc, 1, lambda a: f"_trunc({a})"),   # -0.5 -> -0.0, as eager
     _op("round", torch.round, 1, lambda a: f"_round({a})"),   # half to even; decimals= stays in the library
     _op("frac", torch.frac, 1, lambda a: f"({a} - _trunc({a}))"),   # -0.0 -> 0.0 and inf -> nan, as eager
@@ -279,15 +290,26 @@ def _minimum(a, b):
 
 
 @triton.jit
+def _floor(x):
+    # the GPU's floor flushes a subnormal x to zero first: floor(-1e-40) came out 0, not -1 (fuzz34e)
+    return tl.where(x < 0, tl.where(x > -1.1754943508222875e-38, -1.0, tl.floor(x)), tl.floor(x))
+
+
+@triton.jit
+def _ceil(x):
+    return tl.where(x > 0, tl.where(x < 1.1754943508222875e-38, 1.0, tl.ceil(x)), tl.ceil(x))
+
+
+@triton.jit
 def _trunc(x):
-    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+    return tl.where(x < 0, _ceil(x), _floor(x))
 
 
 @triton.jit
 def _round(x):
     # half to even, as torch.round (rint): r + 1 above the half, r below, at a tie whichever is
     # even; a zero result takes x's sign (round(-0.4) is -0.0); inf and nan come through
-    r = tl.floor(x)
+    r = _floor(x)
     d = x - r
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     out = tl.where(d > 0.5, r + 1.0, tl.where(d < 0.5, r, tl.where(odd, r + 1.0, r)))

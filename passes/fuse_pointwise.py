@@ -429,6 +429,10 @@ def _round_operands(b: IRBuilder, node, args: list) -> list:
     CUDA's kernels read it unrounded (CPU eager is not consistent about it, by op)."""
     op = POINTWISE[node.target]
     dtype = comparison_dtype(node) if op.returns_bool else _meta(node).dtype
+    if dtype == torch.float32 and op.returns_bool:   # x == 1e-50 compares with fp32(1e-50) = 0.0 in eager; Triton
+        return [b.const(torch.tensor(float(a), dtype=dtype).item())   # types a literal outside fp32's normal
+                if isinstance(a, numbers.Real) and not isinstance(a, (bool, torch.fx.Node)) else v   # range as fp64
+                for a, v in zip(node.args[:op.nargs], args)]   # and compares in fp64 on the GPU (fuzz34e)
     if dtype not in (torch.float16, torch.bfloat16) or op.name == "cast":
         return args
     rounded = []

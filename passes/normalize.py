@@ -20,7 +20,8 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.ops import POINTWISE, cast, is_pointwise_target
+from fxfuse.node_meta import single_tensor_meta
+from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_major
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
@@ -127,7 +128,31 @@ def _is_identity(gm, node) -> bool:
         return training is False or p == 0
     if node.op == "call_function" and node.target in (aten.dropout.default,):
         return node.args[2] is False
-    return _is_detach(node)
+    return _is_detach(node) or _is_no_op_conversion(node)
+
+
+def _is_no_op_conversion(node) -> bool:
+    """`h.contiguous()` of a contiguous h, `h.to(x.device)`, `h.to("cpu")`, `h.to(x)` where
+    nothing changes: eager returns h itself, and the node split a pointwise group (fuzz34a)."""
+    aten_to = node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to
+    if not (aten_to or node.op == "call_method" and node.target in ("contiguous", "to")) or not node.args:
+        return False
+    src, out = node.args[0], single_tensor_meta(node)
+    before = single_tensor_meta(src) if isinstance(src, torch.fx.Node) else None
+    if before is None or out is None or tuple(out.stride) != tuple(before.stride) or out.dtype != before.dtype:
+        return False
+    if node.target == "contiguous":
+        return len(node.args) == 1 and node.kwargs.get("memory_format", torch.contiguous_format) \
+            is torch.contiguous_format and set(node.kwargs) <= {"memory_format"} \
+            and tuple(before.stride) == row_major(before.shape)
+    devices = {fxfuse_meta(n).get("device") for n in (src, node)}
+    if aten_to:   # export's spelling of them: aten.to.dtype_layout(h, dtype=, layout=, device=), aten.to.device ...
+        return len(devices) == 1 and None not in devices and node.kwargs.get("copy") is not True \
+            and node.kwargs.get("memory_format") in (None, torch.preserve_format) and node.kwargs.get(
+                "layout", torch.strided) is torch.strided and not any(a is True for a in node.args[2:])
+    plain = all(isinstance(a, (str, torch.device)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
+                is not None for a in node.args[1:])
+    return len(node.args) == 2 and plain and not node.kwargs and len(devices) == 1 and None not in devices
 
 
 DETACH_FUNCTIONS = {torch.detach, aten.detach.default, aten.detach_.default, aten.alias.default}
@@ -384,7 +409,7 @@ def _dtype_on(call, device: str):
     try:
         if isinstance(target, tuple):                  # ("alpha", add/sub): x op other * alpha
             x, other, alpha = (fake(a) for a in args)
-            return target[1](x, other * alpha).dtype
+            return torch.add(x, other, alpha=alpha).dtype
         if target == "tensor_clamp":
             x, lo, hi = (fake(a) for a in args)
             return torch.clamp(x, lo, hi).dtype
@@ -400,13 +425,12 @@ def _already_canonical(row, node) -> bool:
 def _replace(g, node, target, args, kwargs):
     """Insert the canonical call for node and make every user read it instead."""
     with g.inserting_before(node):
-        if isinstance(target, tuple):  # add(x, y, alpha=a) -> x + y * a
+        if isinstance(target, tuple):  # add(x, y, alpha=a) -> add_scaled(x, y, alpha=a); sub: -a
             x, other, alpha = args
             if isinstance(other, torch.fx.Node):
-                scaled = g.call_function(operator.mul, (other, alpha))
+                new = g.call_function(add_scaled, (x, other), {"alpha": alpha if target[1] is operator.add else -alpha})
             else:  # x.sub(1, alpha=2): fold the number, a node of two numbers would not fuse
-                scaled = other * alpha
-            new = g.call_function(target[1], (x, scaled))
+                new = g.call_function(target[1], (x, other * alpha))
         elif target == "tensor_clamp":  # clamp with tensor bounds -> maximum / minimum
             x, lo, hi = args
             new = x

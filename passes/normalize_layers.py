@@ -44,6 +44,12 @@ def _swaps(dims) -> bool:
         and {d % 2 for d in dims} == {0, 1}
 
 
+def _reverses(dims) -> bool:
+    """A permute of a 2-D tensor that swaps its dimensions: (1, 0), (-1, 0), (1, -2), (-1, -2);
+    (0, 1) and (-2, -1) keep them (fuzz34a: `W.permute(0, 1)` was read as W.T)."""
+    return _swaps(dims) and (dims[0] % 2, dims[1] % 2) == (1, 0)
+
+
 def _transposed_weight(node):
     """W where node is W.T / W.t() / torch.t(W) / W.transpose(0, 1) (or -1, -2) / W.permute(1, 0)
     of a 2-D constant of the model (a get_attr), else None."""
@@ -59,9 +65,9 @@ def _transposed_weight(node):
         or (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims") and swaps)
         or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes, torch.swapdims,
                                                            aten.transpose.int) and swaps)
-        or (node.op == "call_method" and node.target == "permute" and _swaps(rest[0] if len(rest) == 1 else rest))
+        or (node.op == "call_method" and node.target == "permute" and _reverses(rest[0] if len(rest) == 1 else rest))
         or (node.op == "call_function" and node.target in (torch.permute, aten.permute.default)
-            and len(rest) == 1 and _swaps(rest[0])))
+            and len(rest) == 1 and _reverses(rest[0])))
     meta = w.meta.get("tensor_meta") if isinstance(w, torch.fx.Node) else None
     if transposes and w.op == "get_attr" and meta is not None and len(meta.shape) == 2:
         return w
@@ -149,8 +155,10 @@ def matmul_as_linear(gm, node) -> bool:
             x, other = node.args
             weight = _weight_operand(other, transposed=False)
     elif node.op == "call_function" and node.target in ADDMMS:
-        if len(node.args) == 3 and not node.kwargs:
-            bias, x, other = node.args
+        args = dict(zip(("input", "mat1", "mat2", "beta", "alpha"), node.args), **node.kwargs)
+        if set(args) == {"input", "mat1", "mat2"} | ({"beta", "alpha"} & set(args)) \
+                and all(type(args.get(k, 1)) in (int, float) and args.get(k, 1) == 1 for k in ("beta", "alpha")):
+            bias, x, other = args["input"], args["mat1"], args["mat2"]   # beta=1, alpha=1 spelled out too (fuzz34a)
             weight = _weight_operand(other, transposed=False)
     elif node.op == "call_function" and node.target in (F.linear, aten.linear.default):
         args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)

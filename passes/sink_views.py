@@ -27,9 +27,12 @@ from .normalize_layers import register_constant
 
 aten = torch.ops.aten
 
-RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
-RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, aten.view.default, aten.reshape.default,
-                     aten._unsafe_view.default}
+RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "unsqueeze", "squeeze"}
+RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze, aten.view.default,
+                     aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default}
+RESHAPE_FUNCTIONS |= {getattr(packet, overload) for packet, overload in (   # export's spellings (fuzz34a)
+    (aten.squeeze, "dim"), (aten.squeeze, "dims"), (aten.squeeze, "default"), (aten.flatten, "using_ints"),
+    (aten.unflatten, "int")) if hasattr(packet, overload)}
 
 
 def _contiguous(meta) -> bool:

@@ -91,14 +91,15 @@ def test_plan_and_pass_agree_on_residual_spellings(spelling, post, rows):
     _check(opt, model, torch.randn(rows, 48))
 
 
-def test_add_with_alpha_links_too():
-    """torch.add(h, f(h), alpha=0.5): normalize spells it h + f(h) * 0.5, a residual link with one
-    more op in the branch; planned and fused as one chain, and correct."""
+def test_add_with_alpha_is_planned_and_correct():
+    """torch.add(h, f(h), alpha=0.5): eager computes h + 0.5 * f(h) as one fused multiply-add,
+    which normalize keeps (fxfuse.ops.add_scaled; as `h + f(h) * 0.5`, rounded twice, it lost
+    every bit where the terms cancel: fuzz34e). It is no plain residual add, so each layer is a
+    chain of its own; all three are planned, and the result is eager's."""
     torch.manual_seed(2)
     model = ResMLP(48, 3, "alpha").eval()
     opt, plans, mlps = _build(model, torch.randn(16, 48))
-    assert len({p["chain"] for p in plans}) == 1
-    assert [p["choice"] for p in plans] == ["mlp"] * 3 and sum(len(m.spec.linears) for m in mlps) == 3
+    assert len(plans) == 3 and all(p["choice"] in ("mlp", "gemm", "library") for p in plans)
     _check(opt, model, torch.randn(16, 48))
 
 

@@ -1,0 +1,61 @@
+"""Stop 34's numerics against CUDA eager (fuzz34e found them on an H100, where the interpreter agrees)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxfuse
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
+
+SPECIAL = [float("nan"), -0.0, 0.0, -2.5, -0.5, 0.5, 1.5, 2.5, float("inf"), -float("inf"), 3.7, -3.7, 8388609.0,
+           0.49999997, 1e-40, -1e-40, -3e-39, 2e-39]
+
+
+class _Fn(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
+def _bits(opt, model, x):
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    got, want = (t if t.is_floating_point() else t.float() for t in (got, want))
+    assert torch.equal(got.isnan(), want.isnan()), (x, got, want)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()), (x, got, want)
+
+
+OPS = {"round": torch.round, "trunc": torch.trunc, "frac": torch.frac, "sign": torch.sign, "floor": torch.floor,
+       "ceil": torch.ceil, "isnan": torch.isnan, "isinf": torch.isinf, "isfinite": torch.isfinite,
+       "eq tiny": lambda h: h == 1e-50, "gt huge": lambda h: h > 1e39, "eq subnormal": lambda h: h == 1e-45,
+       "neg": lambda h: 1.0 / -h, "add alpha": lambda h: torch.add(h, h * 3.0, alpha=-0.3333333)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(OPS))
+def test_ops_against_cuda_eager_bit_for_bit(name, dtype):
+    if dtype == torch.float16 and name == "add alpha":
+        pytest.skip("fp16: eager rounds the products to fp16 one by one; fxfuse once (README)")
+    f = OPS[name]
+    model = _Fn(lambda x: f(x * 1.0)).cuda().eval()
+    make = lambda: torch.cat([torch.tensor(SPECIAL), torch.randn(200) * 4, torch.tensor([1e13, -1e13, 1e10])]) \
+        .to("cuda", dtype)  # noqa: E731
+    opt = fxfuse.optimize(model, make(), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    _bits(opt, model, make())
+
+
+@pytest.mark.parametrize("e", [-3, 4, -4])
+def test_powers_cuda_computes_with_powf(e):
+    """x ** -3 was 1 / (x * x * x): 0 where the product overflowed (fuzz34e); now within powf's ulp."""
+    model = _Fn(lambda x: (x * 1.0) ** e).cuda().eval()
+    make = lambda: torch.cat([torch.randn(200) * 4, torch.tensor([1e13, -1e13, 1e10, 3.3])]).cuda()  # noqa: E731
+    opt = fxfuse.optimize(model, make(), strict=True)
+    x = make()
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
+    assert torch.equal(got == 0, want == 0) and torch.equal(got.signbit(), want.signbit())
