@@ -22,6 +22,8 @@ from fxfuse.tracing import fetch_attr, fxfuse_meta
 from .normalize import _reads_without_alias
 
 SCALAR_TYPES = (int, float, bool)
+MAX_GROUP_OPS = 128   # per kernel: a RetNet recurrence unrolled over 160 steps made one kernel of 481 operands,
+#                       which took the GPU's compiler 100 s per build (fuzz34b); split, a kernel ends a chain
 UNSUPPORTED_INPUT_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 
 
@@ -285,7 +287,7 @@ class Grouping:
         if a is b or a not in self.fusible or b not in self.fusible:
             return False
         merged = self.members[a] + self.members[b]
-        if not self._shapes_ok(merged) or self._creates_cycle(a, b):
+        if len(merged) > MAX_GROUP_OPS or not self._shapes_ok(merged) or self._creates_cycle(a, b):
             return False
         for u in self.pred.pop(b):
             self.succ[u].discard(b)

@@ -448,3 +448,23 @@ def test_addmm_with_unit_beta_and_alpha_spelled_out_is_a_linear(kwargs):
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_long_unrolled_recurrence_is_split_into_bounded_kernels():
+    """A RetNet recurrence unrolled over 160 steps was ONE kernel of 481 operands: 100 s of GPU
+    compile per build (fuzz34b). Kernels stop at MAX_GROUP_OPS ops."""
+    from fxfuse.passes.fuse_pointwise import MAX_GROUP_OPS
+
+    def recurrence(s, k, v):
+        state = torch.zeros_like(k[:, 0])
+        for t in range(100):
+            state = state * 0.97 + torch.tanh(k[:, t] * v[:, t])
+        return state
+    model = _Fn(recurrence).eval()
+    k, v = torch.randn(2, 100, 5), torch.randn(2, 100, 5)
+    opt = fxfuse.optimize(model, (k, v))
+    kernels = list(opt.fused_kernels())
+    assert len(kernels) >= 3 and all(len(kernel.members) <= MAX_GROUP_OPS for kernel in kernels)
+    k, v = torch.randn(2, 100, 5), torch.randn(2, 100, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(k, v), model(k, v))
