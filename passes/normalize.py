@@ -51,14 +51,22 @@ FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.ma
                    aten.full.default, aten.empty.memory_format, *(getattr(torch, k + "_like") for k in CREATED),
                    *(getattr(aten, k + "_like").default for k in CREATED),
                    *(getattr(aten, "new_" + k).default for k in CREATED)}
+FRESH_FUNCTIONS |= {F.embedding, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.roll, F.interpolate,
+                    F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                    aten.embedding.default, aten.roll.default}   # (fuzz34b: `e = tok(ids); e += typ(tt)` fused nothing)
+FRESH_MODULES = (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd, nn.LayerNorm, nn.GroupNorm, nn.Upsample,
+                 nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+                 nn.Softmax, nn.LogSoftmax)   # modules whose output is new memory
 FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone", "new_zeros", "new_ones", "new_full",
-                 "new_empty"}
+                 "new_empty", "roll"}
 
 
 def _produces_fresh_tensor(node) -> bool:
     """True if node's output is a new tensor that no view or parameter shares."""
     if node.op == "call_method":   # x.clone(), x.matmul(w): new memory
         return node.target in FRESH_METHODS and node.kwargs.get("out") is None
+    if node.op == "call_module":
+        return isinstance(node.graph.owning_module.get_submodule(node.target), FRESH_MODULES)
     return node.op == "call_function" and node.kwargs.get("out") is None and (   # out=: the result IS `out`
         (is_pointwise_target(node.target) and (node.target is not cast or _converts(node)))
         or node.target in FRESH_FUNCTIONS)

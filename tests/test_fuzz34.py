@@ -437,10 +437,19 @@ def test_unit_views_and_no_op_conversions_between_pointwise_ops_keep_one_kernel(
         torch.testing.assert_close(opt(x), model(x))
 
 
+class _Addmm(nn.Module):
+    def __init__(self, kwargs):
+        super().__init__()
+        self.w, self.b, self.kwargs = nn.Parameter(torch.randn(8, 6)), nn.Parameter(torch.randn(6)), kwargs
+
+    def forward(self, x):
+        return torch.relu(torch.addmm(self.b, x, self.w, **self.kwargs))
+
+
 @pytest.mark.parametrize("kwargs", [{"beta": 1, "alpha": 1}, {"beta": 1.0}, {"beta": 0.5, "alpha": 2.0}])
 def test_addmm_with_unit_beta_and_alpha_spelled_out_is_a_linear(kwargs):
     torch.manual_seed(0)
-    model = _Fn(lambda s, x: torch.relu(torch.addmm(s.b, x, s.w, **kwargs)), w=torch.randn(8, 6), b=torch.randn(6)).eval()
+    model = _Addmm(kwargs).eval()
     opt = fxfuse.optimize(model, torch.randn(4, 8))
     linear = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
     kinds = [n.target for n in next(iter(opt.specializations.values())).gm.graph.nodes if n.op == "call_function"]
@@ -468,3 +477,58 @@ def test_a_long_unrolled_recurrence_is_split_into_bounded_kernels():
     k, v = torch.randn(2, 100, 5), torch.randn(2, 100, 5)
     with torch.no_grad():
         torch.testing.assert_close(opt(k, v), model(k, v))
+
+
+class _EmbeddingSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.typ, self.pos = nn.Embedding(23, 12), nn.Embedding(2, 12), nn.Parameter(torch.randn(7, 12))
+
+    def forward(self, ids, types):
+        e = self.tok(ids)
+        e += self.typ(types)            # in place on a module's fresh output (BERT's embeddings)
+        return torch.tanh(e + self.pos) * 0.5
+
+
+class _RollSum(nn.Module):
+    def forward(self, x):
+        y = torch.roll(x, 1, 1)
+        y += x
+        return torch.sigmoid(y) * x
+
+
+@pytest.mark.parametrize("case", ["embedding", "roll"])
+def test_in_place_ops_on_fresh_outputs_of_modules_and_library_ops_fuse(case):
+    """`e = tok(ids); e += typ(tt)` kept the add and everything after it unfused: an Embedding's
+    (ConvTranspose's, roll's) output was not known to be new memory (fuzz34b)."""
+    torch.manual_seed(0)
+    model, make = {"embedding": (_EmbeddingSum(), lambda: (torch.randint(0, 23, (2, 7)), torch.randint(0, 2, (2, 7)))),
+                   "roll": (_RollSum(), lambda: (torch.randn(2, 5, 6),))}[case]
+    model.eval()
+    opt = fxfuse.optimize(model, make())
+    assert fxfuse.stats(opt)["fused_kernels"] == 1   # the add joins it: the library runs the lookups / roll only
+    assert fxfuse.stats(opt)["library_calls"] == {"embedding": 2, "roll": 1}[case]
+    args = make()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
+
+
+def test_a_complex_output_is_verified_by_its_parts():
+    """A complex64 output right to an ulp was refused: verify compared it exactly (fuzz34b)."""
+    class ComplexGate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, dtype=torch.cfloat))
+
+        def forward(self, z):
+            h = z * self.w + 1
+            return torch.sigmoid(h.abs()) * h
+    torch.manual_seed(0)
+    model = ComplexGate().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, torch.randn(4, 16, dtype=torch.cfloat))
+    z = torch.randn(4, 16, dtype=torch.cfloat)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(z), model(z))
+    assert fxfuse.stats(opt)["optimized"]
