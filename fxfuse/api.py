@@ -169,7 +169,18 @@ def build_graph(model, args: tuple, options: Options):
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
-            expected = _verify(model, gm, args)
+            try:
+                expected = _verify(model, gm, args)
+            except UnsupportedError:
+                raise
+            except FxfuseError as e:   # each Strassen / 3xTF32 layer passed its own check, the whole model
+                if options.strassen == options.tf32x3 == "off":   # did not (an outlier row, an output that
+                    raise                                            # nearly cancels: fuzz34d): without them
+                logger.info("the rewritten graph differs from eager (%s); built again without Strassen and 3xTF32", e)
+                classical = options.with_(strassen="off", tf32x3="off")
+                gm = build_graph(model, args, classical)
+                gm.meta["fxfuse_classical_because"] = str(e)
+                return gm
             probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all)
     return gm
 

@@ -201,6 +201,9 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
             extra = f", skipped: {p['skipped']}" if "skipped" in p else ""
             out.append(f"# constructed by {p['pass']} ({p['ms']:.1f} ms, {p['nodes']} nodes{extra})")
         out.append(f"# CUDA graph: {spec.cuda_graph_note}")
+        if gm.meta.get("fxfuse_classical_because"):
+            out.append("# Strassen and 3xTF32 off for this specialization: every layer passed its own check, but "
+                       f"the whole model did not ({gm.meta['fxfuse_classical_because'].split('. ')[0]})")
         if spec.graph is not None:
             out.append(f"# inputs: {spec.inputs.note}{spec.affinity_note()}")
             out.append(f"# outputs: {spec.handout_note}")

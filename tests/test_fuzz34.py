@@ -532,3 +532,19 @@ def test_a_complex_output_is_verified_by_its_parts():
     with torch.no_grad():
         torch.testing.assert_close(opt(z), model(z))
     assert fxfuse.stats(opt)["optimized"]
+
+
+def test_strassen_that_passes_per_layer_but_not_as_a_whole_falls_back_to_classical_layers():
+    """An example with one row 1e6 times the others: each Strassen layer passed its check, the
+    whole model did not, and optimize returned the original module blaming fxfuse (fuzz34d)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(17, 31), nn.Tanh(), nn.Linear(31, 5)).eval()
+    x = torch.randn(33, 17)
+    x[3] *= 1e6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, x, strassen="force")
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert "Strassen and 3xTF32 off" in fxfuse.explain(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
