@@ -47,6 +47,7 @@ from .delegation import PassesThroughToOriginal
 from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
+from .load_hooks import RebuildOnLoad, load_drops_specializations, remove_hooks
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
@@ -57,6 +58,8 @@ from .specialization import Specialization, UnsupportedInput, describe_mismatch,
 from .torch_hooks import REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled
 
+
+_RebuildOnLoad = RebuildOnLoad   # the name models pickled with an older fxfuse's hook refer to
 
 # One build at a time per process: symbolic tracing patches nn.Module.__call__ process-wide
 # (another thread running modules meanwhile, e.g. a shape propagation, fails with "module is
@@ -78,40 +81,6 @@ MAX_MISSES_KEPT = 32
 REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts towards the "keep changing" warning,
 REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change per call; a few edits by hand
 #                            between calls, as when tuning a model interactively, are no reason to warn)
-
-
-class _RebuildOnLoad:
-    """load_state_dict post hook on every submodule of the original model: drops the
-    OptimizedModule's specializations, whose weight copies are stale after the load.
-
-    Holds only a weakref (the model must not keep the OptimizedModule alive), and pickles or
-    deep-copies as a no-op hook: torch.save(model) and copy.deepcopy(model) keep working, and
-    a copy of the model does not invalidate the OptimizedModule built from the original."""
-
-    def __init__(self, owner):
-        self._owner = weakref.ref(owner)
-
-    def __call__(self, module, incompatible_keys) -> None:
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None:
-            owner.drop_specializations(f"load_state_dict on {type(module).__name__}")
-
-    def __getstate__(self):
-        return {"_owner": None}
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-def _load_drops_specializations(module, state_dict, prefix, *args) -> None:
-    """opt.load_state_dict: drop the specializations (built from the old weights), and ignore
-    the "specialization_N." keys that a state_dict of an older fxfuse holds. opt.state_dict()
-    is the original's, under "original." (the specializations are not child modules)."""
-    module.drop_specializations("load_state_dict")
-    for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
-        del state_dict[key]
 
 
 class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
@@ -146,11 +115,11 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = mutable_defaults(model)
         self.add_specialization(example_args)
-        hook = _RebuildOnLoad(self)
+        hook = RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()
                    if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: its parent's hook sees its load
-        weakref.finalize(self, _remove_hooks, handles)
-        self.register_load_state_dict_pre_hook(_load_drops_specializations)
+        weakref.finalize(self, remove_hooks, handles)
+        self.register_load_state_dict_pre_hook(load_drops_specializations)
         self._passing_through = True   # from here, a write of the original's names is the original's
 
     @property
