@@ -197,6 +197,8 @@ def tensors_read(gm) -> list:
     read = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
+            if node.target.startswith("fxfuse_literal"):   # a number forward() made a tensor (fold_literals)
+                continue
             obj = gm
             for part in node.target.split("."):
                 obj = getattr(obj, part, None)

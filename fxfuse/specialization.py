@@ -2,6 +2,9 @@
 CUDA graph (runtime.OptimizedModule chooses which one a call runs; its docstring tells the
 whole story: static inputs, memcpy nodes, the memory pool as the plan, output handout).
 """
+import contextlib
+import io
+
 import torch
 import torch.fx
 
@@ -129,36 +132,12 @@ class Specialization(SlotChoice):
         return full
 
     def _capture(self, example_args):
-        if self.gm.meta.get("fxfuse_inplace_kept"):
+        if self.gm.meta.get("fxfuse_inplace_kept") and writes_an_input(self.gm):
             self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
             return
-        try:
-            with torch.inference_mode(False), torch.no_grad():   # plain tensors: later calls may run outside it
-                static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                             for a in self._tensor_args(example_args)]
-                for s, a in zip(static_in, self._tensor_args(example_args)):
-                    s.copy_(a)
-                # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
-                self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
-            self.static_in = static_in
-            self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
-            self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
-            static_args = self._with_static(example_args)
-            self._set_pdl(True)     # before the warm-up: it compiles the kernels the graph launches
-            self.device_index = static_in[0].device.index if static_in else torch.cuda.current_device()
-            offset = generator_offset(self.device_index)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(2):  # compiles kernels, creates library handles
-                    self.gm(*static_args)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.draws_random = offset is None or generator_offset(self.device_index) != offset \
-                or draws_random_numbers(self.gm)
-            self.graph, self.static_out, self.inputs = self._capture_one(static_args)
-            self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
-            self.own_pool_slots = own_pool_fits(self.graph.pool())
-            self.cuda_graph_note = "captured: one CUDA graph replay per call"
+        try:   # quietly: a failing capture's GraphModule prints its traceback to stderr, unasked (fuzz34b)
+            with contextlib.redirect_stderr(io.StringIO()):
+                self._capture_graph(example_args)
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()
             self._set_pdl(False)
@@ -169,6 +148,34 @@ class Specialization(SlotChoice):
         self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
         self.handout, self.slot_at = [], {}
         self._choose_affinity()
+
+    def _capture_graph(self, example_args) -> None:
+        with torch.inference_mode(False), torch.no_grad():   # plain tensors: later calls may run outside it
+            static_in = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                         for a in self._tensor_args(example_args)]
+            for s, a in zip(static_in, self._tensor_args(example_args)):
+                s.copy_(a)
+            # inputs that come in through a memcpy node of the graph (input_copy.py) and the rest
+            self.bound_in = [(k, s.clone()) for k, s in enumerate(static_in) if can_bind(s)]
+        self.static_in = static_in
+        self.copied_in = [(k, s) for k, s in enumerate(static_in) if not can_bind(s)]
+        self.const_args = tuple(None if isinstance(a, torch.Tensor) else a for a in example_args)
+        static_args = self._with_static(example_args)
+        self._set_pdl(True)     # before the warm-up: it compiles the kernels the graph launches
+        self.device_index = static_in[0].device.index if static_in else torch.cuda.current_device()
+        offset = generator_offset(self.device_index)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # compiles kernels, creates library handles
+                self.gm(*static_args)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.draws_random = offset is None or generator_offset(self.device_index) != offset \
+            or draws_random_numbers(self.gm)
+        self.graph, self.static_out, self.inputs = self._capture_one(static_args)
+        self.launcher = GraphLauncher(self.graph, self.device_index, self.draws_random)
+        self.own_pool_slots = own_pool_fits(self.graph.pool())
+        self.cuda_graph_note = "captured: one CUDA graph replay per call"
 
     def _set_pdl(self, on: bool) -> None:
         """Programmatic dependent launch for the generated GEMMs only while they run inside
@@ -277,3 +284,12 @@ def _constant_storages(gm, model_tensors: tuple) -> set:
             if isinstance(value, torch.Tensor):
                 found.add(storage_address(value))
     return found - own - {None}
+
+
+def writes_an_input(gm) -> bool:
+    """Whether an in-place op normalize kept may write into an input (or a view of one): a CUDA
+    graph writes its static copy, not the caller's tensor, so such a graph is not captured. A
+    write into a tensor forward() made itself (`torch.zeros(...).index_add_`, `clone().clamp_`,
+    HF's position ids `masked_fill_` on a cumsum) turned capture off too (fuzz34b)."""
+    from fxfuse.passes.fuse_pointwise import write_aliases   # passes import this module: import late
+    return any(n.op == "placeholder" for written in write_aliases(gm).values() for n in written)

@@ -25,6 +25,7 @@ from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_maj
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
+from .fold_literals import fold_literal_tensor
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, split_layer)
 from .spellings import (ARITH, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
@@ -213,7 +214,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 or node.op == "call_module" and node.target == "_guards_fn" and not node.users):
             g.erase_node(node)  # torch.export's dtype/device/shape checks: the runtime guards those on every call
             continue
-        if fold_constant_slice(gm, node) or matmul_as_linear(gm, node):
+        if fold_constant_slice(gm, node) or matmul_as_linear(gm, node) or fold_literal_tensor(gm, node):
             continue
         if split_layer(gm, node) or glu_as_gate(gm, node):
             continue

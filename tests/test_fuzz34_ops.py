@@ -275,3 +275,40 @@ def test_strassen_that_passes_per_layer_but_not_as_a_whole_falls_back_to_classic
     assert "Strassen and 3xTF32 off" in fxfuse.explain(opt)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+class _ScaledScores(nn.Module):
+    def __init__(self, returns_literal=False, writes_literal=False):
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.returns_literal, self.writes_literal = returns_literal, writes_literal
+
+    def forward(self, x):
+        q, k = self.q(x), self.k(x)
+        scale = torch.sqrt(torch.tensor(q.size(-1), dtype=torch.float32, device=x.device))
+        half = torch.tensor(0.5, device=x.device)
+        if self.writes_literal:
+            half.mul_(2)
+        scores = (q @ k.transpose(-2, -1)) / scale * half + x.new_tensor(1.0)
+        out = torch.softmax(scores, -1)
+        return (out, half) if self.returns_literal else out
+
+
+@pytest.mark.parametrize("variant", ["plain", "returned", "written"])
+def test_tensors_made_from_numbers_in_forward_become_constants(variant):
+    """torch.tensor(d_k, device=...) in forward: a host-to-device copy per call that no CUDA graph
+    captures (fuzz34b: capture failed, the model ran without its graph). Folded where nobody sees
+    the difference: not returned, not written."""
+    torch.manual_seed(0)
+    model = _ScaledScores(returns_literal=variant == "returned", writes_literal=variant == "written").eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 5, 16))
+    gm = next(iter(opt.specializations.values())).gm
+    factories = [n for n in gm.graph.nodes if n.target in (torch.tensor, "new_tensor")]
+    assert len(factories) == {"plain": 0, "returned": 1, "written": 1}[variant]
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        if variant == "returned":
+            first = opt(x)[1]
+            first.add_(1)                    # the caller's tensor: the next call's is a fresh 0.5
+            assert opt(x)[1].item() == 0.5

@@ -59,3 +59,49 @@ def test_powers_cuda_computes_with_powf(e):
         got, want = opt(x), model(x)
     torch.testing.assert_close(got, want, rtol=3e-7, atol=0)
     assert torch.equal(got == 0, want == 0) and torch.equal(got.signbit(), want.signbit())
+
+
+class _Scores(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k = self.q(x), self.k(x)
+        scores = (q @ k.transpose(-2, -1)) / torch.sqrt(torch.tensor(q.size(-1), dtype=torch.float32, device=x.device))
+        return torch.softmax(scores * torch.tensor(0.5, device=x.device), -1)
+
+
+class _WritesItsOwn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h[:, :4] = torch.tanh(h[:, :4])       # a write into a tensor forward() made
+        return torch.relu(h) * 2
+
+
+class _WritesItsInput(nn.Module):
+    def forward(self, x):
+        x[:, :4] = 0.0
+        return torch.relu(x) * 2
+
+
+@pytest.mark.parametrize("case", ["literal", "own", "input"])
+def test_cuda_graph_is_captured_unless_an_input_is_written(case):
+    """A number made a tensor in forward() and a write into a tensor forward() made itself kept
+    the model out of its CUDA graph (fuzz34b); a write into the caller's input still does."""
+    torch.manual_seed(0)
+    model = {"literal": _Scores, "own": _WritesItsOwn, "input": _WritesItsInput}[case]().cuda().eval()
+    shape = (3, 7, 32) if case == "literal" else (5, 32)
+    opt = fxfuse.optimize(model, torch.randn(*shape, device="cuda"), strict=True)
+    note = next(iter(opt.specializations.values())).cuda_graph_note
+    assert note.startswith("off") == (case == "input"), note
+    for _ in range(3):
+        x = torch.randn(*shape, device="cuda")
+        mine, theirs = x.clone(), x.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(opt(mine), model(theirs))
+        assert torch.equal(mine, theirs)
