@@ -262,7 +262,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         for owner, k in absent:
             grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
         out.append((None, tuple((d, tuple(keys)) for d, keys in grouped.values()), None, ()))
-    snapshots = tuple((value, snap, k) for k, value in contents if (snap := _contents(value)) is not None)
+    snapshots = tuple((value, snap, k, names) for k, value in contents if (snap := _contents(value, names)) is not None)
     if snapshots:
         out.append((CONTENTS, snapshots, None, ()))
     return tuple(out)
@@ -271,7 +271,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
 CONTENTS = "contents"   # marks the entry of plain_attributes whose containers are watched item by item
 
 
-def _contents(value):
+def _contents(value, names=None):
     """A shallow snapshot of a list, dict or set the model's code reads, or of a plain object's
     attributes (a config namespace or dataclass), else None: an item appended or an attribute
     set in place (peft's LoRA merge appends to `merged_adapters`, which forward() branches on:
@@ -283,20 +283,24 @@ def _contents(value):
         return _items(value)
     if isinstance(value, (torch.nn.Module, torch.Tensor, type)) or callable(value) or inspect.ismodule(value):
         return None
-    return _items(value) if type(getattr(value, "__dict__", None)) is dict else None
+    return _items(value, names) if type(getattr(value, "__dict__", None)) is dict else None
 
 
-def _items(value) -> tuple:
-    """A list's items, a dict's keys and values (interleaved), an object's attribute names and values."""
+def _items(value, names=None) -> tuple:
+    """A list's items, a dict's keys and values (interleaved), an object's attribute names and
+    values: those the model's code may read (`names`; review34: `state.step += 1` each call, never
+    read by forward, rebuilt the graph per call)."""
     if isinstance(value, list):
         return tuple(value)
-    return tuple(x for item in (value if isinstance(value, dict) else vars(value)).items() for x in item)
+    if isinstance(value, dict):
+        return tuple(x for item in value.items() for x in item)
+    return tuple(x for k, v in vars(value).items() if names is None or k in names for x in (k, v))
 
 
-def _contents_changed(value, snap) -> bool:
+def _contents_changed(value, snap, names=None) -> bool:
     if isinstance(value, set):
         return frozenset(value) != snap
-    now = _items(value)
+    now = _items(value, names)
     return len(now) != len(snap) or not all(a is b or same_attr(a, b) for a, b in zip(now, snap))
 
 
@@ -342,8 +346,8 @@ def reassigned(watched: tuple) -> str | None:
     read. Per call: one C-level lookup and identity compare per dict."""
     for d, get, values, keys in watched:
         if d is CONTENTS:
-            for value, snap, k in get:
-                if _contents_changed(value, snap):
+            for value, snap, k, names in get:
+                if _contents_changed(value, snap, names):
                     return k
             continue
         if d is None:                    # entries that must stay absent, by dict: each name looked up (a

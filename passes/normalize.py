@@ -55,6 +55,11 @@ FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.ma
 FRESH_FUNCTIONS |= {F.embedding, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.roll, F.interpolate,
                     F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
                     aten.embedding.default, aten.roll.default}   # (fuzz34b: `e = tok(ids); e += typ(tt)` fused nothing)
+FRESH_FUNCTIONS |= {getattr(packet, overload) for name in (   # export's spellings of them (review34)
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d",
+    "adaptive_avg_pool1d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d", "convolution", "conv_transpose1d",
+    "conv_transpose2d") if (packet := getattr(aten, name, None)) is not None for overload in packet.overloads()}
 FRESH_MODULES = (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd, nn.LayerNorm, nn.GroupNorm, nn.Upsample,
                  nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
                  nn.Softmax, nn.LogSoftmax)   # modules whose output is new memory

@@ -275,6 +275,12 @@ def test_an_attribute_of_a_config_object_set_in_place_rebuilds():
         got, want, caught = _calls(opt, model, torch.randn(4, 16))
         torch.testing.assert_close(got, want)
     assert not caught and fxfuse.stats(opt)["fused_kernels"] >= 1
+    rebuilds = opt._state_rebuilds
+    for step in range(3):               # an attribute forward() never reads: no rebuild (review34)
+        model.config.step = step
+        got, want, caught = _calls(opt, model, torch.randn(4, 16))
+        torch.testing.assert_close(got, want)
+    assert opt._state_rebuilds == rebuilds and not caught
 
 
 def test_torchs_hook_based_pruning_is_refused_with_the_way_out():
