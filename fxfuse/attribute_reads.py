@@ -262,13 +262,15 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         for owner, k in absent:
             grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
         out.append((None, tuple((d, tuple(keys)) for d, keys in grouped.values()), None, ()))
-    snapshots = tuple((value, snap, k, names) for k, value in contents if (snap := _contents(value, names)) is not None)
+    unique = {id(value): (k, value) for k, value in contents}.values()   # a config shared by 48 layers: once
+    snapshots = tuple((value, snap, k, names) for k, value in unique if (snap := _contents(value, names)) is not None)
     if snapshots:
         out.append((CONTENTS, snapshots, None, ()))
     return tuple(out)
 
 
 CONTENTS = "contents"   # marks the entry of plain_attributes whose containers are watched item by item
+MAX_WATCHED_ITEMS = 256
 
 
 def _contents(value, names=None):
@@ -277,6 +279,8 @@ def _contents(value, names=None):
     set in place (peft's LoRA merge appends to `merged_adapters`, which forward() branches on:
     fuzz34g; `self.config.scale = 2`) rebuilds. Shallow: a container inside one is compared by
     identity."""
+    if isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
+        return None   # compared per call: a 10^5-entry dict cost 12-27 ms a call (fuzz34i); not watched
     if isinstance(value, set):
         return frozenset(value)
     if isinstance(value, (list, dict)):

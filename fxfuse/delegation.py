@@ -23,15 +23,16 @@ class PassesThroughToOriginal:
             return getattr(original, name)
 
     def _passes_write(self, name) -> bool:
-        """A write of a name the original has and the wrapper does not (after __init__): the
-        original's, which the graphs follow (`opt.scale = 3.0` rebuilds as `model.scale = 3.0`
-        does), not a new attribute of the wrapper that forward() never reads."""
+        """A write of a public name (after __init__) is the original's, which the graphs follow
+        (`opt.scale = 3.0` rebuilds as `model.scale = 3.0` does; a name the original's forward
+        looks up with getattr(self, "temperature", 1.0) too: fuzz34i), not a new attribute of the
+        wrapper that forward() never reads. The wrapper's own names stay its own, unless the
+        original has that name too (a parent writing `block.options` replaced fxfuse's options)."""
         d = self.__dict__
-        if not d.get("_passing_through") or name.startswith("_") or name in d or hasattr(type(self), name):
+        if not d.get("_passing_through") or name.startswith("_") or hasattr(type(self), name) \
+                or name == "original" or any(name in d.get(k, {}) for k in ("_parameters", "_buffers", "_modules")):
             return False
-        if any(name in d.get(k, {}) for k in ("_parameters", "_buffers", "_modules")):
-            return False
-        return hasattr(d["_modules"]["original"], name)
+        return name not in d or name in vars(d["_modules"]["original"])
 
     def __getitem__(self, index):
         return self._modules["original"][index]

@@ -70,10 +70,9 @@ def structure(model: torch.nn.Module) -> list:
     (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale); and the
     storage of each parameter and buffer: torch.nn.utils.prune.remove puts the same Parameter
     back with its .data replaced, which no version counter sees (runtime compares this only
-    after a registration somewhere, so a plain `p.data = ...` stays unseen: documented); and each
-    module's training flag (torch_hooks counts train() calls as registrations)."""
-    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), (_addresses(m), m.training))
-            for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: opaque
+    after a registration somewhere, so a plain `p.data = ...` stays unseen: documented)."""
+    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), _addresses(m)) for m in model.modules()
+            if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: run as one opaque call
 
 
 def _addresses(m) -> tuple:
@@ -92,7 +91,7 @@ def _address(t):
 def structure_changed(saved: list) -> bool:
     return any(len(now) != len(then) or any(now.get(k, _MISSING) is not v for k, v in then.items())
                for m, *dicts, _ in saved for now, then in zip((m._parameters, m._buffers, m._modules), dicts)) \
-        or any((_addresses(m), m.training) != state for m, *_, state in saved)
+        or any(_addresses(m) != addresses for m, *_, addresses in saved)
 
 
 def moved(watched: tuple) -> bool:

@@ -55,7 +55,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATI
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
-from .torch_hooks import REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
+from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled
 
 
@@ -104,6 +104,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
+        self._modes, self._modes_seen = (), MODE_CHANGES[0]   # every module's training flag at the build
         self._children, self._child_counts = (), 0   # submodule dicts: a deletion fires no hook (_watch_state)
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
@@ -130,8 +131,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         return original.training if original is not None else False
 
     @training.setter
-    def training(self, mode: bool) -> None:
-        pass   # opt.train() / opt.eval() reach the original as a child
+    def training(self, mode: bool) -> None:   # opt.train() / opt.eval() reach the original as a child too;
+        original = self.__dict__.get("_modules", {}).get("original")   # `opt.training = True` was dropped
+        if original is not None:                                        # (fuzz34i)
+            original.training = mode
 
     def __setattr__(self, name, value) -> None:
         self._refuse_replacing(name)
@@ -167,6 +170,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
         self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
+        self._modes, self._modes_seen = tuple((m, m.training) for m in model.modules()), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
         self._child_counts = sum(map(len, self._children))
@@ -184,7 +188,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             self._drop_if_edited()
 
     def _drop_if_edited(self) -> None:
-        self._registrations_seen, self._child_counts = REGISTRATIONS[0], sum(map(len, self._children))
+        counts = sum(map(len, self._children))   # the structure is walked only after a registration or a deletion
+        registered = REGISTRATIONS[0] != self._registrations_seen or counts != self._child_counts
+        self._registrations_seen, self._child_counts, self._modes_seen = REGISTRATIONS[0], counts, MODE_CHANGES[0]
         since, self._steps_seen = self._steps_seen, UNVERSIONED_STEPS[0]   # steps after `since` wrote what?
         if self._buffer_versions and moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
@@ -193,9 +199,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                                for t, _ in self._buffer_versions):
             reason = ("a fused optimizer step (fused=True: no version counter sees its writes) changed a parameter "
                       "the graph holds a copy of")
-        elif structure_changed(self._structure):
-            reason = ("a parameter, buffer or submodule of the model was replaced, or a submodule's training flag "
-                      "changed, since the build")
+        elif registered and structure_changed(self._structure):
+            reason = "a parameter, buffer or submodule of the model was replaced since the build"
+        elif any(m.training != flag for m, flag in self._modes):
+            reason = "a submodule's training flag changed since the build (forward() may read it)"
         elif name := reassigned(self._attributes):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
@@ -241,7 +248,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                 gm = self._build(self.original, args, self.options)
             finally:
                 BUILDING[0] -= 1
-        gm.train(self.original.training)   # a fresh GraphModule (and its kernels) says training
+        own = {id(m) for m in self.original.modules()}   # a fresh GraphModule (and its kernels) says training;
+        for m in gm.modules():                            # the model's own submodules keep theirs (fuzz34i:
+            if id(m) not in own:                          # gm.train() switched a child the user had put in
+                m.training = self.original.training       # training mode back to eval)
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
@@ -357,6 +367,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
+                or MODE_CHANGES[0] != self._modes_seen
                 or UNVERSIONED_STEPS[0] != self._steps_seen
                 or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):

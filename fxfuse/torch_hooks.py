@@ -54,27 +54,52 @@ if _stateless is not None and hasattr(_stateless, "_reparametrize_module") \
     _stateless._reparametrize_module = _counting_swaps(_stateless._reparametrize_module)
 
 
-def _counting(method):
-    """nn.Module.train (eval() calls it), register_parameter and __delattr__, wrapped to move REGISTRATIONS,
-    after which the next call of an optimized model compares what its build baked in
-    (module_state.structure): a submodule's training flag, which forward() may read of a child
-    whose own forward ignores it (`if self.backbone.training`, `training=self.head.training`:
-    fuzz34h), and a parameter set to None (`bn.weight = None`) or deleted (`del lin.bias`), for
-    which torch calls no registration hook, while the graph went on using a copy folded from the
-    old one (fuzz34h)."""
-    def counted(self, *args, **kwargs):
+MODE_CHANGES = [0]   # train()/eval() calls that changed a module's training flag, in this process
+
+
+def _counting_mode_changes(train):
+    """nn.Module.train (eval() calls it), wrapped to count the calls that change a flag: forward()
+    may read the flag of a child whose own forward ignores it (`if self.backbone.training`,
+    `training=self.head.training`: fuzz34h), and the runtime then compares the flags it built
+    with (one integer compare per call otherwise; a model.eval() that changes nothing counts
+    nothing: fuzz34i measured a structure walk per call after each one)."""
+    def train_counted(self, mode=True):
+        changed = getattr(self, "training", mode) != mode
         try:
-            return method(self, *args, **kwargs)
+            return train(self, mode)
         finally:
-            REGISTRATIONS[0] += 1
+            MODE_CHANGES[0] += changed
+    train_counted.fxfuse_counts = True
+    train_counted.__name__, train_counted.__qualname__, train_counted.__doc__ = "train", train.__qualname__, train.__doc__
+    return train_counted
+
+
+def _counting_removals(method, removes):
+    """register_parameter and __delattr__, wrapped to move REGISTRATIONS where torch calls no
+    registration hook: a parameter set to None (`bn.weight = None`) or a parameter, buffer or
+    submodule deleted (`del lin.bias`), after which a graph went on using a copy folded from
+    the old tensor (fuzz34h). Other calls count nothing."""
+    def counted(self, name, *args, **kwargs):
+        counts = removes(self, name, *args, **kwargs)
+        try:
+            return method(self, name, *args, **kwargs)
+        finally:
+            REGISTRATIONS[0] += counts
     counted.fxfuse_counts = True
     counted.__name__, counted.__qualname__, counted.__doc__ = method.__name__, method.__qualname__, method.__doc__
     return counted
 
 
-for _name in ("train", "register_parameter", "__delattr__"):   # once per process
-    if not getattr(getattr(torch.nn.Module, _name), "fxfuse_counts", False):
-        setattr(torch.nn.Module, _name, _counting(getattr(torch.nn.Module, _name)))
+def _registered(module, name) -> bool:
+    d = module.__dict__
+    return any(name in d.get(k, ()) for k in ("_parameters", "_buffers", "_modules"))
+
+
+if not getattr(torch.nn.Module.train, "fxfuse_counts", False):   # once per process
+    torch.nn.Module.train = _counting_mode_changes(torch.nn.Module.train)
+    torch.nn.Module.register_parameter = _counting_removals(
+        torch.nn.Module.register_parameter, lambda m, name, param=None, *a, **k: param is None)
+    torch.nn.Module.__delattr__ = _counting_removals(torch.nn.Module.__delattr__, _registered)
 
 
 UNVERSIONED_STEPS = [0, {}]   # fused optimizer steps in this process; id of each parameter -> the step that last wrote it

@@ -331,8 +331,11 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
                 grouping.try_merge(src, node)
     for node in g.nodes:                      # siblings reading the same value
         readers = sorted((u for u in node.users if u in fusible), key=order.get)
-        for u in readers[1:]:
-            grouping.try_merge(readers[0], u)
+        anchor = readers[0] if readers else None
+        for u in readers[1:]:                 # past a full group (MAX_GROUP_OPS), the next ones join
+            if not grouping.try_merge(anchor, u) and len(grouping.members[grouping.group[anchor]]) + len(
+                    grouping.members[grouping.group[u]]) > MAX_GROUP_OPS:
+                anchor = u                    # each other, not one kernel each (fuzz34i: 73 kernels, not 2)
     return _rebuild(gm, grouping, order, use_kernels)
 
 

@@ -190,8 +190,11 @@ def test_a_write_of_the_originals_attribute_through_the_optimized_module_is_the_
     assert model.scale == 3.0 and "scale" not in vars(opt)
     got, want, _ = _calls(opt, model, torch.randn(4, 16))
     torch.testing.assert_close(got, want)
-    opt.note = "mine"                   # a name the original lacks stays the wrapper's
-    assert not hasattr(model, "note") and opt.note == "mine"
+    opt.temperature = 0.5               # a name the original lacks: its own too (getattr(self, "temperature", 1.0))
+    assert model.temperature == 0.5 and opt.temperature == 0.5 and "temperature" not in vars(opt)
+    opt.training = True                 # the flag too (it was dropped)
+    assert model.training
+    model.eval()
 
 
 def test_one_warning_when_an_optimized_child_of_an_optimized_parent_is_in_training_mode():
@@ -289,3 +292,38 @@ def test_torchs_hook_based_pruning_is_refused_with_the_way_out():
     prune.l1_unstructured(model[0], "weight", amount=0.5)
     with pytest.raises(fxfuse.FxfuseError, match=r"submodule 0 \(Linear\) has a forward pre-hook .*prune.remove"):
         fxfuse.optimize(model, torch.randn(2, 8), strict=True)
+
+
+class _HeadFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x).relu()
+        if self.head.training:
+            h = h * 0
+        return self.head(h)
+
+
+def test_a_rebuild_keeps_the_training_flags_the_user_set_on_submodules():
+    """gm.train() of a new build switched the model's own children back to eval (fuzz34i)."""
+    torch.manual_seed(0)
+    model = _HeadFlag().eval()
+    opt = fxfuse.optimize(model, torch.randn(8, 16))
+    model.head.train()
+    for rows in (8, 3):                 # the same shape (a rebuild), then a new one
+        got, want, _ = _calls(opt, model, torch.randn(rows, 16))
+        torch.testing.assert_close(got, want)
+        assert model.head.training
+
+
+def test_eval_of_an_eval_model_counts_no_change():
+    """Each train()/eval() made every optimized model walk its structure on its next call (fuzz34i)."""
+    from fxfuse.torch_hooks import MODE_CHANGES
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    before = MODE_CHANGES[0]
+    model.eval()
+    assert MODE_CHANGES[0] == before
+    model.train()
+    assert MODE_CHANGES[0] > before

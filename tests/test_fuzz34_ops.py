@@ -312,3 +312,18 @@ def test_tensors_made_from_numbers_in_forward_become_constants(variant):
             first = opt(x)[1]
             first.add_(1)                    # the caller's tensor: the next call's is a fresh 0.5
             assert opt(x)[1].item() == 0.5
+
+
+def test_siblings_past_the_op_cap_share_kernels():
+    """Past a full kernel, each further reader of a shared input got a kernel of its own (fuzz34i: 29 for 210 ops)."""
+    class Many(nn.Module):
+        def forward(self, x, y):
+            return tuple((x * (i + 1) + y).sin() for i in range(70))
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    model = Many().eval()
+    opt = fxfuse.optimize(model, (x, y))
+    assert fxfuse.stats(opt)["fused_kernels"] == 2
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        for got, want in zip(opt(x, y), model(x, y)):
+            torch.testing.assert_close(got, want)
