@@ -22,6 +22,7 @@ from .module_state import forward_hook_owner, kept_state, same_value, storage_ad
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
+from .call_context import user_mode_active
 from .tracing import autocast_enabled, clone_args, trace
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
@@ -332,6 +333,8 @@ def _mismatch(e, g, floor: float = 0.0) -> str | None:
         return None
     if not isinstance(g, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
         return f"the rewritten graph gives {_desc(g)}, the model {_desc(e)}"
+    if e.is_floating_point() and e.element_size() == 1:   # float8: torch has no isnan/isinf there (fuzz34k)
+        return _mismatch(e.float(), g.float(), max(floor, VERIFY_TOLERANCE.get(torch.float16, 1e-2)))
     if e.is_complex():   # its parts, as floats (fuzz34b: a modReLU net, right to an ulp, was refused)
         return _mismatch(torch.view_as_real(e.resolve_conj()), torch.view_as_real(g.resolve_conj()), floor)
     if not e.is_floating_point():
@@ -377,6 +380,10 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
             if isinstance(a, torch.Tensor) and (why := not_plain_tensor(a)):
                 raise UnsupportedError(f"example input {k} {why}; fxfuse's kernels take plain strided tensors")
         _check_call_path(model, args)
+        if user_mode_active():
+            raise UnsupportedError("a TorchFunctionMode or TorchDispatchMode is active: tracing and the check "
+                                   "against eager would run through it. Call fxfuse.optimize outside it (calls "
+                                   "under a mode run the original module)")
         hooked = forward_hook_owner(model)
         if hooked:
             raise UnsupportedError(f"{hooked}; tracing does not run hooks, so the optimized graph would "

@@ -43,3 +43,20 @@ def traced_in_this_thread() -> bool:
 
 
 _TRACE_CODE = torch.fx.Tracer.trace.__code__
+
+
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def user_mode_active() -> bool:
+    """A TorchFunctionMode or TorchDispatchMode is on (other than `with torch.device(...)`): eager
+    runs every op through it, a fused kernel would run outside it (fuzz34k: a mode that rounds or
+    replaces ops gave other values, silently). Two C calls per call while none is on."""
+    if _DISPATCH_MODES is not None and _DISPATCH_MODES():
+        return True
+    if _FUNCTION_MODES is None or not _FUNCTION_MODES():
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    return any(not isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())

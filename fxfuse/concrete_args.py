@@ -225,3 +225,37 @@ def bind_positional(forward, args, kwargs):
     while len(positional) > len(args) and same_default(positional[-1], params[names[len(positional) - 1]].default):
         positional.pop()      # model(x, scale=2.0) with the default 2.0 is model(x): the same specialization
     return tuple(positional)
+
+
+def inline_disabled_autocast(gm: torch.fx.GraphModule) -> None:
+    """torch.export records `with torch.autocast(..., enabled=False):` (HF's LlamaRotaryEmbedding,
+    copied into most rotary models, forces fp32 so) as a wrap_with_autocast node around a
+    subgraph, which tracing refuses as autocast. Disabled, the region computes what its body
+    computes (a call under an outer autocast runs the original module anyway): its body's nodes
+    take its place (fuzz34j). An enabled region stays, and is refused."""
+    hop = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_autocast", None)
+    for node in [n for n in gm.graph.nodes if hop is not None and n.target is hop]:
+        _, _, enabled, _, body_ref, *operands = node.args
+        if enabled is not False or body_ref.op != "get_attr":
+            continue
+        body = getattr(gm, body_ref.target)
+        env = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], operands))
+        with gm.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "output":
+                    results = inner.args[0]
+                elif inner.op == "get_attr":   # a constant of the body: registered on gm under a new name
+                    name = f"{body_ref.target}_{inner.target}".replace(".", "_")
+                    gm.register_buffer(name, getattr(body, inner.target), persistent=False)
+                    env[inner] = gm.graph.get_attr(name)
+                elif inner.op != "placeholder":
+                    env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+        results = torch.fx.node.map_arg(results, lambda n: env[n])
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                gm.graph.erase_node(user)
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()

@@ -311,8 +311,8 @@ class CostModel:
         try:
             st = os.stat(path)
             got = _read_file(path, (st.st_mtime_ns, st.st_size))
-        except (OSError, ValueError) as e:   # ValueError: a path Python cannot use (a NUL byte)
-            got = f"cannot read {path!r}: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 -- a path Python cannot use (a NUL byte), JSON nested past the
+            got = f"cannot read {path!r}: {type(e).__name__}: {e}"   # recursion limit, a number too large (fuzz34k)
         if not isinstance(got, str):
             desc = (f"calibration {Path(path).name} ({got['device']}, torch {got.get('torch')}, "
                     f"triton {got.get('triton')})")

@@ -3,11 +3,16 @@ of the model's own names, and indexing, length and iteration of a container.
 
 Why: `model.encoder = fxfuse.optimize(model.encoder, x)` swaps a child for its optimized
 version, and the parent's code goes on reading that child: `self.encoder.config`,
-`self.head.weight` (a tied output layer), `self.blocks[0]`, `len(self.blocks)` (fuzz34h:
-each raised AttributeError or TypeError). torch.compile's wrapper passes them through as well.
+`self.blocks[0]`, `len(self.blocks)` (fuzz34h: each raised AttributeError or TypeError).
+torch.compile's wrapper passes them through as well. Not the original's own parameters and
+buffers: the wrapper is one of the parent's modules() too, and a loop asking each module
+`hasattr(m, "weight")` would meet that tensor twice (review34); `opt.original.weight` reads it.
 Names with a leading underscore stay the wrapper's own (torch's internals probe modules for
 them), and so do the wrapper's attributes (specializations, options, the counters)."""
 import torch
+
+
+NOT_PASSED = {"parametrizations"}   # torch.nn.utils.parametrize takes a module holding it for parametrized
 
 
 class PassesThroughToOriginal:
@@ -18,8 +23,12 @@ class PassesThroughToOriginal:
             return torch.nn.Module.__getattr__(self, name)
         except AttributeError:
             original = self.__dict__.get("_modules", {}).get("original")
-            if original is None or name.startswith("_"):
+            if original is None or name.startswith("_") or name in NOT_PASSED:
                 raise
+            if name in original._parameters or name in original._buffers:   # review34: opt is one of the
+                raise AttributeError(   # parent's modules() too, so `hasattr(m, "weight")` loops (apply, init,
+                    f"an fxfuse OptimizedModule has no {name!r} of its own: the original module's is "   # param
+                    f"opt.original.{name}") from None   # groups) met the same tensor twice
             return getattr(original, name)
 
     def _passes_write(self, name) -> bool:

@@ -42,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, dynamo_traces, functorch_active, holds_proxy,
-                           traced_in_this_thread)
+                           traced_in_this_thread, user_mode_active)
 from .delegation import PassesThroughToOriginal
 from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
@@ -56,7 +56,7 @@ from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
-from .tracing import autocast_enabled
+from .tracing import autocast_enabled, clone_args
 
 
 _RebuildOnLoad = RebuildOnLoad   # the name models pickled with an older fxfuse's hook refer to
@@ -144,6 +144,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
 
     def __delattr__(self, name) -> None:
         self._refuse_replacing(name)
+        if self._passes_write(name) and name not in self.__dict__:   # delegation.py: the original's name
+            return delattr(self.original, name)
         super().__delattr__(name)
 
     def add_module(self, name, module) -> None:
@@ -380,6 +382,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                       "torch.is_inference_mode_enabled() or the like) and was traced "
                                       f"with inference mode {'on' if traced else 'off'}, and this call has it "
                                       f"{'off' if traced else 'on'}", args)
+        if user_mode_active():
+            return self._run_original("mode", "a TorchFunctionMode or TorchDispatchMode is active; eager runs every "
+                                      "op through it, the optimized graph's fused kernels would not", args)
         if functorch_active() or FORWARD_AD._current_level >= 0:
             return self._run_original("transform", "a torch.func transform (vmap, jvp, jacfwd) or forward-mode AD "
                                       "(torch.autograd.forward_ad) is active; the optimized graph's kernels take "
@@ -455,10 +460,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             # the original runs first: an input the model itself rejects (an index out of
             # range, a wrong feature size) gets the model's own error, and the signature is
             # not marked as failed, so valid inputs of the same shapes are built later
-            result = self.original(*args)
-            e = as_fxfuse_error(e, "building a specialization")
-            if self.options.strict:
-                raise e
+            result = self.original(*(clone_args(args) if self.options.strict else args))   # strict raises:
+            e = as_fxfuse_error(e, "building a specialization")   # the caller's tensors must stay unwritten
+            if self.options.strict:                                 # (fuzz34k: x was written, then the retry
+                raise e                                             # wrote it again)
             message = (f"no specialization for a new input ({reason}): {e}" if not rebuild else
                        f"rebuilding after a change to the model (weights, buffers, attributes) failed: {e}")
             key = "build:" + re.sub(r"\d+", "#", str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from .concrete_args import drop_value_checks, one_placeholder_per_parameter, split_concrete
+from .concrete_args import drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter, split_concrete
 from .errors import TraceError, UnsupportedError
 from .log import logger
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
@@ -283,6 +283,7 @@ def _only_passes_through(params) -> bool:
 def _exported(model, example_args, tensor_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
     gm = _quiet_export(model, tuple(example_args)).module()
+    inline_disabled_autocast(gm)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does
     # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
     for name in ("train", "eval"):

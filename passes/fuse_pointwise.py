@@ -16,7 +16,7 @@ import torch.fx
 
 from fxfuse.ir import IndexMap, IRBuilder
 from fxfuse.kernel import FusedKernel
-from fxfuse.ops import FLOAT_DTYPES, POINTWISE, PointwiseOp, as_layout, is_pointwise_target
+from fxfuse.ops import FLOAT_DTYPES, POINTWISE, TRITON_DTYPE, PointwiseOp, as_layout, is_pointwise_target
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 from .normalize import _reads_without_alias
@@ -80,7 +80,7 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
             m = _meta(a)
             if not hasattr(m, "shape"):
                 return f"operand {a.name} is not a tensor"
-            if m.dtype in UNSUPPORTED_INPUT_DTYPES:
+            if m.dtype in UNSUPPORTED_INPUT_DTYPES or m.dtype not in TRITON_DTYPE:   # complex32, float8 (fuzz34k)
                 return f"operand {a.name} has dtype {m.dtype}"
             if a in mutated:
                 return (f"operand {a.name} may alias a value an in-place op writes (kept unfused so the write "

@@ -327,3 +327,63 @@ def test_siblings_past_the_op_cap_share_kernels():
     with torch.no_grad():
         for got, want in zip(opt(x, y), model(x, y)):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex32, torch.float8_e4m3fn])
+def test_inputs_of_dtypes_triton_lacks_leave_the_kernel_to_the_library(dtype):
+    """complex32 / float8 operands crashed inside Triton and the whole model was refused (fuzz34k)."""
+    class Up(nn.Module):
+        def forward(self, x):
+            return (x.float() * 2).relu() + 1
+    x = torch.randn(4, 8).to(dtype) if dtype != torch.complex32 else torch.randn(4, 8, dtype=torch.complex64).to(dtype)
+    model = Up().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        assert torch.equal(opt(x), model(x))
+
+
+def test_a_calibration_file_that_cannot_be_read_gives_one_warning_and_the_roofline(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)      # past the JSON decoder's recursion limit (fuzz34k)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, torch.randn(4, 8), calibration=str(path))
+    assert fxfuse.stats(opt)["optimized"] and len(caught) == 1 and "roofline" in str(caught[0].message)
+
+
+class _Rotary(nn.Module):
+    """transformers' LlamaRotaryEmbedding.forward, trimmed: torch.export traces it (symbolic_trace
+    cannot), recording its disabled autocast region as a wrap_with_autocast node."""
+
+    def __init__(self, enabled=False):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(0, 6, 2).float() / 6)), persistent=False)
+        self.enabled = enabled
+
+    def forward(self, x, position_ids):
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+        pos = position_ids[:, None, :].float()
+        with torch.autocast(device_type="cpu", enabled=self.enabled, dtype=torch.bfloat16):
+            freqs = (inv.float() @ pos.float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * 1.0, emb.sin() * 1.0
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def test_a_disabled_autocast_region_is_inlined_and_an_enabled_one_refused():
+    """HF's rotary embedding (in most HF RoPE models) was refused as "enters torch.autocast" (fuzz34j)."""
+    x, pos = torch.randn(2, 5, 6), torch.arange(5).expand(2, 5)
+    model = _Rotary().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, (x, pos))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for got, want in zip(opt(x, pos + 3), model(x, pos + 3)):
+            torch.testing.assert_close(got, want)
+    with pytest.raises(fxfuse.FxfuseError, match="autocast"):
+        fxfuse.optimize(_Rotary(enabled=True).eval(), (x, pos), strict=True)
