@@ -185,8 +185,9 @@ _TABLE = [
     _op("round", torch.round, 1, lambda a: f"_round({a})"),   # half to even; decimals= stays in the library
     _op("frac", torch.frac, 1, lambda a: f"({a} - _trunc({a}))"),   # -0.0 -> 0.0 and inf -> nan, as eager
     _op("sign", torch.sign, 1, lambda a: f"tl.where({a} > 0, 1.0, tl.where({a} < 0, -1.0, 0.0))"),   # nan -> 0
-    _op("exp2", torch.exp2, 1, lambda a: f"tl.exp2({a})"),
-    _op("log2", torch.log2, 1, lambda a: f"tl.log2({a})"),
+    # in fp64, rounded once (as _exp2_log2): the GPU's fp32 forms are approximate and may flush subnormals
+    _op("exp2", torch.exp2, 1, lambda a: f"tl.exp2({a}.to(tl.float64)).to(tl.float32)"),
+    _op("log2", torch.log2, 1, lambda a: f"tl.log2({a}.to(tl.float64)).to(tl.float32)"),
     _op("isnan", torch.isnan, 1, lambda a: f"({a} != {a})", returns_bool=True),
     _op("isinf", torch.isinf, 1, lambda a: f"(tl.abs({a}) == 1e999)", returns_bool=True),
     _op("isfinite", torch.isfinite, 1, lambda a: f"(tl.abs({a}) < 1e999)", returns_bool=True),

@@ -105,3 +105,17 @@ def test_cuda_graph_is_captured_unless_an_input_is_written(case):
         with torch.no_grad():
             torch.testing.assert_close(opt(mine), model(theirs))
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("name", ["exp2", "log2"])
+def test_exp2_and_log2_keep_subnormals_on_the_gpu(name):
+    f = {"exp2": torch.exp2, "log2": torch.log2}[name]
+    model = _Fn(lambda x: f(x * 1.0)).cuda().eval()
+    values = [-140.0, -130.0, -149.0, 1e-40, 1e-45, 3e-39, 0.0, -0.0, 5.5, 127.9, float("inf"), -1.0]
+    make = lambda: torch.cat([torch.tensor(values), torch.rand(100) * 20]).cuda()  # noqa: E731
+    opt = fxfuse.optimize(model, make(), strict=True)
+    x = make()
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got == 0, want == 0)
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=0, equal_nan=True)
