@@ -23,6 +23,7 @@ from fxfuse.ops import HALF_DTYPES, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta
 
+from .normalize import FRESH_FUNCTIONS
 from .normalize_layers import LINEAR_BIAS
 
 LIBRARY_EPILOGUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,6 +46,9 @@ def linear_relu(x, weight, bias):
     """relu(F.linear(x, weight, bias)) as ONE cuBLASLt call, bias and ReLU in its epilogue."""
     out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+FRESH_FUNCTIONS.update((linear_relu, split_k_mm))   # new tensors: a write into one writes no input (specialization)
 
 
 def split_k_partials(x, weight, splits: int) -> tuple:

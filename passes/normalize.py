@@ -20,6 +20,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxfuse.kernel import FusedKernel   # fxfuse's kernels (fused, GEMM, MLP) write new outputs
 from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_major
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
@@ -98,7 +99,7 @@ def _reads_without_alias(gm, user) -> bool:
         return True
     if user.op == "call_module":
         mod = gm.get_submodule(user.target)
-        return isinstance(mod, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)) \
+        return isinstance(mod, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, FusedKernel)) \
             or spelling_of(gm, user) is not None
     return False
 
