@@ -160,6 +160,7 @@ def build_graph(model, args: tuple, options: Options):
                        "(set TRITON_INTERPRET=1 to run the generated kernels on the CPU). "
                        "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
+    _refuse_tensor_subclass_state(model)
     with torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
         gm = trace(model, args)
         traced_reads = tensors_read(gm)
@@ -184,6 +185,22 @@ def build_graph(model, args: tuple, options: Options):
                 return gm
             probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all)
     return gm
+
+
+def _refuse_tensor_subclass_state(model) -> None:
+    """A parameter or buffer whose class has a __torch_function__ / __torch_dispatch__ of its own
+    (a quantized or saturating weight type): eager runs it in every op, a fused kernel or a
+    copy made at optimize time would not (fuzz34k: 83295 where eager gave 302, silently)."""
+    plain_function = {torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        cls = type(t)
+        if cls in (torch.Tensor, torch.nn.Parameter) or not isinstance(t, torch.Tensor):
+            continue
+        function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        if function not in plain_function or cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise UnsupportedError(f"{name} is a {cls.__name__}, a torch.Tensor subclass with a "
+                                   "__torch_function__ or __torch_dispatch__ of its own: eager runs it in every "
+                                   "op, fxfuse's kernels would not")
 
 
 def tensors_read(gm) -> list:

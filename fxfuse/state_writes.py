@@ -64,12 +64,15 @@ RENORMS = {   # functions whose max_norm renormalizes the looked-up rows of the 
 
 
 def _module_writes(gm, n: torch.fx.Node) -> str | None:
-    """The parameter a called module writes: nn.Embedding(max_norm=...) / EmbeddingBag."""
+    """The parameter a called module writes: nn.Embedding(max_norm=...) / EmbeddingBag, an
+    in-place activation module applied to (a view of) it."""
     if n.op != "call_module":
         return None
     mod = gm.get_submodule(n.target)
     if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.max_norm is not None:
         return f"{n.target}.weight"
+    if getattr(mod, "inplace", False) is True and not isinstance(mod, torch.nn.modules.dropout._DropoutNd) and n.args:
+        return _root_attribute(n.args[0])   # nn.ReLU(inplace=True) on a view of a parameter (review34)
     return None
 
 

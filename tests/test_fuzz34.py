@@ -389,3 +389,53 @@ def test_a_loop_over_modules_meets_a_swapped_childs_weight_once():
     model[2].original.scale = 2.0
     del model[2].scale                   # a delete of the original's name is the original's
     assert not hasattr(model[2].original, "scale")
+
+
+class _Saturating(torch.Tensor):
+    """A weight type whose every op saturates at +-100 (a quantization emulation)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+            return out.clamp(-100, 100) if isinstance(out, torch.Tensor) else out
+
+
+def test_a_parameter_of_a_tensor_subclass_with_its_own_torch_function_is_refused():
+    """Its ops were skipped by the fused kernels: 83295 where eager gave 302 (fuzz34k)."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.ones(8).as_subclass(_Saturating))
+
+        def forward(self, x):
+            return (x * self.w) * 3
+    model = Scaled().eval()
+    with pytest.raises(fxfuse.FxfuseError, match="w is a _Saturating, a torch.Tensor subclass"):
+        fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+
+
+class _ReluOnParameterView(nn.Module):
+    def __init__(self, inplace):
+        super().__init__()
+        self.p, self.act = nn.Parameter(torch.randn(4, 8)), nn.ReLU(inplace=inplace)
+
+    def forward(self, x):
+        return x + self.act(self.p[:, :8])
+
+
+def test_an_in_place_activation_module_on_a_parameter_view_is_a_state_write():
+    """Set after optimize, the rebuild ran forward on the real parameter, writing it (review34)."""
+    model = _ReluOnParameterView(inplace=True).eval()
+    with pytest.raises(fxfuse.FxfuseError, match="writes into the parameter p"):
+        fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    model = _ReluOnParameterView(inplace=False).eval()
+    p = model.p.detach().clone()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    model.act.inplace = True
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True), torch.no_grad():
+        warnings.simplefilter("always")
+        got = opt(x)
+    torch.testing.assert_close(got, x + torch.relu(p))
+    assert torch.equal(model.p, torch.relu(p))   # eager's one write, once
