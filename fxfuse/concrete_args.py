@@ -234,19 +234,22 @@ def inline_disabled_autocast(gm: torch.fx.GraphModule) -> None:
     computes (a call under an outer autocast runs the original module anyway): its body's nodes
     take its place (fuzz34j). An enabled region stays, and is refused."""
     hop = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_autocast", None)
-    for node in [n for n in gm.graph.nodes if hop is not None and n.target is hop]:
+    while (node := next((n for n in gm.graph.nodes if hop is not None and n.target is hop and n.args[2] is False
+                         and n.args[4].op == "get_attr" and all(u.target is operator.getitem for u in n.users)),
+                        None)) is not None:   # nested regions: one level a pass
         _, _, enabled, _, body_ref, *operands = node.args
-        if enabled is not False or body_ref.op != "get_attr":
-            continue
         body = getattr(gm, body_ref.target)
         env = dict(zip([p for p in body.graph.nodes if p.op == "placeholder"], operands))
         with gm.graph.inserting_before(node):
             for inner in body.graph.nodes:
                 if inner.op == "output":
                     results = inner.args[0]
-                elif inner.op == "get_attr":   # a constant of the body: registered on gm under a new name
-                    name = f"{body_ref.target}_{inner.target}".replace(".", "_")
-                    gm.register_buffer(name, getattr(body, inner.target), persistent=False)
+                elif inner.op == "get_attr":   # a constant or a nested region's body: on gm under a new name
+                    name, value = f"{body_ref.target}_{inner.target}".replace(".", "_"), getattr(body, inner.target)
+                    if isinstance(value, torch.nn.Module):
+                        gm.add_submodule(name, value)
+                    else:
+                        gm.register_buffer(name, value, persistent=False)
                     env[inner] = gm.graph.get_attr(name)
                 elif inner.op != "placeholder":
                     env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
@@ -255,7 +258,19 @@ def inline_disabled_autocast(gm: torch.fx.GraphModule) -> None:
             if user.op == "call_function" and user.target is operator.getitem:
                 user.replace_all_uses_with(results[user.args[1]])
                 gm.graph.erase_node(user)
-        if not node.users:
-            gm.graph.erase_node(node)
+        gm.graph.erase_node(node)   # (a region's results are read through getitem only)
     gm.graph.eliminate_dead_code()
     gm.recompile()
+
+
+def refuse_written_constants(gm: torch.fx.GraphModule) -> None:
+    """`t = torch.tensor([1., 2.]); ...; t.mul_(3)`: symbolic_trace makes t a constant of the graph
+    and runs the write on it once while tracing, so the graph would start from the written values
+    (review34b: with verify=False, silently). Such a constant's version counter has moved."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor) and not value.is_inference() and value._version:
+                raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
+                                       f"{node.name}): the trace ran that write once, so the graph would start from "
+                                       "the written values. Write it out of place (t = t * 3) instead")

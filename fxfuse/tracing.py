@@ -23,7 +23,8 @@ from torch.nn.utils import parametrize
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from .concrete_args import drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter, split_concrete
+from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
+                            refuse_written_constants, split_concrete)
 from .errors import TraceError, UnsupportedError
 from .log import logger
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
@@ -146,8 +147,9 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     note_inplace_flags(gm, attribute_reads)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
-        raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}); apply autocast around "
-                                "the call instead (fxfuse then runs the original module)")
+        raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}: {entered[0].target}); apply "
+                                "autocast around the call instead (fxfuse then runs the original module)")
+    refuse_written_constants(gm)
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
                                "reads_inference_mode": inference_mode if "inference" in mode_reads else None,

@@ -387,3 +387,35 @@ def test_a_disabled_autocast_region_is_inlined_and_an_enabled_one_refused():
             torch.testing.assert_close(got, want)
     with pytest.raises(fxfuse.FxfuseError, match="autocast"):
         fxfuse.optimize(_Rotary(enabled=True).eval(), (x, pos), strict=True)
+
+
+class _NestedDisabled(nn.Module):
+    def forward(self, x):
+        assert isinstance(x, torch.Tensor)          # torch.export traces it
+        with torch.autocast("cpu", enabled=False):
+            a = x.float() * 2
+            with torch.autocast("cpu", enabled=False):
+                b = a.exp() + 1
+            c = b * a
+        return torch.tanh(c * 0.1)
+
+
+class _WritesItsConstant(nn.Module):
+    def forward(self, x):
+        t = torch.tensor([1.0, 2.0])
+        y = x * t
+        t.mul_(3)
+        return y + t
+
+
+def test_nested_disabled_autocast_regions_inline_and_a_written_constant_is_refused():
+    """Nested regions raised an internal TypeError (review34b); a constant forward() makes and
+    writes was traced with the write already applied (review34b: silent with verify=False)."""
+    model = _NestedDisabled().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    with pytest.raises(fxfuse.FxfuseError, match="writes in place into a tensor it makes from constants"):
+        fxfuse.optimize(_WritesItsConstant().eval(), torch.randn(4, 2), verify=False, strict=True)
