@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from .call_context import user_mode_active
 from .concrete_args import same_default
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
@@ -22,7 +23,6 @@ from .module_state import forward_hook_owner, kept_state, same_value, storage_ad
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
-from .call_context import user_mode_active
 from .tracing import autocast_enabled, clone_args, trace
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
@@ -212,10 +212,11 @@ def tensors_read(gm) -> list:
     convolution, Strassen's operands), which an in-place edit of the original leaves stale; a
     copy may come from a tensor another layer reads live (tied weights), so then every tensor
     the trace read is watched (runtime.OptimizedModule: version counters, per call)."""
+    from fxfuse.passes.fold_literals import LITERAL_PREFIX   # passes import fxfuse modules: import late
     read = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            if node.target.startswith("fxfuse_literal"):   # a number forward() made a tensor (fold_literals)
+            if node.target.startswith(LITERAL_PREFIX):   # a number forward() made a tensor: no model copy
                 continue
             obj = gm
             for part in node.target.split("."):

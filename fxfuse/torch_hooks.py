@@ -6,6 +6,7 @@ Both are process-wide and installed once, on import. runtime.OptimizedModule rea
 call (one integer compare each while nothing happens).
 """
 import contextlib
+import functools
 
 import torch
 
@@ -69,8 +70,8 @@ def _counting_mode_changes(train):
             return train(self, mode)
         finally:
             MODE_CHANGES[0] += changed
+    train_counted = functools.wraps(train)(train_counted)   # train's name, docstring and signature
     train_counted.fxfuse_counts = True
-    train_counted.__name__, train_counted.__qualname__, train_counted.__doc__ = "train", train.__qualname__, train.__doc__
     return train_counted
 
 
@@ -85,8 +86,8 @@ def _counting_removals(method, removes):
             return method(self, name, *args, **kwargs)
         finally:
             REGISTRATIONS[0] += counts
+    counted = functools.wraps(method)(counted)
     counted.fxfuse_counts = True
-    counted.__name__, counted.__qualname__, counted.__doc__ = method.__name__, method.__qualname__, method.__doc__
     return counted
 
 

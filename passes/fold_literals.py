@@ -21,7 +21,8 @@ from .normalize_layers import register_constant
 
 FACTORIES = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
 MAX_ELEMENTS = 256
-LITERAL_STEM = "literal"   # api.tensors_read: no copy derived from the model's tensors
+LITERAL_STEM = "literal"
+LITERAL_PREFIX = "fxfuse_" + LITERAL_STEM   # register_constant's names: api.tensors_read knows them for no model copy
 
 
 def _numbers(data) -> bool:

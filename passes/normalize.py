@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.kernel import FusedKernel   # fxfuse's kernels (fused, GEMM, MLP) write new outputs
+from fxfuse.kernel import FusedKernel
 from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_major
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
@@ -61,9 +61,10 @@ FRESH_FUNCTIONS |= {getattr(packet, overload) for name in (   # export's spellin
     "upsample_bicubic2d", "upsample_trilinear3d", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d",
     "adaptive_avg_pool1d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d", "convolution", "conv_transpose1d",
     "conv_transpose2d") if (packet := getattr(aten, name, None)) is not None for overload in packet.overloads()}
-FRESH_MODULES = (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd, nn.LayerNorm, nn.GroupNorm, nn.Upsample,
-                 nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
-                 nn.Softmax, nn.LogSoftmax)   # modules whose output is new memory
+FRESH_MODULES = (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
+                 nn.GroupNorm, nn.Upsample, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                 nn.modules.pooling._AdaptiveAvgPoolNd, nn.Softmax, nn.LogSoftmax,
+                 FusedKernel)   # modules whose output is new memory (fxfuse's kernels: fused, GEMM, MLP)
 FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone", "new_zeros", "new_ones", "new_full",
                  "new_empty", "roll"}
 
@@ -99,8 +100,7 @@ def _reads_without_alias(gm, user) -> bool:
         return True
     if user.op == "call_module":
         mod = gm.get_submodule(user.target)
-        return isinstance(mod, (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, FusedKernel)) \
-            or spelling_of(gm, user) is not None
+        return isinstance(mod, FRESH_MODULES) or spelling_of(gm, user) is not None
     return False
 
 
