@@ -7,6 +7,7 @@ mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 """
 
 import collections
+import collections.abc
 import copy
 import inspect
 import numbers
@@ -14,7 +15,7 @@ import numbers
 import torch
 
 from .call_context import user_mode_active
-from .concrete_args import same_default
+from .concrete_args import UNBINDABLE, bind_positional, positional_names, same_default
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
@@ -29,17 +30,34 @@ from .tracing import autocast_enabled, clone_args, trace
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
-def _as_args(example_input) -> tuple:
+def _as_args(example_input, model) -> tuple:
     if isinstance(example_input, torch.Tensor):
         return (example_input,)
+    if isinstance(example_input, collections.abc.Mapping) and isinstance(model, torch.nn.Module):
+        example_input = _bound_keywords(example_input, model)
     if isinstance(example_input, (tuple, list)):
         leaves = torch.utils._pytree.tree_leaves(example_input)   # (a dataclass is one leaf: not a number)
         if all(isinstance(a, (numbers.Number, str)) or a is None for a in leaves):   # [1.0, 2.0]
             raise UnsupportedError("example_input holds no tensor (a list of numbers?): give a tensor, e.g. "
                                    "torch.tensor(...), or a tuple of the forward's arguments")
         return tuple(example_input)
-    raise UnsupportedError(f"example_input must be a tensor or a tuple of tensors, "
-                           f"got {type(example_input).__name__}")
+    raise UnsupportedError(f"example_input must be a tensor, a tuple of forward()'s arguments or a dict of them by "
+                           f"name, got {type(example_input).__name__}")
+
+
+def _bound_keywords(example_input, model) -> tuple:
+    """A dict example (`model(**inputs)`, as HF-style code calls) as the positional arguments
+    it binds to: calls by keyword bind the same way (runtime.forward), so they find the same
+    specialization. A name no parameter takes by position (**kwargs, keyword-only) cannot."""
+    positional = bind_positional(model.forward, (), dict(example_input))
+    if positional is UNBINDABLE or positional is None:
+        raise UnsupportedError(
+            f"example_input is a dict with keys {sorted(map(str, example_input))}, which fxfuse binds to "
+            f"{type(model).__name__}.forward's parameters by name; "
+            + ("they do not fit its signature" if positional is UNBINDABLE else
+               "some go to a keyword-only or **kwargs parameter, or a default before them is no plain value")
+            + f" (parameters taken by position: {positional_names(model.forward)}). Pass a tuple of the arguments in order")
+    return positional
 
 
 def _check_model(model) -> None:
@@ -387,10 +405,10 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
     raise OptionError (an FxfuseError and a ValueError).
     """
     opts = Options.from_kwargs(**options)
-    args = _as_args(example_input)
     if isinstance(model, OptimizedModule):   # optimize(optimize(m, x), x): build again from m
         logger.info("optimize() got an OptimizedModule: optimizing its original module again")
         model = model.original
+    args = _as_args(example_input, model)
     _check_model(model)
     try:
         _check_example_binds(model, args)

@@ -133,17 +133,13 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     meta says what the trace read (the grad/inference mode, the model's attribute names).
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
-    concrete, tensor_args, given_values = split_concrete(model, example_args)
+    concrete = split_concrete(model, example_args)[0]
     inference_mode = torch.is_inference_mode_enabled()
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
             _parametrization_cache_off():
-        gm, how = _trace(model, example_args, concrete, tensor_args, given_values)
+        gm, how = _trace(model, example_args, concrete)
     if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
-        if given_values:
-            raise TraceError("forward() checks a value's type against torch.Tensor (isinstance, torch.is_tensor, "
-                             "type): symbolic_trace's stand-ins are no tensors, so the graph could hold the other "
-                             "branch; torch.export, which runs real tensors, is not tried for non-tensor inputs")
-        gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
+        gm, how = _exported(model, example_args), "torch.export(strict=False)"
     mode_reads |= mode_functions_imported(model)
     note_inplace_flags(gm, attribute_reads)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]
@@ -195,17 +191,18 @@ def _clear_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _trace(model, example_args, concrete, tensor_args, given_values=True):
-    """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export (where
-    every example argument is a tensor: export binds the defaults itself)."""
+def _trace(model, example_args, concrete):
+    """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export (which
+    binds the defaults itself, and specializes on non-tensor arguments as the runtime's
+    signature does: None, flags and numbers are checked by value on every call)."""
     try:
         gm = _quiet_symbolic_trace(model, concrete)
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
         opaque = opaque_blocks(gm)
-        if opaque and not given_values:
-            gm, how = _exported_through(model, example_args, tensor_args, gm, how, opaque)
+        if opaque:
+            gm, how = _exported_through(model, example_args, gm, how, opaque)
     except UnsupportedError:   # fxfuse's own refusal (autocast inside forward, a size read from a
         raise                  # value-dependent shape): another tracer would meet it too
     except Exception as fx_error:  # noqa: BLE001 -- any failure means "try the next tracer"
@@ -217,12 +214,6 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
         if refused is not None:
             raise refused from fx_error
         logger.info("symbolic_trace failed (%s: %s); trying torch.export", type(fx_error).__name__, fx_error)
-        if given_values:
-            advice = (" Check the example input's shapes and dtypes against the model."
-                      if isinstance(fx_error, ShapePropagationError) else "")
-            raise TraceError(f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}"
-                             f"{_root_cause(fx_error)}; torch.export is not tried for non-tensor inputs."
-                             f"{advice}") from fx_error
         padded = blocks_given_padding(model, clone_args(example_args))
         if padded:
             raise UnsupportedError(f"{padded[0]} is given a mask (key-padding or attention): torch.export "
@@ -231,7 +222,7 @@ def _trace(model, example_args, concrete, tensor_args, given_values=True):
                                    ) from fx_error
         versions = parameter_versions(model)
         try:
-            gm, how = _exported(model, example_args, tensor_args), "torch.export(strict=False)"
+            gm, how = _exported(model, example_args), "torch.export(strict=False)"
         except UnsupportedError:
             raise
         except Exception as export_error:  # noqa: BLE001
@@ -283,7 +274,7 @@ def _only_passes_through(params) -> bool:
     return kinds[-2:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] and len(kinds) <= 3
 
 
-def _exported(model, example_args, tensor_args) -> torch.fx.GraphModule:
+def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
     gm = _quiet_export(model, tuple(example_args)).module()
     inline_disabled_autocast(gm)
@@ -295,15 +286,15 @@ def _exported(model, example_args, tensor_args) -> torch.fx.GraphModule:
     # would raise again when the graph runs (fuzz31h). Dead pure nodes go; writes and asserts stay
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    propagate_shapes(gm, tensor_args)
+    propagate_shapes(gm, example_args)   # one placeholder per argument, None and flags too
     return gm
 
 
-def _exported_through(model, example_args, tensor_args, gm, how, opaque) -> tuple:
+def _exported_through(model, example_args, gm, how, opaque) -> tuple:
     """(graph, tracer): torch.export's graph, which goes through the transformer blocks that
     symbolic_trace left opaque (transformer_blocks); the symbolic_trace graph where export fails."""
     try:
-        exported = _exported(model, example_args, tensor_args)
+        exported = _exported(model, example_args)
     except UnsupportedError:
         raise
     except Exception as e:  # noqa: BLE001 -- keep the symbolic_trace graph, the blocks opaque

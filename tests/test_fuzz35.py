@@ -1,0 +1,169 @@
+"""Stop 35's fixes: non-tensor example arguments traced by torch.export, dict example inputs."""
+import os
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fxfuse  # noqa: E402
+
+
+def _leaves(value):
+    return torch.utils._pytree.tree_leaves(value)
+
+
+def _check_calls(opt, model, calls):
+    """Every (args, kwargs) call of opt against eager, with no warning."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for args, kwargs in calls:
+            got, want = _leaves(opt(*args, **kwargs)), _leaves(model(*args, **kwargs))
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+    assert not caught, [str(w.message) for w in caught]
+
+
+class _HFStyleEmbeddings(nn.Module):
+    """BERT-style embeddings: the sliced position_ids buffer makes symbolic_trace fail."""
+
+    def __init__(self, vocab=50, width=16):
+        super().__init__()
+        self.word = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(16, width)
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("position_ids", torch.arange(16).expand((1, -1)), persistent=False)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=False,
+                scale=1.0):
+        shape = input_ids.size() if input_ids is not None else inputs_embeds.size()[:-1]
+        position_ids = self.position_ids[:, :shape[1]]
+        if inputs_embeds is None:
+            inputs_embeds = self.word(input_ids)
+        h0 = self.norm(inputs_embeds + self.pos(position_ids))
+        h = F.gelu(self.fc(h0)) * scale + 1
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        return (h, (h0, h)) if output_hidden_states else (h,)
+
+
+def _ids(*shape):
+    return torch.randint(0, 50, shape)
+
+
+@pytest.mark.parametrize("example", ["embeds", "flags", "mask"])
+def test_none_and_flag_example_arguments_are_traced_by_torch_export(example):
+    """symbolic_trace fails on the model; fxfuse refused it where the example held None or a
+    flag ("torch.export is not tried for non-tensor inputs", fuzz34g). Export specializes on
+    them as the runtime's signature does, so other values build other specializations."""
+    torch.manual_seed(0)
+    model = _HFStyleEmbeddings().eval()
+    examples = {"embeds": (None, None, torch.randn(2, 8, 16)),
+                "flags": (_ids(2, 8), None, None, True, 2.0),
+                "mask": (_ids(2, 8), torch.rand(2, 8), None, False)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, examples[example])
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert "torch.export(strict=False)" in fxfuse.explain(opt)
+    _check_calls(opt, model, [
+        (examples[example], {}),
+        ((None, None, torch.randn(2, 8, 16)), {}),
+        ((_ids(2, 8), None, None, True, 3.0), {}),
+        ((_ids(3, 5), torch.rand(3, 5), None, False, 2.0), {}),
+        ((), {"input_ids": _ids(2, 8), "output_hidden_states": True}),
+        ((_ids(2, 8),), {"scale": 2.5}),
+    ])
+
+
+ACTIVATIONS = {"gelu": nn.GELU(), "silu": nn.SiLU()}   # HF's ACT2FN: modules no model owns
+
+
+class _GlobalActivationLayer(nn.Module):
+    def __init__(self, act="gelu"):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.act = act
+
+    def forward(self, h, mask, output_attentions=False):
+        out = ACTIVATIONS[self.act](self.fc(h)) * mask[..., None] + h
+        return (out, None) if output_attentions else (out,)
+
+
+def test_a_flag_argument_does_not_stop_the_export_of_a_layer_using_a_global_activation():
+    torch.manual_seed(0)
+    model = _GlobalActivationLayer().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, (torch.randn(2, 8, 16), torch.rand(2, 8), False))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    _check_calls(opt, model, [((torch.randn(2, 8, 16), torch.rand(2, 8), False), {}),
+                              ((torch.randn(2, 8, 16), torch.rand(2, 8), True), {}),
+                              ((torch.randn(2, 8, 16), torch.rand(2, 8)), {})])
+
+
+class _TypeTestedSlice(nn.Module):
+    """An isinstance test on a tensor sends the trace to torch.export; the int bounds a slice."""
+
+    def forward(self, x, n: int, flag: bool = False):
+        if isinstance(x, torch.Tensor):
+            x = x * 2
+        y = torch.relu(x[:, :n]) + 1
+        return y.sigmoid() if flag else y
+
+
+def test_an_int_example_argument_traced_by_export_is_checked_on_every_call():
+    torch.manual_seed(0)
+    model = _TypeTestedSlice().eval()
+    opt = fxfuse.optimize(model, (torch.randn(3, 9), 4))
+    assert "torch.export(strict=False)" in fxfuse.explain(opt) and fxfuse.stats(opt)["fused_kernels"] >= 1
+    _check_calls(opt, model, [((torch.randn(3, 9), n, *flag), {}) for n in (4, 5, 4) for flag in ((), (True,))])
+    assert fxfuse.stats(opt)["specializations"] == 4
+
+
+class _NamedArguments(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask=None, scale=1.0):
+        h = torch.relu(self.fc(input_ids)) * scale
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        return h + 1
+
+
+def test_a_dict_example_input_binds_by_name_and_keyword_calls_reuse_its_specialization():
+    """optimize(model, inputs) for code that calls model(**inputs) raised "example_input must
+    be a tensor or a tuple" (fuzz34g)."""
+    torch.manual_seed(0)
+    model = _NamedArguments().eval()
+    x, mask = torch.randn(2, 3, 8), torch.rand(2, 3)
+    opt = fxfuse.optimize(model, {"attention_mask": mask, "input_ids": x}, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    _check_calls(opt, model, [((), {"input_ids": torch.randn(2, 3, 8), "attention_mask": torch.rand(2, 3)}),
+                              ((torch.randn(2, 3, 8), torch.rand(2, 3)), {})])
+    assert fxfuse.stats(opt)["specializations"] == 1
+    scaled = fxfuse.optimize(model, {"input_ids": x, "scale": 2.0}, strict=True)
+    _check_calls(scaled, model, [((), {"input_ids": torch.randn(2, 3, 8), "scale": 2.0})])
+    assert fxfuse.stats(scaled)["specializations"] == 1
+
+
+@pytest.mark.parametrize("example", [{"foo": 1}, {}, {"attention_mask": torch.rand(2, 3)}])
+def test_a_dict_example_input_that_does_not_bind_names_the_parameters(example):
+    with pytest.raises(fxfuse.UnsupportedError, match=r"input_ids', 'attention_mask', 'scale'"):
+        fxfuse.optimize(_NamedArguments().eval(), example)
+
+
+def test_a_dict_example_input_for_a_kwargs_forward_is_refused_clearly():
+    class PassThrough(nn.Module):
+        def forward(self, *args, **kwargs):
+            return torch.relu(kwargs["x"])
+
+    with pytest.raises(fxfuse.UnsupportedError, match="keyword-only or \\*\\*kwargs"):
+        fxfuse.optimize(PassThrough().eval(), {"x": torch.randn(3)})
