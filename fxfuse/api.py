@@ -20,7 +20,7 @@ from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .module_state import forward_hook_owner, kept_state, same_value, storage_address
+from .module_state import RandomStreams, forward_hook_owner, kept_state, same_value, storage_address
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
@@ -255,9 +255,13 @@ def _verify(model, gm, args) -> list:
     """Each side runs on its own copy of args: a model that mutates its input (`x.add_(1)`)
     would otherwise feed the rewritten graph an input eager has already changed. The inputs
     are compared afterwards too, since eager semantics include those writes. Returns eager's
-    flattened outputs."""
+    flattened outputs. Both sides start from the same random streams, so torch's random ops
+    (a VAE's `randn_like`, dropout in a model's own eval branch) draw the same numbers."""
     eager_args, graph_args = clone_args(args), clone_args(args)
-    eager_out, graph_out = model(*eager_args), gm(*graph_args)
+    streams = RandomStreams()
+    eager_out = model(*eager_args)
+    streams.restore()
+    graph_out = gm(*graph_args)
     expected, expected_spec = torch.utils._pytree.tree_flatten(eager_out)
     got, got_spec = torch.utils._pytree.tree_flatten(graph_out)
     if expected_spec != got_spec:
@@ -276,6 +280,7 @@ def _verify(model, gm, args) -> list:
     for k, (e, g) in enumerate(zip(expected, got)):
         problem = _mismatch(e, g, floor)
         if problem:
+            streams.restore()
             again = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
             if any(_mismatch(a, b) for a, b in zip(expected, again)):
                 raise UnsupportedError(

@@ -373,7 +373,7 @@ def _cached(m: torch.nn.Module, k: str) -> bool:
 def kept_state(model: torch.nn.Module):
     """Run a build; afterwards the model and the random number streams are as before, and a
     forward() that changed the model or drew from Python's random module is refused."""
-    snapshot, streams = _Snapshot(model), _RandomStreams()
+    snapshot, streams = _Snapshot(model), RandomStreams()
     try:
         yield
     except Exception as e:   # the state, when changed, is the better reason (verification fails on it too)
@@ -390,7 +390,7 @@ def kept_state(model: torch.nn.Module):
         raise _refusal(changed)
 
 
-class _RandomStreams:
+class RandomStreams:
     """torch's, Python's and numpy's global random states. A build runs forward() several times
     (trace, verify, probes): without this, optimize() would move the caller's streams (a seeded
     run then draws other numbers than eager), and a draw from Python's `random` (a random flip at

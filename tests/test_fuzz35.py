@@ -167,3 +167,45 @@ def test_a_dict_example_input_for_a_kwargs_forward_is_refused_clearly():
 
     with pytest.raises(fxfuse.UnsupportedError, match="keyword-only or \\*\\*kwargs"):
         fxfuse.optimize(PassThrough().eval(), {"x": torch.randn(3)})
+
+
+class _Reparametrize(nn.Module):
+    """A VAE encoder's sample, and noise a model adds in eval mode too."""
+
+    def __init__(self):
+        super().__init__()
+        self.mu, self.logvar = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        mu, logvar = self.mu(x), self.logvar(x)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        return F.dropout(z.relu(), p=0.25, training=True) + torch.rand(z.shape) * 0.1
+
+
+def test_torch_random_ops_pass_verify_and_draw_as_eager_under_the_same_seed():
+    """verify ran eager and the graph from different random streams, so every model with a
+    random op was refused as "not deterministic" (fuzz34g); both now start from one state."""
+    torch.manual_seed(0)
+    model, x = _Reparametrize().eval(), torch.randn(4, 16)
+    torch.manual_seed(123)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        torch.manual_seed(7)
+        got1, got2 = opt(x), opt(x)
+        torch.manual_seed(7)
+        want1, want2 = model(x), model(x)
+    torch.testing.assert_close(got1, want1)
+    torch.testing.assert_close(got2, want2)
+    assert not torch.equal(got1, got2)   # each call draws anew
+
+
+def test_a_build_of_a_random_model_leaves_the_random_stream_as_it_found_it():
+    model, x = _Reparametrize().eval(), torch.randn(4, 16)
+    torch.manual_seed(5)
+    fxfuse.optimize(model, x)
+    after_build = torch.rand(3)
+    torch.manual_seed(5)
+    torch.testing.assert_close(after_build, torch.rand(3), rtol=0, atol=0)
