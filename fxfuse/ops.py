@@ -34,6 +34,26 @@ def add_scaled(x, other, alpha):
     return torch.add(x, other, alpha=alpha)
 
 
+def lerp_scalar(x, end, weight):
+    """torch.lerp with a number weight: the weight is the kernel's parameter, so `1 - weight`
+    is computed once in fp32 as ATen's opmath does (a Triton literal would fold it in double)."""
+    return torch.lerp(x, end, weight)
+
+
+def _fp32(v) -> float:
+    """A number as ATen's fp32 opmath reads a Python scalar."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def _lerp_scalar(a, b, weight) -> str:
+    # ATen's Lerp.h: from the nearer end, so lerp(a, b, 1.0) is b exactly; nan goes the far way
+    w = _fp32(weight)
+    if abs(w) < 0.5:
+        return f"({a} + {literal(w)} * ({b} - {a}))"
+    one_minus = (torch.tensor(1.0, dtype=torch.float32) - torch.tensor(w, dtype=torch.float32)).item()
+    return f"({b} - ({b} - {a}) * {literal(one_minus)})"
+
+
 def as_layout(x, stride):
     """x with the strides eager's op gave its result (a copy only where they differ). Inserted
     after a rewrite whose kernel writes row-major where eager kept its input's layout (a Linear's
@@ -157,6 +177,13 @@ _TABLE = [
         f"(({b}).to(tl.float64) * {literal(float(torch.tensor(alpha, dtype=torch.float32)))} + {a})"
         ".to(tl.float32)"), ("alpha",)),
     _op("pow", operator.pow, 1, _pow, ("exponent",)),
+    # ATen's formulas (Lerp.h, CUDA's PointwiseOpsKernel): a + value * (b * c), a + value * (b / c)
+    _op("lerp", torch.lerp, 3, lambda a, b, w: f"_lerp({a}, {b}, {w})"),
+    _op("lerp_scalar", lerp_scalar, 2, _lerp_scalar, ("weight",)),
+    _op("addcmul", torch.addcmul, 3, lambda a, b, c, value=1: f"({a} + {literal(_fp32(value))} * ({b} * {c}))",
+        ("value",), value=1),
+    _op("addcdiv", torch.addcdiv, 3, lambda a, b, c, value=1: f"({a} + {literal(_fp32(value))} * _div({b}, {c}))",
+        ("value",), value=1),
     _op("maximum", torch.maximum, 2, lambda a, b: f"_maximum({a}, {b})"),
     _op("minimum", torch.minimum, 2, lambda a, b: f"_minimum({a}, {b})"),
     _op("where", torch.where, 3, lambda c, a, b: f"tl.where({c}, {a}, {b})"),
@@ -288,6 +315,11 @@ def _maximum(a, b):
 @triton.jit
 def _minimum(a, b):
     return tl.where(a != a, a, tl.where(a < b, a, b))
+
+
+@triton.jit
+def _lerp(a, b, w):
+    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
 
 
 @triton.jit

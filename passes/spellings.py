@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.node_meta import fxfuse_meta, meta_tensor, single_tensor_meta
-from fxfuse.ops import HALF_DTYPES, POINTWISE, keep_eager_layout
+from fxfuse.ops import HALF_DTYPES, POINTWISE, keep_eager_layout, lerp_scalar
 
 aten = torch.ops.aten
 
@@ -67,6 +67,9 @@ BOOL_BINARY = {operator.and_: torch.logical_and, torch.bitwise_and: torch.logica
                operator.or_: torch.logical_or, torch.bitwise_or: torch.logical_or, "bitwise_or": torch.logical_or,
                "__or__": torch.logical_or, aten.bitwise_or.Tensor: torch.logical_or,
                aten.__and__.Tensor: torch.logical_and, aten.__or__.Tensor: torch.logical_or}   # export's `&` (fuzz33m)
+# three-operand ops after input (a value= keyword for addcmul/addcdiv, keyword-only in torch)
+TERNARY = {torch.lerp: ("end", "weight"), torch.addcmul: ("tensor1", "tensor2", "value"),
+           torch.addcdiv: ("tensor1", "tensor2", "value")}
 _OPERANDS = {operator.pow: ("input", "exponent")}   # canonical parameter names where not (input, other)
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
                      operator.imul: operator.mul, operator.itruediv: operator.truediv, operator.ipow: operator.pow}
@@ -132,6 +135,8 @@ def _build_function_spellings() -> dict:
     table[torch.where] = Spelling(torch.where, ("condition", "input", "other"))
     table[torch.masked_fill] = MASKED_FILL
     table[torch.rsub] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
+    for canon, names in TERNARY.items():
+        table[canon] = Spelling(canon, ("input",) + names)
     return table
 
 
@@ -168,6 +173,9 @@ def _build_method_spellings() -> dict:
     table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
     table["masked_fill"], table["masked_fill_"] = MASKED_FILL, MASKED_FILL_
+    for canon, names in TERNARY.items():   # x.lerp(y, 0.5), x.addcmul_(a, b, value=2)
+        table[canon.__name__] = Spelling(canon, ("input",) + names)
+        table[canon.__name__ + "_"] = Spelling(canon, ("input",) + names, inplace=True)
     for op, canon in INPLACE_OPERATORS.items():   # h.__iadd__(b): torch.fx records the dunder as a method
         table[f"__{op.__name__}__"] = Spelling(canon, _OPERANDS.get(canon, ("input", "other")), inplace=True)
     return table
@@ -221,6 +229,12 @@ def _build_aten_spellings() -> dict:
     for name, overload, row in optional:
         if hasattr(getattr(aten, name, None), overload):
             table[getattr(getattr(aten, name), overload)] = row
+    for canon, names in TERNARY.items():
+        for suffix, inplace in (("", False), ("_", True)):
+            packet = getattr(aten, canon.__name__ + suffix, None)
+            for overload in ("default", "Scalar", "Tensor"):
+                if hasattr(packet, overload):
+                    table[getattr(packet, overload)] = Spelling(canon, ("input",) + names, inplace=inplace)
     for overload in (aten.rsub.Scalar, aten.rsub.Tensor):
         table[overload] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
     for overload in (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
@@ -375,6 +389,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if row.fixed.get("_masked_fill") and not masked_fill_is_where(params["other"], params["input"]):
             return None
         return canon, (params["condition"], params["input"], params["other"]), {}
+    if canon in TERNARY:
+        return _ternary_call(canon, params, node)
     x = params.pop("input")
     if op.nargs == 2:
         other = params.pop("other")
@@ -422,6 +438,28 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
     if any(isinstance(v, torch.fx.Node) for v in params.values()):
         return None
     return canon, (x,), {k: v for k, v in params.items() if op.defaults.get(k, object()) != v}
+
+
+def _ternary_call(canon, params, node):
+    """lerp(x, end, weight) (a number weight: lerp_scalar, the weight a parameter), addcmul and
+    addcdiv(x, t1, t2, value=v) as canonical calls; None where they stay as written: torch's
+    deprecated addcmul(x, value, t1, t2), a tensor `value`."""
+    operands = [params.pop(n, None) for n in ("input",) + TERNARY[canon][:2]]
+    if len(node.args) > 3 or not all(isinstance(a, torch.fx.Node) for a in operands[:2]):
+        return None
+    x, first, second = operands
+    if canon is torch.lerp:
+        if params:
+            return None
+        if isinstance(second, torch.fx.Node):
+            return canon, (x, first, second), {}
+        if isinstance(second, (int, float)) and not isinstance(second, bool):
+            return lerp_scalar, (x, first), {"weight": second}
+        return None
+    value = params.pop("value", 1)
+    if params or not isinstance(second, torch.fx.Node) or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return canon, (x, first, second), ({} if value == 1 else {"value": value})
 
 
 def divide_as_cuda_does(node) -> bool:

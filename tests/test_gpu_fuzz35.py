@@ -37,3 +37,39 @@ def test_random_ops_in_a_cuda_graph_draw_anew_and_as_eager_under_the_same_seed()
     assert not torch.equal(got[0], got[1]) and not torch.equal(got[1], got[2])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+class _Three(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, a, b, c):
+        return self.f(a, b, c)
+
+
+TERNARY = {
+    "lerp_small": lambda a, b, c: torch.lerp(a, b, 0.3) * 2,
+    "lerp_large": lambda a, b, c: torch.lerp(a, b, 0.7) * 2,
+    "lerp_tensor": lambda a, b, c: torch.lerp(a, b, c) * 2,
+    "addcmul": lambda a, b, c: torch.addcmul(a, b, c, value=0.3) * 2,
+    "addcdiv": lambda a, b, c: torch.addcdiv(a, b, c, value=-1.7) * 2,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(TERNARY))
+def test_lerp_addcmul_addcdiv_kernels_against_cuda_eager(name, dtype):
+    """Fused: ATen's formulas in fp32 opmath, one rounding at the end (as CUDA's kernel, then
+    the * 2, which is exact). Edge weights and values included."""
+    torch.manual_seed(0)
+    special = torch.tensor([0.0, 1.0, 0.5, -0.5, 2.0, float("inf"), float("nan"), 1e-30, -3.0], device="cuda")
+    a, b = (torch.randn(4096, device="cuda") * 10).to(dtype), (torch.randn(4096, device="cuda") * 10).to(dtype)
+    c = torch.cat([special, torch.rand(4096 - special.numel(), device="cuda") * 2 - 0.5]).to(dtype)
+    model = _Three(TERNARY[name]).eval()
+    opt = fxfuse.optimize(model, (a, b, c), verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        got, want = opt(a, b, c), model(a, b, c)
+    torch.testing.assert_close(got, want, rtol=0 if dtype == torch.float32 else 1e-2,
+                               atol=0 if dtype == torch.float32 else 1e-2, equal_nan=True)
