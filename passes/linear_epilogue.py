@@ -107,6 +107,13 @@ def _carried(gm, linear, new, reason: str, device) -> dict:
     return meta
 
 
+def _lone(add) -> bool:
+    """Whether no pointwise op reads the bias add (a view its reader broadcasts, a chunk, a
+    norm, the output): fusion would leave the add a kernel of its own (fuzz34j: DiT's adaLN
+    chunks, a UNet's time embedding `emb(t)[:, :, None, None]`)."""
+    return not any(u.op == "call_function" and is_pointwise_target(u.target) for u in add.users)
+
+
 def _linear_bias_pairs(gm):
     """(F.linear(x, W), its bias add): a bias the model holds ([N]), or, in fp16/bf16, any bias
     of a Linear, addmm or F.linear (normalize's LINEAR_BIAS: an input, a computed one, [1, N])."""
@@ -163,7 +170,7 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         if one_rounding:
             use_library, reason = True, HALF_REASON
         else:
-            use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32)
+            use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32, _lone(add))
         # a 1-D weight (F.linear as a matrix-vector product), K = 0 or no rows, half types: never split, never timed
         splittable = batch > 0 and k > 0 and tuple(linear.args[1].meta["tensor_meta"].shape) == (n, k) \
             and not one_rounding

@@ -7,6 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # until tests/conftest.py sets i
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import fxfuse  # noqa: E402
 
@@ -93,3 +94,88 @@ def test_deprecated_addcmul_argument_order_stays_in_the_library():
         opt = fxfuse.optimize(model, args)
         with torch.no_grad():
             torch.testing.assert_close(opt(*args), want)
+
+
+class _Gated(nn.Module):
+    """A pointwise chain, a view adding size-1 dims, and a reader that broadcasts it."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+        self.A, self.b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6))
+
+    def forward(self, x, h):
+        return self.f(self, x, h)
+
+
+UNIT_VIEWS = {
+    "mamba_dt": lambda s, x, h: torch.exp(s.A * F.softplus(x + s.b).unsqueeze(-1)),
+    "none_index": lambda s, x, h: h * torch.sigmoid(x * 2)[..., None],
+    "view": lambda s, x, h: h + torch.tanh(x).view(x.shape[0], 6, 1),
+    "reshape": lambda s, x, h: h + torch.tanh(x).reshape(-1, 6, 1) * 3,
+    "fresh_inplace": lambda s, x, h: h + torch.relu_(x * 2).unsqueeze(-1),
+    "zero_dim_operand": lambda s, x, h: h + (x * torch.tensor(2.0)).unsqueeze(-1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", sorted(UNIT_VIEWS))
+def test_a_view_adding_size_one_dims_before_a_broadcast_does_not_split_the_chain(name, dtype):
+    """The view moves above the ops it reads (hoist_permutes.is_unit_view): one kernel, where
+    there were two (fuzz34j)."""
+    torch.manual_seed(0)
+    model = _Gated(UNIT_VIEWS[name]).eval().to(dtype)
+    opt = fxfuse.optimize(model, (torch.randn(3, 6, dtype=dtype), torch.randn(3, 6, 4, dtype=dtype)), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    for batch in (3, 5):
+        x, h = torch.randn(batch, 6, dtype=dtype), torch.randn(batch, 6, 4, dtype=dtype)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x.clone(), h.clone()), model(x, h), rtol=1e-5 if dtype == torch.float32
+                                       else 1e-3, atol=1e-5 if dtype == torch.float32 else 1e-3)
+
+
+def test_an_op_with_another_reader_stays_before_the_view():
+    model = _Gated(lambda s, x, h: (h + torch.tanh(x).unsqueeze(-1), torch.tanh(x))).eval()
+    x, h = torch.randn(3, 6), torch.randn(3, 6, 4)
+    opt = fxfuse.optimize(model, (x, h), strict=True)
+    with torch.no_grad():
+        for got, want in zip(opt(x, h), model(x, h)):
+            torch.testing.assert_close(got, want)
+
+
+class _DiTModulate(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.ada = nn.Linear(d, 2 * d)
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+
+    def forward(self, x, c):
+        shift, scale = self.ada(F.silu(c)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class _UNetTimeEmbedding(nn.Module):
+    def __init__(self, ch=8, t=16):
+        super().__init__()
+        self.emb = nn.Linear(t, ch)
+        self.norm = nn.GroupNorm(2, ch)
+
+    def forward(self, h, temb):
+        h = F.silu(self.norm(h)) + self.emb(F.silu(temb))[:, :, None, None]
+        return F.silu(h) * 2
+
+
+@pytest.mark.parametrize("cls,shapes", [(_DiTModulate, [(2, 5, 16), (2, 16)]),
+                                        (_UNetTimeEmbedding, [(2, 8, 4, 4), (2, 16)])])
+def test_a_bias_nothing_pointwise_reads_goes_into_its_library_call(cls, shapes):
+    """DiT's adaLN chunks and a UNet's `emb(t)[:, :, None, None]`: the Linear's bias add was a
+    kernel of its own (fuzz34j); linear_epilogue now leaves it in the library call (on the GPU
+    where that measures no slower than the GEMM plus a kernel)."""
+    torch.manual_seed(0)
+    model = cls().eval()
+    opt = fxfuse.optimize(model, tuple(torch.randn(*s) for s in shapes), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 2, fxfuse.explain(opt)   # silu(c), then the modulation
+    assert "nothing pointwise reads the sum" in fxfuse.explain(opt)
+    args = tuple(torch.randn(*s) for s in shapes)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))

@@ -73,3 +73,43 @@ def test_lerp_addcmul_addcdiv_kernels_against_cuda_eager(name, dtype):
         got, want = opt(a, b, c), model(a, b, c)
     torch.testing.assert_close(got, want, rtol=0 if dtype == torch.float32 else 1e-2,
                                atol=0 if dtype == torch.float32 else 1e-2, equal_nan=True)
+
+
+class _DiTModulate(nn.Module):
+    def __init__(self, d=256):
+        super().__init__()
+        self.ada = nn.Linear(d, 2 * d)
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+
+    def forward(self, x, c):
+        shift, scale = self.ada(F.silu(c)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class _Mamba(nn.Module):
+    def __init__(self, d=64, n=16):
+        super().__init__()
+        self.A, self.b = nn.Parameter(-torch.rand(d, n)), nn.Parameter(torch.randn(d))
+
+    def forward(self, x, h):
+        return h * torch.exp(self.A * F.softplus(x + self.b).unsqueeze(-1)) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_views_before_a_broadcast_and_lone_biases_on_cuda(dtype):
+    """The adaLN Linear's bias (read by a chunk only) in its library call, or added where the
+    GPU measured that faster; Mamba's dt chain in the kernel that broadcasts it."""
+    torch.manual_seed(0)
+    dit = _DiTModulate().cuda().eval().to(dtype)
+    args = (torch.randn(4, 64, 256, device="cuda", dtype=dtype), torch.randn(4, 256, device="cuda", dtype=dtype))
+    opt = fxfuse.optimize(dit, args)
+    assert fxfuse.stats(opt)["fused_kernels"] <= 3
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), dit(*args), **tol)
+    mamba = _Mamba().cuda().eval().to(dtype)
+    args = (torch.randn(8, 64, device="cuda", dtype=dtype), torch.randn(8, 64, 16, device="cuda", dtype=dtype))
+    opt = fxfuse.optimize(mamba, args)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), mamba(*args), **tol)
