@@ -1,5 +1,7 @@
 """load_state_dict hooks of an OptimizedModule: a load drops the specializations, whose weight
 copies (folded BatchNorm, packed MLP weights, Strassen's blocks) it leaves stale."""
+import functools
+import operator
 import weakref
 
 
@@ -8,8 +10,9 @@ class RebuildOnLoad:
     OptimizedModule's specializations, whose weight copies are stale after the load.
 
     Holds only a weakref (the model must not keep the OptimizedModule alive), and pickles or
-    deep-copies as a no-op hook: torch.save(model) and copy.deepcopy(model) keep working, and
-    a copy of the model does not invalidate the OptimizedModule built from the original."""
+    deep-copies as a no-op hook that needs no fxfuse: torch.save(model) and copy.deepcopy(model)
+    keep working, and a copy of the model does not invalidate the OptimizedModule built from
+    the original."""
 
     def __init__(self, owner):
         self._owner = weakref.ref(owner)
@@ -19,8 +22,11 @@ class RebuildOnLoad:
         if owner is not None:
             owner.drop_specializations(f"load_state_dict on {type(module).__name__}")
 
-    def __getstate__(self):
-        return {"_owner": None}
+    def __reduce__(self):
+        # a no-op hook made of builtins only (it files the load's result in a dict of its own):
+        # a model saved with torch.save while an OptimizedModule watches it loads where fxfuse is
+        # not installed (fuzz35d), and a copy's loads do not reach the original's OptimizedModule
+        return functools.partial, (operator.setitem, {})
 
 
 def remove_hooks(handles) -> None:

@@ -2,6 +2,8 @@
 
 Tracing, the passes and the state-write check read these; they import nothing of fxfuse.
 """
+import warnings
+
 import torch
 import torch.fx
 import torch.fx.passes.shape_prop
@@ -35,3 +37,12 @@ def fetch_attr(gm: torch.nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def get_attr_quietly(graph: torch.fx.Graph, target: str) -> torch.fx.Node:
+    """graph.get_attr(target) without torch.fx's warning for an attribute that is a plain tensor
+    (no registered parameter or buffer: `del lin.weight; lin.weight = t`, torch.export's
+    constants): the node reads it at run time all the same (fuzz35d: the warning reached users)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying")
+        return graph.get_attr(target)

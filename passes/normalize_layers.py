@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from fxfuse.node_meta import fetch_attr, tensor_meta
+from fxfuse.node_meta import fetch_attr, get_attr_quietly, tensor_meta
 
 from .spellings import CONV_FUNCTIONS
 
@@ -211,16 +211,16 @@ def split_layer(gm, node) -> bool:
         mod = gm.get_submodule(node.target)
         if type(mod) is nn.Linear and len(node.args) == 1 and not node.kwargs:
             with g.inserting_before(node):
-                w = g.get_attr(f"{node.target}.weight")
+                w = get_attr_quietly(g, f"{node.target}.weight")
                 out = g.call_function(F.linear, (node.args[0], w))
                 if mod.bias is not None:
                     out.meta = dict(node.meta)
-                    out = g.call_function(operator.add, (out, g.get_attr(f"{node.target}.bias")))
+                    out = g.call_function(operator.add, (out, get_attr_quietly(g, f"{node.target}.bias")))
         elif type(mod) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and mod.padding_mode == "zeros" \
                 and len(node.args) == 1 and not node.kwargs:
             nd = int(type(mod).__name__[-2])
             with g.inserting_before(node):
-                w = g.get_attr(f"{node.target}.weight")
+                w = get_attr_quietly(g, f"{node.target}.weight")
                 out = g.call_function(CONV_FUNCTIONS[nd], (node.args[0], w, None, mod.stride,
                                                            mod.padding, mod.dilation, mod.groups))
                 if mod.bias is not None:

@@ -7,7 +7,6 @@ model's plan); this module only rewrites the layers it is handed. The module doc
 passes/strassen.py describes the kernels and the padding.
 """
 import operator
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +14,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from fxfuse.ir import IndexMap, IRBuilder, KernelIR, OutputSpec, Store
+from fxfuse.node_meta import get_attr_quietly
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import POINTWISE, as_layout, is_pointwise_target, keep_eager_layout, row_major
 from fxfuse.strassen_tables import block_position, combine_ir, levels, prefix_ref, suffix_ref
@@ -260,9 +260,7 @@ class _Rewriter:
             unchanged = {"scalar": t.dim() == 0, "row": t.dim() == 1 and Np == N,
                          "full": t.dim() == 2 and (Bp, Np) == (B, N)}[kind]
             if unchanged and t.is_contiguous():
-                with warnings.catch_warnings():       # a fresh read: the original may come after the Linear
-                    warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying")
-                    node = self.g.get_attr(a.target)  # (torch.export's constants are plain attributes)
+                node = get_attr_quietly(self.g, a.target)   # a fresh read: the original may come after the Linear
                 self._set_meta(node, torch.empty(t.shape, dtype=t.dtype, device="meta"))
                 return node
             if kind == "scalar":

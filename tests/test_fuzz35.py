@@ -209,3 +209,40 @@ def test_a_build_of_a_random_model_leaves_the_random_stream_as_it_found_it():
     after_build = torch.rand(3)
     torch.manual_seed(5)
     torch.testing.assert_close(after_build, torch.rand(3), rtol=0, atol=0)
+
+
+def test_a_model_saved_while_optimized_needs_no_fxfuse_to_load():
+    """torch.save(opt.original) pickled fxfuse's load hooks: loading it without fxfuse failed
+    (fuzz35d). They pickle as a no-op of builtins; a load into the copy reaches nothing."""
+    import io
+    import pickle
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    data = pickle.dumps(model)
+    assert b"fxfuse" not in data
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert b"fxfuse" not in buffer.getvalue()
+    copy = pickle.loads(data)
+    copy.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))   # the original's weights, unchanged
+    model.load_state_dict(copy.state_dict())          # the original's hook still rebuilds
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_plain_tensor_weight_gives_no_torch_fx_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    weight = model[0].weight
+    del model[0].weight
+    model[0].weight = weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
