@@ -238,10 +238,13 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
                 missing = [k for k in looked_up if k not in t.__dict__ and not _defined(t, k)]
                 absent += [(t, k) for k in missing] + [(c, k) for k in missing for c in type(t).__mro__[:-2]]
         narrowed = names is not None and (_own_class(m) or type(m) in ATTRIBUTE_FREE)
-        if not narrowed and type(m) in ATTRIBUTE_FREE:
-            continue
+        # a plain tensor on an ATTRIBUTE_FREE module is its input all the same: a Linear whose
+        # weight is `del lin.weight; lin.weight = t` (fast weights: MAML, test-time adaptation;
+        # folded or copied into kernels, it went stale: fuzz35d)
+        free = type(m) in ATTRIBUTE_FREE
         keys = tuple(k for k in m.__dict__ if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant")
-                     and (not narrowed or k in names))
+                     and (isinstance(m.__dict__[k], torch.Tensor) if free and not narrowed
+                          else not narrowed or k in names or free and isinstance(m.__dict__[k], torch.Tensor)))
         if keys:
             out.append(_entry(m.__dict__, keys))
             contents += [(k, m.__dict__[k]) for k in keys]
@@ -340,8 +343,12 @@ def _entry(d, keys: tuple) -> tuple:
 
 
 def watched_values(watched: tuple) -> list:
-    return [v for d, _, values, keys in watched if d is not None and d is not CONTENTS
-            for v in (values if len(keys) > 1 else (values,))]
+    """The watched attributes' values, and the items of watched containers (a tensor kept in a
+    dict or list: its requires_grad flag and in-place writes count too, fuzz35d)."""
+    values = [v for d, _, values, keys in watched if d is not None and d is not CONTENTS
+              for v in (values if len(keys) > 1 else (values,))]
+    return values + [item for d, get, _, _ in watched if d is CONTENTS for _, snap, _, _ in get for item in snap
+                     if isinstance(item, torch.Tensor)]
 
 
 def reassigned(watched: tuple) -> str | None:

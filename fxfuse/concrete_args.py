@@ -263,14 +263,36 @@ def inline_disabled_autocast(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def refuse_written_constants(gm: torch.fx.GraphModule) -> None:
+def refuse_written_constants(gm: torch.fx.GraphModule, model) -> None:
     """`t = torch.tensor([1., 2.]); ...; t.mul_(3)`: symbolic_trace makes t a constant of the graph
     and runs the write on it once while tracing, so the graph would start from the written values
-    (review34b: with verify=False, silently). Such a constant's version counter has moved."""
+    (review34b: with verify=False, silently). Such a constant's version counter has moved. Not a
+    tensor the model holds (in a dict, a list, a plain object): its version may have moved
+    before (`cfg["scale"].mul_(2)` by the user, fuzz35d), and the graph reads it, not a copy."""
+    held = None
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor) and not value.is_inference() and value._version:
+                held = _held_tensors(model) if held is None else held
+                if id(value) in held:
+                    continue
                 raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
                                        f"{node.name}): the trace ran that write once, so the graph would start from "
                                        "the written values. Write it out of place (t = t * 3) instead")
+
+
+def _held_tensors(model) -> set:
+    """ids of the tensors the model's modules hold in plain attributes, one level into lists,
+    tuples, dicts and plain objects."""
+    held = set()
+    for m in model.modules() if isinstance(model, torch.nn.Module) else ():
+        for value in vars(m).values():
+            if isinstance(value, (list, tuple, dict)):
+                items = torch.utils._pytree.tree_leaves(value)
+            elif type(getattr(value, "__dict__", None)) is dict and not isinstance(value, (torch.nn.Module, type)):
+                items = list(vars(value).values())
+            else:
+                items = [value]
+            held.update(id(item) for item in items if isinstance(item, torch.Tensor))
+    return held

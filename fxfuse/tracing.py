@@ -146,7 +146,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}: {entered[0].target}); apply "
                                 "autocast around the call instead (fxfuse then runs the original module)")
-    refuse_written_constants(gm)
+    refuse_written_constants(gm, model)
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
                                "reads_inference_mode": inference_mode if "inference" in mode_reads else None,

@@ -246,3 +246,64 @@ def test_a_plain_tensor_weight_gives_no_torch_fx_warning():
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_fast_weights_on_a_linear_reach_the_graph_that_folded_them():
+    """A Linear's weight as a plain tensor (MAML-style fast weights), reassigned or edited in
+    place after optimize: BatchNorm folding kept the first one (fuzz35d: 3.2 off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()).eval()
+    model[1].running_mean.normal_()
+    weight = model[0].weight
+    del model[0].weight
+    model[0].weight = weight.detach().clone()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    for step in range(3):
+        if step == 1:
+            model[0].weight = torch.randn(8, 8)
+        if step == 2:
+            model[0].weight.mul_(2)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+
+
+class _ScaleInADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.cfg = {"scale": torch.randn(8)}
+
+    def forward(self, x):
+        return (self.fc(x) * self.cfg["scale"]).relu() + 1
+
+
+def test_a_tensor_in_a_dict_set_to_require_grad_after_optimize_gets_its_gradient():
+    """fuzz35d: the graph ran and the gradient of the dict's tensor was silently missing."""
+    torch.manual_seed(0)
+    model = _ScaleInADict().eval().requires_grad_(False)
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    model.cfg["scale"].requires_grad_(True)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = opt(x)
+    want = model(x)
+    assert got.requires_grad and len(caught) == 1
+    (g_got,) = torch.autograd.grad(got.sum(), model.cfg["scale"])
+    (g_want,) = torch.autograd.grad(want.sum(), model.cfg["scale"])
+    torch.testing.assert_close(g_got, g_want)
+
+
+def test_an_in_place_edit_of_a_tensor_in_a_dict_reaches_the_graph():
+    """Watched by version now, the edit rebuilt, and the rebuild refused the dict's tensor as "a
+    constant forward() writes in place" (its version had moved: the user's write)."""
+    torch.manual_seed(0)
+    model = _ScaleInADict().eval()
+    model.cfg["scale"].add_(1)   # written before optimize, too
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.cfg["scale"].mul_(-2)
+        torch.testing.assert_close(opt(x), model(x))
