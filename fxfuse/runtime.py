@@ -123,6 +123,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self.register_load_state_dict_pre_hook(load_drops_specializations)
         self._passing_through = True   # from here, a write of the original's names is the original's
 
+    def __prepare_scriptable__(self):
+        """torch.jit.script(opt) scripts the original, as torch.compile and torch.export trace it (fuzz35d)."""
+        return self.original
+
     @property
     def training(self) -> bool:
         """The original module's mode: forward() runs the optimized graphs only when it is in
@@ -330,13 +334,12 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        # torch.compile and torch.export trace the original (fxfuse's runtime is no graph: Triton's
-        # launcher, CUDA graphs); so do optimize() of a model that holds opt and the user's torch.fx
-        # trace of one (the guards cannot read proxies; another thread's trace: the call waits).
-        # Here, not in __call__: opt.compile(), torch.compile(opt.forward), a parent calling
-        # opt.forward and opt's own hooks (through nn.Module.__call__) come through forward too.
-        # Inside a build in this thread (a parent's verify and grad probes): the original too, so a
-        # parent's builds spend none of opt's specializations or warnings
+        # torch.compile and torch.export trace the original (fxfuse's runtime is no graph: Triton's launcher,
+        # CUDA graphs); so do optimize() of a model that holds opt and the user's torch.fx trace of one (the
+        # guards cannot read proxies; another thread's trace: the call waits). Here, not in __call__:
+        # opt.compile(), torch.compile(opt.forward), a parent calling opt.forward and opt's own hooks come
+        # through forward too. Inside a build in this thread (a parent's verify and grad probes): the
+        # original too, so a parent's builds spend none of opt's specializations or warnings
         if dynamo_traces() or COMPILER._is_compiling_flag or BUILDING[0] and BUILD_LOCK._is_owned() or \
                 FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
@@ -393,10 +396,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             sig = signature(args)
         except UnsupportedInput as e:   # sparse, nested, a tensor subclass: no kernel was built for it
             return self._run_original("layout", f"{e}; fxfuse's kernels take plain strided tensors", args)
-        # threads: one call or build at a time. While one thread traces, torch.fx patches
-        # nn.Module.__call__ process-wide, and a graph's module calls in another thread would be
-        # recorded into that trace; a CUDA graph's input binding and replay are one step; and
-        # another thread may have built this signature, or taken the last slot, meanwhile
+        # threads: one call or build at a time. While one thread traces, torch.fx patches nn.Module.__call__
+        # process-wide, and a graph's module calls in another thread would be recorded into that trace; a
+        # CUDA graph's input binding and replay are one step; and another thread may have built this
+        # signature, or taken the last slot, meanwhile
         with BUILD_LOCK:
             spec = self.specializations.get(sig)
             if spec is None and sig in self._trimmed:   # model(x, 1.0) with 1.0 forward()'s default

@@ -307,3 +307,16 @@ def test_an_in_place_edit_of_a_tensor_in_a_dict_reaches_the_graph():
         warnings.simplefilter("error")
         model.cfg["scale"].mul_(-2)
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_torch_jit_script_of_an_optimized_module_scripts_the_original():
+    """It raised torch's NotSupportedError from inside fxfuse's runtime (fuzz35d)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # torch.jit.script is deprecated in torch 2.13
+        scripted = torch.jit.script(opt)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x))
