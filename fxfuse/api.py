@@ -20,7 +20,7 @@ from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .module_state import RandomStreams, forward_hook_owner, kept_state, same_value, storage_address
+from .module_state import forward_hook_owner, kept_state, same_value, storage_address
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
@@ -189,8 +189,9 @@ def build_graph(model, args: tuple, options: Options):
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
+            rewind = _torch_random_state()   # every eager and graph run below draws what the first drew
             try:
-                expected = _verify(model, gm, args)
+                expected = _verify(model, gm, args, rewind)
             except UnsupportedError:
                 raise
             except FxfuseError as e:   # each Strassen / 3xTF32 layer passed its own check, the whole model
@@ -201,7 +202,7 @@ def build_graph(model, args: tuple, options: Options):
                 gm = build_graph(model, args, classical)
                 gm.meta["fxfuse_classical_because"] = str(e)
                 return gm
-            probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all)
+            probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all, rewind)
     return gm
 
 
@@ -251,16 +252,16 @@ def tensors_read(gm) -> list:
     return list(read.values())
 
 
-def _verify(model, gm, args) -> list:
+def _verify(model, gm, args, rewind) -> list:
     """Each side runs on its own copy of args: a model that mutates its input (`x.add_(1)`)
     would otherwise feed the rewritten graph an input eager has already changed. The inputs
     are compared afterwards too, since eager semantics include those writes. Returns eager's
     flattened outputs. Both sides start from the same random streams, so torch's random ops
     (a VAE's `randn_like`, dropout in a model's own eval branch) draw the same numbers."""
     eager_args, graph_args = clone_args(args), clone_args(args)
-    streams = RandomStreams()
+    rewind()
     eager_out = model(*eager_args)
-    streams.restore()
+    rewind()
     graph_out = gm(*graph_args)
     expected, expected_spec = torch.utils._pytree.tree_flatten(eager_out)
     got, got_spec = torch.utils._pytree.tree_flatten(graph_out)
@@ -280,7 +281,7 @@ def _verify(model, gm, args) -> list:
     for k, (e, g) in enumerate(zip(expected, got)):
         problem = _mismatch(e, g, floor)
         if problem:
-            streams.restore()
+            rewind()
             again = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
             if any(_mismatch(a, b) for a, b in zip(expected, again)):
                 raise UnsupportedError(
@@ -297,6 +298,20 @@ def _verify(model, gm, args) -> list:
                                   "(Python control flow on a tensor attribute such as requires_grad, or on a "
                                   "global flag), or this is a bug in fxfuse: please report it with explain()")
     return expected
+
+
+def _torch_random_state():
+    """A function that puts torch's CPU and CUDA generators back to their state now. Not
+    module_state.RandomStreams, which does nothing while other threads run (on the H100 host
+    pytest's process had one): verify needs both runs to draw the same numbers."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def rewind():
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+    return rewind
 
 
 def _differs_at_all(e, g) -> bool:

@@ -75,13 +75,14 @@ def _cell(cell):
         return None
 
 
-def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> None:
+def probe_mode_dependence(model, args, expected: list, reads: dict, differs, rewind=lambda: None) -> None:
     """Run eager in the three other (grad, inference) combinations than the build's (which runs
     under no_grad), and mark `reads` (tracing's "fxfuse_trace" record) wherever the output
     changes: the forward() depends on that mode whichever way it asks, and the runtime then
     runs the original in the modes the graph was not traced in.
     `expected` is eager's flattened output in the build's modes; `differs(e, g)` compares
-    one output. A run that raises counts as depending on the mode (conservative: those
+    one output; `rewind()` puts torch's random generators back where `expected`'s run started
+    (a model with random ops draws the same numbers). A run that raises counts as depending on the mode (conservative: those
     calls then run the original, which raises the model's own error). Also notes whether
     forward() records autograd at all (`reads["records_autograd"]`, _records_autograd)."""
     inference = torch.is_inference_mode_enabled()
@@ -95,7 +96,7 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs) -> 
     try:
         with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
             warnings.simplefilter("ignore", FxfuseWarning)
-            _probe(model, args, expected, reads, differs, inference)
+            _probe(model, args, expected, reads, differs, inference, rewind)
             # recording through its own tensors (or asking the mode) already decides grad-mode calls
             reads["records_autograd"] = bool(reads.get("records_from_state", True) or reads.get("reads_grad_mode")) \
                 or _records_autograd(model, args, grad=True)
@@ -109,14 +110,14 @@ def _drop(_):
     return None
 
 
-def _probe(model, args, expected, reads, differs, inference) -> None:
+def _probe(model, args, expected, reads, differs, inference, rewind) -> None:
     """The three other (grad, inference) combinations a call may have; a difference in one
     that turns grad on marks grad, one in the other inference mode marks inference."""
     for grad, other in ((True, False), (False, True), (True, True)):
         if (not grad or reads.get("reads_grad_mode")) and (not other or reads.get("reads_inference_mode") is not None):
             continue   # everything this run could mark is marked already
         with torch.inference_mode(inference != other), torch.set_grad_enabled(grad):   # inference_mode(False)
-            changed, records = _changes(model, args, expected, differs)             # turns grad on: set after it
+            changed, records = _changes(model, args, expected, differs, rewind)     # turns grad on: set after it
         if grad and not other:   # with grad on and plain inputs: does forward() record through its own
             reads["records_from_state"] = records or changed   # tensors (a parameter, a tensor attribute)?
         if changed:
@@ -126,10 +127,11 @@ def _probe(model, args, expected, reads, differs, inference) -> None:
                 # model made under inference_mode fails there (its parameters cannot be saved for backward)
 
 
-def _changes(model, args, expected, differs) -> tuple:
+def _changes(model, args, expected, differs, rewind) -> tuple:
     """(whether the outputs differ from `expected`, whether autograd computed one: _computed)."""
     from .tracing import clone_args
     inputs = clone_args(args)
+    rewind()
     try:
         got = torch.utils._pytree.tree_flatten(model(*inputs))[0]
     except Exception:  # noqa: BLE001 -- see probe_mode_dependence

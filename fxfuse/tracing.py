@@ -277,6 +277,7 @@ def _only_passes_through(params) -> bool:
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
     gm = _quiet_export(model, tuple(example_args)).module()
+    _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does
     # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
@@ -288,6 +289,20 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     gm.recompile()
     propagate_shapes(gm, example_args)   # one placeholder per argument, None and flags too
     return gm
+
+
+def _specialize_values(gm, example_args) -> None:
+    """Readers of a non-tensor argument's placeholder read its example value: the runtime's
+    signature checks the value on every call, and an export that kept an int symbolic (torch
+    2.11: `x[:, :n]`) left a graph the later passes' size folding does not expect."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_args):
+        return
+    for node, value in zip(placeholders, example_args):
+        if not isinstance(value, torch.Tensor) and isinstance(value, (bool, int, float)):
+            for user in list(node.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda a, n=node, v=value: v if a is n else a)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a, n=node, v=value: v if a is n else a)
 
 
 def _exported_through(model, example_args, gm, how, opaque) -> tuple:
