@@ -428,6 +428,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             #          and so are a numpy float and an int past the dtype's integers (fp16: 2051 is 2052; fuzz34a)
         return (canon, (x, e), {}) if isinstance(e, (int, float)) and not params else None
     if canon is torch.clamp:
+        if row.fixed and not (dtype is not None and dtype.is_floating_point):
+            return None   # hardtanh / relu6 of an integer tensor: an integer result, bounds cast to it (review35)
         lo, hi = params.get("min"), params.get("max")
         if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
             return "tensor_clamp", (x, lo, hi), {}

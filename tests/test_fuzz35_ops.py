@@ -179,3 +179,27 @@ def test_a_bias_nothing_pointwise_reads_goes_into_its_library_call(cls, shapes):
     args = tuple(torch.randn(*s) for s in shapes)
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), model(*args))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU6(), nn.Hardtanh(-2.5, 2.5), lambda t: F.hardtanh(t), lambda t: F.relu6(t)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])   # uint8: eager refuses negative limits
+def test_hardtanh_and_relu6_of_integers_stay_integers(act, dtype):
+    """normalize made them torch.clamp with float bounds: a float result, clamped to 2.5
+    where eager clamps to 2 (review35: silent where the example stayed inside the bounds)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = act if isinstance(act, nn.Module) else None
+
+        def forward(self, x):
+            y = self.act(x) if self.act is not None else act(x)
+            return y, y * 0.5
+
+    model = Model().eval()
+    small = torch.randint(0, 2, (4, 6)).to(dtype)
+    opt = fxfuse.optimize(model, small, strict=True)
+    x = torch.randint(0, 20, (4, 6)).to(dtype)
+    with torch.no_grad():
+        for got, want in zip(opt(x), model(x)):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
