@@ -45,13 +45,38 @@ def _fp32(v) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
+def _fma(x, y, z) -> str:
+    """x * y + z rounded once to fp32, as eager's fma (CPU's vectorized lerp, CUDA's addcmul and
+    addcdiv, and nvcc's contraction of Lerp.h): the product of two fp32 values is exact in fp64
+    (pointwise kernels launch with fp fusion off, so Triton contracts nothing: fuzz35b)."""
+    x = x if _is_literal(x) else f"({x}).to(tl.float64)"   # a number is a float64 constant already
+    return f"({x} * ({y}).to(tl.float64) + ({z}).to(tl.float64)).to(tl.float32)"
+
+
+def _is_literal(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return text in ("(0.0 * 1e999)", "(-1e999)")
+
+
 def _lerp_scalar(a, b, weight) -> str:
     # ATen's Lerp.h: from the nearer end, so lerp(a, b, 1.0) is b exactly; nan goes the far way
     w = _fp32(weight)
     if abs(w) < 0.5:
-        return f"({a} + {literal(w)} * ({b} - {a}))"
+        return _fma(literal(w), f"({b} - {a})", a)
     one_minus = (torch.tensor(1.0, dtype=torch.float32) - torch.tensor(w, dtype=torch.float32)).item()
-    return f"({b} - ({b} - {a}) * {literal(one_minus)})"
+    return _fma(literal(one_minus), f"({a} - {b})", b)
+
+
+def _addc(a, b, c, value, divide: bool) -> str:
+    """addcmul / addcdiv as CUDA's kernel: fma(t1, t2, a) for addcmul with value 1, else
+    fma(value, t1 op t2, a); addcdiv with value 1 is a + t1 / t2."""
+    v = _fp32(value)
+    if divide:
+        return f"({a} + _div({b}, {c}))" if v == 1 else _fma(literal(v), f"_div({b}, {c})", a)
+    return _fma(b, c, a) if v == 1 else _fma(literal(v), f"({b} * {c})", a)
 
 
 def as_layout(x, stride):
@@ -177,13 +202,11 @@ _TABLE = [
         f"(({b}).to(tl.float64) * {literal(float(torch.tensor(alpha, dtype=torch.float32)))} + {a})"
         ".to(tl.float32)"), ("alpha",)),
     _op("pow", operator.pow, 1, _pow, ("exponent",)),
-    # ATen's formulas (Lerp.h, CUDA's PointwiseOpsKernel): a + value * (b * c), a + value * (b / c)
+    # ATen's formulas (Lerp.h, CUDA's DeviceAddCmulCdiv), each multiply-add rounded once (_fma)
     _op("lerp", torch.lerp, 3, lambda a, b, w: f"_lerp({a}, {b}, {w})"),
     _op("lerp_scalar", lerp_scalar, 2, _lerp_scalar, ("weight",)),
-    _op("addcmul", torch.addcmul, 3, lambda a, b, c, value=1: f"({a} + {literal(_fp32(value))} * ({b} * {c}))",
-        ("value",), value=1),
-    _op("addcdiv", torch.addcdiv, 3, lambda a, b, c, value=1: f"({a} + {literal(_fp32(value))} * _div({b}, {c}))",
-        ("value",), value=1),
+    _op("addcmul", torch.addcmul, 3, lambda a, b, c, value=1: _addc(a, b, c, value, False), ("value",), value=1),
+    _op("addcdiv", torch.addcdiv, 3, lambda a, b, c, value=1: _addc(a, b, c, value, True), ("value",), value=1),
     _op("maximum", torch.maximum, 2, lambda a, b: f"_maximum({a}, {b})"),
     _op("minimum", torch.minimum, 2, lambda a, b: f"_minimum({a}, {b})"),
     _op("where", torch.where, 3, lambda c, a, b: f"tl.where({c}, {a}, {b})"),
@@ -319,7 +342,11 @@ def _minimum(a, b):
 
 @triton.jit
 def _lerp(a, b, w):
-    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+    # each branch one fma, as eager (ops._fma): the fp32 product is exact in fp64
+    d = (b - a).to(tl.float64)
+    near_a = a.to(tl.float64) + w.to(tl.float64) * d
+    near_b = b.to(tl.float64) - d * (1.0 - w).to(tl.float64)
+    return tl.where(tl.abs(w) < 0.5, near_a, near_b).to(tl.float32)
 
 
 @triton.jit

@@ -64,7 +64,8 @@ def test_lerp_addcmul_addcdiv_fuse_with_their_neighbours(name, dtype):
 
 
 def test_lerp_ends_and_special_weights_as_eager():
-    """From the nearer end (ATen's Lerp.h): lerp(a, b, 1) is b exactly, lerp(a, b, 0) is a."""
+    """From the nearer end (ATen's Lerp.h): lerp(a, b, 1) is b exactly, lerp(a, b, 0) is a; each
+    branch one rounding (fuzz35b: rounded twice, lerp(-1, -3e38, -0.5) was inf)."""
     a, b = torch.randn(64) * 1e3, torch.randn(64) * 1e-3
     for w in (0.0, 1.0, 0.5, 0.49999997, -2.0, 3.0, float("inf"), float("nan")):
         model = _Three(lambda x, y, z, w=w: torch.lerp(x, y, w) + z).eval()
@@ -73,9 +74,8 @@ def test_lerp_ends_and_special_weights_as_eager():
         assert fxfuse.stats(opt)["fused_kernels"] == 1
         with torch.no_grad():
             got, want = opt(a, b, z), model(a, b, z)
-        exact = w in (0.0, 1.0)   # elsewhere 1 ulp: the CPU's eager kernel uses an fma, numpy does not
-        torch.testing.assert_close(got, want, rtol=0 if exact else 3e-7, atol=0, equal_nan=True)
-        if exact:
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)   # one fma, as the CPU's kernel
+        if w in (0.0, 1.0):
             torch.testing.assert_close(got, (a if w == 0.0 else b) + z, rtol=0, atol=0)
 
 
@@ -203,3 +203,20 @@ def test_hardtanh_and_relu6_of_integers_stay_integers(act, dtype):
         for got, want in zip(opt(x), model(x)):
             assert got.dtype == want.dtype
             torch.testing.assert_close(got, want)
+
+
+def test_multiply_adds_round_once_as_eager_at_the_edges():
+    """fuzz35b: built on ordinary data, then edge values: the product rounded before the add gave
+    inf (lerp near the fp32 maximum) and 0 where eager's fma keeps the cancelled residue."""
+    b, c = torch.tensor([0.1, 0.7]), torch.tensor([0.3, 0.9])
+    a = -(b * c)
+    cases = {"lerp": (lambda x, y, z: torch.lerp(x, y, -0.5), (torch.tensor([-1.0, 2.0]), torch.tensor([-3e38, 1.0]), c)),
+             "lerp_third": (lambda x, y, z: torch.lerp(x, y, 1 / 3), (torch.tensor([1.0, 5.0]), torch.tensor([-2.0, 1.0]), c)),
+             "addcmul": (lambda x, y, z: torch.addcmul(x, y, z), (a, b, c))}
+    # (value != 1: CUDA computes fma(value, t1 * t2, x), as fxfuse does, the CPU fma(value * t1, t2, x))
+    for name, (f, args) in cases.items():
+        model = _Three(f).eval()
+        opt = fxfuse.optimize(model, tuple(torch.randn(2) for _ in range(3)), strict=True)
+        with torch.no_grad():
+            got, want = opt(*args), model(*args)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
