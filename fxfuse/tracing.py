@@ -196,7 +196,10 @@ def _trace(model, example_args, concrete):
     binds the defaults itself, and specializes on non-tensor arguments as the runtime's
     signature does: None, flags and numbers are checked by value on every call)."""
     try:
+        versions = _buffer_versions(model)
         gm = _quiet_symbolic_trace(model, concrete)
+        if _buffer_versions(model) != versions:   # a write torch.fx ran instead of recording it:
+            gm = _quiet_symbolic_trace(model, concrete, proxy_buffers=True)   # buffers as graph nodes
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
@@ -318,15 +321,22 @@ def _exported_through(model, example_args, gm, how, opaque) -> tuple:
     return exported, f"torch.export(strict=False) (symbolic_trace kept {', '.join(opaque)} as one call)"
 
 
-def _quiet_symbolic_trace(model, concrete):
+def _buffer_versions(model) -> list:
+    return [b._version for b in model.buffers()] if isinstance(model, torch.nn.Module) else []
+
+
+def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     """symbolic_trace, printing nothing: a print() in forward() would print its proxies
     ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
     internals (a pruned Linear's get_attr of a recomputed weight) would come on top of the one
-    warning fxfuse gives when it falls back."""
+    warning fxfuse gives when it falls back. torch.fx hands forward() the real buffers, so a
+    write with no traced operand (`self.buf.zero_()`, a scratch buffer's reset) runs once and is
+    not recorded (review35, fuzz35c: silently lost); `proxy_buffers` makes them graph nodes."""
     _check_traceable_forward(model)
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         tracer = _AutocastWatchingTracer()
+        tracer.proxy_buffer_attributes = proxy_buffers
         graph = tracer.trace(model, concrete_args=concrete)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
             one_placeholder_per_parameter(graph, model, concrete)
