@@ -40,6 +40,34 @@ def _makes_data_dependent_shape(n) -> bool:
     return dynamic
 
 
+VALUE_METHODS = {"item", "tolist"}
+VALUE_FUNCTIONS = {p.default for p in (getattr(torch.ops.aten, "_local_scalar_dense", None),) if p is not None}
+
+
+def _reads_values(n) -> bool:
+    """A Python number (or list) read from a tensor's values: `lengths.max().item()`, `c.tolist()`."""
+    return n.op == "call_method" and n.target in VALUE_METHODS or n.op == "call_function" and n.target in VALUE_FUNCTIONS
+
+
+def _sized_by_values(gm, n, values: set) -> bool:
+    """Whether a number read from a tensor's values (`values`), or a tensor used as a slice bound
+    (`x[:, :lengths.max()]`), goes into n where it can set a size: a slice, narrow, topk, split,
+    view, full, arange... (review35: `h.shape[1]` was folded to the example's). A pointwise op
+    (`x * scale.item()`) keeps its operands' shape."""
+    index = n.args[1] if n.op == "call_function" and n.target in INDEXING and len(n.args) > 1 else None
+    bounds = [b for s in (index if isinstance(index, tuple) else (index,)) if isinstance(s, slice)
+              for b in (s.start, s.stop, s.step) if isinstance(b, torch.fx.Node)]
+    if any(b in values or b.meta.get("tensor_meta") is not None for b in bounds):
+        return True
+    if n.op == "call_function" and n.target in (torch.tensor_split, torch.ops.aten.tensor_split.tensor_indices_or_sections) \
+            and len(n.args) > 1 and isinstance(n.args[1], torch.fx.Node):
+        return True
+    if not any(a in values for a in n.all_input_nodes):
+        return False
+    from fxfuse.passes.spellings import spelling_of   # passes import fxfuse modules: import late
+    return spelling_of(gm, n) is None
+
+
 def _reads_size(n) -> bool:
     return (n.op == "call_method" and n.target in ("size", "numel", "nelement")) or \
         (n.op == "call_function" and (n.target is len or n.target in SIZE_OPS
@@ -56,9 +84,13 @@ def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
     Their shape metadata is dropped, so no pass builds a kernel for the example's shape (the
     library ops run them); a size read from one (`pos.shape[0]`) would be frozen at the
     example's value, so that is refused with the node named."""
-    dynamic = set()
+    dynamic, values = set(), set()
     for n in gm.graph.nodes:
-        if _makes_data_dependent_shape(n) or any(a in dynamic for a in n.all_input_nodes):
+        if _reads_values(n) or n.meta.get("tensor_meta") is None and any(a in values for a in n.all_input_nodes):
+            values.add(n)   # a number from a tensor's values, and Python arithmetic on it
+            continue
+        if _makes_data_dependent_shape(n) or _sized_by_values(gm, n, values) \
+                or any(a in dynamic for a in n.all_input_nodes):
             if _reads_size(n) and any(a in dynamic for a in n.all_input_nodes):
                 source = next(a for a in n.all_input_nodes if a in dynamic)
                 raise UnsupportedError(

@@ -385,3 +385,49 @@ def test_a_view_of_a_buffer_read_after_a_write_reads_the_write():
     with torch.no_grad():
         torch.testing.assert_close(opt(x), torch.relu(x) * 2)
     assert not model.buf.any()
+
+
+_VALUE_SIZED = {
+    "slice_by_max": lambda x, c: (lambda h: torch.tanh(h).sum(1) / h.shape[1])(x[:, :c.max()]),
+    "slice_by_item": lambda x, c: (lambda h: torch.relu(h) + h.shape[-1])(x[:, :c[0].item()]),
+    "narrow": lambda x, c: (lambda h: torch.relu(h) * h.size(1))(x.narrow(1, 0, c[0].item())),
+    "topk": lambda x, c: (lambda h: h * h.shape[1])(x.topk(c[0].item(), dim=1).values),
+    "split_tolist": lambda x, c: (lambda h: torch.relu(h) * h.size(0))(torch.split(x, c.tolist())[0]),
+    "tensor_split": lambda x, c: (lambda h: h * h.size(0))(torch.tensor_split(x, c, dim=0)[0]),
+}
+
+
+class _Sized(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x, c):
+        return self.f(x, c)
+
+
+@pytest.mark.parametrize("name", sorted(_VALUE_SIZED))
+def test_a_size_set_by_a_tensor_value_is_not_frozen(name):
+    """review35: normalize folded `h.shape[1]` of `x[:, :lengths.max()]` to the example's number;
+    the same shapes with other lengths were silently wrong. Now the size read is refused."""
+    torch.manual_seed(0)
+    model = _Sized(_VALUE_SIZED[name]).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fxfuse.optimize(model, (torch.randn(6, 8), torch.tensor([4, 2])))
+        for a in (1, 3, 5):
+            args = (torch.randn(6, 8), torch.tensor([a, 6 - a]))
+            with torch.no_grad():
+                torch.testing.assert_close(opt(*args), model(*args))
+
+
+def test_a_value_sized_slice_without_a_size_read_keeps_its_graph():
+    model = _Sized(lambda x, c: torch.relu(x[:, :c[0].item()]) * 2 + 1).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, (torch.randn(6, 8), torch.tensor([4, 2])))
+    assert fxfuse.stats(opt)["optimized"]
+    for a in (1, 5):
+        args = (torch.randn(6, 8), torch.tensor([a, 6 - a]))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*args), model(*args))
