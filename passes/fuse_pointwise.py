@@ -174,8 +174,9 @@ def _aliases(gm, write, kept, attributes) -> set:
         if n in out:
             continue
         out.add(n)
-        if _may_alias(gm, n, kept):
-            stack.extend(n.all_input_nodes)
+        if _may_alias(gm, n, kept):   # a slice aliases its base, not the numbers that bound it
+            stack.extend([n.args[0]] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)
+                         else n.all_input_nodes)
         stack.extend(u for u in n.users if _may_alias(gm, u, kept))
         stack.extend(attributes.get(n, ()))
     return out

@@ -67,10 +67,20 @@ FRESH_MODULES = (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd, nn.modules.ba
                  FusedKernel)   # modules whose output is new memory (fxfuse's kernels: fused, GEMM, MLP)
 FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone", "new_zeros", "new_ones", "new_full",
                  "new_empty", "roll"}
+# reductions, scans, gathers and copies (fuzz35b: an MoE router's `w /= w.sum(-1, keepdim=True)` after topk, BitNet's
+# `x.abs().max(-1).values.clamp_(...)`: the write was kept as if into an input, the chain split, the CUDA graph off)
+FRESH_REDUCTIONS = ("sum", "mean", "norm", "amax", "amin", "cumsum", "cumprod", "gather", "index_select", "std", "var",
+                    "logsumexp", "prod", "repeat_interleave", "flip", "tril", "triu", "diff", "outer")
+FRESH_TUPLES = ("topk", "sort", "max", "min", "median", "kthvalue", "cummax", "cummin", "mode")   # (values, indices)
+FRESH_FUNCTIONS |= {f for name in FRESH_REDUCTIONS + FRESH_TUPLES if (f := getattr(torch, name, None)) is not None}
+FRESH_FUNCTIONS |= {F.normalize, torch.linalg.vector_norm} | ({F.rms_norm} if hasattr(F, "rms_norm") else set())
+FRESH_METHODS |= set(FRESH_REDUCTIONS + FRESH_TUPLES) | {"repeat"}
 
 
 def _produces_fresh_tensor(node) -> bool:
     """True if node's output is a new tensor that no view or parameter shares."""
+    if _part_of_fresh_tuple(node) or _advanced_index(node):
+        return True
     if node.op == "call_method":   # x.clone(), x.matmul(w): new memory
         return node.target in FRESH_METHODS and node.kwargs.get("out") is None
     if node.op == "call_module":
@@ -78,6 +88,26 @@ def _produces_fresh_tensor(node) -> bool:
     return node.op == "call_function" and node.kwargs.get("out") is None and (   # out=: the result IS `out`
         (is_pointwise_target(node.target) and (node.target is not cast or _converts(node)))
         or node.target in FRESH_FUNCTIONS)
+
+
+def _part_of_fresh_tuple(node) -> bool:
+    """`x.topk(k)[0]`, `x.max(-1).values`: a part of what a (values, indices) op returned."""
+    if node.op != "call_function" or node.target not in (operator.getitem, getattr) or len(node.args) < 2:
+        return False
+    src = node.args[0]
+    return isinstance(src, torch.fx.Node) and src.target in FRESH_TUPLES + tuple(
+        getattr(torch, name) for name in FRESH_TUPLES) and (node.target is operator.getitem or node.args[1] in
+                                                             ("values", "indices"))
+
+
+def _advanced_index(node) -> bool:
+    """`r[idx]` with a tensor (or list) index: a gather, always a copy (fuzz35b: PyG's gcn_norm)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) < 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return any(isinstance(i, list) or isinstance(i, torch.fx.Node) and len(getattr(i.meta.get("tensor_meta"), "shape",
+                                                                                   ())) > 0
+               for i in index)   # a 0-d integer tensor indexes as a number does: a view
 
 
 def _converts(cast_node) -> bool:

@@ -142,7 +142,8 @@ def test_aten_alias_spellings_fuse_under_export(name):
     model = Exported(lambda h, *rest, f=ALIASES[name]: f(h)).eval()
     opt, warned = _optimize(model, torch.randn(4, 16), strict=True)
     assert not warned and "torch.export" in fxfuse.explain(opt)
-    assert fxfuse.stats(opt)["fused_kernels"] == 2 and "torch.ops.aten" not in str(
+    # one kernel: b's bias, the output, is in its library call (linear_epilogue._lone, stop 35)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and "torch.ops.aten" not in str(
         next(iter(opt.specializations.values())).gm.code).split("def forward")[1].replace("torch.ops.aten.linear", "")
     x = torch.randn(5, 16)
     with torch.no_grad():
@@ -270,7 +271,7 @@ def test_method_alias_spellings_fuse():
     """x.absolute(), x.greater(0), x.multiply_(...): torch's other names of fused ops, as methods."""
     model = MethodAliases().eval()
     opt, warned = _optimize(model, torch.randn(4, 16), strict=True)
-    assert not warned and fxfuse.stats(opt)["fused_kernels"] == 2 and fxfuse.stats(opt)["library_calls"] == 2
+    assert not warned and fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 2
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))

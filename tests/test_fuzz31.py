@@ -337,12 +337,13 @@ class PermuteReturned(nn.Module):   # the permute's strides are the caller's: no
         return (torch.sigmoid(self.lin(x)) * 2).transpose(1, 2)
 
 
-@pytest.mark.parametrize("model,x,kernels", [(convnext_block, (2, 8, 5, 6), 4), (mixer_tokens, (3, 6, 8), 3),
+@pytest.mark.parametrize("model,x,kernels", [(convnext_block, (2, 8, 5, 6), 3), (mixer_tokens, (3, 6, 8), 2),
                                              (PermuteReturned, (2, 5, 8), 1)])
 def test_a_permute_between_an_op_and_the_residual_add_no_longer_splits_them(model, x, kernels):
     """op(a, b).permute(p) -> op(a', b') with permuted views (passes/hoist_permutes.py): the
     layer scale and the residual add past a permute run as one kernel (fuzz31b/e); a Linear's
-    bias (Mixer's) stays by its GEMM since stop 32."""
+    bias (Mixer's) stays by its GEMM since stop 32, in its library call where nothing pointwise
+    reads it (stop 35: one kernel less in both blocks)."""
     torch.manual_seed(0)
     model, x = model().eval(), torch.randn(*x)
     opt = fxfuse.optimize(model, x, gemm="off", fused_mlp="off")
@@ -389,7 +390,8 @@ def test_attention_output_past_view_and_transpose_keeps_its_bias_by_the_gemm(nor
     x = torch.randn(2, 7, 24)
     opt = fxfuse.optimize(layer, x)
     code = fxfuse.explain(opt).split("def forward")[1].split("\nnode")[0]
-    assert "out_proj_bias_permuted" not in code and fxfuse.stats(opt)["fused_kernels"] == 5, code
+    # 3: in_proj's and out_proj's biases (read by a chunk, a view) are in their library calls (stop 35)
+    assert "out_proj_bias_permuted" not in code and fxfuse.stats(opt)["fused_kernels"] == 3, code
     with torch.no_grad():
         for inp in (x, torch.randn(2, 7, 24), torch.randn(3, 5, 24)):
             torch.testing.assert_close(opt(inp), layer(inp))

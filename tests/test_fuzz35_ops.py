@@ -14,6 +14,15 @@ import fxfuse  # noqa: E402
 aten = torch.ops.aten
 
 
+class _Fn(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
 class _Three(nn.Module):
     def __init__(self, f):
         super().__init__()
@@ -220,3 +229,44 @@ def test_multiply_adds_round_once_as_eager_at_the_edges():
         with torch.no_grad():
             got, want = opt(*args), model(*args)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+_WRITES_INTO_NEW = {
+    "sum": lambda x: (lambda s: s.clamp_(min=0.1).sigmoid() * x)(x.sum(-1, keepdim=True)),
+    "router_topk": lambda x: (lambda w: (w.div_(w.sum(-1, keepdim=True)) * 2.5).relu())(torch.topk(x, 2)[0]),
+    "max_values": lambda x: (lambda s: x / s.clamp_(min=1e-5) * 3)(x.max(-1, keepdim=True).values),
+    "norm": lambda x: (lambda s: x / s.clamp_(min=1e-6) + 1)(x.norm(dim=-1, keepdim=True)),
+    "cumsum": lambda x: x.cumsum(-1).mul_(2).tanh() + 1,
+    "gather_index": lambda x: (lambda r: r[torch.tensor([0, 2, 1, 0])] * x[torch.tensor([0, 2, 1, 0])] + 1)(
+        x.abs().add(1).pow(-0.5).masked_fill_(x > 2, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_WRITES_INTO_NEW))
+def test_a_write_into_a_new_tensor_from_a_reduction_or_gather_fuses_and_keeps_the_cuda_graph(name):
+    """fuzz35b: the write was kept as if into an input: the chain split, and on CUDA the whole
+    model's graph went off (writes_an_input)."""
+    from fxfuse.specialization import writes_an_input
+    torch.manual_seed(0)
+    model = _Fn(_WRITES_INTO_NEW[name]).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    assert not writes_an_input(gm) and fxfuse.stats(opt)["fused_kernels"] >= 1, fxfuse.explain(opt)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x.clone()), model(x.clone()))
+
+
+def test_a_zero_dim_tensor_index_is_a_view_and_its_write_reaches_the_base():
+    class Model(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            row = h[torch.tensor(1)]
+            row.mul_(10)
+            return h + 1
+
+    model = Model().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 4), strict=True)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))

@@ -251,7 +251,7 @@ def test_a_parametrized_linear_fuses_its_epilogue_and_reads_its_parameters_live(
     model, x = Epilogue("torch.relu(self.l1(x))", first).eval(), torch.randn(7, 13)
     opt = optimized(model, x)
     report = fxfuse.explain(opt)
-    assert "relu" in report.lower() and fxfuse.stats(opt)["fused_kernels"] == 2
+    assert "relu" in report.lower() and fxfuse.stats(opt)["fused_kernels"] == 1   # l2's bias: its library call
     assert "weight is computed in the graph" in report   # why no generated GEMM / fused MLP takes it
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))

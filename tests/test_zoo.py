@@ -58,7 +58,8 @@ def test_deep_residual_mlp(options):
     opt = optimize(model, x, **options)
     if options.get("fused_mlp") == "off":
         s = fxfuse.stats(opt)
-        assert (s["library_calls"], s["fused_kernels"]) == (4, 4), s   # 3 bias+gelu+residual, last bias
+        assert (s["library_calls"], s["fused_kernels"]) == (4, 3), s   # 3 bias+gelu+residual; the last
+        #                                                                bias in its library call (stop 35)
     assert_matches_eager(opt, model, x)
 
 
