@@ -68,9 +68,11 @@ def describe_mismatch(expected: tuple, got: tuple, names=()) -> str:
     if len(expected) != len(got):
         k = min(len(expected), len(got))
         name = f" ({names[k]})" if k < len(names) else ""
-        if len(got) > len(expected):
-            return (f"input {k}{name} is {_described(got[k])} where the specialization was built without it "
-                    "(forward()'s default)")
+        if len(got) > len(expected):   # each one given: the first may be a default spelled out (fuzz35c)
+            given = ", ".join(f"input {j}{f' ({names[j]})' if j < len(names) else ''} is {_described(got[j])}"
+                              for j in range(k, len(got)))
+            return f"{given}, where the specialization was built without {'it' if len(got) == k + 1 else 'them'} " \
+                "(forward()'s defaults)"
         return f"input {k}{name} is not given where the specialization has {_described(expected[k])}"
     fields = ("shape", "dtype", "device", "stride", "requires_grad")
     for k, (e, g) in enumerate(zip(expected, got)):

@@ -431,3 +431,19 @@ def test_a_value_sized_slice_without_a_size_read_keeps_its_graph():
         args = (torch.randn(6, 8), torch.tensor([a, 6 - a]))
         with torch.no_grad():
             torch.testing.assert_close(opt(*args), model(*args))
+
+
+def test_a_guard_miss_names_the_argument_that_was_given():
+    """`opt(x, bias=False)` was reported as "input 1 (scale) is the float 1.0" (fuzz35c)."""
+    class Flags(nn.Module):
+        def forward(self, x, scale: float = 1.0, mask=None, bias: bool = True):
+            h = torch.relu(x) * scale
+            return h + 1 if bias else h
+
+    model = Flags().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 16), max_specializations=1)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(opt(x, bias=False), model(x, bias=False))
+    assert len(caught) == 1 and "input 3 (bias) is the bool False" in str(caught[0].message)
