@@ -89,6 +89,12 @@ def _root_attribute(a) -> str | None:
     return None
 
 
+def written_attributes(gm: torch.fx.GraphModule) -> set:
+    """The get_attr targets forward() writes in place (directly or through a view): a pass must
+    not fold or copy them at optimize time (review35: BatchNorm statistics set in forward)."""
+    return {t for n in gm.graph.nodes if (t := _module_writes(gm, n) or _root_attribute(_writes_in_place(n)))}
+
+
 def refuse_state_writes(gm: torch.fx.GraphModule) -> None:
     """A forward() that writes into a parameter of the model (`self.lin.bias += 0.1`,
     `self.lin.weight[0].add_(1)`) changes the module's state; fxfuse's graphs keep none. Refused

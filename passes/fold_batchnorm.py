@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.ops import HALF_DTYPES as HALF, keep_eager_layout
+from fxfuse.state_writes import written_attributes
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 
 from .normalize_layers import keywords_to_positions
@@ -113,6 +114,7 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
     for node in g.nodes:   # self.bn(input=h), self.conv(input=x): as positional calls
         if node.op == "call_module" and node.kwargs:
             keywords_to_positions(gm, node)
+    written = written_attributes(gm)
     for node in list(g.nodes):
         args = _functional_batchnorm(gm, node)
         if args is not None:
@@ -121,10 +123,13 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         bn = gm.get_submodule(node.target)
-        if not _is_eval_batchnorm(bn):
+        if not _is_eval_batchnorm(bn) or any(t.startswith(f"{node.target}.") for t in written):
+            continue   # statistics forward() sets itself: folded at optimize time, they would go stale
+        src = _foldable_producer(gm, node)
+        if src is not None and any(t.startswith(f"{src.target}.") for t in written):
+            _as_multiply_add(gm, node, bn, node.args[0], node.target)
             continue
         scale, shift = _scale_shift(bn)
-        src = _foldable_producer(gm, node)
         if src is not None and gm.get_submodule(src.target).weight.dtype not in HALF:
             layer = gm.get_submodule(src.target)
             dtype = layer.weight.dtype

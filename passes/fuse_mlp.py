@@ -140,6 +140,7 @@ class _Region:
             src, w, b = parts
             wm = _tmeta(w)
             return (self._is_value(src) and isinstance(w, torch.fx.Node) and w.op == "get_attr"
+                    and w not in self.mutated and b not in self.mutated   # packed now: a written W would go stale
                     and wm is not None and len(wm.shape) == 2 and wm.dtype == self.dtype
                     and wm.shape[1] == _tmeta(src).shape[-1]
                     and (b is None or (_constant(self.gm, b, width) is not None and _tmeta(b).dtype == self.dtype)))

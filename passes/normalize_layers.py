@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from fxfuse.node_meta import fetch_attr, get_attr_quietly, tensor_meta
+from fxfuse.state_writes import written_attributes
 
 from .spellings import CONV_FUNCTIONS
 
@@ -183,6 +184,8 @@ def matmul_as_linear(gm, node) -> bool:
         return False   # not a product eager computes: it raises, and so does the graph
     if node.target in (torch.mm, aten.mm.default, "mm") and len(x_meta.shape) != 2:
         return False
+    if copy and w.target in written_attributes(gm):
+        return False   # W written in forward: a copy made now would go stale (review35)
     if copy:
         w = _transposed_copy(gm, w)
     g = gm.graph

@@ -447,3 +447,52 @@ def test_a_guard_miss_names_the_argument_that_was_given():
         x = torch.randn(4, 16)
         torch.testing.assert_close(opt(x, bias=False), model(x, bias=False))
     assert len(caught) == 1 and "input 3 (bias) is the bool False" in str(caught[0].message)
+
+
+class _LiveStats(nn.Module):
+    """BatchNorm over statistics forward() sets (and restores) itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        self.bn.running_mean.copy_(x.mean(0)[:6])
+        y = self.bn(self.lin(x))
+        self.bn.running_mean.copy_(x.new_zeros(6))
+        return y
+
+
+class _ScratchWeight(nn.Module):
+    """A work buffer filled from a parameter, used as a weight, then cleared."""
+
+    def __init__(self, stored_in_out):
+        super().__init__()
+        self.stored_in_out = stored_in_out
+        self.P = nn.Parameter(torch.randn(8, 6) if stored_in_out else torch.randn(6, 8))
+        self.register_buffer("W", torch.zeros_like(self.P))
+
+    def forward(self, x):
+        self.W.copy_(self.P * 2)
+        y = torch.relu(x @ self.W if self.stored_in_out else F.linear(x, self.W))
+        self.W.copy_(self.P * 0)
+        return y
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("make,options", [(_LiveStats, {}), (lambda: _ScratchWeight(True), {"gemm": "force"}),
+                                          (lambda: _ScratchWeight(False), {"fused_mlp": "force"})],
+                         ids=["batchnorm_stats", "x_at_W", "fused_mlp"])
+def test_a_tensor_forward_writes_is_not_folded_or_copied_at_optimize_time(make, options, verify):
+    """review35: BatchNorm folding, the transposed copy for `x @ W` and the fused MLP's packed
+    weights were taken before forward()'s write: silently wrong with verify=False, a fallback
+    blaming the model with verify on."""
+    torch.manual_seed(0)
+    model = make().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, torch.randn(4, 8), verify=verify, **options)
+    assert fxfuse.stats(opt)["optimized"]
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
