@@ -30,6 +30,7 @@ from .errors import TraceError, UnsupportedError
 from .log import logger
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
+from .module_state import version
 from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
@@ -322,7 +323,7 @@ def _exported_through(model, example_args, gm, how, opaque) -> tuple:
 
 
 def _buffer_versions(model) -> list:
-    return [b._version for b in model.buffers()] if isinstance(model, torch.nn.Module) else []
+    return [version(b) for b in model.buffers()] if isinstance(model, torch.nn.Module) else []   # None: inference
 
 
 def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
