@@ -365,10 +365,22 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
     nothing else sees the memory (`out += identity` on a fresh tensor still fuses)."""
 
 
+    def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
+        return _AugmentedAttribute(self, k)
+
+
+class _AugmentedAttribute(torch.fx.proxy.Attribute):
+    """torch.fx's proxy of an attribute (`v.T`, `v.mT`), recording augmented assignments too."""
+
+    def __getattr__(self, k):
+        return _AugmentedAttribute(self, k)
+
+
 for _name in AUGMENTED_NAMES:
     def _augmented(self, other, _op=getattr(operator, f"i{_name}")):
         return self.tracer.create_proxy("call_function", _op, (self, other), {})
-    setattr(_AugmentedAssignmentProxy, f"__i{_name}__", _augmented)
+    for _cls in (_AugmentedAssignmentProxy, _AugmentedAttribute):
+        setattr(_cls, f"__i{_name}__", _augmented)
 
 
 class _AutocastWatchingTracer(torch.fx.Tracer):

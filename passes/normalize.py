@@ -458,6 +458,9 @@ def _dtype_on(call, device: str):
         if target == "tensor_clamp":
             x, lo, hi = (fake(a) for a in args)
             return torch.clamp(x, lo, hi).dtype
+        if target == "rtruediv":
+            x, c = (fake(a) for a in args)
+            return (c / x).dtype
         return target(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()}).dtype
     except Exception:  # noqa: BLE001 -- unknown: leave the node as normalize makes it
         return None
@@ -476,6 +479,11 @@ def _replace(g, node, target, args, kwargs):
                 new = g.call_function(add_scaled, (x, other), {"alpha": alpha if target[1] is operator.add else -alpha})
             else:  # x.sub(1, alpha=2): fold the number, a node of two numbers would not fuse
                 new = g.call_function(target[1], (x, other * alpha))
+        elif target == "rtruediv":      # c / x -> x.reciprocal() * c, two roundings as eager's
+            x, c = args
+            inverse = g.call_function(torch.reciprocal, (x,))
+            inverse.meta = {k: v for k, v in node.meta.items() if k != "fxfuse"}
+            new = g.call_function(operator.mul, (inverse, c))
         elif target == "tensor_clamp":  # clamp with tensor bounds -> maximum / minimum
             x, lo, hi = args
             new = x

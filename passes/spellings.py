@@ -401,6 +401,9 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             return None
         if row.fixed.get("_swap"):  # rsub(input, other, alpha) = other - alpha * input
             x, other = other, x
+        if canon is operator.truediv and node.target is operator.truediv and alpha == 1 \
+                and not isinstance(x, torch.fx.Node) and isinstance(other, torch.fx.Node):
+            return "rtruediv", (other, x), {}   # `c / x` is Tensor.__rtruediv__: x.reciprocal() * c (fuzz35a)
         if alpha != 1:
             if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
                 return None

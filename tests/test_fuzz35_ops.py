@@ -270,3 +270,34 @@ def test_a_zero_dim_tensor_index_is_a_view_and_its_write_reaches_the_base():
     x = torch.randn(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+@pytest.mark.parametrize("spelling", ["operator", "frac_after"])
+def test_a_number_divided_by_a_tensor_is_a_reciprocal_times_the_number(spelling):
+    """`c / x` runs Tensor.__rtruediv__: x.reciprocal() * c, two roundings; one division
+    differed in the last bit in a quarter of the elements, and frac() after it by 0.98 (fuzz35a)."""
+    f = (lambda x: 7.0 / x) if spelling == "operator" else (lambda x: torch.frac(3000.0 / x))
+    model = _Fn(f).eval()
+    opt = fxfuse.optimize(model, torch.randn(64), strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(1000)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attr", ["T", "mT"])
+def test_an_augmented_assignment_through_a_transpose_attribute_writes_the_base(attr):
+    """`t = v.T; t -= c` was recorded as `t = t - c` (torch.fx's attribute proxy has no `-=`):
+    v lost the write, silently with verify=False (fuzz35a)."""
+    class Model(nn.Module):
+        def forward(self, x):
+            v = x * 2
+            t = getattr(v, attr)
+            t -= 0.25
+            return v + 1
+
+    model = Model().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 5), strict=True, verify=False)
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
