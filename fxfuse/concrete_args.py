@@ -269,17 +269,24 @@ def refuse_written_constants(gm: torch.fx.GraphModule, model) -> None:
     (review34b: with verify=False, silently). Such a constant's version counter has moved. Not a
     tensor the model holds (in a dict, a list, a plain object): its version may have moved
     before (`cfg["scale"].mul_(2)` by the user, fuzz35d), and the graph reads it, not a copy."""
+    node = written_constant(gm, model)
+    if node is not None:
+        raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
+                               f"{node}): the trace ran that write once, so the graph would start from "
+                               "the written values. Write it out of place (t = t * 3) instead")
+
+
+def written_constant(gm: torch.fx.GraphModule, model) -> str | None:
+    """The name of a constant of the graph whose version moved (refuse_written_constants), else None."""
     held = None
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor) and not value.is_inference() and value._version:
                 held = _held_tensors(model) if held is None else held
-                if id(value) in held:
-                    continue
-                raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
-                                       f"{node.name}): the trace ran that write once, so the graph would start from "
-                                       "the written values. Write it out of place (t = t * 3) instead")
+                if id(value) not in held:
+                    return node.name
+    return None
 
 
 def _held_tensors(model) -> set:

@@ -24,7 +24,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            refuse_written_constants, split_concrete)
+                            refuse_written_constants, split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -199,8 +199,10 @@ def _trace(model, example_args, concrete):
     try:
         versions = _buffer_versions(model)
         gm = _quiet_symbolic_trace(model, concrete)
-        if _buffer_versions(model) != versions:   # a write torch.fx ran instead of recording it:
-            gm = _quiet_symbolic_trace(model, concrete, proxy_buffers=True)   # buffers as graph nodes
+        # a write torch.fx ran instead of recording it (into a buffer, or into a value it computed
+        # from buffers at trace time: `v = self.scale.exp(); v.clamp_(max=1.5)`, fuzz35a): buffers as nodes
+        if _buffer_versions(model) != versions or _buffer_versions(model) and written_constant(gm, model):
+            gm = _quiet_symbolic_trace(model, concrete, proxy_buffers=True)
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)

@@ -496,3 +496,25 @@ def test_a_tensor_forward_writes_is_not_folded_or_copied_at_optimize_time(make, 
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_value_computed_from_a_buffer_and_written_in_place_is_traced():
+    """torch.fx computed `self.scale.exp()` at trace time (a buffer is no proxy) and refused the
+    later `v.clamp_()` as a write into a constant (fuzz35a); buffers are graph nodes then."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.randn(3))
+
+        def forward(self, x):
+            v = self.scale.exp()
+            v.clamp_(max=1.5)
+            return x * v
+
+    model = Scaled().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 3), strict=True)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.scale.mul_(-1)   # a later edit of the buffer reaches the graph
+        torch.testing.assert_close(opt(x), model(x))
