@@ -217,8 +217,11 @@ _TABLE = [
     _op("eq", operator.eq, 2, lambda a, b: f"({a} == {b})", returns_bool=True),
     _op("ne", operator.ne, 2, lambda a, b: f"({a} != {b})", returns_bool=True),
     _op("logical_not", torch.logical_not, 1, lambda a: f"({a} == 0)", returns_bool=True),   # ~mask of a bool
-    _op("logical_and", torch.logical_and, 2, lambda a, b: f"(({a} != 0) & ({b} != 0))", returns_bool=True),
-    _op("logical_or", torch.logical_or, 2, lambda a, b: f"(({a} != 0) | ({b} != 0))", returns_bool=True),
+    # as int8 arithmetic, not `&` / `|`: the interpreter cannot and a 0-d (scalar-loaded) mask with a block (fuzz35a)
+    _op("logical_and", torch.logical_and, 2, lambda a, b: f"((({a} != 0).to(tl.int8) * ({b} != 0).to(tl.int8)) != 0)",
+        returns_bool=True),
+    _op("logical_or", torch.logical_or, 2, lambda a, b: f"((({a} != 0).to(tl.int8) + ({b} != 0).to(tl.int8)) != 0)",
+        returns_bool=True),
     # unary math
     _op("exp", torch.exp, 1, lambda a: f"tl.exp({a})"),
     _op("log", torch.log, 1, lambda a: f"tl.log({a})"),

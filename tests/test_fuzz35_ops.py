@@ -301,3 +301,18 @@ def test_an_augmented_assignment_through_a_transpose_attribute_writes_the_base(a
     x = torch.randn(3, 5)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+@pytest.mark.parametrize("op", ["and", "or"])
+def test_logical_ops_with_a_one_element_operand(op):
+    """A one-element tensor is loaded as a scalar; `scalar_mask & block_mask` raised in the
+    interpreter (fuzz35a: an internal error, and a crash of the first call with verify=False)."""
+    f = (lambda a, b, c: ((a > 0) & (b < 1)).float() + c) if op == "and" else (lambda a, b, c: ((a > 0) | (b < 1)).float() + c)
+    model = _Three(f).eval()
+    args = (torch.randn(2, 3), torch.randn(1), torch.randn(2, 3))
+    opt = fxfuse.optimize(model, args, strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    for b in (torch.tensor([0.5]), torch.tensor([2.0])):
+        args = (torch.randn(2, 3), b, torch.randn(2, 3))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*args), model(*args), rtol=0, atol=0)
