@@ -137,7 +137,8 @@ class FusedKernel(torch.nn.Module):
                 and self._matches(inputs)
                 and all(t.device == device for t in inputs)):
             self.fallbacks += 1
-            return self.reference.forward(*inputs)   # (torch.fx's __call__ prints a traceback on errors)
+            return self._in_kernel_layout(self.reference.forward(*inputs))   # (torch.fx's __call__ prints a
+            #                                                                   traceback on errors)
         outs = [torch.empty(o.shape, dtype=o.dtype, device=device) if o.strides is None else
                 torch.empty_strided(o.shape, o.strides, dtype=o.dtype, device=device) for o in self.ir.outputs]
         numel = self.ir.numel
@@ -149,6 +150,19 @@ class FusedKernel(torch.nn.Module):
             self.compiled()[grid](*inputs, *outs, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
         self.launches += 1
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _in_kernel_layout(self, result):
+        """The reference's outputs with the strides the kernel writes (eager's, from the meta):
+        the torch ops lay a result out after their operands, and an operand passes may have made
+        non-contiguous (hoist_permutes drops a `.contiguous()` before pointwise readers)."""
+        outs = result if isinstance(result, tuple) else (result,)
+        if len(outs) != len(self.ir.outputs):
+            return result
+        laid = tuple(t if o.strides is None or not isinstance(t, torch.Tensor) or t.shape != tuple(o.shape)
+                     or _used_strides(o.shape, t.stride()) == _used_strides(o.shape, o.strides)
+                     else torch.empty_strided(o.shape, o.strides, dtype=t.dtype, device=t.device).copy_(t)
+                     for t, o in zip(outs, self.ir.outputs))
+        return laid if isinstance(result, tuple) else laid[0]
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel_name}, shape={list(self.ir.shape)}, members={list(self.members)}"

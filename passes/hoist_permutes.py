@@ -36,7 +36,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from fxfuse.node_meta import fetch_attr, meta_tensor, single_tensor_meta as _meta
 from fxfuse.ops import is_pointwise_target
 
-from .fuse_pointwise import _mutated_values
+from .fuse_pointwise import _mutated_values, why_not_fusible
 from .normalize_layers import LINEAR_BIAS, register_constant
 from .sink_views import reshape_source
 
@@ -173,8 +173,26 @@ def _hoist(gm, op, chain) -> None:
     g.erase_node(op)
 
 
+def _drop_contiguous_before_pointwise(gm, written, options) -> None:
+    """`y.permute(0, 2, 1).contiguous() + 1`: the copy only lays y out row-major, and a pointwise
+    reader writes its result in eager's layout whatever its operand's (the kernel's output strides
+    are the node's), so the readers read y itself and the permute can move (fuzz35b: Swin's
+    window partition, channel_shuffle, `x.transpose(1, 2).contiguous()` split a chain)."""
+    for node in list(gm.graph.nodes):
+        contiguous = node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1 and (
+            node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format) or (
+            node.op == "call_function" and node.target is aten.clone.default and len(node.args) == 1
+            and node.kwargs.get("memory_format") is torch.contiguous_format)
+        if contiguous and node.users and node not in written and node.args[0] not in written and all(
+                u.op == "call_function" and why_not_fusible(u, written) is None for u in node.users) \
+                and (options is None or options.fuse):   # each reader in a kernel, which writes eager's strides
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
 def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
+    _drop_contiguous_before_pointwise(gm, _mutated_values(gm), options)
     changed = True
     while changed:
         changed = False

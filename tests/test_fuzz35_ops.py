@@ -316,3 +316,29 @@ def test_logical_ops_with_a_one_element_operand(op):
         args = (torch.randn(2, 3), b, torch.randn(2, 3))
         with torch.no_grad():
             torch.testing.assert_close(opt(*args), model(*args), rtol=0, atol=0)
+
+
+class _WindowPartition(nn.Module):   # Swin: view, permute, contiguous between pointwise ops, then a view
+    def forward(self, x):
+        b, h, w, c = x.shape
+        y = (x * 2 + 1).view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).contiguous()
+        return (torch.relu(y) - 0.5).view(-1, 2, 2, c)
+
+
+@pytest.mark.parametrize("dtype,options", [(torch.float32, {}), (torch.float64, {}),
+                                           (torch.float32, {"use_kernels": False})])
+def test_contiguous_after_a_permute_does_not_split_the_chain(dtype, options):
+    """fuzz35b: `.permute(...).contiguous()` between pointwise ops was two kernels and a copy.
+    The readers write eager's (row-major) layout, kernel or reference, so the view after works;
+    where they are no kernel (float64), the copy stays."""
+    torch.manual_seed(0)
+    model = _WindowPartition().eval()
+    x = torch.randn(2, 4, 6, 3, dtype=dtype)
+    opt = fxfuse.optimize(model, x, strict=True, **options)
+    if dtype == torch.float32 and not options:
+        assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    x = torch.randn(2, 4, 6, 3, dtype=dtype)
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    torch.testing.assert_close(got, want)
+    assert got.stride() == want.stride()
