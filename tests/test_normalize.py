@@ -95,7 +95,7 @@ SPELLINGS = [
     ("x.div", lambda s, x, y: x.div(y.abs() + 0.5), operator.truediv, {}, {}),
     ("x.div_", lambda s, x, y: (x * 1.5).div_(7.0), operator.truediv, {}, {}),
     ("torch.true_divide", lambda s, x, y: torch.true_divide(x, 3.0), operator.truediv, {}, {}),
-    ("2/x", lambda s, x, y: 2 / (x.abs() + 0.5), operator.truediv, {}, {}),
+    ("2/x", lambda s, x, y: 2 / (x.abs() + 0.5), torch.reciprocal, {}, {}),   # x.reciprocal() * 2, as eager (stop 35)
     # negation
     ("-x", lambda s, x, y: -x, operator.neg, {}, {}),
     ("torch.neg", lambda s, x, y: torch.neg(x), operator.neg, {}, {}),
