@@ -232,6 +232,11 @@ def _trace(model, example_args, concrete):
         except UnsupportedError:
             raise
         except Exception as export_error:  # noqa: BLE001
+            eager_error = _eager_error(model, example_args)
+            if eager_error is not None:   # neither tracer's fault: the model rejects its example (fuzz35b)
+                raise TraceError(f"{type(model).__name__} itself raises on the example input "
+                                 f"({type(eager_error).__name__}: {_first_line(eager_error)}). Check the example "
+                                 "input's shapes and dtypes against the model") from export_error
             # either graph traced, but failed on the input: the input's problem, not control flow
             ran = isinstance(fx_error, ShapePropagationError) or isinstance(export_error, ShapePropagationError)
             advice = ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
@@ -247,6 +252,17 @@ def _trace(model, example_args, concrete):
                 f"{advice}.") from export_error
         refuse_written_parameters(versions)   # before the graph runs: shape propagation and the checks write again
     return gm, how
+
+
+def _eager_error(model, example_args):
+    """The exception the model itself raises on (a copy of) the example input, else None. Only
+    after both tracers failed; the build's kept_state puts back what the run changes."""
+    try:
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            model(*clone_args(example_args))
+    except Exception as e:  # noqa: BLE001 -- any error of the model's own is the answer
+        return e
+    return None
 
 
 def _runs_autograd(model) -> bool:
@@ -369,6 +385,10 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
 
     def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
         return _AugmentedAttribute(self, k)
+
+
+_AugmentedAssignmentProxy.__name__ = _AugmentedAssignmentProxy.__qualname__ = "Proxy"   # as torch.fx's, in
+#                                              the errors Python raises about one ("'Proxy' object cannot be ...")
 
 
 class _AugmentedAttribute(torch.fx.proxy.Attribute):

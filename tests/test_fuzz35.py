@@ -518,3 +518,17 @@ def test_a_value_computed_from_a_buffer_and_written_in_place_is_traced():
         torch.testing.assert_close(opt(x), model(x))
         model.scale.mul_(-1)   # a later edit of the buffer reaches the graph
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_model_that_rejects_its_example_is_named_as_the_cause():
+    """Both tracers failed and the warning blamed control flow, naming an internal proxy class;
+    the cause was eager's own error on the example (fuzz35b)."""
+    class Loop(nn.Module):
+        def forward(self, x):
+            h = torch.zeros(x.shape[0], 4)   # fp32: an fp16 x makes eager fail
+            for i in range(x.shape[1]):
+                h = h * 0.5 + x[:, i:i + 1]
+            return h @ torch.ones(4, 4, dtype=x.dtype)
+
+    with pytest.raises(fxfuse.FxfuseError, match="Loop itself raises on the example input"):
+        fxfuse.optimize(Loop().eval(), torch.randn(2, 3, dtype=torch.float16), strict=True)
