@@ -136,6 +136,22 @@ class WaveNetStack(nn.Module):   # dilated causal convs, gated tanh * sigmoid, r
         return x
 
 
+class AdaLNBlock(nn.Module):
+    """DiT's adaLN-Zero modulation around an MLP: the conditioning Linear's output is chunked and
+    each part unsqueezed before the ops that broadcast it (here the conditioning is the tokens'
+    mean, so the case takes one input)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.ada, self.fc = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+
+    def forward(self, x):
+        shift, scale, gate = self.ada(F.silu(x.mean(1))).chunk(3, dim=1)
+        h = self.norm(x) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+        return x + gate.unsqueeze(1) * self.fc(h)
+
+
 CASES = {   # name -> (factory, input shape, note)
     "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
     "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
@@ -150,6 +166,8 @@ CASES = {   # name -> (factory, input shape, note)
     "swiglu-packed": (lambda: PackedSwiGLU(512, 1376), (1, 64, 512), "packed SwiGLU FFN, 512 -> 2 x 1376, 64 tokens"),
     "lstm-by-hand": (lambda: LSTMByHand(128, 256), (32, 8, 128), "LSTM cell by hand, batch 32, 8 steps, 128 -> 256"),
     "wavenet": (lambda: WaveNetStack(64, 4), (1, 64, 1024), "4 gated dilated conv layers, 64 channels, 1024 steps"),
+    "dit-adaln": (lambda: AdaLNBlock(384), (4, 256, 384), "DiT-S adaLN-Zero modulation + MLP, 4 x 256 tokens"),
+    "dit-adaln-small": (lambda: AdaLNBlock(128), (2, 16, 128), "width 128, 2 x 16 tokens"),
 }
 
 
@@ -212,13 +230,24 @@ def build_no_slices(model, example):
         return toolmod.build_fxfuse(model, example)
 
 
+def build_no_lone(model, example):
+    """fxfuse before stop 35: a bias nothing pointwise reads measured as if a kernel took it for
+    free, and views adding size-1 dims left where they were."""
+    import fxfuse.passes.hoist_permutes as hp
+    import fxfuse.passes.linear_epilogue as le
+    with _patched(le, "_lone", lambda add: False), _patched(hp, "is_unit_view", lambda node: False):
+        return toolmod.build_fxfuse(model, example)
+
+
+NO_LONE = toolmod.Tool("fxfuse-no-lone", "fxfuse no lone", build_no_lone, default=False, fxfuse=True,
+                       private_copy=True)
 NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
                         private_copy=True)
 NO_HOIST = toolmod.Tool("fxfuse-no-hoist", "fxfuse no hoist", build_no_hoist, default=False, fxfuse=True,
                         private_copy=True)
 NO_SLICES = toolmod.Tool("fxfuse-no-slices", "fxfuse no slices", build_no_slices, default=False, fxfuse=True,
                          private_copy=True)
-for _tool in (BEFORE, NO_SKIPS, NO_HOIST, NO_SLICES):
+for _tool in (BEFORE, NO_SKIPS, NO_HOIST, NO_SLICES, NO_LONE):
     toolmod.TOOLS.append(_tool)
     toolmod.TOOLS_BY_KEY[_tool.key] = _tool
 
