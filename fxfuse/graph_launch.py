@@ -26,17 +26,20 @@ RANDOM_OP_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multino
 
 def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
     """Whether a node of the graph may draw random numbers (by name: conservative)."""
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        if "generator" in node.kwargs or any(isinstance(a, torch.Generator) for a in node.args):
-            return True
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        if node.op == "call_module":
-            name = type(gm.get_submodule(node.target)).__name__
-        if any(word in name.lower() for word in RANDOM_OP_WORDS):
-            return True
-    return False
+    return any(draws_random(gm, node) for node in gm.graph.nodes)
+
+
+def draws_random(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether node may draw random numbers (by name: conservative). Such a node is never dead
+    code: unread, it still moves the generator, and the draws after it depend on that."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if "generator" in node.kwargs or any(isinstance(a, torch.Generator) for a in node.args):
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_module":
+        name = type(gm.get_submodule(node.target)).__name__
+    return any(word in name.lower() for word in RANDOM_OP_WORDS)
 
 
 def _current_device() -> int:

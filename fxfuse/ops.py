@@ -67,7 +67,8 @@ def _lerp_scalar(a, b, weight) -> str:
     if abs(w) < 0.5:
         return _fma(literal(w), f"({b} - {a})", a)
     one_minus = (torch.tensor(1.0, dtype=torch.float32) - torch.tensor(w, dtype=torch.float32)).item()
-    return _fma(literal(one_minus), f"({a} - {b})", b)
+    # b - (b - a) * (1 - w) as eager writes it: (a - b) * (1 - w) + b made +0.0 of lerp(-0.0, -0.0, 0.7) (fuzz35e)
+    return f"(({b}).to(tl.float64) - {literal(one_minus)} * ({b} - {a}).to(tl.float64)).to(tl.float32)"
 
 
 def _addc(a, b, c, value, divide: bool) -> str:

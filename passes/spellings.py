@@ -402,7 +402,7 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if row.fixed.get("_swap"):  # rsub(input, other, alpha) = other - alpha * input
             x, other = other, x
         if canon is operator.truediv and node.target is operator.truediv and alpha == 1 \
-                and not isinstance(x, torch.fx.Node) and isinstance(other, torch.fx.Node):
+                and not isinstance(x, torch.fx.Node) and single_tensor_meta(other) is not None:   # not 1.0 / s.item()
             return "rtruediv", (other, x), {}   # `c / x` is Tensor.__rtruediv__: x.reciprocal() * c (fuzz35a)
         if alpha != 1:
             if not isinstance(alpha, (int, float)) or canon not in (operator.add, operator.sub):
@@ -434,6 +434,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if row.fixed and not (dtype is not None and dtype.is_floating_point):
             return None   # hardtanh / relu6 of an integer tensor: an integer result, bounds cast to it (review35)
         lo, hi = params.get("min"), params.get("max")
+        if any(isinstance(b, torch.fx.Node) and single_tensor_meta(b) is None for b in (lo, hi)):
+            return None   # a bound read from a tensor (`x.mean().item()`): a number at run time (fuzz35e)
         if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
             return "tensor_clamp", (x, lo, hi), {}
         return canon, (x,), {"min": lo, "max": hi}  # ints stay ints: clamp(int tensor, 0, 6) is an int tensor

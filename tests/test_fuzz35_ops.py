@@ -342,3 +342,60 @@ def test_contiguous_after_a_permute_does_not_split_the_chain(dtype, options):
         got, want = opt(x), model(x)
     torch.testing.assert_close(got, want)
     assert got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("name", ["reciprocal_of_item", "clamp_by_item"])
+def test_a_number_read_from_a_tensor_in_pointwise_math_still_optimizes(name):
+    """fuzz35e: `1.0 / s` with s = x.abs().max().item() became reciprocal(s) of a number (an
+    internal error); `clamp(x, min=item)` became torch.maximum of a number (an older one)."""
+    f = (lambda x: x * (1.0 / x.abs().max().item())) if name == "reciprocal_of_item" else \
+        (lambda x: torch.clamp(x, min=x.mean().item()) * 2)
+    model = _Fn(f).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_an_unread_dropout_still_draws():
+    """fuzz35e: an unused F.dropout(training=True) was dead code to normalize, so the draws after
+    it differed from eager's under one seed (silent with verify=False)."""
+    def f(x):
+        F.dropout(x, 0.5, training=True)
+        return torch.rand_like(x) * x
+    model = _Fn(f).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True, verify=False)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        got = opt(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, model(x))
+
+
+def test_lerp_by_a_number_keeps_the_sign_of_zero():
+    """fuzz35e: the far-end branch was written (a - b) * (1 - w) + b: +0.0 for lerp(-0.0, -0.0, 0.7)."""
+    model = _Three(lambda a, b, c: torch.lerp(a, b, 0.7) + c).eval()
+    opt = fxfuse.optimize(model, tuple(torch.randn(3) for _ in range(3)), strict=True, verify=False)
+    a = b = torch.tensor([-0.0, -0.0, 1.0])
+    c = torch.tensor([-0.0, -0.0, -0.0])
+    with torch.no_grad():
+        got, want = opt(a, b, c), model(a, b, c)
+    assert torch.equal(torch.signbit(got), torch.signbit(want)), (got, want)
+
+
+def test_a_write_into_a_reduction_read_through_a_later_view_fuses():
+    """fuzz35e: `y = x.norm(dim=-1); y.clamp_(min=1); x / y[:, None]` kept the clamp_ (a view of y
+    was read after the write)."""
+    def f(x):
+        y = x.norm(dim=-1)
+        y.clamp_(min=1)
+        return x / y[:, None] + 1
+    model = _Fn(f).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
+    gm = next(iter(opt.specializations.values())).gm
+    assert not gm.meta.get("fxfuse_inplace_kept"), fxfuse.explain(opt)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))

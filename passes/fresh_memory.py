@@ -1,0 +1,79 @@
+"""Which ops return new memory: an in-place op on their result writes nothing else, so normalize
+makes it functional (`w /= w.sum(-1, keepdim=True)` fuses), and the alias walk stops there.
+Kept apart from normalize so that adding an op is an edit to a table."""
+import operator
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxfuse.kernel import FusedKernel
+
+aten = torch.ops.aten
+
+
+CREATED = ("zeros", "ones", "full", "empty")
+FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, operator.matmul,
+                   torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.softmax, F.softmax,
+                   torch.log_softmax, F.log_softmax, F.layer_norm, F.group_norm, torch.cat, torch.stack,
+                   F.scaled_dot_product_attention,
+                   # their aten forms, as torch.export graphs spell them (a bias-free Linear there
+                   # is aten.linear.default, and `relu_` after it was kept unfused)
+                   aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+                   aten.matmul.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                   aten.convolution.default, aten.softmax.int, aten._softmax.default,
+                   aten.log_softmax.int, aten._log_softmax.default, aten.layer_norm.default,
+                   aten.group_norm.default, aten.cat.default, aten.stack.default, aten.clone.default,
+                   # new tensors (an accumulator `acc = torch.zeros_like(x); acc.add_(y)`), torch's and aten's
+                   torch.zeros, torch.ones, torch.full, torch.empty, aten.zeros.default, aten.ones.default,
+                   aten.full.default, aten.empty.memory_format, *(getattr(torch, k + "_like") for k in CREATED),
+                   *(getattr(aten, k + "_like").default for k in CREATED),
+                   *(getattr(aten, "new_" + k).default for k in CREATED)}
+FRESH_FUNCTIONS |= {F.embedding, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.roll, F.interpolate,
+                    F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                    aten.embedding.default, aten.roll.default}   # (fuzz34b: `e = tok(ids); e += typ(tt)` fused nothing)
+FRESH_FUNCTIONS |= {getattr(packet, overload) for name in (   # export's spellings of them (review34)
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d",
+    "adaptive_avg_pool1d", "_adaptive_avg_pool2d", "adaptive_avg_pool2d", "convolution", "conv_transpose1d",
+    "conv_transpose2d") if (packet := getattr(aten, name, None)) is not None for overload in packet.overloads()}
+FRESH_MODULES = (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
+                 nn.GroupNorm, nn.Upsample, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                 nn.modules.pooling._AdaptiveAvgPoolNd, nn.Softmax, nn.LogSoftmax,
+                 FusedKernel)   # modules whose output is new memory (fxfuse's kernels: fused, GEMM, MLP)
+FRESH_METHODS = {"matmul", "mm", "bmm", "softmax", "log_softmax", "clone", "new_zeros", "new_ones", "new_full",
+                 "new_empty", "roll"}
+# reductions, scans, gathers and copies (fuzz35b: an MoE router's `w /= w.sum(-1, keepdim=True)` after topk, BitNet's
+# `x.abs().max(-1).values.clamp_(...)`: the write was kept as if into an input, the chain split, the CUDA graph off)
+FRESH_REDUCTIONS = ("sum", "mean", "norm", "amax", "amin", "cumsum", "cumprod", "gather", "index_select", "std", "var",
+                    "logsumexp", "prod", "repeat_interleave", "flip", "tril", "triu", "diff", "outer")
+FRESH_TUPLES = ("topk", "sort", "max", "min", "median", "kthvalue", "cummax", "cummin", "mode")   # (values, indices)
+FRESH_FUNCTIONS |= {f for name in FRESH_REDUCTIONS + FRESH_TUPLES if (f := getattr(torch, name, None)) is not None}
+FRESH_FUNCTIONS |= {F.normalize, torch.linalg.vector_norm} | ({F.rms_norm} if hasattr(F, "rms_norm") else set())
+FRESH_METHODS |= set(FRESH_REDUCTIONS + FRESH_TUPLES) | {"repeat"}
+FRESH_FUNCTIONS |= {getattr(packet, overload) for name in FRESH_REDUCTIONS + FRESH_TUPLES + ("linalg_vector_norm", "index")
+                    if (packet := getattr(aten, name, None)) is not None
+                    for overload in packet.overloads()
+                    if not getattr(packet, overload)._schema.is_mutable}   # export's; no out= forms (fuzz35e)
+
+
+def part_of_fresh_tuple(node) -> bool:
+    """`x.topk(k)[0]`, `x.max(-1).values`: a part of what a (values, indices) op returned."""
+    if node.op != "call_function" or node.target not in (operator.getitem, getattr) or len(node.args) < 2:
+        return False
+    src = node.args[0]
+    packet = getattr(getattr(src, "target", None), "overloadpacket", None)   # export's aten.topk.default
+    return isinstance(src, torch.fx.Node) and (src.target in FRESH_TUPLES + tuple(
+        getattr(torch, t) for t in FRESH_TUPLES) or getattr(packet, "__name__", None) in FRESH_TUPLES) and (
+        node.target is operator.getitem or node.args[1] in ("values", "indices"))
+
+
+def advanced_index(node) -> bool:
+    """`r[idx]` with a tensor (or list) index: a gather, always a copy (fuzz35b: PyG's gcn_norm)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) < 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return any(isinstance(i, list) or isinstance(i, torch.fx.Node) and len(getattr(i.meta.get("tensor_meta"), "shape",
+                                                                                   ())) > 0
+               for i in index)   # a 0-d integer tensor indexes as a number does: a view
