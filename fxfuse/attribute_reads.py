@@ -343,12 +343,18 @@ def _entry(d, keys: tuple) -> tuple:
 
 
 def watched_values(watched: tuple) -> list:
-    """The watched attributes' values, and the items of watched containers (a tensor kept in a
-    dict or list: its requires_grad flag and in-place writes count too, fuzz35d)."""
-    values = [v for d, _, values, keys in watched if d is not None and d is not CONTENTS
-              for v in (values if len(keys) > 1 else (values,))]
-    return values + [item for d, get, _, _ in watched if d is CONTENTS for _, snap, _, _ in get for item in snap
-                     if isinstance(item, torch.Tensor)]
+    return [v for d, _, values, keys in watched if d is not None and d is not CONTENTS
+            for v in (values if len(keys) > 1 else (values,))]
+
+
+def contained_tensors(watched: tuple, gm: torch.fx.GraphModule) -> list:
+    """The tensors in watched containers (a dict or list attribute) that the graph reads: their
+    requires_grad flag counts for the grad rule (fuzz35d: set after optimize, the gradient was
+    missing). Not the others (review35b: an unread tensor requiring grad sent every call to the
+    original), and not by version: the graph reads them live, so an edit needs no rebuild."""
+    read = {id(getattr(gm, n.target, None)) for n in gm.graph.nodes if n.op == "get_attr" and "." not in n.target}
+    return [item for d, get, _, _ in watched if d is CONTENTS for _, snap, _, _ in get for item in snap
+            if isinstance(item, torch.Tensor) and id(item) in read]
 
 
 def reassigned(watched: tuple) -> str | None:

@@ -41,7 +41,19 @@ def _makes_data_dependent_shape(n) -> bool:
 
 
 VALUE_METHODS = {"item", "tolist"}
-VALUE_FUNCTIONS = {p.default for p in (getattr(torch.ops.aten, "_local_scalar_dense", None),) if p is not None}
+VALUE_FUNCTIONS = {p.default for p in (getattr(torch.ops.aten, "_local_scalar_dense", None),
+                                      getattr(torch.ops.aten, "item", None)) if p is not None}   # export's .item()
+# where a number sets a size: op name -> its size arguments (positions, keywords); other arguments of these
+# ops (a fill value, an eps) and every argument of other ops keep the result's shape (review35b)
+SIZE_ARGUMENTS = {"narrow": ((3,), ("length",)), "topk": ((1,), ("k",)), "slice": ((2, 3, 4), ("start", "end", "step")),
+                  "split_with_sizes": ((1,), ("split_sizes",)),
+                  "split": ((1,), ("split_size", "split_size_or_sections")), "chunk": ((1,), ("chunks",)),
+                  "view": (None, ("size",)), "reshape": (None, ("shape",)), "expand": (None, ("size",)),
+                  "repeat": (None, ("repeats",)), "unflatten": ((2,), ("sizes",)), "tile": (None, ("dims",)),
+                  "repeat_interleave": ((1,), ("repeats",)), "full": ((0,), ("size",)),
+                  "new_full": ((1,), ("size",)), "pad": ((1,), ("pad",)), "interpolate": ((1, 2), ("size", "scale_factor")),
+                  **{name: (None, ("size",)) for name in ("zeros", "ones", "empty", "rand", "randn", "randint",
+                                                          "new_zeros", "new_ones", "new_empty", "arange", "linspace")}}
 
 
 def _reads_values(n) -> bool:
@@ -49,7 +61,7 @@ def _reads_values(n) -> bool:
     return n.op == "call_method" and n.target in VALUE_METHODS or n.op == "call_function" and n.target in VALUE_FUNCTIONS
 
 
-def _sized_by_values(gm, n, values: set) -> bool:
+def _sized_by_values(n, values: set) -> bool:
     """Whether a number read from a tensor's values (`values`), or a tensor used as a slice bound
     (`x[:, :lengths.max()]`), goes into n where it can set a size: a slice, narrow, topk, split,
     view, full, arange... (review35: `h.shape[1]` was folded to the example's). A pointwise op
@@ -64,8 +76,17 @@ def _sized_by_values(gm, n, values: set) -> bool:
         return True
     if not any(a in values for a in n.all_input_nodes):
         return False
-    from fxfuse.passes.spellings import spelling_of   # passes import fxfuse modules: import late
-    return spelling_of(gm, n) is None
+    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
+    if name.rstrip("_") not in SIZE_ARGUMENTS:
+        return False
+    positions, keywords = SIZE_ARGUMENTS[name.rstrip("_")]
+    if positions is None:   # every argument past the tensor (x.view(b, n), torch.reshape(x, s)); torch.zeros(n)
+        first = 1 if n.op == "call_method" or name in ("view", "reshape", "expand", "repeat", "tile") else 0
+        positions = range(first, len(n.args))
+    sized = [a for k, a in enumerate(n.args) if k in positions] + [v for k, v in n.kwargs.items() if k in keywords]
+    found = []
+    torch.fx.node.map_arg(sized, lambda a: found.append(a) or a)
+    return any(a in values for a in found)
 
 
 def _reads_size(n) -> bool:
@@ -89,7 +110,7 @@ def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
         if _reads_values(n) or n.meta.get("tensor_meta") is None and any(a in values for a in n.all_input_nodes):
             values.add(n)   # a number from a tensor's values, and Python arithmetic on it
             continue
-        if _makes_data_dependent_shape(n) or _sized_by_values(gm, n, values) \
+        if _makes_data_dependent_shape(n) or _sized_by_values(n, values) \
                 or any(a in dynamic for a in n.all_input_nodes):
             if _reads_size(n) and any(a in dynamic for a in n.all_input_nodes):
                 source = next(a for a in n.all_input_nodes if a in dynamic)

@@ -40,7 +40,7 @@ from collections import Counter
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .attribute_reads import merge_reads, plain_attributes, reassigned, watched_values
+from .attribute_reads import contained_tensors, merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, dynamo_traces, functorch_active, holds_proxy,
                            traced_in_this_thread, user_mode_active)
 from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
@@ -122,10 +122,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         weakref.finalize(self, remove_hooks, handles)
         self.register_load_state_dict_pre_hook(load_drops_specializations)
         self._passing_through = True   # from here, a write of the original's names is the original's
-
-    def __prepare_scriptable__(self):
-        """torch.jit.script(opt) scripts the original, as torch.compile and torch.export trace it (fuzz35d)."""
-        return self.original
 
     @property
     def training(self) -> bool:
@@ -274,7 +270,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
-        self._plain_tensors[:] = plain_tensors
+        self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes, gm)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
         watched = {id(t) for t, _ in self._buffer_versions}

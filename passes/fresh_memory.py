@@ -63,8 +63,12 @@ def part_of_fresh_tuple(node) -> bool:
     if node.op != "call_function" or node.target not in (operator.getitem, getattr) or len(node.args) < 2:
         return False
     src = node.args[0]
+    meta = src.meta.get("tensor_meta") if isinstance(src, torch.fx.Node) else None
+    if not isinstance(meta, (tuple, list)) or hasattr(meta, "shape") \
+            or src.kwargs.get("out") is not None:   # (a TensorMetadata is a namedtuple: one tensor)   # torch.max(a, b)[0] is row 0 of a tensor: a view (review35b)
+        return False
     packet = getattr(getattr(src, "target", None), "overloadpacket", None)   # export's aten.topk.default
-    return isinstance(src, torch.fx.Node) and (src.target in FRESH_TUPLES + tuple(
+    return (src.target in FRESH_TUPLES + tuple(
         getattr(torch, t) for t in FRESH_TUPLES) or getattr(packet, "__name__", None) in FRESH_TUPLES) and (
         node.target is operator.getitem or node.args[1] in ("values", "indices"))
 

@@ -399,3 +399,18 @@ def test_a_write_into_a_reduction_read_through_a_later_view_fuses():
     x = torch.randn(4, 6)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_row_of_an_elementwise_max_is_a_view_that_sees_a_later_write():
+    """review35b: every getitem of torch.max counted as new memory (the (values, indices) form);
+    `torch.max(a, b)[0]` is a row of a tensor, and `m.add_(1)` after it must show through."""
+    def f(a, b, c):
+        m = torch.max(a, b)
+        v = m[0]
+        m.add_(1)
+        return v * 2 + c
+    model = _Three(f).eval()
+    args = tuple(torch.randn(4, 8) for _ in range(3))
+    opt = fxfuse.optimize(model, args, verify=False)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))

@@ -245,3 +245,23 @@ def test_a_value_computed_from_a_buffer_and_written_in_place_is_traced():
         torch.testing.assert_close(opt(x), model(x))
         model.scale.mul_(-1)   # a later edit of the buffer reaches the graph
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_an_unread_tensor_requiring_grad_in_a_list_does_not_send_calls_to_the_original():
+    """review35b: every tensor of a watched list counted for the grad rule, read or not."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.history = [torch.randn(8, requires_grad=True)]   # kept for logging, never read by forward
+
+        def forward(self, x):
+            return torch.relu(self.fc(x)) + 1
+
+    model = Model().eval().requires_grad_(False)
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), model(x))
+    assert opt.original_calls.get("grad", 0) == 0
