@@ -6,6 +6,7 @@ signature), so the traced graph may treat them as constants: the example's value
 defaults of the parameters the example leaves out (as the call binds them).
 """
 import enum
+import types
 import inspect
 import operator
 
@@ -263,43 +264,58 @@ def inline_disabled_autocast(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def refuse_written_constants(gm: torch.fx.GraphModule, model) -> None:
+def refuse_written_constants(gm: torch.fx.GraphModule, held: dict) -> None:
     """`t = torch.tensor([1., 2.]); ...; t.mul_(3)`: symbolic_trace makes t a constant of the graph
     and runs the write on it once while tracing, so the graph would start from the written values
-    (review34b: with verify=False, silently). Such a constant's version counter has moved. Not a
-    tensor the model holds (in a dict, a list, a plain object): its version may have moved
-    before (`cfg["scale"].mul_(2)` by the user, fuzz35d), and the graph reads it, not a copy."""
-    node = written_constant(gm, model)
+    (review34b: with verify=False, silently). Such a constant's version counter has moved. A
+    tensor the model holds (`held`: held_tensor_versions before the trace) counts only where its
+    version moved during the trace: the user may have written it before (`cfg["scale"].mul_(2)`,
+    fuzz35d; a module-level table, review35b), and the graph reads it, not a copy."""
+    node = written_constant(gm, held)
     if node is not None:
         raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
                                f"{node}): the trace ran that write once, so the graph would start from "
                                "the written values. Write it out of place (t = t * 3) instead")
 
 
-def written_constant(gm: torch.fx.GraphModule, model) -> str | None:
-    """The name of a constant of the graph whose version moved (refuse_written_constants), else None."""
-    held = None
+def written_constant(gm: torch.fx.GraphModule, held: dict) -> str | None:
+    """The name of a constant of the graph written during the trace (refuse_written_constants)."""
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
             value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor) and not value.is_inference() and value._version:
-                held = _held_tensors(model) if held is None else held
-                if id(value) not in held:
-                    return node.name
+            if isinstance(value, torch.Tensor) and not value.is_inference() and value._version \
+                    and held.get(id(value)) != value._version:
+                return node.name
     return None
 
 
-def _held_tensors(model) -> set:
-    """ids of the tensors the model's modules hold in plain attributes, one level into lists,
-    tuples, dicts and plain objects."""
-    held = set()
+def held_tensor_versions(model) -> dict:
+    """id -> version of each tensor the model holds (_held_tensors), before a trace."""
+    return {id(t): t._version for t in _held_tensors(model) if not t.is_inference()}
+
+
+def _held_tensors(model) -> list:
+    """The tensors the model holds: in its modules' plain attributes, two levels into lists,
+    tuples, dicts and plain objects (`self.cfg.scales[0]`), and in the module-level globals its
+    classes' code names (`S = torch.ones(3).mul_(2)` at import: review35b)."""
+    held = {}
+
+    def visit(value, depth):
+        if isinstance(value, torch.Tensor):
+            held[id(value)] = value
+        elif depth and isinstance(value, (list, tuple, dict)) and len(value) <= 256:
+            for item in (value.values() if isinstance(value, dict) else value):
+                visit(item, depth - 1)
+        elif depth and type(getattr(value, "__dict__", None)) is dict and not isinstance(
+                value, (torch.nn.Module, type, types.ModuleType)) and not callable(value):
+            for item in list(vars(value).values())[:256]:
+                visit(item, depth - 1)
+
     for m in model.modules() if isinstance(model, torch.nn.Module) else ():
         for value in vars(m).values():
-            if isinstance(value, (list, tuple, dict)):
-                items = torch.utils._pytree.tree_leaves(value)
-            elif type(getattr(value, "__dict__", None)) is dict and not isinstance(value, (torch.nn.Module, type)):
-                items = list(vars(value).values())
-            else:
-                items = [value]
-            held.update(id(item) for item in items if isinstance(item, torch.Tensor))
-    return held
+            visit(value, 2)
+        for fn in vars(type(m)).values():
+            code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+            for name in code.co_names if code is not None else ():
+                visit(scope.get(name), 1)
+    return list(held.values())

@@ -24,7 +24,8 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            refuse_written_constants, split_concrete, written_constant)
+                            held_tensor_versions, refuse_written_constants, split_concrete,
+                            written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -135,10 +136,11 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
     concrete = split_concrete(model, example_args)[0]
+    held = held_tensor_versions(model)   # before the trace: a write during it moves a version
     inference_mode = torch.is_inference_mode_enabled()
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
             _parametrization_cache_off():
-        gm, how = _trace(model, example_args, concrete)
+        gm, how = _trace(model, example_args, concrete, held)
     if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
         gm, how = _exported(model, example_args), "torch.export(strict=False)"
     mode_reads |= mode_functions_imported(model)
@@ -147,7 +149,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}: {entered[0].target}); apply "
                                 "autocast around the call instead (fxfuse then runs the original module)")
-    refuse_written_constants(gm, model)
+    refuse_written_constants(gm, held)
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
                                "reads_inference_mode": inference_mode if "inference" in mode_reads else None,
@@ -192,7 +194,7 @@ def _clear_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _trace(model, example_args, concrete):
+def _trace(model, example_args, concrete, held):
     """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export (which
     binds the defaults itself, and specializes on non-tensor arguments as the runtime's
     signature does: None, flags and numbers are checked by value on every call)."""
@@ -201,7 +203,7 @@ def _trace(model, example_args, concrete):
         gm = _quiet_symbolic_trace(model, concrete)
         # a write torch.fx ran instead of recording it (into a buffer, or into a value it computed
         # from buffers at trace time: `v = self.scale.exp(); v.clamp_(max=1.5)`, fuzz35a): buffers as nodes
-        if _buffer_versions(model) != versions or _buffer_versions(model) and written_constant(gm, model):
+        if _buffer_versions(model) != versions or _buffer_versions(model) and written_constant(gm, held):
             gm = _quiet_symbolic_trace(model, concrete, proxy_buffers=True)
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors

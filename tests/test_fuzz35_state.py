@@ -265,3 +265,32 @@ def test_an_unread_tensor_requiring_grad_in_a_list_does_not_send_calls_to_the_or
         x = torch.randn(4, 8)
         torch.testing.assert_close(opt(x), model(x))
     assert opt.original_calls.get("grad", 0) == 0
+
+
+_TABLE = torch.tensor([1.0, 2.0, 3.0])
+_TABLE.mul_(2)   # built in place at import
+
+
+class _Cfg:
+    def __init__(self):
+        self.scales = [torch.tensor([1.0, 2.0, 3.0])]
+
+
+@pytest.mark.parametrize("where", ["nested_config", "module_global"])
+def test_a_tensor_written_before_optimize_is_no_written_constant(where):
+    """review35b: a tensor two levels deep in a config, or a module-level table, edited in place
+    before optimize() was refused as "a tensor forward() makes from constants and writes"."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = _Cfg()
+
+        def forward(self, x):
+            return torch.relu(x * (self.cfg.scales[0] if where == "nested_config" else _TABLE) + 1)
+
+    model = Model().eval()
+    model.cfg.scales[0].mul_(2)
+    opt = fxfuse.optimize(model, torch.randn(4, 3), strict=True)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
