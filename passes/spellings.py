@@ -70,6 +70,8 @@ BOOL_BINARY = {operator.and_: torch.logical_and, torch.bitwise_and: torch.logica
 # three-operand ops after input (a value= keyword for addcmul/addcdiv, keyword-only in torch)
 TERNARY = {torch.lerp: ("end", "weight"), torch.addcmul: ("tensor1", "tensor2", "value"),
            torch.addcdiv: ("tensor1", "tensor2", "value")}
+# torch.max(a, b) / a.min(b) of two tensors: maximum / minimum (fuzz35f: OPT's attention), True for max
+BINARY_MAX_MIN = {torch.max: True, "max": True, aten.max.other: True, torch.min: False, "min": False, aten.min.other: False}
 _OPERANDS = {operator.pow: ("input", "exponent")}   # canonical parameter names where not (input, other)
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
                      operator.imul: operator.mul, operator.itruediv: operator.truediv, operator.ipow: operator.pow}
@@ -337,6 +339,12 @@ def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     if node.op in ("call_function", "call_method") and node.target in BOOL_NOTS:
         meta = single_tensor_meta(node.args[0]) if len(node.args) == 1 and not node.kwargs else None
         return Spelling(torch.logical_not, ("input",)) if meta is not None and meta.dtype == torch.bool else None
+    if node.op in ("call_function", "call_method") and node.target in BINARY_MAX_MIN:
+        other = node.args[1] if len(node.args) == 2 and not node.kwargs else node.kwargs.get("other") \
+            if len(node.args) == 1 and set(node.kwargs) == {"other"} else None
+        if single_tensor_meta(other) is None:   # max(x), max(x, dim): reductions, not this
+            return None
+        return Spelling(torch.maximum if BINARY_MAX_MIN[node.target] else torch.minimum, ("input", "other"))
     if node.op in ("call_function", "call_method") and node.target in BOOL_BINARY:
         metas = [single_tensor_meta(a) for a in node.args] if len(node.args) == 2 and not node.kwargs else [None]
         both_bool = all(m is not None and m.dtype == torch.bool for m in metas)

@@ -414,3 +414,22 @@ def test_a_row_of_an_elementwise_max_is_a_view_that_sees_a_later_write():
     opt = fxfuse.optimize(model, args, verify=False)
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), model(*args))
+
+
+@pytest.mark.parametrize("spelling", ["torch.max", "method_min", "other_keyword", "zero_dim"])
+def test_binary_max_and_min_fuse_as_maximum_and_minimum(spelling):
+    """fuzz35f: torch.max(a, b) of two tensors stayed a library call (OPT's attention clamps its
+    scores with torch.max(w, torch.tensor(finfo.min))); the reductions max(x), max(x, dim) stay."""
+    fs = {"torch.max": lambda a, b, c: torch.max(a * 2, b) + c,
+          "method_min": lambda a, b, c: (a * 2).min(b) + c,
+          "other_keyword": lambda a, b, c: torch.max(a * 2, other=b) + c,
+          "zero_dim": lambda a, b, c: torch.max(a * 2, torch.tensor(-0.5)) + c + b.max(-1, keepdim=True).values}
+    model = _Three(fs[spelling]).eval()
+    args = tuple(torch.randn(4, 6) for _ in range(3))
+    opt = fxfuse.optimize(model, args, strict=True)
+    names = [str(n.target) for n in next(iter(opt.specializations.values())).gm.graph.nodes]
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and not any("built-in method max" in t or "built-in method min" in t
+                                                               for t in names), names
+    args = tuple(torch.randn(4, 6) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args), rtol=0, atol=0)
