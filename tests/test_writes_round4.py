@@ -111,7 +111,8 @@ def test_writes_the_example_does_not_show_are_kept(model_class):
         x[:, 0] = 2.0
         torch.testing.assert_close(opt(x.clone()), model(x.clone()))
     spec = next(iter(opt.specializations.values()))
-    assert any(n.startswith("iadd") for n in spec.gm.meta["fxfuse_inplace_kept"])   # the write is in the graph
+    if model_class is not WriteIntoDataDependentAlias:   # x[x > 0] is a gather, new memory (stop 35): its
+        assert any(n.startswith("iadd") for n in spec.gm.meta["fxfuse_inplace_kept"])   # write may be functional
 
 
 class PlainTensorCounter(nn.Module):
