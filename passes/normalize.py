@@ -28,7 +28,7 @@ from .fold_literals import fold_literal_tensor
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
-                               matmul_as_linear, split_layer)
+                               matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
                         cast_target, divide_as_cuda_does, masked_fill_layout, spelling_of)
@@ -191,7 +191,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if fold_constant_slice(gm, node) or matmul_as_linear(gm, node) or fold_literal_tensor(gm, node):
             continue
-        if split_layer(gm, node) or glu_as_gate(gm, node):
+        if split_layer(gm, node) or glu_as_gate(gm, node) or prelu_or_rrelu_as_pointwise(gm, node):
             continue
         dtype = cast_target(node)
         if dtype is not None:

@@ -412,3 +412,41 @@ def glu_as_gate(gm, node) -> bool:
     node.replace_all_uses_with(out)
     g.erase_node(node)
     return True
+
+
+def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
+    """`nn.PReLU` / `F.prelu(x, w)` -> `torch.where(x > 0, x, x * w)`, ATen's formula with w viewed
+    along the channel dim (a view of the parameter: edits reach it); eval-mode `nn.RReLU` /
+    `F.rrelu(training=False)` -> leaky_relu with slope (lower + upper) / 2, as ATen computes it.
+    Both were library calls between two kernels (fuzz35f)."""
+    g, mod = gm.graph, gm.get_submodule(node.target) if node.op == "call_module" else None
+    if type(mod) is nn.RReLU and len(node.args) == 1 and not node.kwargs or \
+            node.op == "call_function" and node.target is F.rrelu:
+        bound = dict(zip(("input", "lower", "upper", "training", "inplace"), node.args), **node.kwargs)
+        lower, upper = (mod.lower, mod.upper) if mod is not None else (bound.get("lower", 1 / 8), bound.get("upper", 1 / 3))
+        if bound.get("training", False) is not False or bound.get("inplace", False) or \
+                not all(isinstance(v, (int, float)) for v in (lower, upper)) or mod is not None and mod.inplace:
+            return False
+        with g.inserting_before(node):
+            out = g.call_function(F.leaky_relu, (bound["input"],), {"negative_slope": (lower + upper) / 2})
+    elif type(mod) is nn.PReLU and len(node.args) == 1 and not node.kwargs or \
+            node.op == "call_function" and node.target in (F.prelu, torch.prelu) and len(node.args) == 2 and not node.kwargs:
+        x = node.args[0]
+        meta = tensor_meta(x) if isinstance(x, torch.fx.Node) else None
+        weight = mod.weight if mod is not None else None
+        w_meta = tensor_meta(node.args[1]) if mod is None and isinstance(node.args[1], torch.fx.Node) else None
+        channels = weight.numel() if weight is not None else (w_meta.shape.numel() if w_meta is not None else None)
+        if meta is None or channels is None or not meta.dtype.is_floating_point or \
+                channels != 1 and (len(meta.shape) < 2 or meta.shape[1] != channels):
+            return False
+        with g.inserting_before(node):
+            w = get_attr_quietly(g, f"{node.target}.weight") if mod is not None else node.args[1]
+            if channels != 1:
+                w = g.call_method("view", (w, channels, *[1] * (len(meta.shape) - 2)))
+            out = g.call_function(torch.where, (g.call_function(operator.gt, (x, 0)), x,
+                                                g.call_function(operator.mul, (x, w))))
+    else:
+        return False
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return True

@@ -433,3 +433,36 @@ def test_binary_max_and_min_fuse_as_maximum_and_minimum(spelling):
     args = tuple(torch.randn(4, 6) for _ in range(3))
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), model(*args), rtol=0, atol=0)
+
+
+class _Act(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(x * 2 + 1) - 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("make", [lambda: nn.PReLU(), lambda: nn.PReLU(6), lambda: nn.RReLU(0.1, 0.3),
+                                  lambda: (lambda t: F.rrelu(t, 0.2, 0.4, training=False)),
+                                  lambda: (lambda t: F.prelu(t, torch.full((6,), 0.3, dtype=t.dtype)))],
+                         ids=["prelu", "prelu_channels", "rrelu_eval", "F.rrelu", "F.prelu_constant"])
+def test_prelu_and_eval_rrelu_fuse(make, dtype):
+    """fuzz35f: nn.PReLU / F.prelu and eval-mode RReLU were library calls between two kernels."""
+    torch.manual_seed(0)
+    act = make()
+    model = _Act(act if isinstance(act, nn.Module) else _Fn(act)).eval().to(dtype)
+    if isinstance(act, nn.PReLU):
+        with torch.no_grad():
+            act.weight.uniform_(-0.5, 0.5)
+    x = torch.randn(3, 6, 4, 5, dtype=dtype)
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    x = torch.randn(3, 6, 4, 5, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+        if isinstance(act, nn.PReLU):   # the kernel reads the parameter (a view of it)
+            act.weight.mul_(-2)
+            torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
