@@ -118,3 +118,27 @@ def test_views_before_a_broadcast_and_lone_biases_on_cuda(dtype):
     assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), mamba(*args), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prelu_and_binary_max_against_cuda_eager(dtype):
+    """Stop 35's new spellings: PReLU as where(x > 0, x, x * w) and torch.max(a, b) as maximum, bit for bit."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = nn.PReLU(16)
+
+        def forward(self, x):
+            return torch.max(self.act(x * 2 + 1), torch.tensor(-0.75, device=x.device, dtype=x.dtype)) - 0.5
+
+    model = Model().cuda().eval().to(dtype)
+    with torch.no_grad():
+        model.act.weight.uniform_(-0.5, 0.5)
+    x = torch.randn(4, 16, 8, 8, device="cuda", dtype=dtype)
+    x[0, 0, 0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0, equal_nan=True)
