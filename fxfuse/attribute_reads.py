@@ -347,14 +347,14 @@ def watched_values(watched: tuple) -> list:
             for v in (values if len(keys) > 1 else (values,))]
 
 
-def contained_tensors(watched: tuple, gm: torch.fx.GraphModule) -> list:
-    """The tensors in watched containers (a dict or list attribute) that the graph reads: their
+def contained_tensors(watched: tuple) -> list:
+    """The tensors in watched containers (a dict or list attribute the model's code reads): their
     requires_grad flag counts for the grad rule (fuzz35d: set after optimize, the gradient was
-    missing). Not the others (review35b: an unread tensor requiring grad sent every call to the
-    original), and not by version: the graph reads them live, so an edit needs no rebuild."""
-    read = {id(getattr(gm, n.target, None)) for n in gm.graph.nodes if n.op == "get_attr" and "." not in n.target}
+    missing). All of them: the graph may read one through a view or a copy made at optimize time
+    (review35c: matching the graph's constants by identity missed `cfg["W"].t()`). Not watched by
+    version: the graph reads them live, or a copy the version watch of copies covers."""
     return [item for d, get, _, _ in watched if d is CONTENTS for _, snap, _, _ in get for item in snap
-            if isinstance(item, torch.Tensor) and id(item) in read]
+            if isinstance(item, torch.Tensor)]
 
 
 def reassigned(watched: tuple) -> str | None:

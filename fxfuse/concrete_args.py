@@ -301,6 +301,12 @@ def _held_tensors(model) -> list:
     held = {}
 
     def visit(value, depth):
+        try:
+            walk(value, depth)
+        except Exception:  # noqa: BLE001 -- a __getattr__ that raises, __slots__ (review35c): not walked
+            pass
+
+    def walk(value, depth):
         if isinstance(value, torch.Tensor):
             held[id(value)] = value
         elif depth and isinstance(value, (list, tuple, dict)) and len(value) <= 256:

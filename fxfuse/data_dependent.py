@@ -43,17 +43,14 @@ def _makes_data_dependent_shape(n) -> bool:
 VALUE_METHODS = {"item", "tolist"}
 VALUE_FUNCTIONS = {p.default for p in (getattr(torch.ops.aten, "_local_scalar_dense", None),
                                       getattr(torch.ops.aten, "item", None)) if p is not None}   # export's .item()
-# where a number sets a size: op name -> its size arguments (positions, keywords); other arguments of these
-# ops (a fill value, an eps) and every argument of other ops keep the result's shape (review35b)
-SIZE_ARGUMENTS = {"narrow": ((3,), ("length",)), "topk": ((1,), ("k",)), "slice": ((2, 3, 4), ("start", "end", "step")),
-                  "split_with_sizes": ((1,), ("split_sizes",)),
-                  "split": ((1,), ("split_size", "split_size_or_sections")), "chunk": ((1,), ("chunks",)),
-                  "view": (None, ("size",)), "reshape": (None, ("shape",)), "expand": (None, ("size",)),
-                  "repeat": (None, ("repeats",)), "unflatten": ((2,), ("sizes",)), "tile": (None, ("dims",)),
-                  "repeat_interleave": ((1,), ("repeats",)), "full": ((0,), ("size",)),
-                  "new_full": ((1,), ("size",)), "pad": ((1,), ("pad",)), "interpolate": ((1, 2), ("size", "scale_factor")),
-                  **{name: (None, ("size",)) for name in ("zeros", "ones", "empty", "rand", "randn", "randint",
-                                                          "new_zeros", "new_ones", "new_empty", "arange", "linspace")}}
+# where a number read from a tensor does NOT set a size: op name -> (positions, keywords) of such arguments
+# (a fill value, an eps, a momentum, a norm's p); any other argument of any op that is not pointwise may set
+# one (a slice bound, arange's end, a pool's kernel size...), and is taken to (review35b, review35c)
+NOT_SIZE_ARGUMENTS = {"full_like": ((1,), ("fill_value",)), "full": ((1,), ("fill_value",)),
+                      "new_full": ((2,), ("fill_value",)), "pad": ((3,), ("value",)),
+                      "layer_norm": ((4,), ("eps",)), "group_norm": ((4,), ("eps",)), "rms_norm": ((3,), ("eps",)),
+                      "batch_norm": ((5, 6, 7), ("training", "momentum", "eps")), "normalize": ((1, 3), ("p", "eps")),
+                      "masked_fill": ((2,), ("value",)), "index_fill": ((3,), ("value",)), "fill": ((1,), ("value",))}
 
 
 def _reads_values(n) -> bool:
@@ -63,9 +60,9 @@ def _reads_values(n) -> bool:
 
 def _sized_by_values(n, values: set) -> bool:
     """Whether a number read from a tensor's values (`values`), or a tensor used as a slice bound
-    (`x[:, :lengths.max()]`), goes into n where it can set a size: a slice, narrow, topk, split,
-    view, full, arange... (review35: `h.shape[1]` was folded to the example's). A pointwise op
-    (`x * scale.item()`) keeps its operands' shape."""
+    (`x[:, :lengths.max()]`), goes into n where it may set a size (review35: `h.shape[1]` was folded
+    to the example's): any argument of an op that is not pointwise, but those NOT_SIZE_ARGUMENTS
+    names (a fill value, an eps)."""
     index = n.args[1] if n.op == "call_function" and n.target in INDEXING and len(n.args) > 1 else None
     bounds = [b for s in (index if isinstance(index, tuple) else (index,)) if isinstance(s, slice)
               for b in (s.start, s.stop, s.step) if isinstance(b, torch.fx.Node)]
@@ -76,16 +73,15 @@ def _sized_by_values(n, values: set) -> bool:
         return True
     if not any(a in values for a in n.all_input_nodes):
         return False
-    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
-    if name.rstrip("_") not in SIZE_ARGUMENTS:
+    from fxfuse.passes.spellings import spelling_of   # passes import fxfuse modules: import late
+    if spelling_of(n.graph.owning_module, n) is not None:   # pointwise (`x * scale.item()`): x's shape
         return False
-    positions, keywords = SIZE_ARGUMENTS[name.rstrip("_")]
-    if positions is None:   # every argument past the tensor (x.view(b, n), torch.reshape(x, s)); torch.zeros(n)
-        first = 1 if n.op == "call_method" or name in ("view", "reshape", "expand", "repeat", "tile") else 0
-        positions = range(first, len(n.args))
-    sized = [a for k, a in enumerate(n.args) if k in positions] + [v for k, v in n.kwargs.items() if k in keywords]
+    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
+    positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ()))
+    sizing = [a for k, a in enumerate(n.args) if k not in positions] + \
+        [v for k, v in n.kwargs.items() if k not in keywords]
     found = []
-    torch.fx.node.map_arg(sized, lambda a: found.append(a) or a)
+    torch.fx.node.map_arg(sizing, lambda a: found.append(a) or a)
     return any(a in values for a in found)
 
 

@@ -21,7 +21,9 @@ from .input_copy import driver
 from .log import logger
 
 RANDOM_OP_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson",
-                   "exponential", "cauchy", "geometric")
+                   "exponential", "cauchy", "geometric", "gumbel", "rrelu")   # (review35c: gumbel_softmax,
+#                                                                                    F.rrelu(training=True))
+NOT_RANDOM_WORDS = ("normalize",)   # F.normalize (review35c)
 
 
 def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
@@ -39,7 +41,8 @@ def draws_random(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     if node.op == "call_module":
         name = type(gm.get_submodule(node.target)).__name__
-    return any(word in name.lower() for word in RANDOM_OP_WORDS)
+    name = name.lower()
+    return any(word in name for word in RANDOM_OP_WORDS) and not any(word in name for word in NOT_RANDOM_WORDS)
 
 
 def _current_device() -> int:

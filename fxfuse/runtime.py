@@ -270,7 +270,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
-        self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes, gm)
+        self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
         watched = {id(t) for t, _ in self._buffer_versions}

@@ -78,6 +78,6 @@ def advanced_index(node) -> bool:
     if node.op != "call_function" or node.target is not operator.getitem or len(node.args) < 2:
         return False
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return any(isinstance(i, list) or isinstance(i, torch.fx.Node) and len(getattr(i.meta.get("tensor_meta"), "shape",
-                                                                                   ())) > 0
-               for i in index)   # a 0-d integer tensor indexes as a number does: a view
+    return any(isinstance(i, list) and all(type(v) in (int, bool) for v in i)   # [0, slice(None)]: a view
+               or isinstance(i, torch.fx.Node) and len(getattr(i.meta.get("tensor_meta"), "shape", ())) > 0
+               for i in index)   # a 0-d integer tensor indexes as a number does: a view (review35c)

@@ -221,6 +221,10 @@ _VALUE_SIZED = {
     "topk": lambda x, c: (lambda h: h * h.shape[1])(x.topk(c[0].item(), dim=1).values),
     "split_tolist": lambda x, c: (lambda h: torch.relu(h) * h.size(0))(torch.split(x, c.tolist())[0]),
     "tensor_split": lambda x, c: (lambda h: h * h.size(0))(torch.tensor_split(x, c, dim=0)[0]),
+    # review35c: sizes set by other ops' arguments
+    "arange_end": lambda x, c: (lambda h: h * h.shape[-1])(torch.arange(end=c[0].item()) + x[:1, :1]),
+    "avg_pool": lambda x, c: (lambda h: h * h.shape[-1])(F.avg_pool1d(x[None], c[0].item())),
+    "flatten_from": lambda x, c: (lambda h: h * h.shape[-1])(x.view(2, 3, 8).flatten(c[0].item() % 2 + 1)),
 }
 
 

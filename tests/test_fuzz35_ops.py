@@ -466,3 +466,22 @@ def test_prelu_and_eval_rrelu_fuse(make, dtype):
         if isinstance(act, nn.PReLU):   # the kernel reads the parameter (a view of it)
             act.weight.mul_(-2)
             torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+
+
+def test_a_list_index_holding_a_slice_is_a_view():
+    """review35c: `y[[0, slice(None)]]` (deprecated, a tuple index) is a view; a write through it
+    was made functional and lost."""
+    def f(x):
+        y = x * 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row = y[[0, slice(None)]]
+        row.add_(1)
+        return y + 0.5
+    model = _Fn(f).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fxfuse.optimize(model, torch.randn(3, 4), verify=False)
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))

@@ -247,24 +247,27 @@ def test_a_value_computed_from_a_buffer_and_written_in_place_is_traced():
         torch.testing.assert_close(opt(x), model(x))
 
 
-def test_an_unread_tensor_requiring_grad_in_a_list_does_not_send_calls_to_the_original():
-    """review35b: every tensor of a watched list counted for the grad rule, read or not."""
+def test_a_dict_tensor_read_through_a_view_counts_for_the_grad_rule():
+    """review35c: matching the graph's constants by identity missed `cfg["W"].t()`: after
+    requires_grad_(True) the output had no grad, silently. Every tensor of a watched container
+    counts (review35b's unread list tensor then sends grad-mode calls to the original too)."""
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(8, 8)
-            self.history = [torch.randn(8, requires_grad=True)]   # kept for logging, never read by forward
+            self.cfg = {"W": torch.randn(8, 8)}
 
         def forward(self, x):
-            return torch.relu(self.fc(x)) + 1
+            return torch.relu(x @ self.cfg["W"].t()) + 1
 
-    model = Model().eval().requires_grad_(False)
+    model = Model().eval()
     opt = fxfuse.optimize(model, torch.randn(4, 8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        x = torch.randn(4, 8)
-        torch.testing.assert_close(opt(x), model(x))
-    assert opt.original_calls.get("grad", 0) == 0
+    model.cfg["W"].requires_grad_(True)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = opt(x)
+    assert got.requires_grad and len(caught) == 1
+    torch.testing.assert_close(got, model(x))
 
 
 _TABLE = torch.tensor([1.0, 2.0, 3.0])
@@ -292,5 +295,32 @@ def test_a_tensor_written_before_optimize_is_no_written_constant(where):
     model.cfg.scales[0].mul_(2)
     opt = fxfuse.optimize(model, torch.randn(4, 3), strict=True)
     x = torch.randn(4, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class _SlotsConfig:
+    __slots__ = ("scale",)
+
+    def __init__(self):
+        self.scale = 2.0
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+_SLOTS = _SlotsConfig()
+
+
+def test_a_global_config_whose_getattr_raises_does_not_break_optimize():
+    """review35c: the scan of globals forward() names read `__dict__` of a __slots__ object whose
+    __getattr__ raises KeyError: an internal error."""
+    class Model(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * _SLOTS.scale
+
+    model = Model().eval()
+    opt = fxfuse.optimize(model, torch.randn(4), strict=True)
+    x = torch.randn(4)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
