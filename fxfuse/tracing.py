@@ -303,6 +303,8 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     gm = _quiet_export(model, tuple(example_args)).module()
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SIZE_ASSERTIONS]:
+        gm.graph.erase_node(node)   # `u0 <= 24` on a masked index's size: its sym_size read is no size use (fuzz35g)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does
     # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
     for name in ("train", "eval"):
@@ -313,6 +315,10 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     gm.recompile()
     propagate_shapes(gm, example_args)   # one placeholder per argument, None and flags too
     return gm
+
+
+SIZE_ASSERTIONS = {getattr(torch.ops.aten, name).default for name in (
+    "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range") if hasattr(torch.ops.aten, name)}
 
 
 def _specialize_values(gm, example_args) -> None:

@@ -330,3 +330,27 @@ def test_a_number_read_from_a_tensor_as_a_fill_value_keeps_sizes_static(name):
     args = (torch.randn(3, 8), torch.tensor(0.25))
     with torch.no_grad():
         torch.testing.assert_close(opt(*args), model(*args))
+
+
+@pytest.mark.parametrize("kind", ["masked_read", "masked_augmented_write"])
+def test_a_boolean_mask_on_the_export_path_is_not_refused(kind):
+    """fuzz35g: torch.export checks a masked index's size with `u0 <= 24` assertions, whose size
+    reads fxfuse refused as frozen sizes; those checks go (fxfuse guards its own)."""
+    class Model(nn.Module):
+        def forward(self, x, y):
+            if kind == "masked_read":
+                if isinstance(y, torch.Tensor):   # torch.export traces this model
+                    return x[y > 0].sum() + x * 2
+                return x
+            h = x * 2
+            h[y > 0] *= 3                     # torch.fx cannot trace it
+            return h + 1
+
+    model = Model().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, (torch.randn(4, 6), torch.randn(4, 6)))
+    for _ in range(2):
+        args = (torch.randn(4, 6), torch.randn(4, 6))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*args), model(*args))
