@@ -310,8 +310,9 @@ def _functional_twin(gm, node, order) -> bool:
     base = node.args[0]
     if base in node.args[1:] or base in node.kwargs.values():   # sc.masked_scatter_(m, sc): reads what it writes
         return False
-    if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)
-            and all(u is node or _reads_without_alias(gm, u) for u in base.users)):
+    if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)   # a view taken after the
+            and all(u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # write reads
+                    for u in base.users)):                            # the result (review35c)
         return False
     with gm.graph.inserting_after(node):
         new = gm.graph.call_method(node.target[:-1], node.args, dict(node.kwargs))

@@ -485,3 +485,27 @@ def test_a_list_index_holding_a_slice_is_a_view():
         x = torch.randn(3, 4)
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_functional_twin_write_read_through_a_later_view_fuses():
+    """review35c: `s.tril_(); s.view(-1) * 2` kept the tril_ in place (a view of s read after the
+    write), so the multiply stayed a library call; a view taken before the write still sees it."""
+    def later(x):
+        s = x @ x.t()
+        s.tril_()
+        return s.view(-1) * 2
+
+    def earlier(x):
+        s = x @ x.t()
+        v = s.view(-1)
+        s.tril_()
+        return v * 2
+
+    for f, kept in ((later, False), (earlier, True)):
+        model = _Fn(f).eval()
+        opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
+        gm = next(iter(opt.specializations.values())).gm
+        assert bool(gm.meta.get("fxfuse_inplace_kept")) == kept, fxfuse.explain(opt)
+        x = torch.randn(4, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
