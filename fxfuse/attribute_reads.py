@@ -242,9 +242,9 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         # weight is `del lin.weight; lin.weight = t` (fast weights: MAML, test-time adaptation;
         # folded or copied into kernels, it went stale: fuzz35d)
         free = type(m) in ATTRIBUTE_FREE
-        keys = tuple(k for k in m.__dict__ if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant")
-                     and (isinstance(m.__dict__[k], torch.Tensor) if free and not narrowed
-                          else not narrowed or k in names or free and isinstance(m.__dict__[k], torch.Tensor)))
+        keys = tuple(k for k, v in m.__dict__.items()
+                     if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant")
+                     and (free and isinstance(v, torch.Tensor) or (k in names if narrowed else not free)))
         if keys:
             out.append(_entry(m.__dict__, keys))
             contents += [(k, m.__dict__[k]) for k in keys]

@@ -6,9 +6,9 @@ signature), so the traced graph may treat them as constants: the example's value
 defaults of the parameters the example leaves out (as the call binds them).
 """
 import enum
-import types
 import inspect
 import operator
+import types
 
 import torch
 import torch.fx

@@ -200,7 +200,7 @@ _TABLE = [
     _op("neg", operator.neg, 1, lambda a: f"({a} * -1.0)"),   # Triton's -x is 0 - x: +0.0 for x = +0.0 (fuzz34e)
     # the product exact in fp64 (both factors fp32: alpha as eager's fp32 opmath reads it), then one rounding
     _op("add_scaled", add_scaled, 2, lambda a, b, alpha: (   # (b is a tensor; a may be a number: rsub(x, 2.0))
-        f"(({b}).to(tl.float64) * {literal(float(torch.tensor(alpha, dtype=torch.float32)))} + {a})"
+        f"(({b}).to(tl.float64) * {literal(_fp32(alpha))} + {a})"
         ".to(tl.float32)"), ("alpha",)),
     _op("pow", operator.pow, 1, _pow, ("exponent",)),
     # ATen's formulas (Lerp.h, CUDA's DeviceAddCmulCdiv), each multiply-add rounded once (_fma)
