@@ -42,15 +42,23 @@ from .sink_views import reshape_source
 
 aten = torch.ops.aten
 
-PERMUTE_METHODS = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis"}
+PERMUTE_METHODS = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t"}
 PERMUTE_FUNCTIONS = {torch.permute, torch.transpose, torch.swapaxes, torch.swapdims, torch.movedim,
-                     torch.moveaxis, aten.permute.default, aten.transpose.int}
+                     torch.moveaxis, torch.t, aten.permute.default, aten.transpose.int, aten.t.default}
+# `y.T` and `y.mT` are attribute reads (getattr nodes): the same permutes (fuzz35, left open then).
+# `.H`/`.mH` conjugate complex values, which a pointwise op need not commute with: not taken.
+PERMUTE_ATTRIBUTES = {"T", "mT"}
 
 
 def _is_permute(node) -> bool:
-    return (node.op == "call_method" and node.target in PERMUTE_METHODS
-            or node.op == "call_function" and node.target in PERMUTE_FUNCTIONS) \
-        and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.op == "call_function" and node.target is getattr:
+        source = _meta(node.args[0])   # `.T` of other than 2 dims is deprecated (it warns): left alone
+        return len(node.args) == 2 and node.args[1] in PERMUTE_ATTRIBUTES and source is not None and (
+            node.args[1] == "mT" or len(source.shape) == 2)
+    return node.op == "call_method" and node.target in PERMUTE_METHODS \
+        or node.op == "call_function" and node.target in PERMUTE_FUNCTIONS
 
 
 def is_unit_view(node) -> bool:
@@ -145,6 +153,7 @@ def _hoist(gm, op, chain) -> None:
     """Replace `chain(op(a, b))` by `op(chain(a.expand), chain(b.expand))`."""
     g = gm.graph
     shape, last = tuple(_meta(op).shape), chain[-1]
+    permutes_only = all(_is_permute(node) for node in chain)   # a reshape needs the whole shape
     with g.inserting_before(last):
         args = []
         for a in op.args:
@@ -156,7 +165,11 @@ def _hoist(gm, op, chain) -> None:
                 a.meta["tensor_meta"] = _extract_tensor_metadata(view)
             elif isinstance(a, torch.fx.Node):   # each new node's meta from a meta tensor: no graph run
                 fake = meta_tensor(_meta(a))
-                if tuple(fake.shape) != shape:
+                if tuple(fake.shape) != shape and permutes_only and fake.dim() < len(shape):
+                    ranked = (1,) * (len(shape) - fake.dim()) + tuple(fake.shape)   # permuted with size-1 dims,
+                    a, fake = g.call_method("reshape", (a, ranked)), fake.reshape(ranked)   # it broadcasts as the
+                    a.meta["tensor_meta"] = _extract_tensor_metadata(fake)   # expand would, which split chains
+                elif tuple(fake.shape) != shape and not permutes_only:
                     a, fake = g.call_method("expand", (a, shape)), fake.expand(shape)
                     a.meta["tensor_meta"] = _extract_tensor_metadata(fake)
                 for node in chain:
@@ -190,9 +203,54 @@ def _drop_contiguous_before_pointwise(gm, written, options) -> None:
             gm.graph.erase_node(node)
 
 
+EXPAND_METHODS = {"expand", "expand_as", "broadcast_to"}
+EXPAND_FUNCTIONS = {torch.broadcast_to, aten.expand.default}
+
+
+def _broadcast_alone(expand, reader) -> bool:
+    """Whether `reader` computes the same shape and dtype with the expand's source in place of the
+    expand (worked out on meta tensors): it then broadcasts the source itself."""
+    def operand(a):
+        if a is expand:
+            a = expand.args[0]
+        return meta_tensor(_meta(a)) if isinstance(a, torch.fx.Node) else a
+    meta = _meta(reader)
+    if any(isinstance(v, torch.fx.Node) for v in reader.kwargs.values()) or any(
+            isinstance(a, torch.fx.Node) and _meta(a) is None for a in reader.args):
+        return False
+    try:
+        result = reader.target(*[operand(a) for a in reader.args], **reader.kwargs)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return isinstance(result, torch.Tensor) and tuple(result.shape) == tuple(meta.shape) and result.dtype == meta.dtype
+
+
+def _drop_expand_before_pointwise(gm, written, options) -> None:
+    """`y.expand(b, n, d) + z`: the reader broadcasts y as the expand does, and a fused kernel
+    writes its result in the node's (eager's) strides, so the reader reads y itself; the expand
+    had split the chain that made y from the chain that reads it (fuzz35, left open then). Not
+    where the source has no dims (a 0-dim tensor promotes as a number: the dtype check sees it)."""
+    for node in list(gm.graph.nodes):
+        expand = (node.op == "call_method" and node.target in EXPAND_METHODS
+                  or node.op == "call_function" and node.target in EXPAND_FUNCTIONS) \
+            and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
+        if not expand or not node.users or node in written or node.args[0] in written \
+                or (options is not None and not options.fuse):
+            continue
+        source = _meta(node.args[0])
+        if source is None or not len(source.shape) or _meta(node) is None:
+            continue
+        readers = list(node.users)
+        if all(u.op == "call_function" and why_not_fusible(u, written) is None and _broadcast_alone(node, u)
+               for u in readers):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
 def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     _drop_contiguous_before_pointwise(gm, _mutated_values(gm), options)
+    _drop_expand_before_pointwise(gm, _mutated_values(gm), options)
     changed = True
     while changed:
         changed = False

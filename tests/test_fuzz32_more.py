@@ -80,7 +80,7 @@ class NormTransposed(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("cls,kernels", [(MaskedTransposed, 1), (NormTransposed, 2)])
+@pytest.mark.parametrize("cls,kernels", [(MaskedTransposed, 1), (NormTransposed, 1)])   # stop 36: sigmoid moves past .t()
 def test_eager_layout_is_written_by_the_fused_kernel_itself(cls, kernels, dtype):
     """review31 #4: the copy restoring eager's strides after masked_fill or BatchNorm over a
     transposed tensor was a kernel of its own, splitting the group; `.view()` needs that layout."""

@@ -1,0 +1,97 @@
+"""Stop 36: fixes from the fuzz36 helper round and the findings left open in stop 35."""
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+
+def _check(model, *inputs, kernels=None, exact=False):
+    opt = fxfuse.optimize(model, inputs, strict=True, verify=False)
+    for call in range(2):
+        if call:
+            inputs = tuple(torch.randn_like(x) if x.is_floating_point() else x for x in inputs)
+        got, want = opt(*inputs), model(*inputs)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want)
+    if kernels is not None:
+        assert fxfuse.stats(opt)["fused_kernels"] == kernels
+    return opt
+
+
+class TransposeSpellings(nn.Module):
+    """`.t()`, `.T`, `.mT` and torch.t between pointwise ops split the chain (stop 35's note)."""
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, x, b):
+        y = torch.relu(x)
+        y = {"t": lambda v: v.t(), "T": lambda v: v.T, "mT": lambda v: v.mT,
+             "torch.t": torch.t, "transpose": lambda v: v.transpose(0, 1)}[self.spelling](y)
+        return (y * 2 + b).sigmoid()
+
+
+@pytest.mark.parametrize("spelling", ["t", "T", "mT", "torch.t", "transpose"])
+def test_transpose_spellings_do_not_split_a_chain(spelling):
+    torch.manual_seed(0)
+    _check(TransposeSpellings(spelling).eval(), torch.randn(5, 7), torch.randn(7, 5), kernels=1)
+
+
+class ExpandThenPointwise(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, x, b):
+        y = torch.tanh(x) * 3
+        if self.spelling == "expand":
+            y = y.expand(b.shape[0], -1, -1)
+        elif self.spelling == "expand_as":
+            y = y.expand_as(b)
+        else:
+            y = torch.broadcast_to(y, b.shape)
+        return torch.relu(y + b) - 1
+
+
+@pytest.mark.parametrize("spelling", ["expand", "expand_as", "broadcast_to"])
+def test_an_expand_read_by_pointwise_ops_is_their_broadcast(spelling):
+    torch.manual_seed(0)
+    _check(ExpandThenPointwise(spelling).eval(), torch.randn(1, 5, 6), torch.randn(3, 5, 6), kernels=1)
+
+
+class ExpandTransposedAdd(nn.Module):
+    def forward(self, x, b):
+        z = torch.relu(x).t() * 2 + 1
+        return (z.expand(3, 5, 4) + b).sigmoid().mT.exp()
+
+
+def test_expand_and_transposes_together_make_one_kernel():
+    torch.manual_seed(0)
+    _check(ExpandTransposedAdd().eval(), torch.randn(4, 5), torch.randn(3, 5, 4), kernels=1)
+
+
+class ZeroDimExpand(nn.Module):
+    """A 0-dim tensor promotes as a number; expanded, as a tensor: fp32 + fp16 gives fp32 only expanded."""
+    def forward(self, s, h):
+        return (torch.exp(s).expand(h.shape) + h) * 2
+
+
+def test_an_expanded_zero_dim_tensor_keeps_its_dtype_promotion():
+    torch.manual_seed(0)
+    s, h = torch.randn(()), torch.randn(4, 3).half()
+    opt = _check(ZeroDimExpand().eval(), s, h)
+    assert opt(s, h).dtype == torch.float32
+
+
+class ExpandReadByUnaryOp(nn.Module):
+    def forward(self, x):
+        return torch.exp(torch.relu(x).expand(4, 3, 5)) + 1
+
+
+def test_an_expand_read_by_a_unary_op_stays_as_written():
+    torch.manual_seed(0)
+    _check(ExpandReadByUnaryOp().eval(), torch.randn(3, 5))
