@@ -36,8 +36,29 @@ def remove_hooks(handles) -> None:
 
 def load_drops_specializations(module, state_dict, prefix, *args) -> None:
     """opt.load_state_dict: drop the specializations (built from the old weights), and ignore
-    the "specialization_N." keys that a state_dict of an older fxfuse holds. opt.state_dict()
-    is the original's, under "original." (the specializations are not child modules)."""
+    the "specialization_N." keys that a state_dict of an older fxfuse holds. The model's own
+    keys are read as the original child's (state_dict_as_original); "original."-prefixed ones
+    (saved by fxfuse before stop 36) are taken as they are."""
     module.drop_specializations("load_state_dict")
     for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
         del state_dict[key]
+    inner = prefix + "original."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
+    """opt.state_dict() holds the model's keys, not "original."-prefixed ones: a parent whose
+    child was swapped for its optimized version (`model.block = fxfuse.optimize(model.block, x)`)
+    saves checkpoints that load into the plain model, and loads the ones saved before the swap
+    (fuzz36e: both failed, and a `strict=False` load loaded nothing). The keys are ours, the
+    last ones in the dict: popped and put back, they keep their order. Each submodule's metadata
+    (its state version) is filed under the plain name too; named_parameters() is unchanged."""
+    inner = prefix + "original."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for name in [n for n in metadata if n == inner[:-1] or n.startswith(inner)]:
+            plain = (prefix + name[len(inner):]) if name != inner[:-1] else prefix[:-1]
+            metadata.setdefault(plain, metadata[name])

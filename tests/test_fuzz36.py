@@ -95,3 +95,65 @@ class ExpandReadByUnaryOp(nn.Module):
 def test_an_expand_read_by_a_unary_op_stays_as_written():
     torch.manual_seed(0)
     _check(ExpandReadByUnaryOp().eval(), torch.randn(3, 5))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.bn(self.lin(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = Block(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _trained(module):
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            t.copy_(torch.randint(1, 5, t.shape) if not t.is_floating_point() else torch.rand(t.shape) + 0.5)
+    return module.eval()
+
+
+def test_a_parent_of_an_optimized_child_saves_and_loads_plain_checkpoints():
+    """fuzz36e: `model.block = fxfuse.optimize(model.block, x)` renamed the parent's keys
+    (block.original.lin.weight): old checkpoints no longer loaded, its own not into a plain Net."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    checkpoint = _trained(Net()).state_dict()
+    model = Net().eval()
+    model.block = fxfuse.optimize(model.block, x, strict=True)
+    assert list(model.state_dict()) == list(checkpoint)
+    model.load_state_dict(checkpoint)                       # strict: every key matched
+    plain = Net().eval()
+    plain.load_state_dict(checkpoint)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))
+        assert fxfuse.stats(model.block)["fused_kernels"] > 0
+    again = Net().eval()
+    again.load_state_dict(model.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), checkpoint.values()))
+    metadata = model.state_dict()._metadata
+    assert metadata["block.bn"] == metadata["block.original.bn"] and metadata["block.bn"]["version"] == 2
+
+
+def test_an_optimized_module_loads_its_models_keys_and_older_prefixed_ones():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    opt = fxfuse.optimize(Block().eval(), x, strict=True)
+    for trained in (_trained(Block()), _trained(Block())):
+        state = trained.state_dict()
+        opt.load_state_dict(state)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), trained(x))
+        prefixed = {"original." + k: v.clone() for k, v in state.items()}
+        opt.load_state_dict(prefixed)                       # a state_dict saved by fxfuse before stop 36
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), trained(x))
