@@ -271,7 +271,8 @@ _TABLE = [
         ("beta", "threshold"), beta=1.0, threshold=20.0),
     # as CUDA's eager kernel: min(max(x + 3, 0), 6) * (1/6); x / 6 + 0.5 lost bits near x = -3 (fuzz33d)
     _op("hardsigmoid", F.hardsigmoid, 1, lambda a: f"({_clamp(f'({a} + 3.0)', 0.0, 6.0)} * 0.16666666666666666)"),
-    _op("hardswish", F.hardswish, 1, lambda a: f"({a} * {_clamp(f'({a} + 3.0)', 0.0, 6.0)} / 6.0)"),
+    _op("hardswish", F.hardswish, 1,   # times fp32(1/6) after the product, as CUDA eager (fuzz36d: / 6.0 was
+        lambda a: f"({a} * {_clamp(f'({a} + 3.0)', 0.0, 6.0)} * 0.16666666666666666)"),   # approximate there)
     # as ATen computes them, NaN and signed zeros included (softshrink keeps a zero's sign: a * 0)
     _op("celu", F.celu, 1, lambda a, alpha=1.0: (
         f"tl.where({a} > 0, {a}, {literal(alpha)} * _expm1({a} * {literal(1.0 / alpha)}))"), ("alpha",), alpha=1.0),
@@ -387,10 +388,12 @@ def _sigmoid(x):
 
 @triton.jit
 def _tanh(x):
-    # (1 - e) / (1 + e) loses relative accuracy near 0, where a short series is exact to fp32
+    # tanh |x| = -m / (m + 2) with m = expm1(-2 |x|) in (-1, 0]: no cancellation, where
+    # (1 - e) / (1 + e) lost up to 7.5 ulp past the series' range (fuzz36d); near 0 a short
+    # series is exact to fp32 (and keeps -0.0)
     ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    t = (1.0 - e) / (1.0 + e)
+    m = _expm1(-2.0 * ax)
+    t = _div(-m, m + 2.0)
     x2 = x * x
     series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
     return tl.where(ax < 0.0625, series, tl.where(x < 0, -t, t))
@@ -398,8 +401,13 @@ def _tanh(x):
 
 @triton.jit
 def _expm1(x):
-    series = x * (1.0 + x * (0.5 + x * (0.16666666666666666 + x * (0.041666666666666664 + x * 0.008333333333333333))))
-    return tl.where(tl.abs(x) < 0.1, series, tl.exp(x) - 1.0)
+    # a Taylor series to x^9 below |x| = 0.5 (its first left-out term is 1e-9 of the sum), exp(x)
+    # - 1 above, where it cancels at most 1.6 bits: exp(x) - 1 from |x| = 0.1 lost up to 18 ulp
+    # (fuzz36d); the polynomial is evaluated from the small end
+    series = x * (1.0 + x * (0.5 + x * (0.16666666666666666 + x * (0.041666666666666664 + x * (
+        0.008333333333333333 + x * (0.001388888888888889 + x * (0.0001984126984126984 + x * (
+            2.48015873015873e-05 + x * 2.7557319223985893e-06))))))))
+    return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)
 
 
 @triton.jit

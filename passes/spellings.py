@@ -435,6 +435,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if isinstance(e, (float, int)) and not isinstance(e, bool) and dtype in (torch.float16, torch.bfloat16,
                                                                                  torch.float32) and math.isfinite(e):
             read = float(torch.tensor(e, dtype=dtype))   # CUDA's pow reads the exponent in the tensor's dtype:
+            if read in (0.5, -0.5) and e != read:   # but takes sqrt / rsqrt only for a written +-0.5, powf
+                return torch.pow, (x, e), {}        # otherwise (-0.0 and -inf differ; fuzz36d): the library's
             e = e if type(e) is int and read == e else read   # 2.0001 is 2.0 in fp16 ((-2) ** e is 4, not nan),
             #          and so are a numpy float and an int past the dtype's integers (fp16: 2051 is 2052; fuzz34a)
         return (canon, (x, e), {}) if isinstance(e, (int, float)) and not params else None

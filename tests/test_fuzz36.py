@@ -157,3 +157,47 @@ def test_an_optimized_module_loads_its_models_keys_and_older_prefixed_ones():
         opt.load_state_dict(prefixed)                       # a state_dict saved by fxfuse before stop 36
         with torch.no_grad():
             torch.testing.assert_close(opt(x), trained(x))
+
+
+def _ulps(got, truth):
+    t = truth.float().abs()
+    step = (torch.nextafter(t, torch.tensor(float("inf"))) - t).double()
+    return ((got.double() - truth).abs() / step).max().item()
+
+
+class Pointwise(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x * 1.0)
+
+
+@pytest.mark.parametrize("fn", [torch.expm1, nn.functional.elu, torch.tanh, nn.functional.mish,
+                                lambda t: nn.functional.celu(t, 0.7)], ids=["expm1", "elu", "tanh", "mish", "celu"])
+def test_expm1_and_tanh_stay_within_a_few_ulp(fn):
+    """fuzz36d: exp(x) - 1 from |x| = 0.1 and (1 - e) / (1 + e) from 0.0625 cancelled: 18 and 7.5 ulp."""
+    x = torch.cat([torch.linspace(-1, 1, 2001), torch.linspace(-10, 10, 2001)])
+    opt = fxfuse.optimize(Pointwise(fn).eval(), x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert _ulps(opt(x), fn(x.double())) < 6
+
+
+@pytest.mark.parametrize("dtype,exponent", [(torch.float16, 0.5001), (torch.float16, -0.5001),
+                                            (torch.float32, 0.50000000001)])
+def test_an_exponent_that_only_rounds_to_a_half_is_no_square_root(dtype, exponent):
+    """fuzz36d: eager takes sqrt / rsqrt only for a written +-0.5: (-0.0) ** 0.5001 is +0.0, (-inf) ** it inf."""
+    model = Pointwise(lambda t: t ** exponent).eval()
+    opt = fxfuse.optimize(model, torch.rand(3, dtype=dtype) + 1, strict=True)
+    x = torch.tensor([-0.0, float("-inf"), 4.0, 0.3], dtype=dtype)
+    got, want = opt(x), model(x)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+def test_hardswish_multiplies_by_a_sixth_as_cuda_eager():
+    """fuzz36d: CUDA eager computes x * clamp(x + 3, 0, 6) * fp32(1/6); the kernel divided by 6."""
+    x = torch.linspace(-3.5, 3.5, 4001)
+    opt = fxfuse.optimize(Pointwise(nn.functional.hardswish).eval(), x, strict=True)
+    sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32)
+    assert torch.equal(opt(x), x * (x + 3).clamp(0, 6) * sixth)
