@@ -462,9 +462,11 @@ def stats(optimized) -> dict:
                 "specializations": 0, "kernel_launches": 0, "reference_fallbacks": 0}
     from fxfuse.passes.linear_epilogue import linear_relu
     fused = library = epilogues = 0
-    first = next(iter(optimized.specializations.values()), None)   # None after load_state_dict
-    for node in first.gm.graph.nodes if first is not None else ():
-        kind = node_kind(first.gm, node)
+    # the graph that served the latest call (the first built before any): a call with another
+    # dtype or a 0-size example built one that fused nothing, and the counts stayed its (fuzz36e)
+    current = max(optimized.specializations.values(), key=lambda s: s.last_call, default=None)   # None after a load
+    for node in current.gm.graph.nodes if current is not None else ():
+        kind = node_kind(current.gm, node)
         fused += kind == "fused kernel"
         library += kind == "library call"
         epilogues += node.target is linear_relu     # library calls with bias and ReLU in cuBLASLt's epilogue

@@ -15,7 +15,8 @@ class Options:
     strict: bool = False
     """Raise FxfuseError subclasses instead of falling back to the original module with a warning."""
     fuse: bool = True
-    """Fuse pointwise ops into generated Triton kernels (off: only normalize and the runtime)."""
+    """Fuse pointwise ops into generated Triton kernels (off: only normalize and the runtime; no
+    generated GEMM, fused MLP or Strassen kernels either, so a "force" of those is refused)."""
     cuda_graphs: bool = True
     """On CUDA, capture each specialization once in a CUDA graph and replay it."""
     max_specializations: int = 8
@@ -80,6 +81,10 @@ class Options:
         for name in ("strassen", "gemm", "fused_mlp", "tf32x3"):
             if getattr(opts, name) not in MODES:
                 raise OptionError(f"option {name}={getattr(opts, name)!r}; expected one of {MODES}")
+        forced = [name for name in ("strassen", "gemm", "fused_mlp", "tf32x3") if getattr(opts, name) == "force"]
+        if not opts.fuse and forced:   # (fuzz36e: gemm and fused_mlp were dropped in silence, Strassen was not)
+            raise OptionError(f"fuse=False turns off every generated kernel and {forced[0]}='force' asks for "
+                              "them: pass one or the other")
         if not 1 <= opts.strassen_levels <= MAX_STRASSEN_LEVELS:
             raise OptionError(f"strassen_levels must be 1..{MAX_STRASSEN_LEVELS}, got {opts.strassen_levels}")
         tol = opts.tolerance   # a negative or nan tolerance would silently reject (or accept) every layer

@@ -4,6 +4,7 @@ whole story: static inputs, memcpy nodes, the memory pool as the plan, output ha
 """
 import contextlib
 import io
+import itertools
 
 import torch
 import torch.fx
@@ -14,6 +15,8 @@ from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fi
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger
 from .module_state import storage_address
+
+CALL_ORDER = itertools.count()   # the order of calls over all specializations
 
 def signature(args) -> tuple:
     """What a specialization is built for, per argument: a tensor's shape, dtype, device,
@@ -116,6 +119,7 @@ class Specialization(SlotChoice):
         self.handout = None                # list of OutputSlots once captured; None: always clone
         self.handout_note = "outputs returned directly (no CUDA graph)"
         self.calls = self.handed_out = self.cloned = 0
+        self.last_call = -1                # CALL_ORDER at its latest call: stats() describes that one
         self._constant_storages = None     # (_run_directly)
         devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
         if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
@@ -247,6 +251,7 @@ class Specialization(SlotChoice):
 
     def __call__(self, args):
         self.calls += 1
+        self.last_call = next(CALL_ORDER)
         if self.graph is None:
             return self._run_directly(args)
         return self._replay(args)

@@ -309,6 +309,9 @@ class Grouping:
 def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     if options is not None and not options.fuse:
         gm.meta["fxfuse_skipped"] = True
+        for node in gm.graph.nodes:   # explain() said "not one of the pointwise ops fxfuse fuses" (fuzz36e)
+            if node.op == "call_function" and is_pointwise_target(node.target) and "decision" not in fxfuse_meta(node):
+                fxfuse_meta(node)["decision"] = "not fused: fuse=False"
         return gm
     use_kernels = True if options is None or options.use_kernels is None else options.use_kernels
     g = gm.graph

@@ -169,6 +169,8 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         one_rounding = _rounds_once(add)
         if one_rounding:
             use_library, reason = True, HALF_REASON
+        elif options is not None and not options.fuse:   # no kernel to take the add: the library's is free
+            use_library, reason = True, "bias in the library GEMM: fuse=False (no pointwise kernel to take it)"
         else:
             use_library, reason = bias_in_library_gemm(batch, k, n, meta.dtype, device, allow_tf32, _lone(add))
         # a 1-D weight (F.linear as a matrix-vector product), K = 0 or no rows, half types: never split, never timed

@@ -220,6 +220,8 @@ def _legal(layer: LinearLayer, options, model) -> dict:
                     else STRASSEN_MIN_ROWS_UNMEASURED)
         if options.strassen == "off":
             legal[name] = "strassen='off' (the default: Strassen changes rounding; opt in with 'auto')"
+        elif not options.fuse:
+            legal[name] = "fuse=False"
         elif levels > options.strassen_levels:
             legal[name] = f"strassen_levels={options.strassen_levels}"
         elif layer.m < min_rows or min(layer.k, layer.n) < STRASSEN_MIN_WIDTH:
@@ -289,7 +291,9 @@ def _epilogue_key(node, ops: int) -> tuple:
 
 def _mlp_legal(run: list, options, model) -> str | None:
     """None if layers `run` may be planned as one fused MLP kernel, else why not."""
-    if options.fused_mlp == "off" or not options.fuse:
+    if not options.fuse:
+        return "fuse=False"
+    if options.fused_mlp == "off":
         return "fused_mlp='off'"
     if not model.measured("mlp", run[0].dtype):
         return unmeasured("mlp")

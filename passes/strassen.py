@@ -145,7 +145,7 @@ def _decide_mode(layer: Layer, mode: str) -> str | None:
 
 
 def strassen(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
-    mode = "off" if options is None else options.strassen
+    mode = "off" if options is None or not options.fuse else options.strassen
     if mode == "off":
         gm.meta["fxfuse_skipped"] = True
         return gm

@@ -201,3 +201,40 @@ def test_hardswish_multiplies_by_a_sixth_as_cuda_eager():
     opt = fxfuse.optimize(Pointwise(nn.functional.hardswish).eval(), x, strict=True)
     sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32)
     assert torch.equal(opt(x), x * (x + 3).clamp(0, 6) * sixth)
+
+
+class SigmoidChain(nn.Module):
+    def forward(self, x):
+        return (x.sigmoid() * 2 + 1).tanh()
+
+
+def test_stats_describe_the_specialization_of_the_latest_call():
+    """fuzz36e: stats() counted the first specialization's kernels only: an fp64 example (not
+    fused) then fp32 calls said fused_kernels 0 next to kernel launches."""
+    model = SigmoidChain().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8, dtype=torch.float64))
+    assert fxfuse.stats(opt)["fused_kernels"] == 0
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["specializations"] == 2
+    opt(torch.randn(4, 8, dtype=torch.float64))
+    assert fxfuse.stats(opt)["fused_kernels"] == 0
+
+
+def test_fuse_false_means_no_generated_kernel_and_explain_says_so():
+    """fuzz36e: with fuse=False explain() said "bias fused into the pointwise kernel" and "not
+    one of the pointwise ops fxfuse fuses"; gemm/fused_mlp='force' were dropped in silence while
+    strassen='force' still built kernels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(4, 8)
+    for forced in ("gemm", "fused_mlp", "strassen", "tf32x3"):
+        with pytest.raises(fxfuse.OptionError, match=f"fuse=False .* {forced}='force'"):
+            fxfuse.optimize(model, x, fuse=False, **{forced: "force"})
+    opt = fxfuse.optimize(model, x, fuse=False, strassen="auto", strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["fused_kernels"] == 0 and fxfuse.stats(opt)["library_calls"] == 4   # 2 GEMMs with bias
+    text = fxfuse.explain(opt)
+    assert "bias fused into" not in text and "not one of the pointwise ops" not in text
+    assert "not fused: fuse=False" in text
