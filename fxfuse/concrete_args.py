@@ -325,3 +325,41 @@ def _held_tensors(model) -> list:
             for name in code.co_names if code is not None else ():
                 visit(scope.get(name), 1)
     return list(held.values())
+
+
+class ReturnedSize:
+    """Stands for torch.Size in a graph's output spec: torch's pytree unflattens a Size as a
+    tuple, so a model returning `x.shape[1:]` or `torch.Size((n, 4))` next to a tensor got a
+    tuple back from export's graph and was refused by the output check (fuzz36e)."""
+
+
+torch.utils._pytree.register_pytree_node(ReturnedSize, lambda size: (list(size), None),
+                                         lambda sizes, _: torch.Size(sizes),
+                                         serialized_type_name="fxfuse.concrete_args.ReturnedSize")
+
+
+def sizes_returned_as_sizes(gm: torch.fx.GraphModule) -> None:
+    """Where a pytree-generated graph returns a torch.Size, its output spec builds one."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    spec = getattr(info, "out_spec", None)
+
+    def rebuilt(node):
+        children = [rebuilt(child) for child in _children(node)]
+        if node.type is torch.Size:
+            return torch.utils._pytree.TreeSpec(ReturnedSize, None, children)
+        return torch.utils._pytree.TreeSpec(node.type, node.context, children) if children else node
+
+    if spec is not None and any(s.type is torch.Size for s in _spec_nodes(spec)):
+        gm.graph._codegen.pytree_info = info._replace(out_spec=rebuilt(spec))
+        gm.recompile()
+
+
+def _spec_nodes(spec):
+    yield spec
+    for child in _children(spec):
+        yield from _spec_nodes(child)
+
+
+def _children(spec) -> list:
+    """A TreeSpec's children: children() from torch 2.13 (children_specs warns there), else the field."""
+    return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)

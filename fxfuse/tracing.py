@@ -24,8 +24,8 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            held_tensor_versions, refuse_written_constants, split_concrete,
-                            written_constant)
+                            held_tensor_versions, refuse_written_constants, sizes_returned_as_sizes,
+                            split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -303,6 +303,7 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     gm = _quiet_export(model, tuple(example_args)).module()
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)
+    sizes_returned_as_sizes(gm)
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SIZE_ASSERTIONS]:
         gm.graph.erase_node(node)   # `u0 <= 24` on a masked index's size: its sym_size read is no size use (fuzz35g)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does

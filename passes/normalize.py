@@ -168,11 +168,14 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
         if _is_shape_value(node) and node.users:
             value = node.meta["fxfuse"]["value"]
-            returned = isinstance(value, torch.Size) and any(u.op == "output" for u in node.users)
-            for user in [u for u in node.users if not (returned and u.op == "output")]:
+            if isinstance(value, torch.Size) and any(u.op == "output" for u in node.users):
+                with g.inserting_before(node):   # torch.fx keeps no Size constant (it makes a tuple of it):
+                    size = g.call_function(torch.Size, (tuple(value),))   # built at run time, also where
+                for user in [u for u in node.users if u.op == "output"]:   # it is sliced from a folded one
+                    user.replace_input_with(node, size)                    # (`x.shape[1:]` came back a tuple; fuzz36e)
+            for user in list(node.users):
                 user.replace_input_with(node, value if not isinstance(value, torch.Size) else tuple(value))
-            if not returned:   # a Size returned by forward() is read at run time: torch.fx keeps no
-                g.erase_node(node)   # Size constant (it turns it into a tuple); pure, so erased
+            g.erase_node(node)   # pure, so erased
             continue
         if node.op == "call_function" and node.target in AUGMENTED_TWINS and (
                 _is_plain_number(node.args[0]) or node.target is operator.imatmul):   # torch has no __imatmul__

@@ -238,3 +238,20 @@ def test_fuse_false_means_no_generated_kernel_and_explain_says_so():
     text = fxfuse.explain(opt)
     assert "bias fused into" not in text and "not one of the pointwise ops" not in text
     assert "not fused: fuse=False" in text
+
+
+class ReturnsSizes(nn.Module):
+    def forward(self, x):
+        n = x.shape[0]
+        return x.relu() * 2, x.shape[1:], torch.Size((n, 4)), x.shape, x.size(-1)
+
+
+def test_sizes_returned_next_to_a_tensor_stay_sizes():
+    """fuzz36e: `x.shape[1:]` came back as a tuple; the output check refused the model."""
+    model = ReturnsSizes().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8, 3), strict=True)
+    x = torch.randn(4, 8, 3)
+    got, want = opt(x), model(x)
+    assert [type(v) for v in got] == [type(v) for v in want] and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
