@@ -8,6 +8,7 @@ defaults of the parameters the example leaves out (as the call binds them).
 import enum
 import inspect
 import operator
+import sys
 import types
 
 import torch
@@ -28,18 +29,18 @@ def split_concrete(model: torch.nn.Module, example_args: tuple):
             continue
         if _holds_tensor(a):
             raise UnsupportedError(
-                f"example argument {k} is a {type(a).__name__} holding tensors; fxfuse takes tensors and "
+                f"argument {k} is a {_type_name(a)} holding tensors; fxfuse takes tensors and "
                 "plain values (numbers, None, tuples of them) as arguments. Pass the tensors as separate "
                 "arguments (a wrapper module whose forward(x, y) calls the model with [x, y] does it)")
         if any(isinstance(v, (float, complex)) and v != v for v in torch.utils._pytree.tree_leaves(a)):
             raise UnsupportedError(
-                f"example argument {k} is (or holds) NaN; fxfuse specializes the graph on the values of "
+                f"argument {k} is (or holds) NaN; fxfuse specializes the graph on the values of "
                 "non-tensor arguments and checks them on every call, and NaN never equals itself. Pass it "
                 "as a tensor")
         odd = _not_plain(a)
         if odd is not None:
             raise UnsupportedError(
-                f"example argument {k} is (or holds) a {type(odd).__name__}; fxfuse takes tensors and plain "
+                f"argument {k} is (or holds) a {_type_name(odd)} value; fxfuse takes tensors and plain "
                 "values (numbers, strings, None, dtypes, devices, tuples/lists/dicts of them), on which the "
                 "graph is specialized and each call is checked by value. An array or object argument could "
                 "change (in place, or an attribute) without the check seeing it: pass it as a tensor")
@@ -104,12 +105,33 @@ PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.de
                torch.layout, type(Ellipsis), slice, enum.Enum)
 
 
+def _type_name(value) -> str:
+    """`numpy.ndarray`, `list`: where the argument's type comes from (the example's, or that of a
+    call that needed a new specialization: "example argument 1 is a int64" said neither; fuzz36e)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _not_plain(value):
     """The first leaf of value that is not a plain value (its repr says all of it), else None."""
     for leaf in torch.utils._pytree.tree_leaves(value):
-        if not isinstance(leaf, PLAIN_TYPES):
+        if not isinstance(leaf, PLAIN_TYPES) and not is_numpy_number(leaf):
             return leaf
     return None
+
+
+def is_numpy_number(value) -> bool:
+    """A numpy scalar of a number type (np.float32(2.0), np.int64(3), np.bool_): immutable, and
+    torch's ops read it as the Python number it holds (fuzz36e: such arguments were refused)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) and value.dtype.kind in "biufc"
+
+
+def numpy_scalars_as_numbers(args: tuple) -> tuple:
+    """The arguments the tracers see: torch.fx and torch.export take no numpy scalar, so each
+    becomes the Python number it holds (verify then runs the model on the arguments as given)."""
+    return tuple(torch.utils._pytree.tree_map(lambda v: v.item() if is_numpy_number(v) else v, a)
+                 if not isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _holds_tensor(value) -> bool:

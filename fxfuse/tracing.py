@@ -24,8 +24,8 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            held_tensor_versions, refuse_written_constants, sizes_returned_as_sizes,
-                            split_concrete, written_constant)
+                            held_tensor_versions, numpy_scalars_as_numbers, refuse_written_constants,
+                            sizes_returned_as_sizes, split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -135,6 +135,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     meta says what the trace read (the grad/inference mode, the model's attribute names).
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
+    example_args = numpy_scalars_as_numbers(example_args)
     concrete = split_concrete(model, example_args)[0]
     held = held_tensor_versions(model)   # before the trace: a write during it moves a version
     inference_mode = torch.is_inference_mode_enabled()

@@ -255,3 +255,22 @@ def test_sizes_returned_next_to_a_tensor_stay_sizes():
     assert [type(v) for v in got] == [type(v) for v in want] and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+class Scaled(nn.Module):
+    def forward(self, x, scale=1.0, n=2):
+        return (x * scale).sigmoid().reshape(n, -1)
+
+
+def test_numpy_scalar_arguments_are_numbers():
+    """fuzz36e: np.float32 / np.int64 arguments were refused (immutable numbers, as torch reads them)."""
+    import numpy as np
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    x = torch.randn(4, 6)
+    opt = fxfuse.optimize(model, (x, np.float32(0.3), np.int64(4)), strict=True)
+    assert isinstance(opt, fxfuse.runtime.OptimizedModule) and fxfuse.stats(opt)["fused_kernels"] == 1
+    for args in [(np.float32(0.3), np.int64(4)), (np.float32(0.3), np.int64(4)), (0.5, 2), (np.float64(0.7), np.int32(3))]:
+        x = torch.randn(4, 6)
+        torch.testing.assert_close(opt(x, *args), model(x, *args))
+    assert fxfuse.stats(opt)["specializations"] == 3   # the first one served its repeat
