@@ -385,3 +385,13 @@ def _spec_nodes(spec):
 def _children(spec) -> list:
     """A TreeSpec's children: children() from torch 2.13 (children_specs warns there), else the field."""
     return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
+
+
+def refuse_vmap(gm: torch.fx.GraphModule) -> None:
+    """torch.export records torch.vmap as batching-level nodes whose results nothing reads: dead
+    code elimination dropped them and shape propagation then failed with a message about the
+    example's shapes (fuzz36c); keeping them, vmap's own checks failed inside the passes."""
+    vmapped = [n for n in gm.graph.nodes if "_vmap_increment_nesting" in getattr(n.target, "__name__", "")]
+    if vmapped:
+        raise UnsupportedError(f"forward() calls torch.vmap (node {vmapped[0].name}): fxfuse does not rewrite "
+                               "vmapped code")

@@ -24,8 +24,8 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            held_tensor_versions, numpy_scalars_as_numbers, refuse_written_constants,
-                            sizes_returned_as_sizes, split_concrete, written_constant)
+                            held_tensor_versions, numpy_scalars_as_numbers, refuse_vmap,
+                            refuse_written_constants, sizes_returned_as_sizes, split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -302,6 +302,7 @@ def _only_passes_through(params) -> bool:
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
     gm = _quiet_export(model, tuple(example_args)).module()
+    refuse_vmap(gm)
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)
     sizes_returned_as_sizes(gm)

@@ -274,3 +274,22 @@ def test_numpy_scalar_arguments_are_numbers():
         x = torch.randn(4, 6)
         torch.testing.assert_close(opt(x, *args), model(x, *args))
     assert fxfuse.stats(opt)["specializations"] == 3   # the first one served its repeat
+
+
+class HyperVmap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hyper = nn.Linear(3, 4 * 5 + 5)
+
+    def forward(self, x, z):
+        params = self.hyper(z)
+        w, b = params[:, :20].reshape(-1, 5, 4), params[:, 20:]
+        return torch.vmap(nn.functional.linear)(x, w, b).relu()
+
+
+def test_vmap_in_forward_is_named_in_the_fallback_warning():
+    """fuzz36c: the warning said to check the example's shapes and dtypes."""
+    model, x, z = HyperVmap().eval(), torch.randn(2, 7, 4), torch.randn(2, 3)
+    with pytest.warns(fxfuse.FxfuseWarning, match="torch.vmap") as record:
+        opt = fxfuse.optimize(model, (x, z))
+    assert len(record) == 1 and opt is model
