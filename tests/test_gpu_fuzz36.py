@@ -1,0 +1,70 @@
+"""Stop 36 on the GPU: expm1 / tanh rewritten for accuracy, hardswish as CUDA eager, transposes
+and expands inside fused chains."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxfuse
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
+
+
+class _Pointwise(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x * 1.0)
+
+
+def _ulps(got, truth):
+    t = truth.float().abs()
+    step = (torch.nextafter(t, torch.full_like(t, float("inf"))) - t).double()
+    return ((got.double() - truth).abs() / step).max().item()
+
+
+FUNCTIONS = {"expm1": torch.expm1, "elu": F.elu, "selu": F.selu, "tanh": torch.tanh, "mish": F.mish,
+             "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "tanhshrink": F.tanhshrink}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_expm1_and_tanh_forms_are_about_as_accurate_as_cuda_eager(name):
+    fn = FUNCTIONS[name]
+    x = torch.cat([torch.linspace(-1, 1, 20001), torch.linspace(-12, 12, 20001)]).cuda()
+    opt = fxfuse.optimize(_Pointwise(fn).eval(), x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    truth = fn(x.double())
+    got, eager = opt(x), fn(x)
+    # tl.exp is ex2.approx on the GPU: a few ulp more than CUDA's expf, not the 18 of exp(x) - 1
+    assert _ulps(got, truth) <= _ulps(eager, truth) + 8, (_ulps(got, truth), _ulps(eager, truth))
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30, 0.5, -0.5,
+                            0.0625, -0.0625], device="cuda")
+    torch.testing.assert_close(opt(special), fn(special), equal_nan=True)
+    assert torch.equal(opt(special[:2]).signbit(), fn(special[:2]).signbit())
+
+
+def test_hardswish_is_cuda_eagers_to_the_bit():
+    x = torch.linspace(-3.5, 3.5, 70001, device="cuda")
+    opt = fxfuse.optimize(_Pointwise(F.hardswish).eval(), x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert torch.equal(opt(x), F.hardswish(x))
+
+
+class _TransposedChain(nn.Module):
+    def forward(self, x, b):
+        z = torch.relu(x).t() * 2 + 1
+        return (z.expand(3, *z.shape) + b).sigmoid().mT.exp()
+
+
+def test_transposes_and_expands_inside_one_kernel_on_cuda():
+    torch.manual_seed(0)
+    x, b = torch.randn(40, 50, device="cuda"), torch.randn(3, 50, 40, device="cuda")
+    opt = fxfuse.optimize(_TransposedChain().eval(), (x, b), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    for _ in range(2):
+        got, want = opt(x, b), _TransposedChain()(x, b)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+        x, b = torch.randn_like(x), torch.randn_like(b)
