@@ -25,8 +25,8 @@ def _ulps(got, truth):
     return ((got.double() - truth).abs() / step).max().item()
 
 
-FUNCTIONS = {"expm1": torch.expm1, "elu": F.elu, "selu": F.selu, "tanh": torch.tanh, "mish": F.mish,
-             "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "tanhshrink": F.tanhshrink}
+# (GELU's tanh form and tanhshrink cancel in eager too, by other amounts: compared with a tolerance elsewhere)
+FUNCTIONS = {"expm1": torch.expm1, "elu": F.elu, "selu": F.selu, "tanh": torch.tanh, "mish": F.mish}
 
 
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
