@@ -295,8 +295,8 @@ def _verify(model, gm, args, rewind) -> list:
                         "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
                         "the rewrite on it: optimize with an example input whose eager result is finite")
                 raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
-                                  "(Python control flow on a tensor attribute such as requires_grad, or on a "
-                                  "global flag), or the output turns a last-bit rounding difference into a large "
+                                  "(Python control flow on a tensor attribute such as requires_grad or "
+                                  "is_contiguous(), or on a global flag), or the output turns a last-bit rounding difference into a large "
                                   "one (sin or cos of large values, a comparison or a cast to integers of an "
                                   "intermediate), or this is a bug in fxfuse: please report it with explain()")
     return expected

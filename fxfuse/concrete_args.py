@@ -121,15 +121,18 @@ def _not_plain(value):
 
 
 def is_numpy_number(value) -> bool:
-    """A numpy scalar of a number type (np.float32(2.0), np.int64(3), np.bool_): immutable, and
-    torch's ops read it as the Python number it holds (fuzz36e: such arguments were refused)."""
+    """A numpy scalar of a number type (np.float32(2.0), np.int64(3)): immutable, and torch's ops
+    read it as the Python number it holds (fuzz36e: such arguments were refused). Not np.bool_
+    (torch reads it as a float: review36) nor long doubles (no Python number holds them)."""
     numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, numpy.generic) and value.dtype.kind in "biufc"
+    return numpy is not None and isinstance(value, numpy.generic) and value.dtype.kind in "iufc" \
+        and value.dtype.itemsize <= (16 if value.dtype.kind == "c" else 8)
 
 
 def numpy_scalars_as_numbers(args: tuple) -> tuple:
-    """The arguments the tracers see: torch.fx and torch.export take no numpy scalar, so each
-    becomes the Python number it holds (verify then runs the model on the arguments as given)."""
+    """The arguments torch.export sees: it takes no numpy scalar, so each becomes the Python number
+    it holds. symbolic_trace runs forward() on them as given (numpy's arithmetic, as eager: `(k +
+    1e-9) - k` in float32 is 0; review36) and records a number where one reaches an op."""
     return tuple(torch.utils._pytree.tree_map(lambda v: v.item() if is_numpy_number(v) else v, a)
                  if not isinstance(a, torch.Tensor) else a for a in args)
 

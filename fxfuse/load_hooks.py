@@ -4,6 +4,8 @@ import functools
 import operator
 import weakref
 
+import torch
+
 
 class RebuildOnLoad:
     """load_state_dict post hook on every submodule of the original model: drops the
@@ -34,17 +36,63 @@ def remove_hooks(handles) -> None:
         handle.remove()
 
 
-def load_drops_specializations(module, state_dict, prefix, *args) -> None:
-    """opt.load_state_dict: drop the specializations (built from the old weights), and ignore
-    the "specialization_N." keys that a state_dict of an older fxfuse holds. The model's own
-    keys are read as the original child's (state_dict_as_original); "original."-prefixed ones
-    (saved by fxfuse before stop 36) are taken as they are."""
+def load_drops_specializations(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                               error_msgs) -> None:
+    """opt.load_state_dict (or a parent's): drop the specializations (built from the old weights)
+    and read the model's own keys as the original child's (state_dict_as_original).
+
+    A state_dict saved by fxfuse before stop 36 names them "original.x" (as named_parameters()
+    does): taken as they are where none of them is one of the model's own keys (a model may
+    have a child called `original`: review36). An older fxfuse's "specialization_N." keys are
+    dropped unless the model has such keys itself (review36: its own were deleted)."""
     module.drop_specializations("load_state_dict")
-    for key in [k for k in state_dict if k.startswith(prefix + "specialization_")]:
+    module.__dict__["_load_prefix"] = prefix   # the names the post hook gives back
+    own = set(module.original.state_dict(keep_vars=True))
+    ours = [k for k in state_dict if k.startswith(prefix)]
+    for key in [k for k in ours if k[len(prefix):].startswith("specialization_") and k[len(prefix):] not in own]:
         del state_dict[key]
+    ours = [k for k in ours if k in state_dict]
     inner = prefix + "original."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+    if all(k.startswith(inner) for k in ours) and not any(k[len(prefix):] in own for k in ours):
+        return   # the older form ("original."-prefixed), or nothing of ours
+    for key in ours:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)   # each submodule's state version, filed by its
+    if metadata is not None:                            # plain name: the lookups go by the prefixed one
+        for name in [n for n in metadata if n == prefix[:-1] or n.startswith(prefix) and not n.startswith(inner)]:
+            metadata.setdefault(inner[:-1] + ("." + name[len(prefix):] if name != prefix[:-1] else ""), metadata[name])
+    elif sensitive := version_sensitive(module.original):
+        # a parent's load: torch looks each child's version up by its full name in metadata this
+        # hook cannot reach, so a module that converts old checkpoints by version would convert
+        # this one again (review36: silently wrong weights)
+        error_msgs.append(f"fxfuse: {sensitive} loads by its state version, which a parent's load_state_dict "
+                          f"cannot pass through the optimized module at '{prefix[:-1]}' for keys without "
+                          "'original.': call load_state_dict on the optimized module itself, or load the "
+                          "model before optimizing it")
+
+
+def version_sensitive(model) -> str | None:
+    """The first submodule whose own loading reads its state version (a `_version` above 1 and
+    its own _load_from_state_dict), BatchNorm's aside (its version 1 path only adds a missing
+    num_batches_tracked), else None."""
+    from torch.nn.modules.batchnorm import _NormBase
+    for name, m in model.named_modules():
+        cls = type(m)
+        if getattr(cls, "_version", 1) > 1 and cls._load_from_state_dict is not torch.nn.Module._load_from_state_dict \
+                and cls._load_from_state_dict is not _NormBase._load_from_state_dict:
+            return f"{name or 'the model'} ({cls.__name__})"
+    return None
+
+
+def keys_named_as_saved(module, incompatible_keys) -> None:
+    """load_state_dict's missing and unexpected keys by the names opt.state_dict() uses (review36:
+    "original.fc.bias" was reported for a key saved as "fc.bias")."""
+    prefix = module.__dict__.get("_load_prefix")
+    if prefix is None:
+        return
+    inner = prefix + "original."
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [prefix + k[len(inner):] if k.startswith(inner) else k for k in keys]
 
 
 def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
@@ -53,7 +101,8 @@ def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
     saves checkpoints that load into the plain model, and loads the ones saved before the swap
     (fuzz36e: both failed, and a `strict=False` load loaded nothing). The keys are ours, the
     last ones in the dict: popped and put back, they keep their order. Each submodule's metadata
-    (its state version) is filed under the plain name too; named_parameters() is unchanged."""
+    (its state version) is filed under the plain name too, the model's own in place of the
+    OptimizedModule's (review36); named_parameters() is unchanged."""
     inner = prefix + "original."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
@@ -61,4 +110,7 @@ def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
     if metadata is not None:
         for name in [n for n in metadata if n == inner[:-1] or n.startswith(inner)]:
             plain = (prefix + name[len(inner):]) if name != inner[:-1] else prefix[:-1]
-            metadata.setdefault(plain, metadata[name])
+            if name == inner[:-1]:
+                metadata[plain] = metadata[name]
+            else:
+                metadata.setdefault(plain, metadata[name])

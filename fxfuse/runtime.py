@@ -47,7 +47,8 @@ from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positi
 from .delegation import PassesThroughToOriginal
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
-from .load_hooks import RebuildOnLoad, load_drops_specializations, remove_hooks, state_dict_as_original
+from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
+                         state_dict_as_original)
 from .log import logger
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
@@ -122,6 +123,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         weakref.finalize(self, remove_hooks, handles)
         self.register_load_state_dict_pre_hook(load_drops_specializations)
         self.register_state_dict_post_hook(state_dict_as_original)
+        self.register_load_state_dict_post_hook(keys_named_as_saved)
         self._passing_through = True   # from here, a write of the original's names is the original's
 
     @property

@@ -24,7 +24,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            held_tensor_versions, numpy_scalars_as_numbers, refuse_vmap,
+                            held_tensor_versions, is_numpy_number, numpy_scalars_as_numbers, refuse_vmap,
                             refuse_written_constants, sizes_returned_as_sizes, split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
@@ -135,7 +135,6 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     meta says what the trace read (the grad/inference mode, the model's attribute names).
     Not thread-safe (torch.fx's tracing is not): runtime.BUILD_LOCK serializes builds."""
     start = time.perf_counter()
-    example_args = numpy_scalars_as_numbers(example_args)
     concrete = split_concrete(model, example_args)[0]
     held = held_tensor_versions(model)   # before the trace: a write during it moves a version
     inference_mode = torch.is_inference_mode_enabled()
@@ -301,6 +300,7 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
+    example_args = numpy_scalars_as_numbers(example_args)
     gm = _quiet_export(model, tuple(example_args)).module()
     refuse_vmap(gm)
     _specialize_values(gm, example_args)
@@ -452,6 +452,8 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
         the optimized module returned another type than the model, which the verification
         refused. Rebuilt as OrderedDict(dict) in the graph instead."""
+        if is_numpy_number(a):   # as torch's ops read a numpy scalar (concrete_args.numpy_scalars_as_numbers)
+            return a.item()
         if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
         if isinstance(a, dict) and type(a) not in (dict, torch.fx.immutable_collections.immutable_dict):

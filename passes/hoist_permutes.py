@@ -44,7 +44,9 @@ aten = torch.ops.aten
 
 PERMUTE_METHODS = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t"}
 PERMUTE_FUNCTIONS = {torch.permute, torch.transpose, torch.swapaxes, torch.swapdims, torch.movedim,
-                     torch.moveaxis, torch.t, aten.permute.default, aten.transpose.int, aten.t.default}
+                     torch.moveaxis, torch.t, aten.permute.default, aten.transpose.int, aten.t.default,
+                     aten.numpy_T.default, aten.mT.default, aten.swapaxes.default, aten.swapdims.default,
+                     aten.movedim.int, aten.movedim.intlist, aten.moveaxis.int, aten.moveaxis.intlist}   # export's
 # `y.T` and `y.mT` are attribute reads (getattr nodes): the same permutes (fuzz35, left open then).
 # `.H`/`.mH` conjugate complex values, which a pointwise op need not commute with: not taken.
 PERMUTE_ATTRIBUTES = {"T", "mT"}
@@ -87,11 +89,13 @@ def _same_strides(a, b, shape) -> bool:
 
 def _chain(permute) -> tuple:
     """(op, [layout nodes from op's result to the permute]) where the permute reads a pointwise
-    op directly or through one reshape that nothing else reads (torch.export's MultiheadAttention
-    output: view, then transpose), else (None, [])."""
+    op directly or through reshapes and permutes that nothing else reads (torch.export's
+    MultiheadAttention output: view, then transpose; `.transpose(0, 1).permute(2, 1, 0)`,
+    review36), else (None, [])."""
     chain, src = [permute], permute.args[0]
-    if reshape_source(src) is not None and src.op != "call_module" and len(src.users) == 1:
-        chain, src = [src, permute], src.args[0]
+    while len(chain) < 4 and len(src.users) == 1 and src.op != "call_module" and bool(src.args) and (
+            _is_permute(src) or reshape_source(src) is not None):
+        chain, src = [src, *chain], src.args[0]
     if src.op == "call_function" and is_pointwise_target(src.target):
         return src, chain
     return None, []
@@ -204,7 +208,7 @@ def _drop_contiguous_before_pointwise(gm, written, options) -> None:
 
 
 EXPAND_METHODS = {"expand", "expand_as", "broadcast_to"}
-EXPAND_FUNCTIONS = {torch.broadcast_to, aten.expand.default}
+EXPAND_FUNCTIONS = {torch.broadcast_to, aten.expand.default, aten.expand_as.default, aten.broadcast_to.default}
 
 
 def _broadcast_alone(expand, reader) -> bool:

@@ -293,3 +293,131 @@ def test_vmap_in_forward_is_named_in_the_fallback_warning():
     with pytest.warns(fxfuse.FxfuseWarning, match="torch.vmap") as record:
         opt = fxfuse.optimize(model, (x, z))
     assert len(record) == 1 and opt is model
+
+
+class Versioned(nn.Module):
+    """Version 1 stored log(scale), version 2 scale: an upgrade on load, as BatchNorm's (review36)."""
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+
+    def _load_from_state_dict(self, state, prefix, local_metadata, *args):
+        if local_metadata.get("version") is None or local_metadata["version"] < 2:
+            if prefix + "scale" in state:
+                state[prefix + "scale"] = state[prefix + "scale"].exp()
+        super()._load_from_state_dict(state, prefix, local_metadata, *args)
+
+    def forward(self, x):
+        return torch.relu(x * self.scale) + 1
+
+
+class HoldsVersioned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sc = Versioned()
+
+    def forward(self, x):
+        return self.sc(x) * 2
+
+
+def test_loading_plain_keys_keeps_each_submodules_state_version():
+    """review36: the keys were renamed, the versions not: the submodule upgraded a current
+    checkpoint again. A parent's load cannot pass them: it raises, naming the module."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    source = HoldsVersioned().eval()
+    opt = fxfuse.optimize(HoldsVersioned().eval(), x, strict=True)
+    opt.load_state_dict(source.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), source(x))
+    saved = opt.state_dict()
+    assert saved._metadata[""]["version"] == 1 and saved._metadata["sc"]["version"] == 2
+    plain = HoldsVersioned().eval()
+    plain.load_state_dict(saved)
+    assert torch.equal(plain.sc.scale, source.sc.scale)
+    parent = nn.Sequential(HoldsVersioned()).eval()
+    checkpoint = parent.state_dict()
+    parent[0] = fxfuse.optimize(parent[0], x, strict=True)
+    with pytest.raises(RuntimeError, match="sc \\(Versioned\\) loads by its state version"):
+        parent.load_state_dict(checkpoint)
+
+
+class ChildCalledOriginal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.original, self.specialization_0 = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.relu(self.original(x)) + self.specialization_0(x)
+
+
+def test_a_model_with_children_named_original_and_specialization_loads_its_own_keys():
+    """review36: "original.x" keys were taken for fxfuse's older form, "specialization_0.x" deleted."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    source = _trained(ChildCalledOriginal())
+    opt = fxfuse.optimize(ChildCalledOriginal().eval(), x, strict=True)
+    opt.load_state_dict(source.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), source(x))
+    again = ChildCalledOriginal().eval()
+    again.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), source.state_dict().values()))
+    legacy = {"original." + k: v for k, v in _trained(ChildCalledOriginal()).state_dict().items()}
+    opt.load_state_dict(legacy)   # fxfuse's form before stop 36
+    assert torch.equal(opt.original.original.weight, legacy["original.original.weight"])
+
+
+def test_missing_and_unexpected_keys_are_named_as_state_dict_names_them():
+    opt = fxfuse.optimize(Block().eval(), torch.randn(4, 6), strict=True)
+    state = _trained(Block()).state_dict()
+    state.pop("lin.bias")
+    state["extra"] = torch.zeros(1)
+    result = opt.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["lin.bias"] and result.unexpected_keys == ["extra"]
+
+
+class NumpyArithmetic(nn.Module):
+    def forward(self, x, k):
+        return x + 1e4 * ((k + 1e-9) - k)   # 0 in numpy's float32, 1e-9 in Python's double
+
+
+def test_forward_computes_with_a_numpy_scalar_as_eager_does():
+    """review36: traced as Python numbers, float32 arithmetic in forward() ran in double."""
+    import numpy as np
+    model = NumpyArithmetic().eval()
+    opt = fxfuse.optimize(model, (torch.randn(4), np.float32(0.1)), strict=True)
+    x = torch.randn(4)
+    assert torch.equal(opt(x, np.float32(0.1)), model(x, np.float32(0.1)))
+
+
+class ThroughExport(nn.Module):
+    """forward(*args): fxfuse traces it with torch.export, which records aten spellings."""
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+EXPORT_SPELLINGS = {
+    "T": (lambda x, y: (x * 2).T + y, (4, 6), (6, 4)),
+    "mT": (lambda x, y: (x * 2).mT + y, (3, 4, 6), (3, 6, 4)),
+    "swapaxes": (lambda x, y: (x * 2).swapaxes(1, 2) + y, (3, 4, 6), (3, 6, 4)),
+    "movedim": (lambda x, y: (x * 2).movedim(2, 1) + y, (3, 4, 6), (3, 6, 4)),
+    "expand_as": (lambda x, y: (y * 2).expand_as(x) + x, (3, 4, 6), (4, 6)),
+    "broadcast_to": (lambda x, y: (y * 2).broadcast_to(3, 4, 6) + x, (3, 4, 6), (4, 6)),
+    "two layout ops": (lambda x, y: (x * 2).transpose(0, 1).permute(2, 1, 0) + y, (2, 4, 6), (6, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPORT_SPELLINGS))
+def test_layout_ops_in_exports_spellings_and_in_a_row_do_not_split_a_chain(name):
+    """review36: aten.numpy_T / mT / swapaxes / movedim / expand_as / broadcast_to (torch.export's
+    spellings) and two layout ops in a row split the chain into 2 kernels."""
+    fn, a, b = EXPORT_SPELLINGS[name]
+    torch.manual_seed(0)
+    _check(ThroughExport(fn).eval(), torch.randn(*a), torch.randn(*b), kernels=1)
