@@ -179,11 +179,13 @@ def _exp2_log2(e: float, x: str) -> str:
 def _clamp(x, min=None, max=None) -> str:
     if any(b is not None and math.isnan(b) for b in (min, max)):
         return f"tl.where({x} == {x}, {literal(math.nan)}, {literal(math.nan)})"  # a nan bound: all nan, as torch
-    out = x
-    if min is not None:
-        out = f"tl.where({out} < {literal(min)}, {literal(min)}, {out})"  # keeps nan, as torch.clamp
+    out = x   # keeps nan, as torch.clamp; a zero bound as CUDA's max / min (IEEE: -0 < +0): a -0.0
+    if min is not None:   # clamped at +0.0 is +0.0, a +0.0 clamped from above at -0.0 is -0.0
+        below = "<=" if min == 0 and math.copysign(1.0, min) > 0 else "<"
+        out = f"tl.where({out} {below} {literal(min)}, {literal(min)}, {out})"
     if max is not None:
-        out = f"tl.where({out} > {literal(max)}, {literal(max)}, {out})"
+        above = ">=" if max == 0 and math.copysign(1.0, max) < 0 else ">"
+        out = f"tl.where({out} {above} {literal(max)}, {literal(max)}, {out})"
     return out
 
 
@@ -249,7 +251,7 @@ _TABLE = [
     _op("log1p", torch.log1p, 1, lambda a: f"_log1p({a})"),
     _op("clamp", torch.clamp, 1, _clamp, ("min", "max"), min=None, max=None),
     # activations
-    _op("relu", torch.relu, 1, lambda a: f"tl.where({a} < 0, 0.0, {a})"),  # keeps nan
+    _op("relu", torch.relu, 1, lambda a: f"tl.where({a} <= 0, 0.0, {a})"),  # keeps nan; -0.0 -> +0.0 as CUDA
     _op("sigmoid", torch.sigmoid, 1, lambda a: f"_sigmoid({a})"),
     _op("tanh", torch.tanh, 1, lambda a: f"_tanh({a})"),
     _op("gelu", F.gelu, 1, lambda a, approximate="none": (
@@ -336,13 +338,16 @@ def _sqrt(a):
 
 @triton.jit
 def _maximum(a, b):
-    return tl.where(a != a, a, tl.where(a > b, a, b))  # nan propagates, as torch.maximum; no `|`:
-    # the interpreter cannot or a 0-d (scalar-loaded) mask with a block mask
+    # nan propagates, as torch.maximum; zeros as CUDA eager (IEEE: -0 < +0, so maximum(+0, -0)
+    # is +0 in either order: a + b there); no `|`: the interpreter cannot or a 0-d mask with a block
+    return tl.where(a != a, a, tl.where(a == b, tl.where(a == 0, a + b, a), tl.where(a > b, a, b)))
 
 
 @triton.jit
 def _minimum(a, b):
-    return tl.where(a != a, a, tl.where(a < b, a, b))
+    # minimum(+0, -0) is -0 in either order: -(-a + -b) there (Triton's unary minus is 0 - x)
+    return tl.where(a != a, a, tl.where(a == b, tl.where(a == 0, ((a * -1.0) + (b * -1.0)) * -1.0, a),
+                                        tl.where(a < b, a, b)))
 
 
 @triton.jit

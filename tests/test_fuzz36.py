@@ -421,3 +421,22 @@ def test_layout_ops_in_exports_spellings_and_in_a_row_do_not_split_a_chain(name)
     fn, a, b = EXPORT_SPELLINGS[name]
     torch.manual_seed(0)
     _check(ThroughExport(fn).eval(), torch.randn(*a), torch.randn(*b), kernels=1)
+
+
+SIGNED_ZERO_OPS = {"maximum": (torch.maximum, ["+", "+", "+", "-"]), "minimum": (torch.minimum, ["-", "-", "+", "-"]),
+                   "relu": (lambda x, y: torch.relu(x), ["+", "+", "+", "+"]),
+                   "clamp_min_0": (lambda x, y: torch.clamp(x, min=0.0), ["+", "+", "+", "+"]),
+                   "clamp_tensor_max": (lambda x, y: torch.clamp(x, max=y), ["-", "-", "+", "-"])}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNED_ZERO_OPS))
+def test_signed_zeros_follow_cuda_eager(name):
+    """maximum(+0, -0) was -0 (stop 35's note). CUDA eager (H100, torch 2.11: .scratch probe in
+    stop 36) orders -0 < +0: maximum/clamp-from-below give +0 on a tie of zeros, minimum -0, and
+    relu(-0) is +0; CPU eager returns its first operand instead. The kernels follow CUDA."""
+    fn, signs = SIGNED_ZERO_OPS[name]
+    model = Pointwise(lambda t: fn(t[0], t[1])).eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 4), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    got = opt(torch.tensor([[0.0, -0.0, 0.0, -0.0], [-0.0, 0.0, 0.0, -0.0]]))
+    assert ["-" if s else "+" for s in got.signbit().tolist()] == signs

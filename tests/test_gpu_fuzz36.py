@@ -69,3 +69,30 @@ def test_transposes_and_expands_inside_one_kernel_on_cuda():
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want)
         x, b = torch.randn_like(x), torch.randn_like(b)
+
+
+class _Binary(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, y):
+        return self.fn(x * 1.0, y * 1.0)
+
+
+SIGNED_ZERO_OPS = {"maximum": torch.maximum, "minimum": torch.minimum, "relu": lambda x, y: torch.relu(x),
+                   "clamp_min_0": lambda x, y: torch.clamp(x, min=0.0), "relu6": lambda x, y: F.relu6(x),
+                   "clamp_tensor_min": lambda x, y: torch.clamp(x, min=y),
+                   "clamp_tensor_max": lambda x, y: torch.clamp(x, max=y), "leaky_relu": lambda x, y: F.leaky_relu(x)}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNED_ZERO_OPS))
+def test_signed_zeros_and_nans_as_cuda_eager(name):
+    fn = SIGNED_ZERO_OPS[name]
+    a = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, float("nan"), 2.0, -3.0, 5.0], device="cuda")
+    b = torch.tensor([-0.0, 0.0, 0.0, -0.0, 1.0, 1.0, float("nan"), -3.0, -5.0], device="cuda")
+    opt = fxfuse.optimize(_Binary(fn).eval(), (torch.randn(9, device="cuda"), torch.randn(9, device="cuda")), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    got, want = opt(a, b), fn(a, b)
+    assert torch.equal(got.signbit(), want.signbit()) and torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, equal_nan=True)
