@@ -38,6 +38,10 @@ def split_concrete(model: torch.nn.Module, example_args: tuple):
                 "non-tensor arguments and checks them on every call, and NaN never equals itself. Pass it "
                 "as a tensor")
         odd = _not_plain(a)
+        if odd is not None and _numpy_scalar(odd):   # refused (review36b): traced as a Python number it came
+            raise UnsupportedError(                    # back as one, complex ones changed dtypes, export crashed
+                f"argument {k} is (or holds) a {_type_name(odd)} scalar; fxfuse specializes on plain Python "
+                "values: pass float(v) or int(v) (numpy's types and arithmetic are not Python's), or a tensor")
         if odd is not None:
             raise UnsupportedError(
                 f"argument {k} is (or holds) a {_type_name(odd)} value; fxfuse takes tensors and plain "
@@ -115,26 +119,14 @@ def _type_name(value) -> str:
 def _not_plain(value):
     """The first leaf of value that is not a plain value (its repr says all of it), else None."""
     for leaf in torch.utils._pytree.tree_leaves(value):
-        if not isinstance(leaf, PLAIN_TYPES) and not is_numpy_number(leaf):
+        if not isinstance(leaf, PLAIN_TYPES):
             return leaf
     return None
 
 
-def is_numpy_number(value) -> bool:
-    """A numpy scalar of a number type (np.float32(2.0), np.int64(3)): immutable, and torch's ops
-    read it as the Python number it holds (fuzz36e: such arguments were refused). Not np.bool_
-    (torch reads it as a float: review36) nor long doubles (no Python number holds them)."""
+def _numpy_scalar(value) -> bool:
     numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, numpy.generic) and value.dtype.kind in "iufc" \
-        and value.dtype.itemsize <= (16 if value.dtype.kind == "c" else 8)
-
-
-def numpy_scalars_as_numbers(args: tuple) -> tuple:
-    """The arguments torch.export sees: it takes no numpy scalar, so each becomes the Python number
-    it holds. symbolic_trace runs forward() on them as given (numpy's arithmetic, as eager: `(k +
-    1e-9) - k` in float32 is 0; review36) and records a number where one reaches an op."""
-    return tuple(torch.utils._pytree.tree_map(lambda v: v.item() if is_numpy_number(v) else v, a)
-                 if not isinstance(a, torch.Tensor) else a for a in args)
+    return numpy is not None and isinstance(value, numpy.generic)
 
 
 def _holds_tensor(value) -> bool:

@@ -42,8 +42,8 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
     and read the model's own keys as the original child's (state_dict_as_original).
 
     A state_dict saved by fxfuse before stop 36 names them "original.x" (as named_parameters()
-    does): taken as they are where none of them is one of the model's own keys (a model may
-    have a child called `original`: review36). An older fxfuse's "specialization_N." keys are
+    does): taken as they are where that reading names more of the model's keys than the plain
+    one (a model may have a child called `original`: review36, review36b). An older fxfuse's "specialization_N." keys are
     dropped unless the model has such keys itself (review36: its own were deleted)."""
     module.drop_specializations("load_state_dict")
     module.__dict__["_load_prefix"] = prefix   # the names the post hook gives back
@@ -53,34 +53,33 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
         del state_dict[key]
     ours = [k for k in ours if k in state_dict]
     inner = prefix + "original."
-    if all(k.startswith(inner) for k in ours) and not any(k[len(prefix):] in own for k in ours):
-        return   # the older form ("original."-prefixed), or nothing of ours
-    for key in ours:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)   # each submodule's state version, filed by its
-    if metadata is not None:                            # plain name: the lookups go by the prefixed one
-        for name in [n for n in metadata if n == prefix[:-1] or n.startswith(prefix) and not n.startswith(inner)]:
-            metadata.setdefault(inner[:-1] + ("." + name[len(prefix):] if name != prefix[:-1] else ""), metadata[name])
-    elif sensitive := version_sensitive(module.original):
-        # a parent's load: torch looks each child's version up by its full name in metadata this
-        # hook cannot reach, so a module that converts old checkpoints by version would convert
-        # this one again (review36: silently wrong weights)
-        error_msgs.append(f"fxfuse: {sensitive} loads by its state version, which a parent's load_state_dict "
-                          f"cannot pass through the optimized module at '{prefix[:-1]}' for keys without "
-                          "'original.': call load_state_dict on the optimized module itself, or load the "
-                          "model before optimizing it")
+    as_plain = sum(k[len(prefix):] in own for k in ours)
+    as_older = sum(k.startswith(inner) and k[len(inner):] in own for k in ours)
+    if not ours or as_older > as_plain:   # where the two readings overlap (a root "w" and a child
+        return                            # original's "w"), the one that names more of the model's keys
+    if sensitive := version_sensitive(module.original):
+        # torch looks each submodule's state version up by its full name, here "original."-prefixed,
+        # which the checkpoint does not file: a module that converts old checkpoints by version
+        # would convert this one again (review36: silently wrong weights)
+        error_msgs.append(f"fxfuse: {sensitive} loads by its state version, which a checkpoint of the model's "
+                          f"own keys cannot pass through the optimized module at '{prefix[:-1] or 'the root'}': "
+                          "load it into the model (opt.original) instead")
+        module.__dict__["_load_prefix"] = None   # the keys as torch saw them: prefixed missing, plain unexpected
+        return
+    items = [(key, state_dict.pop(key)) for key in ours]   # all out first: "w" and "original.w" may both
+    for key, value in items:                               # be the model's (a child called original)
+        state_dict[inner + key[len(prefix):]] = value
 
 
 def version_sensitive(model) -> str | None:
-    """The first submodule whose own loading reads its state version (a `_version` above 1 and
-    its own _load_from_state_dict), BatchNorm's aside (its version 1 path only adds a missing
-    num_batches_tracked), else None."""
+    """The first submodule whose class has a state version above 1 (its loading, or a load hook,
+    may convert older checkpoints by it), BatchNorm's and InstanceNorm's aside (their version 1
+    paths only add a missing num_batches_tracked or drop running stats no current checkpoint
+    holds), else None."""
     from torch.nn.modules.batchnorm import _NormBase
     for name, m in model.named_modules():
-        cls = type(m)
-        if getattr(cls, "_version", 1) > 1 and cls._load_from_state_dict is not torch.nn.Module._load_from_state_dict \
-                and cls._load_from_state_dict is not _NormBase._load_from_state_dict:
-            return f"{name or 'the model'} ({cls.__name__})"
+        if getattr(type(m), "_version", 1) > 1 and not isinstance(m, _NormBase):
+            return f"{name or 'the model'} ({type(m).__name__})"
     return None
 
 
@@ -104,8 +103,9 @@ def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
     (its state version) is filed under the plain name too, the model's own in place of the
     OptimizedModule's (review36); named_parameters() is unchanged."""
     inner = prefix + "original."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    items = [(key, state_dict.pop(key)) for key in [k for k in state_dict if k.startswith(inner)]]
+    for key, value in items:
+        state_dict[prefix + key[len(inner):]] = value
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         for name in [n for n in metadata if n == inner[:-1] or n.startswith(inner)]:

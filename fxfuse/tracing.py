@@ -24,8 +24,8 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            held_tensor_versions, is_numpy_number, numpy_scalars_as_numbers, refuse_vmap,
-                            refuse_written_constants, sizes_returned_as_sizes, split_concrete, written_constant)
+                            held_tensor_versions, refuse_vmap, refuse_written_constants, sizes_returned_as_sizes,
+                            split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
 from .log import logger
@@ -300,7 +300,6 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
-    example_args = numpy_scalars_as_numbers(example_args)
     gm = _quiet_export(model, tuple(example_args)).module()
     refuse_vmap(gm)
     _specialize_values(gm, example_args)
@@ -452,8 +451,6 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
         the optimized module returned another type than the model, which the verification
         refused. Rebuilt as OrderedDict(dict) in the graph instead."""
-        if is_numpy_number(a):   # as torch's ops read a numpy scalar (concrete_args.numpy_scalars_as_numbers)
-            return a.item()
         if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
         if isinstance(a, dict) and type(a) not in (dict, torch.fx.immutable_collections.immutable_dict):
