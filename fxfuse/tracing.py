@@ -451,6 +451,8 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
         the optimized module returned another type than the model, which the verification
         refused. Rebuilt as OrderedDict(dict) in the graph instead."""
+        if type(a) is torch.Size:   # torch.fx stores a Size as a tuple: `return y, torch.Size([3, 4])`
+            return self.create_node("call_function", torch.Size, (super().create_arg(tuple(a)),), {})   # (review36)
         if type(a) is collections.OrderedDict:
             return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
         if isinstance(a, dict) and type(a) not in (dict, torch.fx.immutable_collections.immutable_dict):

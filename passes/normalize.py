@@ -83,6 +83,8 @@ def _is_shape_value(node) -> bool:
         return True
     if node.op == "call_function" and node.target in (aten.sym_size.int, aten.sym_numel.default):
         return True
+    if node.op == "call_function" and node.target is torch.Size:   # tracing's stand-in for a Size constant
+        return not node.all_input_nodes
     if node.op == "call_function" and (node.target in ARITH or getattr(node.target, "__module__", None) == "math"):
         return all(_is_shape_value(a) for a in node.all_input_nodes)   # math.sqrt(q.size(-1)): torch.fx
     return False                                                       # records math's functions

@@ -446,3 +446,23 @@ def test_signed_zeros_follow_cuda_eager(name):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     got = opt(torch.tensor([[0.0, -0.0, 0.0, -0.0], [-0.0, 0.0, 0.0, -0.0]]))
     assert ["-" if s else "+" for s in got.signbit().tolist()] == signs
+
+
+class ConstantSizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shape = torch.Size([2, 12])
+
+    def forward(self, x):
+        y = (x.relu() * 2).view(self.shape).reshape(torch.Size([4, 6]))
+        return y + 1, torch.Size([3, 4])
+
+
+def test_a_constant_size_returned_under_symbolic_trace_stays_a_size():
+    """review36: torch.fx stores a Size constant as a tuple: the output check refused the model."""
+    model = ConstantSizes().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
+    x = torch.randn(4, 6)
+    got, want = opt(x), model(x)
+    assert type(got[1]) is torch.Size and got[1] == want[1] and torch.equal(got[0], want[0])
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
