@@ -28,7 +28,7 @@ demo: setup
 	$(PY) -m fxfuse.demo
 
 bench: setup
-	$(PY) -m benchmarks.mlp --quick
+	$(PY) -m benchmarks.mlp --quick --out .out/bench   # .out/ is git-ignored: a smoke run adds no results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

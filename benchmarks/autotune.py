@@ -187,7 +187,21 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell (at least 5)")
     p.add_argument("--min-rep-ms", type=float, default=10.0, help="each repetition lasts at least this long")
     p.add_argument("--child", help=argparse.SUPPRESS)   # internal: cell indices to run in a child process
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # fuzz36g: an unknown section, dtype or row count wrote an empty calibration (and said to use it)
+    for flag, given, known in (("--sections", args.sections, SECTIONS), ("--dtypes", args.dtypes, common.DTYPES)):
+        unknown = [v for v in (given or "").split(",") if v.strip() not in known] if given is not None else []
+        if unknown:
+            p.error(f"{flag}: unknown {unknown}; known: {', '.join(known)}")
+    for flag in ("m", "h", "widths"):
+        if getattr(args, flag) is not None:
+            try:
+                common.csv_ints(getattr(args, flag))
+            except argparse.ArgumentTypeError as e:
+                p.error(f"--{flag}: {e}")
+    if args.reps < 5:
+        p.error(f"--reps {args.reps}: at least 5")
+    return args
 
 
 def plan(args, device) -> tuple:

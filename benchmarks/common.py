@@ -335,7 +335,39 @@ def add_common_args(parser):
 
 
 def csv_ints(text):
-    return [int(v) for v in text.split(",") if v.strip()]
+    """A comma list of positive integers (argparse type): an empty list or a size below 1 is a
+    usage error, not a run of the default axis or a skipped cell (fuzz36g)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+class BenchmarkParser(argparse.ArgumentParser):
+    """Checks the common arguments after parsing: a bad value is a usage error (exit 2) with its
+    reason, where it was a traceback or silently changed (fuzz36g)."""
+
+    def parse_args(self, args=None, namespace=None):
+        args = super().parse_args(args, namespace)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            self.error(f"--device {args.device!r} is no torch device (cuda, cuda:1, cpu)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            self.error("--device cuda needs a CUDA GPU and none is available here; --device cpu (with "
+                       "TRITON_INTERPRET=1) runs a smoke test")
+        if args.reps < 5:
+            self.error(f"--reps {args.reps}: at least 5 (the median of fewer is no measurement)")
+        if args.max_calls < 1 or args.min_rep_ms <= 0 or args.budget_s is not None and args.budget_s < 0:
+            self.error("--max-calls must be at least 1, --min-rep-ms and --budget-s above 0")
+        if args.tools is not None and not args.tools.strip(","):
+            self.error("--tools is empty")
+        if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+            self.error(f"--out {args.out} is a file, not a directory")
+        return args
 
 
 def environment(bench, device, args):
@@ -412,4 +444,4 @@ def run_benchmark(bench, cases, args, heatmap_keys=None):
 
 
 def main_parser(description):
-    return add_common_args(argparse.ArgumentParser(description=description))
+    return add_common_args(BenchmarkParser(description=description))

@@ -83,7 +83,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=common.csv_ints,
                         help="batch sizes of the MNIST CNN (default 1,64; --quick: 1)")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.cases.split(",")] if args.cases else CASES
+    if args.cases is not None and not args.cases.strip(","):
+        parser.error("--cases is empty")
+    names = [n.strip() for n in args.cases.split(",") if n.strip()] if args.cases else CASES
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")

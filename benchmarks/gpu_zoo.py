@@ -13,6 +13,7 @@ optimizes a model (strict=False, as users call it) and checks on fresh random in
 Prints one line per case and a summary; exit status 1 when a case fails.
 """
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -237,13 +238,22 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated case-name prefixes")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     a = ap.parse_args()
+    if a.device not in ("cuda", "cpu"):
+        ap.error(f"--device {a.device!r}: cuda or cpu")
+    if a.device == "cuda" and not torch.cuda.is_available():   # fuzz36g: a traceback
+        ap.error("no CUDA GPU here: --device cpu (with TRITON_INTERPRET=1) runs a smoke test")
+    unknown = [d for d in a.dtypes.split(",") if d not in ("fp32", "fp16", "bf16")]
+    if unknown:
+        ap.error(f"--dtypes: unknown {unknown}; known: fp32, fp16, bf16")
     global DEVICE
     DEVICE = a.device
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     deadline, failed, ran = time.time() + a.budget_s, 0, 0
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else (
+        "cpu (interpreter)" if interpreted else "cpu (torch reference: TRITON_INTERPRET=1 not set)")
     print(f"gpu zoo, {name}, torch {torch.__version__}")
     for dname in a.dtypes.split(","):
         for name, make, inputs, batch, later, options, must in cases():
