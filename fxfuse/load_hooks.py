@@ -47,6 +47,7 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
     dropped unless the model has such keys itself (review36: its own were deleted)."""
     module.drop_specializations("load_state_dict")
     module.__dict__["_load_prefix"] = prefix   # the names the post hook gives back
+    module.__dict__["_absent"] = []
     own = set(module.original.state_dict(keep_vars=True))
     ours = [k for k in state_dict if k.startswith(prefix)]
     for key in [k for k in ours if k[len(prefix):].startswith("specialization_") and k[len(prefix):] not in own]:
@@ -60,12 +61,15 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
     if sensitive := version_sensitive(module.original):
         # torch looks each submodule's state version up by its full name, here "original."-prefixed,
         # which the checkpoint does not file: a module that converts old checkpoints by version
-        # would convert this one again (review36: silently wrong weights)
-        error_msgs.append(f"fxfuse: {sensitive} loads by its state version, which a checkpoint of the model's "
-                          f"own keys cannot pass through the optimized module at '{prefix[:-1] or 'the root'}': "
-                          "load it into the model (opt.original) instead")
-        module.__dict__["_load_prefix"] = None   # the keys as torch saw them: prefixed missing, plain unexpected
-        return
+        # would convert this one again (review36: silently wrong weights). Raised here: such a
+        # module may read its keys before torch reports errors (review36c: a KeyError)
+        raise RuntimeError(f"fxfuse: {sensitive} loads by its state version, which a checkpoint of the model's "
+                           f"own keys cannot pass through the optimized module at '{prefix[:-1] or 'the root'}': "
+                           "load it into the model (opt.original) instead")
+    # BatchNorm, finding no version for the prefixed name, fills a missing num_batches_tracked in:
+    # the post hook reports it missing, as eager does (review36c)
+    module.__dict__["_absent"] = [prefix + k for k in own
+                                  if k.endswith("num_batches_tracked") and prefix + k not in state_dict]
     items = [(key, state_dict.pop(key)) for key in ours]   # all out first: "w" and "original.w" may both
     for key, value in items:                               # be the model's (a child called original)
         state_dict[inner + key[len(prefix):]] = value
@@ -92,6 +96,8 @@ def keys_named_as_saved(module, incompatible_keys) -> None:
     inner = prefix + "original."
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [prefix + k[len(inner):] if k.startswith(inner) else k for k in keys]
+    absent = module.__dict__.pop("_absent", [])
+    incompatible_keys.missing_keys.extend(k for k in absent if k not in incompatible_keys.missing_keys)
 
 
 def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
@@ -103,6 +109,8 @@ def state_dict_as_original(module, state_dict, prefix, local_metadata) -> None:
     (its state version) is filed under the plain name too, the model's own in place of the
     OptimizedModule's (review36); named_parameters() is unchanged."""
     inner = prefix + "original."
+    if version_sensitive(module.original):   # kept prefixed, so a load finds each version under its name
+        return                                # (review36c: opt.load_state_dict(opt.state_dict()) failed)
     items = [(key, state_dict.pop(key)) for key in [k for k in state_dict if k.startswith(inner)]]
     for key, value in items:
         state_dict[prefix + key[len(inner):]] = value

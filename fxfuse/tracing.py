@@ -451,6 +451,9 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
         the optimized module returned another type than the model, which the verification
         refused. Rebuilt as OrderedDict(dict) in the graph instead."""
+        if isinstance(a, (int, float, complex)) and type(a) not in (int, float, complex, bool) \
+                and type(a).__module__ == "numpy":   # np.float64 is a float; its repr (numpy 2) is no Python
+            return a.item()                           # literal in the generated code (review36c: NameError)
         if type(a) is torch.Size:   # torch.fx stores a Size as a tuple: `return y, torch.Size([3, 4])`
             return self.create_node("call_function", torch.Size, (super().create_arg(tuple(a)),), {})   # (review36)
         if type(a) is collections.OrderedDict:

@@ -326,8 +326,9 @@ class HoldsVersioned(nn.Module):
 
 def test_plain_keys_of_a_versioned_submodule_are_refused_not_converted_again():
     """review36: the keys were renamed, the versions not (torch looks them up by the prefixed name):
-    the submodule upgraded a current checkpoint again. Now the load raises naming the module, the
-    model itself loads it, and opt.state_dict() files each version under the plain name."""
+    the submodule upgraded a current checkpoint again. Now such a load raises naming the module
+    (review36c: raised in the hook, before a module reads its keys), the model itself loads it,
+    and opt.state_dict() keeps the prefixed keys, so its own round trip keeps the versions."""
     torch.manual_seed(0)
     x = torch.randn(4, 8)
     source = HoldsVersioned().eval()
@@ -338,15 +339,26 @@ def test_plain_keys_of_a_versioned_submodule_are_refused_not_converted_again():
     with torch.no_grad():
         torch.testing.assert_close(opt(x), source(x))
     saved = opt.state_dict()
-    assert saved._metadata[""]["version"] == 1 and saved._metadata["sc"]["version"] == 2
-    plain = HoldsVersioned().eval()
-    plain.load_state_dict(saved)
-    assert torch.equal(plain.sc.scale, source.sc.scale)
+    assert list(saved) == ["original.sc.scale"] and saved._metadata["original.sc"]["version"] == 2
+    again = fxfuse.optimize(HoldsVersioned().eval(), x, strict=True)
+    again.load_state_dict(saved)
+    assert torch.equal(again.original.sc.scale, source.sc.scale)
     parent = nn.Sequential(HoldsVersioned()).eval()
     checkpoint = parent.state_dict()
     parent[0] = fxfuse.optimize(parent[0], x, strict=True)
     with pytest.raises(RuntimeError, match="sc \\(Versioned\\) loads by its state version"):
         parent.load_state_dict(checkpoint)
+
+
+def test_a_missing_num_batches_tracked_is_reported_missing():
+    """review36c: BatchNorm, finding no version under the prefixed name, filled it in silently."""
+    make = lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    opt = fxfuse.optimize(make(), torch.randn(3, 4), strict=True)
+    state = make().state_dict()
+    del state["1.num_batches_tracked"]
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "1.num_batches_tracked"'):
+        opt.load_state_dict(state)
+    assert opt.load_state_dict(state, strict=False).missing_keys == ["1.num_batches_tracked"]
 
 
 def test_a_parent_loads_plain_checkpoints_through_batchnorm_and_instancenorm():
@@ -466,3 +478,24 @@ def test_a_constant_size_returned_under_symbolic_trace_stays_a_size():
     got, want = opt(x), model(x)
     assert type(got[1]) is torch.Size and got[1] == want[1] and torch.equal(got[0], want[0])
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+class Float64Scale(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv, self.d = nn.Linear(d, 3 * d), d
+
+    def forward(self, x, k):
+        import numpy as np
+        q, kk, v = self.qkv(x).chunk(3, -1)
+        return nn.functional.scaled_dot_product_attention(q, kk, v, scale=1 / np.sqrt(self.d)) + torch.remainder(x, k)
+
+
+def test_numpy_float64_constants_reach_the_graph_as_floats():
+    """review36c: np.float64 is a float, and its repr (numpy 2) in the generated code raised NameError."""
+    import numpy as np
+    model = Float64Scale().eval()
+    opt = fxfuse.optimize(model, (torch.randn(2, 3, 8), np.float64(0.7)), strict=True)
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, np.float64(0.7)), model(x, np.float64(0.7)))
