@@ -53,9 +53,12 @@ def _small_model_and_three_inputs():
     return model, xs, opt, _spec(opt)
 
 
-def test_recurring_input_addresses_settle_on_graph_copies_of_their_own():
+def test_recurring_input_addresses_settle_on_graph_copies_of_their_own(monkeypatch):
     """A loop over a few input buffers: each buffer gets the graph copy whose memcpy node already
-    reads it, so once settled no call re-points a node (a driver call of host time)."""
+    reads it, so once settled no call re-points a node (a driver call of host time). The timing
+    rule is pinned open: this graph once timed above AFFINITY_MAX_GPU_US on a busy H100 (stop 36),
+    and the test is about the settling, not the rule (the next test checks the rule)."""
+    monkeypatch.setattr(fxfuse.handout, "AFFINITY_MAX_GPU_US", 1e9)
     model, xs, opt, spec = _small_model_and_three_inputs()
     with torch.no_grad():
         for x in xs * 2:
