@@ -279,6 +279,11 @@ def _verify(model, gm, args, rewind) -> list:
                                    "in a way the traced graph does not reproduce: write the update "
                                    "out of place (x = x + 1) or as an explicit in-place op (x.add_(1))")
     for k, (e, g) in enumerate(zip(expected, got)):
+        if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
+                and _differs_at_all(e, g) and not (e != e and g != g):
+            raise UnsupportedError(   # review36d: a returned np.float64 came back a float (1 / 0 then raised)
+                f"output {k} is {type(e).__name__} {e!r} where the rewritten graph returns {type(g).__name__} {g!r}: "
+                "return tensors, or Python numbers and sizes")
         problem = _mismatch(e, g, floor)
         if problem:
             rewind()

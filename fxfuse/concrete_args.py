@@ -382,11 +382,25 @@ def _children(spec) -> list:
     return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
 
 
-def refuse_vmap(gm: torch.fx.GraphModule) -> None:
-    """torch.export records torch.vmap as batching-level nodes whose results nothing reads: dead
-    code elimination dropped them and shape propagation then failed with a message about the
-    example's shapes (fuzz36c); keeping them, vmap's own checks failed inside the passes."""
+def check_exported(gm: torch.fx.GraphModule) -> None:
+    """What torch.export's graph may hold that the passes cannot take.
+
+    torch.vmap is recorded as batching-level nodes whose results nothing reads: dead code
+    elimination dropped them and shape propagation then failed with a message about the
+    example's shapes (fuzz36c); keeping them, vmap's own checks failed inside the passes.
+    A numpy float (np.float64 is a float) is written into the generated code by its repr,
+    `np.float64(0.5)`, a NameError there (review36d): an op's becomes the Python number, as
+    torch reads it; a returned one is refused (it would come back as a float)."""
     vmapped = [n for n in gm.graph.nodes if "_vmap_increment_nesting" in getattr(n.target, "__name__", "")]
     if vmapped:
         raise UnsupportedError(f"forward() calls torch.vmap (node {vmapped[0].name}): fxfuse does not rewrite "
                                "vmapped code")
+    for node in gm.graph.nodes:
+        numpy = [v for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if _numpy_scalar(v)]
+        if numpy and node.op == "output":
+            raise UnsupportedError(f"forward() returns a numpy {type(numpy[0]).__name__}: return a Python number "
+                                   "or a tensor")
+        if numpy:
+            node.args, node.kwargs = torch.fx.node.map_aggregate(
+                (node.args, node.kwargs), lambda v: v.item() if _numpy_scalar(v) else v)
+    gm.recompile()

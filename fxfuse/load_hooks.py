@@ -67,9 +67,12 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
                            f"own keys cannot pass through the optimized module at '{prefix[:-1] or 'the root'}': "
                            "load it into the model (opt.original) instead")
     # BatchNorm, finding no version for the prefixed name, fills a missing num_batches_tracked in:
-    # the post hook reports it missing, as eager does (review36c)
-    module.__dict__["_absent"] = [prefix + k for k in own
-                                  if k.endswith("num_batches_tracked") and prefix + k not in state_dict]
+    # the post hook reports it missing where eager would, the checkpoint filing BatchNorm's
+    # version 2 (review36c); not for a dict without versions, which eager fills in too (review36d)
+    metadata = getattr(state_dict, "_metadata", None) or {}
+    module.__dict__["_absent"] = [
+        prefix + k for k in own if k.endswith("num_batches_tracked") and prefix + k not in state_dict
+        and metadata.get((prefix + k)[:-len("num_batches_tracked")].rstrip("."), {}).get("version", 1) >= 2]
     items = [(key, state_dict.pop(key)) for key in ours]   # all out first: "w" and "original.w" may both
     for key, value in items:                               # be the model's (a child called original)
         state_dict[inner + key[len(prefix):]] = value

@@ -23,8 +23,8 @@ from torch.nn.utils import parametrize
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from .concrete_args import (drop_value_checks, inline_disabled_autocast, one_placeholder_per_parameter,
-                            held_tensor_versions, refuse_vmap, refuse_written_constants, sizes_returned_as_sizes,
+from .concrete_args import (check_exported, drop_value_checks, held_tensor_versions, inline_disabled_autocast,
+                            one_placeholder_per_parameter, refuse_written_constants, sizes_returned_as_sizes,
                             split_concrete, written_constant)
 from .data_dependent import mark_data_dependent_shapes
 from .errors import TraceError, UnsupportedError
@@ -301,7 +301,7 @@ def _only_passes_through(params) -> bool:
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
     gm = _quiet_export(model, tuple(example_args)).module()
-    refuse_vmap(gm)
+    check_exported(gm)
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)
     sizes_returned_as_sizes(gm)

@@ -359,6 +359,8 @@ def test_a_missing_num_batches_tracked_is_reported_missing():
     with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "1.num_batches_tracked"'):
         opt.load_state_dict(state)
     assert opt.load_state_dict(state, strict=False).missing_keys == ["1.num_batches_tracked"]
+    plain = dict(state)   # no versions filed (safetensors, a dict comprehension): eager fills it in (review36d)
+    assert not opt.load_state_dict(plain).missing_keys and not make().load_state_dict(plain).missing_keys
 
 
 def test_a_parent_loads_plain_checkpoints_through_batchnorm_and_instancenorm():
@@ -499,3 +501,24 @@ def test_numpy_float64_constants_reach_the_graph_as_floats():
     x = torch.randn(2, 3, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x, np.float64(0.7)), model(x, np.float64(0.7)))
+
+
+class ReturnsNumpyFloat(nn.Module):
+    def __init__(self, exported):
+        super().__init__()
+        self.exported = exported
+
+    def forward(self, x):
+        import numpy as np
+        n = int(x.shape[0]) if self.exported else 3   # int() of a size: symbolic_trace fails, torch.export runs
+        return x * n, np.float64(0.5)
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_a_returned_numpy_float_is_refused_not_turned_into_a_float(exported):
+    """review36d: under torch.export its repr broke the generated code (NameError, an internal
+    error); recorded as a Python number it would come back as a float (1 / 0 raises)."""
+    model = ReturnsNumpyFloat(exported).eval()
+    with pytest.warns(fxfuse.FxfuseWarning, match="returns a numpy float64|is float64 np.float64") as record:
+        opt = fxfuse.optimize(model, torch.randn(3))
+    assert len(record) == 1 and opt is model
