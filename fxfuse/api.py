@@ -179,8 +179,9 @@ def build_graph(model, args: tuple, options: Options):
                        "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
     _refuse_tensor_subclass_state(model)
-    with torch.no_grad(), kept_state(model):   # the model as before; forward() with state refused
+    with torch.no_grad(), kept_state(model) as snapshot:   # the model as before; forward() with state refused
         gm = trace(model, args)
+        snapshot.drop_proxies()
         traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         traced = {storage_address(t) for t in traced_reads}

@@ -302,6 +302,21 @@ class _Snapshot:
             self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))
                                       for kind, k, v in _held(shared, {}, seen) if kind == "container"]
 
+    def drop_proxies(self) -> None:
+        """Take out of the snapshotted containers the torch.fx Proxies the trace stored (a mask
+        memoized on the class, `_masks["causal"] = ...`): verify's eager run read them, its
+        output a Proxy and the check empty (stop 36). Other trace-time writes stay: a container
+        that grows per call is refused because verify sees what the trace left (a plain value)."""
+        containers = [c for _, c, _ in self.class_containers]
+        containers += [c for module in self.modules for c, _ in module[7].values()]
+        for c in containers:
+            target = vars(c) if _is_record(c) else c
+            if isinstance(target, dict):
+                for k in [k for k, v in target.items() if isinstance(v, torch.fx.Proxy)]:
+                    del target[k]
+            elif isinstance(target, list) and any(isinstance(v, torch.fx.Proxy) for v in target):
+                target[:] = [v for v in target if not isinstance(v, torch.fx.Proxy)]
+
     def restore(self) -> list:
         """Put everything back; the names of what forward() had changed."""
         changed = []
@@ -375,7 +390,7 @@ def kept_state(model: torch.nn.Module):
     forward() that changed the model or drew from Python's random module is refused."""
     snapshot, streams = _Snapshot(model), RandomStreams()
     try:
-        yield
+        yield snapshot
     except Exception as e:   # the state, when changed, is the better reason (verification fails on it too)
         changed = snapshot.restore() + streams.restore()
         if changed:

@@ -183,3 +183,36 @@ def test_missing_and_unexpected_keys_are_named_as_state_dict_names_them():
     state["extra"] = torch.zeros(1)
     result = opt.load_state_dict(state, strict=False)
     assert result.missing_keys == ["lin.bias"] and result.unexpected_keys == ["extra"]
+
+
+class ClassMaskMemo(nn.Module):
+    _masks = {}   # shared by every instance: the trace stores a Proxy in it
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if "causal" not in self._masks:
+            self._masks["causal"] = torch.ones(6, 6, device=x.device).tril()
+        return (self.lin(x) @ x.transpose(-1, -2)) * self._masks["causal"]
+
+
+def test_verify_runs_eager_without_the_traces_proxies(monkeypatch):
+    """A cache on the class filled by the trace held a Proxy while verify ran eager: eager's
+    output was a Proxy and the check compared nothing (stop 36)."""
+    import fxfuse.api as api
+    seen, verify = [], api._verify
+
+    def spy(model, gm, args, rewind):
+        out = verify(model, gm, args, rewind)
+        seen.extend(type(o) for o in out)
+        return out
+    monkeypatch.setattr(api, "_verify", spy)
+    ClassMaskMemo._masks.clear()
+    model = ClassMaskMemo().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 6, 8), strict=True)
+    assert seen == [torch.Tensor] and ClassMaskMemo._masks == {}
+    x = torch.randn(2, 6, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
