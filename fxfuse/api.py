@@ -8,7 +8,6 @@ mismatch is a bug in fxfuse, and it is never returned to the user as an answer.
 
 import collections
 import collections.abc
-import copy
 import inspect
 import numbers
 
@@ -20,14 +19,13 @@ from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .module_state import forward_hook_owner, kept_state, same_value, storage_address
+from .module_state import forward_hook_owner, kept_state, storage_address
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
 from .tracing import autocast_enabled, clone_args, trace
-
-# relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
-VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+from .verify import _differs_at_all, _torch_random_state, _verify
+from .verify import _as_accurate_as_eager, _loosest_tolerance, _mismatch  # noqa: F401 (tests import them from api)
 
 
 def _as_args(example_input, model) -> tuple:
@@ -251,179 +249,6 @@ def tensors_read(gm) -> list:
             continue
         read.update((id(t), t) for t in tensors)
     return list(read.values())
-
-
-def _verify(model, gm, args, rewind) -> list:
-    """Each side runs on its own copy of args: a model that mutates its input (`x.add_(1)`)
-    would otherwise feed the rewritten graph an input eager has already changed. The inputs
-    are compared afterwards too, since eager semantics include those writes. Returns eager's
-    flattened outputs. Both sides start from the same random streams, so torch's random ops
-    (a VAE's `randn_like`, dropout in a model's own eval branch) draw the same numbers."""
-    eager_args, graph_args = clone_args(args), clone_args(args)
-    rewind()
-    eager_out = model(*eager_args)
-    rewind()
-    graph_out = gm(*graph_args)
-    expected, expected_spec = torch.utils._pytree.tree_flatten(eager_out)
-    got, got_spec = torch.utils._pytree.tree_flatten(graph_out)
-    if expected_spec != got_spec:
-        if type(eager_out) is not type(graph_out):   # a dict subclass torch.fx rebuilds as a dict
-            raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, which the traced graph "
-                                   f"rebuilds as a {type(graph_out).__name__}: return a dict, tuple, "
-                                   "OrderedDict or dataclass instead")
-        raise FxfuseError(f"the rewritten graph returns {got_spec}, the model {expected_spec}")
-    floor = _loosest_tolerance(gm)
-    for k, (e, g) in enumerate(zip(eager_args, graph_args)):
-        problem = _mismatch(e, g, floor)
-        if problem:  # the graph lost a write into an input (a tracer that does not record it)
-            raise UnsupportedError(f"input {k} after the call: {problem}; the model writes into its input "
-                                   "in a way the traced graph does not reproduce: write the update "
-                                   "out of place (x = x + 1) or as an explicit in-place op (x.add_(1))")
-    for k, (e, g) in enumerate(zip(expected, got)):
-        if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
-                and _differs_at_all(e, g) and not (e != e and g != g):
-            raise UnsupportedError(   # review36d: a returned np.float64 came back a float (1 / 0 then raised)
-                f"output {k} is {type(e).__name__} {e!r} where the rewritten graph returns {type(g).__name__} {g!r}: "
-                "return tensors, or Python numbers and sizes")
-        problem = _mismatch(e, g, floor)
-        if problem:
-            rewind()
-            again = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
-            if any(_mismatch(a, b) for a, b in zip(expected, again)):
-                raise UnsupportedError(
-                    f"output {k} differs between two eager runs of the model on the same input: it is not "
-                    "deterministic (random ops in forward, such as F.dropout with its default "
-                    "training=True), so fxfuse can neither check nor reproduce it")
-            if not _as_accurate_as_eager(model, args, k, e, g):
-                if _eager_overflows(e, g):
-                    raise UnsupportedError(
-                        f"output {k}: eager overflows to inf or NaN on the example input where the rewritten "
-                        "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
-                        "the rewrite on it: optimize with an example input whose eager result is finite")
-                raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
-                                  "(Python control flow on a tensor attribute such as requires_grad or "
-                                  "is_contiguous(), or on a global flag), or the output turns a last-bit rounding difference into a large "
-                                  "one (sin or cos of large values, a comparison or a cast to integers of an "
-                                  "intermediate), or this is a bug in fxfuse: please report it with explain()")
-    return expected
-
-
-def _torch_random_state():
-    """A function that puts torch's CPU and CUDA generators back to their state now. Not
-    module_state.RandomStreams, which does nothing while other threads run (on the H100 host
-    pytest's process had one): verify needs both runs to draw the same numbers."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-    def rewind():
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-    return rewind
-
-
-def _differs_at_all(e, g) -> bool:
-    """Any difference, NaN equal to NaN: eager against eager in another mode (a branch on the
-    mode may change the result by less than the verification's tolerance), and what forward()
-    received or returned against what the call passed or got."""
-    if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor):
-        return not same_value(e, g)
-    try:
-        return type(e) is not type(g) or bool(e != g)
-    except Exception:  # noqa: BLE001 -- values that cannot be compared
-        return True
-
-
-def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
-    """Whether output k of the graph (g) is within 4x eager's (e) error against a float64 run of
-    the model. A tolerance relative to the output's size trips where the output is a small
-    difference of large terms (gelu(h, "tanh") - gelu(h)): there eager's own rounding is of that
-    order too. Only on a mismatch (the float64 copy of the model costs its memory twice over)."""
-    if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.is_floating_point()
-            and e.dtype != torch.float64 and e.dtype == g.dtype and e.shape == g.shape):
-        return False     # only numbers are excused, never another dtype or shape
-    try:
-        model64 = copy.deepcopy(model).double()
-        wide = {}   # one float64 copy per tensor object: `f(a, a)` stays the same tensor twice
-        args64 = [wide.setdefault(id(a), a.double()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                  for a in clone_args(args)]
-        ref = torch.utils._pytree.tree_flatten(model64(*args64))[0][k].double()
-    except Exception as err:  # noqa: BLE001 -- no float64 run (memory, ops without fp64): no excuse either
-        logger.info("no float64 reference for the verification: %s", err)
-        return False
-    if ref.shape != e.shape or not (torch.isfinite(ref).all() and torch.isfinite(e).all() and torch.isfinite(g).all()):
-        return False   # where eager overflows its error says nothing: no excuse
-    scale = ref.norm() + 1e-30
-    err_e, err_g = ((e.double() - ref).norm() / scale).item(), ((g.double() - ref).norm() / scale).item()
-    logger.info("verify: output %d off eager, against float64 %.2e (eager %.2e)", k, err_g, err_e)
-    # a graph within its dtype's tolerance of float64 is right whatever eager's error (an fp16
-    # chain where eager is 1.2% off and the fused kernel, accumulating in fp32, 0.02%); beyond
-    # that only a modest eager error excuses it: (x + 1e4) - 1e4 in fp32 is 50% off already,
-    # and a graph returning zeros must not pass as "4x that"; up to 10% off, a graph no further
-    # from float64 than eager passes (fp16, eager 2.2% off, the fused MLP 1.8%: fuzz27) if no
-    # element is much further off than eager's worst: eager's error is spread over every value,
-    # a wrong rewrite's sits in a few (one zeroed column of 4096 is only 1.5% off in norm: review27)
-    tolerance = VERIFY_TOLERANCE.get(e.dtype, 1e-4)
-    if err_g <= tolerance or (err_e < 0.01 and err_g <= 4 * err_e):
-        return True
-    worst_e, worst_g = (e.double() - ref).abs().max().item(), (g.double() - ref).abs().max().item()
-    return err_e < 0.1 and err_g <= err_e and worst_g <= 2 * worst_e + tolerance * ref.abs().max().item()
-
-
-def _eager_overflows(e, g) -> bool:
-    """Eager's output has inf or NaN where the graph's is finite, not the reverse, and no
-    position has infs of opposite signs (that is the graph's error, not an overflow; eager's NaN
-    against the graph's inf is one)."""
-    if not (isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.is_floating_point()
-            and e.shape == g.shape):
-        return False
-    bad_e, bad_g = ~torch.isfinite(e), ~torch.isfinite(g)
-    opposite = bool((e.isinf() & g.isinf() & (e != g)).any())
-    return bool((bad_e & ~bad_g).any()) and not bool((bad_g & ~bad_e).any()) and not opposite
-
-
-def _loosest_tolerance(gm) -> float:
-    """The tolerance of the least precise float dtype the graph computes in: `(lin(x) + 1).double()`
-    returns float64, but its GEMM ran in fp32, where a rewrite may differ from eager by ~1e-7."""
-    dtypes = {m.dtype for n in gm.graph.nodes for m in [n.meta.get("tensor_meta")]
-              if hasattr(m, "dtype") and m.dtype.is_floating_point}
-    return max((VERIFY_TOLERANCE.get(d, 1e-4) for d in dtypes), default=0.0)
-
-
-def _mismatch(e, g, floor: float = 0.0) -> str | None:
-    """How g differs from eager's e (exactly for non-floats, else within the tolerance of e's
-    dtype, at least `floor`), or None."""
-    if not isinstance(e, torch.Tensor):
-        return None
-    if not isinstance(g, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
-        return f"the rewritten graph gives {_desc(g)}, the model {_desc(e)}"
-    if e.is_floating_point() and e.element_size() == 1:   # float8: torch has no isnan/isinf there (fuzz34k)
-        return _mismatch(e.float(), g.float(), max(floor, VERIFY_TOLERANCE.get(torch.float16, 1e-2)))
-    if e.is_complex():   # its parts, as floats (fuzz34b: a modReLU net, right to an ulp, was refused)
-        return _mismatch(torch.view_as_real(e.resolve_conj()), torch.view_as_real(g.resolve_conj()), floor)
-    if not e.is_floating_point():
-        return None if torch.equal(e, g) else "differs from eager"
-    if not torch.equal(torch.isnan(e), torch.isnan(g)):
-        return "NaN where eager has none (or the reverse)"
-    inf_e, inf_g = torch.isinf(e), torch.isinf(g)
-    # at the overflow boundary one side may round to inf and the other stay at the largest
-    # floats (gelu(3e38): eager's x * cdf(x) overflows, the kernel's does not): not a mismatch
-    big = torch.finfo(e.dtype).max / 2
-    edge = (inf_e & ~inf_g & (g.abs() >= big)) | (inf_g & ~inf_e & (e.abs() >= big))
-    both = inf_e & inf_g
-    if not torch.equal(inf_e & ~edge, inf_g & ~edge) or not torch.equal(e[both], g[both]):
-        return "inf where eager is finite, or an inf of the other sign (or the reverse)"
-    finite = ~(inf_e | inf_g)
-    e64 = torch.where(finite, e.double(), 0.0).nan_to_num(0)
-    g64 = torch.where(finite, g.double(), 0.0).nan_to_num(0)
-    err = (e64 - g64).norm() / (e64.norm() + 1e-30)
-    tol = max(VERIFY_TOLERANCE.get(e.dtype, 1e-4), floor)
-    logger.debug("verified: relative error %.2e", err)
-    return f"relative error {err:.2e} against eager exceeds {tol:.0e}" if err > tol else None
-
-
-def _desc(t) -> str:
-    return f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Module:

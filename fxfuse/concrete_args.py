@@ -129,6 +129,15 @@ def _numpy_scalar(value) -> bool:
     return numpy is not None and isinstance(value, numpy.generic)
 
 
+def numpy_number(value) -> bool:
+    """A numpy int, float or complex scalar that a Python number holds exactly (not a long
+    double), which torch's ops read as that number: a graph records it as one, since its repr
+    (numpy 2: `np.float64(0.5)`) is no literal in the generated code (review36c, review36d).
+    np.bool_ is not one: torch reads it as a float, Python's bool as an integer."""
+    return _numpy_scalar(value) and value.dtype.kind in "iufc" and value.dtype.itemsize <= (
+        16 if value.dtype.kind == "c" else 8)
+
+
 def _holds_tensor(value) -> bool:
     """A list, tuple or dict with a tensor inside: as a concrete argument its tensors would be
     baked into the graph as constants, and the guard on its value could not see them change."""
@@ -397,10 +406,10 @@ def check_exported(gm: torch.fx.GraphModule) -> None:
                                "vmapped code")
     for node in gm.graph.nodes:
         numpy = [v for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if _numpy_scalar(v)]
-        if numpy and node.op == "output":
-            raise UnsupportedError(f"forward() returns a numpy {type(numpy[0]).__name__}: return a Python number "
-                                   "or a tensor")
+        if numpy and (node.op == "output" or not all(map(numpy_number, numpy))):
+            raise UnsupportedError(f"forward() {'returns' if node.op == 'output' else 'passes an op'} a numpy "
+                                   f"{type(numpy[0]).__name__}: use a Python number or a tensor")
         if numpy:
             node.args, node.kwargs = torch.fx.node.map_aggregate(
-                (node.args, node.kwargs), lambda v: v.item() if _numpy_scalar(v) else v)
+                (node.args, node.kwargs), lambda v: v.item() if numpy_number(v) else v)
     gm.recompile()

@@ -303,10 +303,9 @@ class _Snapshot:
                                       for kind, k, v in _held(shared, {}, seen) if kind == "container"]
 
     def drop_proxies(self) -> None:
-        """Take out of the snapshotted containers the torch.fx Proxies the trace stored (a mask
-        memoized on the class, `_masks["causal"] = ...`): verify's eager run read them, its
-        output a Proxy and the check empty (stop 36). Other trace-time writes stay: a container
-        that grows per call is refused because verify sees what the trace left (a plain value)."""
+        """The trace's Proxies out of the snapshotted containers (a class's `_masks["causal"]`), which
+        verify's eager run read: its output was a Proxy, the check empty. Plain values the trace
+        left stay: they are how verify sees a container that grows per call (stop 36)."""
         containers = [c for _, c, _ in self.class_containers]
         containers += [c for module in self.modules for c, _ in module[7].values()]
         for c in containers:

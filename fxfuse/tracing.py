@@ -3,9 +3,10 @@
 torch.fx.symbolic_trace first (it keeps nn.Linear, nn.ReLU, ... as readable call_module
 nodes); when it cannot follow the model (Python control flow on tensor values or shapes)
 torch.export(strict=False) is tried, which specializes shapes and yields aten-level nodes
-that the normalize pass also understands. Shapes come only from ShapePropagation (ShapeProp
-without its fake-tensor machinery), stored the torch.fx way in node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own
-meta so the normalize pass can fold them into constants.
+that the normalize pass also understands. Shapes come only from ShapePropagation
+(shape_propagation.py: ShapeProp without its fake-tensor machinery), stored the torch.fx way in
+node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own meta so the
+normalize pass can fold them into constants.
 """
 import collections
 import contextlib
@@ -20,13 +21,10 @@ import warnings
 import torch
 import torch.fx
 from torch.nn.utils import parametrize
-from torch.fx.node import map_aggregate
-from torch.fx.passes.shape_prop import TensorMetadata
 
 from .concrete_args import (check_exported, drop_value_checks, held_tensor_versions, inline_disabled_autocast,
-                            one_placeholder_per_parameter, refuse_written_constants, sizes_returned_as_sizes,
-                            split_concrete, written_constant)
-from .data_dependent import mark_data_dependent_shapes
+                            numpy_number, one_placeholder_per_parameter, refuse_written_constants,
+                            sizes_returned_as_sizes, split_concrete, written_constant)
 from .errors import TraceError, UnsupportedError
 from .log import logger
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
@@ -35,99 +33,9 @@ from .module_state import version
 from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
+from .shape_propagation import (ShapePropagation, ShapePropagationError, clone_args,  # noqa: F401 (re-exported)
+                                propagate_shapes, tensor_metadata)
 from .transformer_blocks import blocks_given_padding, opaque_blocks
-
-
-_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
-
-
-def tensor_metadata(t: torch.Tensor) -> TensorMetadata:
-    """ShapeProp's TensorMetadata of a tensor (real or meta). Its own _extract_tensor_metadata checks
-    memory formats through torch._check, which imports symbolic_shapes and sympy."""
-    memory_format, strided = None, t.layout == torch.strided   # sparse COO/CSR/...: no strides
-    if strided:
-        memory_format = next((f for f in _MEMORY_FORMATS
-                              if (f != torch.channels_last or t.dim() == 4)
-                              and (f != torch.channels_last_3d or t.dim() == 5)
-                              and t.is_contiguous(memory_format=f)), None)
-    qparams = {}
-    if t.is_quantized and t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-        qparams = {"qscheme": t.qscheme(), "scale": t.q_scale(), "zero_point": t.q_zero_point()}
-    elif t.is_quantized:
-        qparams = {"qscheme": t.qscheme(), "scale": t.q_per_channel_scales().tolist(),
-                   "zero_point": t.q_per_channel_zero_points().tolist(), "axis": t.q_per_channel_axis()}
-    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride() if strided else (),
-                          memory_format, t.is_quantized, qparams)
-
-
-class ShapePropagation(torch.fx.Interpreter):
-    """torch.fx's ShapeProp on real example tensors (node.meta["tensor_meta"] and ["type"]),
-    plus non-tensor results (sizes, dims) under meta['fxfuse']['value'].
-
-    Not ShapeProp itself: its run_node imports torch.fx.experimental.symbolic_shapes and so
-    sympy (for fake-tensor modes fxfuse never uses), 0.3 s here and 2 s on the H100 host the
-    first time in a process; and it prints the failing node's traceback to stderr."""
-
-    def run_node(self, n):
-        try:
-            result = super().run_node(n)
-        except Exception as e:
-            raise ShapePropagationError(f"running node {n.name} ({n.format_node()}) on the example input "
-                                        f"failed") from e
-        found_tensor = False
-
-        def extract(obj):
-            nonlocal found_tensor
-            if isinstance(obj, torch.Tensor):
-                found_tensor = True
-                return tensor_metadata(obj)
-            return obj
-
-        meta = map_aggregate(result, extract)
-        if found_tensor:
-            n.meta["tensor_meta"] = meta
-        n.meta["type"] = type(result)
-        if isinstance(result, torch.Tensor):
-            fxfuse_meta(n)["device"] = result.device
-        elif _is_plain_value(result):
-            fxfuse_meta(n)["value"] = result
-        return result
-
-    def propagate(self, *args):
-        return self.run(*args)
-
-
-def _is_plain_value(v) -> bool:
-    if isinstance(v, (bool, int, float, torch.dtype, torch.device, torch.Size)):
-        return True
-    if isinstance(v, (tuple, list)):
-        return all(_is_plain_value(x) for x in v)
-    return False
-
-
-def clone_args(args) -> tuple:
-    """Copies of the tensor arguments with the same strides and storage offset (other values as
-    they are). Running a graph executes the model's in-place ops (`x.add_(1)` on an input), so
-    fxfuse runs graphs on copies: optimize() must not change the user's example input."""
-    copies = {}   # one copy per tensor object: `f(a, a)` stays the same tensor twice (`key is query`)
-
-    def clone(a):
-        if not isinstance(a, torch.Tensor):
-            return a
-        if id(a) not in copies:
-            storage = a.untyped_storage().clone()
-            copies[id(a)] = torch.empty(0, dtype=a.dtype, device=a.device).set_(
-                storage, a.storage_offset(), a.shape, a.stride())
-        return copies[id(a)]
-    return tuple(clone(a) for a in args)
-
-
-def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
-    # the model's own code may print while it runs; the error fxfuse raises (or warns with)
-    # carries the reason, so nothing is printed
-    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-        ShapePropagation(gm).propagate(*clone_args(example_args))
-    mark_data_dependent_shapes(gm)
 
 
 def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
@@ -451,9 +359,8 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
         the optimized module returned another type than the model, which the verification
         refused. Rebuilt as OrderedDict(dict) in the graph instead."""
-        if isinstance(a, (int, float, complex)) and type(a) not in (int, float, complex, bool) \
-                and type(a).__module__ == "numpy":   # np.float64 is a float; its repr (numpy 2) is no Python
-            return a.item()                           # literal in the generated code (review36c: NameError)
+        if numpy_number(a):   # recorded as the number torch's ops read (np.float64's repr is no literal)
+            return a.item()
         if type(a) is torch.Size:   # torch.fx stores a Size as a tuple: `return y, torch.Size([3, 4])`
             return self.create_node("call_function", torch.Size, (super().create_arg(tuple(a)),), {})   # (review36)
         if type(a) is collections.OrderedDict:
@@ -488,10 +395,6 @@ def _quiet_export(model, args):
             return torch.export.export(model, args, strict=False)
     finally:
         logging.disable(previous)
-
-
-class ShapePropagationError(RuntimeError):
-    """The traced graph failed on the example input (the model's own error is its cause)."""
 
 
 def _root_cause(e: BaseException) -> str:
