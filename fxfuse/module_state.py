@@ -21,15 +21,13 @@ import dataclasses
 import dis
 import functools
 import inspect
-import random
-import sys
-import threading
 import types
 
 import torch
 import torch.fx
 
 from .errors import UnsupportedError
+from .random_streams import RandomStreams
 
 try:   # the global hook dicts nn.Module.__call__ checks (filled in place, never rebound)
     from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks,
@@ -402,48 +400,6 @@ def kept_state(model: torch.nn.Module):
     changed = snapshot.restore() + streams.restore()
     if changed:
         raise _refusal(changed)
-
-
-class RandomStreams:
-    """torch's, Python's and numpy's global random states. A build runs forward() several times
-    (trace, verify, probes): without this, optimize() would move the caller's streams (a seeded
-    run then draws other numbers than eager), and a draw from Python's `random` (a random flip at
-    test time) would be frozen into the graph as the value the trace drew. torch's random ops
-    are graph nodes that draw again on every call; Python's and numpy's are not: refused.
-    Only while this is the process's one thread: the streams are the process's, and another
-    thread's draws would be rewound (repeated) and read as forward()'s."""
-
-    def __init__(self):
-        self.alone = threading.active_count() == 1
-        if not self.alone:
-            return
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
-        self.python = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy = numpy.random.get_state() if numpy is not None else None
-
-    def restore(self) -> list:
-        """Put every stream back; the Python-side ones forward() moved, by name."""
-        if not self.alone:
-            return []
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        moved = []
-        if random.getstate() != self.python:
-            moved.append("Python's random module")
-            random.setstate(self.python)
-        numpy = sys.modules.get("numpy")
-        if self.numpy is not None and _numpy_state_moved(numpy.random.get_state(), self.numpy):
-            moved.append("numpy.random")
-            numpy.random.set_state(self.numpy)
-        return [f"it draws from {m}, whose value a traced graph would keep" for m in moved]
-
-
-def _numpy_state_moved(now, before) -> bool:
-    return any((a != b).any() if hasattr(a, "any") else a != b for a, b in zip(now, before))
 
 
 def _refusal(changed: list) -> UnsupportedError:

@@ -72,7 +72,7 @@ def _verify(model, gm, args, rewind) -> list:
 
 def _torch_random_state():
     """A function that puts torch's CPU and CUDA generators back to their state now. Not
-    module_state.RandomStreams, which does nothing while other threads run (on the H100 host
+    random_streams.RandomStreams, which does nothing while other threads run (on the H100 host
     pytest's process had one): verify needs both runs to draw the same numbers."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
