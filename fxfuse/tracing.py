@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import io
 import logging
+import math
 import operator
 import time
 import traceback
@@ -323,6 +324,10 @@ for _name in AUGMENTED_NAMES:
         setattr(_cls, f"__i{_name}__", _augmented)
 
 
+def _negative_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.copysign(1.0, v) < 0
+
+
 class _AutocastWatchingTracer(torch.fx.Tracer):
     """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
     the context manager runs at trace time and leaves no trace in the graph. Autocast state is
@@ -333,6 +338,8 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
+        if node.op == "call_function" and node.target is operator.pow and _negative_number(node.args[0]):
+            node.target = torch.pow   # torch.fx prints operator.pow(-2, x) as `-2 ** x`: -(2 ** x) (fuzz37c)
         if self.autocast_node is None and node.op not in ("placeholder", "output") and autocast_enabled():
             self.autocast_node = node.name
         return node

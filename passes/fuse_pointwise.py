@@ -92,7 +92,7 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
     if op.returns_bool and _compares_wide_integers(node):
         return "compares int32/int64 values, which fp32 (the kernel's compute type) cannot hold exactly"
     if op.returns_bool:
-        return _number_outside_integer_range(node)
+        return _number_outside_integer_range(node) or _tensor_outside_integer_range(node)
     return None
 
 
@@ -384,6 +384,25 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
+
+
+def _tensor_outside_integer_range(node) -> str | None:
+    """A 0-dim integer tensor does not promote a comparison of its category: uint8_x > t_int8
+    compares in uint8, converting t first (-5 is 251); the kernel reads both in fp32, unwrapped
+    (fuzz37c). Such a comparison stays in the library unless every value of each operand's dtype
+    fits the comparison dtype."""
+    dtype = comparison_dtype(node)
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    for a in node.args[:2]:
+        m = _meta(a) if isinstance(a, torch.fx.Node) else None
+        if m is None or m.dtype == dtype or m.dtype == torch.bool:
+            continue
+        if m.dtype.is_floating_point or not info.min <= torch.iinfo(m.dtype).min <= torch.iinfo(m.dtype).max <= info.max:
+            return (f"compares {dtype} values with {a.name}, a {m.dtype} tensor: eager converts it to {dtype} "
+                    "first (wrapping it), the kernel would compare it unwrapped")
+    return None
 
 
 def build_fused_kernel(gm, members, use_kernels: bool):

@@ -256,10 +256,22 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         broadcast_drops_unit_view(node, is_pointwise_target)
         divide_as_cuda_does(node)
+        _bool_arithmetic_as_logical(node)
     g.eliminate_dead_code(is_impure_node=_is_impure)
     g.lint()
     gm.recompile()
     return gm
+
+
+def _bool_arithmetic_as_logical(node) -> None:
+    """mask_a * mask_b and mask_a + mask_b of two bool tensors are bool results, the logical
+    and / or: as those ops they join a kernel (a bool result of * or + is none of the kernel's
+    float results; fuzz37c)."""
+    twin = {operator.mul: torch.logical_and, operator.add: torch.logical_or}.get(node.target) \
+        if node.op == "call_function" and len(node.args) == 2 and not node.kwargs else None
+    if twin is not None and all(_is_tensor_node(a) and a.meta["tensor_meta"].dtype == torch.bool
+                                for a in (*node.args, node)):
+        node.target = twin
 
 
 def _is_impure(node) -> bool:

@@ -23,3 +23,53 @@ def test_exp_over_its_whole_range_edges_and_specials():
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
             torch.testing.assert_close(got, want, rtol=3e-7, atol=1.5e-45, equal_nan=True)   # one subnormal step
             assert (got[want.abs() > 1e-44] != 0).all()   # subnormal results are not flushed
+
+
+class CompareWithZeroDim(nn.Module):
+    def forward(self, x, t):
+        return (x > t).float() * 2.0
+
+
+def test_a_narrow_integer_comparison_with_a_zero_dim_tensor_of_another_dtype_wraps_as_eager():
+    # uint8 > a 0-dim int8 compares in uint8: -5 is 251 there (fuzz37c); the kernel compared unwrapped
+    x = torch.tensor([[0, 1, 2, 100, 200, 252, 255, 250]], dtype=torch.uint8)
+    model = CompareWithZeroDim().eval()
+    opt = fxfuse.optimize(model, (x, torch.tensor(5, dtype=torch.int8)), strict=True)
+    for t in (torch.tensor(-5, dtype=torch.int8), torch.tensor(5, dtype=torch.int8)):
+        assert torch.equal(opt(x, t), model(x, t))
+    x8 = torch.tensor([[44, -56, 1, 0]], dtype=torch.int8)
+    for t in (torch.tensor(300, dtype=torch.int16), torch.tensor(200, dtype=torch.uint8)):
+        opt = fxfuse.optimize(model, (x8, t), strict=True)
+        assert torch.equal(opt(x8, t), model(x8, t))
+
+
+class NegativeBase(nn.Module):
+    def forward(self, x):
+        return (-2) ** x + (-1.5) ** x.floor() + 1
+
+
+def test_a_negative_number_raised_to_a_tensor_is_not_negated():
+    # torch.fx prints operator.pow(-2, x) as `-2 ** x`, which Python reads as -(2 ** x) (fuzz37c)
+    model = NegativeBase().eval()
+    example = torch.tensor([[1.0, 3.0, 5.0, -1.0]])   # odd exponents: the wrong form agreed with eager
+    for verify in (True, False):
+        opt = fxfuse.optimize(model, example, strict=True, verify=verify)
+        x = torch.tensor([[2.0, 4.0, 0.5, 0.0, -2.0, 3.0]])
+        torch.testing.assert_close(opt(x), model(x), equal_nan=True)
+
+
+class MaskArithmetic(nn.Module):
+    def forward(self, x):
+        both = (x > 0) * (x < 1)
+        either = (x > 0.5) + (x < -0.5)
+        return both.float() + x, either * x
+
+
+def test_products_and_sums_of_masks_fuse_as_logical_ops():
+    x = torch.randn(6, 7)
+    model = MaskArithmetic().eval()
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    x = torch.randn(6, 7)
+    for got, want in zip(opt(x), model(x)):
+        assert torch.equal(got, want)

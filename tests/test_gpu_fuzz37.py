@@ -71,3 +71,42 @@ def test_other_transcendentals_record_their_accuracy(name, capsys):
         print(f"\n[accuracy] {name}: fxfuse {_ulps(got, truth):.1f} ulp, eager {_ulps(eager, truth):.1f} ulp, "
               f"max |diff| to eager {(got - eager).abs().max().item():.3g}")
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+class _ScaledByLiteral(nn.Module):
+    """Attention's scale spelled with a tensor made in forward (on the CPU: no device=)."""
+    def forward(self, x):
+        return (x / torch.sqrt(torch.tensor(24.0))).relu() * torch.tensor(1.7)
+
+
+class _ScaledByInput(nn.Module):
+    def forward(self, x, t):
+        return (x * t).relu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_cpu_scalar_tensor_in_a_cuda_chain_matches_eager(dtype, capsys):
+    # CUDA eager reads a CPU 0-dim tensor as an unrounded fp32 scalar, a CUDA one in x's dtype (fuzz37c)
+    torch.manual_seed(0)
+    x = torch.randn(64, 48, device="cuda", dtype=dtype)
+    cases = [(_ScaledByLiteral(), (x,)), (_ScaledByInput(), (x, torch.tensor(1.7))),
+             (_ScaledByInput(), (x, torch.tensor(1.7, device="cuda")))]
+    for model, args in cases:
+        opt = fxfuse.optimize(model.eval(), args, strict=True)
+        got, want = opt(*args), model(*args)
+        stats = fxfuse.stats(opt)
+        with capsys.disabled():
+            print(f"\n[cpu scalar] {type(model).__name__} {args[-1].device} {dtype}: equal {torch.equal(got, want)}, "
+                  f"max diff {(got.float() - want.float()).abs().max().item():.3g}, stats {stats}")
+        torch.testing.assert_close(got, want)
+        assert stats["fused_kernels"] >= 1
+
+
+def test_shrinks_and_threshold_give_cuda_eagers_signed_zeros():
+    # fuzz37a: softshrink inside (-lambd, 0) was `a * 0.0`, -0.0, where CUDA eager's kernel gives +0.0
+    x = torch.cat([torch.linspace(-1, 1, 4001), torch.tensor([0.0, -0.0, 0.5, -0.5])]).cuda()
+    for fn in (F.softshrink, F.hardshrink, lambda v: F.threshold(v, 0.1, -0.0)):
+        opt = fxfuse.optimize(_Pointwise(fn).eval(), x, strict=True)
+        got, want = opt(x), fn(x)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), \
+            (got[got.signbit() != want.signbit()][:4], want[got.signbit() != want.signbit()][:4])
