@@ -126,6 +126,7 @@ def _trace(model, example_args, concrete, held):
         # the failed trace's frames hold their locals; torch.fx's Proxy.__iter__ keeps its own frame
         # in one (a cycle), which kept every caller's frame up to OptimizedModule.__init__, and so
         # the OptimizedModule and its CUDA graphs, alive after `del opt` until a garbage collection
+        where = _failing_line(fx_error)
         _clear_frames(fx_error)
         refused = assigns_parameter(fx_error)
         if refused is not None:
@@ -143,6 +144,7 @@ def _trace(model, example_args, concrete, held):
         except UnsupportedError:
             raise
         except Exception as export_error:  # noqa: BLE001
+            export_where = _failing_line(export_error)
             eager_error = _eager_error(model, example_args)
             if eager_error is not None:   # neither tracer's fault: the model rejects its example (fuzz35b)
                 raise TraceError(f"{type(model).__name__} itself raises on the example input "
@@ -150,15 +152,22 @@ def _trace(model, example_args, concrete, held):
                                  "input's shapes and dtypes against the model") from export_error
             # either graph traced, but failed on the input: the input's problem, not control flow
             ran = isinstance(fx_error, ShapePropagationError) or isinstance(export_error, ShapePropagationError)
-            advice = ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
+            if "torch/distributions/" in export_where.replace("\\", "/"):
+                advice_first = ("torch.distributions checks its arguments' values (validate_args): build the "
+                                "distributions with validate_args=False, or call torch.distributions.Distribution."
+                                "set_default_validate_args(False), to optimize the model")
+            else:
+                advice_first = None
+            advice = advice_first or ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
                       "graphs do not capture: keep that part out of the optimized module" if _runs_autograd(model)
                       else "Check the example input's shapes and dtypes against the model" if ran else
                       "Remove data-dependent Python control flow from forward() (use torch.where), or optimize "
                       "the submodules around the part that has it (model.block = fxfuse.optimize(model.block, h))")
             raise TraceError(
                 f"could not capture a graph of {type(model).__name__}: "
-                f"symbolic_trace failed with {type(fx_error).__name__}: {_first_line(fx_error)}"
-                f"{_root_cause(fx_error)}; torch.export(strict=False) failed with "
+                f"symbolic_trace failed{where} with {type(fx_error).__name__}: {_first_line(fx_error)}"
+                f"{_root_cause(fx_error)}; torch.export(strict=False) failed"
+                f"{' there too' if export_where and export_where == where else export_where} with "
                 f"{type(export_error).__name__}: {_first_line(export_error).rstrip('.')}{_root_cause(export_error)}. "
                 f"{advice}.") from export_error
         refuse_written_parameters(versions)   # before the graph runs: shape propagation and the checks write again
@@ -402,6 +411,22 @@ def _quiet_export(model, args):
             return torch.export.export(model, args, strict=False)
     finally:
         logging.disable(previous)
+
+
+def _failing_line(e: BaseException) -> str:
+    """' at file:line in function (`source`)': the innermost frame of the error outside torch.fx
+    and fxfuse, where forward() (or a library it calls: torch.distributions' argument checks)
+    did what the tracer cannot follow, such as branching on a tensor's value (fuzz37b)."""
+    def inside_the_tracers(filename):
+        path = filename.replace("\\", "/")
+        return "/fxfuse/" in path or "/torch/" in path and not any(
+            f"/torch/{public}/" in path for public in ("distributions", "nn"))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not inside_the_tracers(f.filename)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    source = f" (`{f.line.strip()[:120]}`)" if f.line else ""
+    return f" at {f.filename}:{f.lineno} in {f.name}{source}"
 
 
 def _root_cause(e: BaseException) -> str:

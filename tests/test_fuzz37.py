@@ -1,4 +1,5 @@
 """Stop 37: fixes from the fuzz37 helper round, and exp computed as Cody-Waite."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,3 +74,36 @@ def test_products_and_sums_of_masks_fuse_as_logical_ops():
     x = torch.randn(6, 7)
     for got, want in zip(opt(x), model(x)):
         assert torch.equal(got, want)
+
+
+class BranchesOnValues(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:   # the line the message names
+            return x.relu()
+        return x.sigmoid()
+
+
+class MixtureDensityHead(nn.Module):
+    def __init__(self, validate_args=None):
+        super().__init__()
+        self.head, self.validate_args = nn.Linear(6, 9), validate_args
+
+    def forward(self, x, y):
+        logits, mu, log_sigma = self.head(x).chunk(3, dim=-1)
+        mix = torch.distributions.Categorical(logits=logits, validate_args=self.validate_args)
+        comp = torch.distributions.Normal(mu, log_sigma.exp(), validate_args=self.validate_args)
+        return torch.distributions.MixtureSameFamily(mix, comp, validate_args=self.validate_args).log_prob(y)
+
+
+def test_a_trace_failure_names_the_line_and_torch_distributions_validation():
+    with pytest.warns(fxfuse.FxfuseWarning, match=r"at .*test_fuzz37\.py:\d+ in forward \(`if x\.sum\(\) > 0:"):
+        fxfuse.optimize(BranchesOnValues().eval(), torch.randn(3, 4))
+    x, y = torch.randn(5, 6), torch.randn(5)
+    with pytest.warns(fxfuse.FxfuseWarning, match="validate_args=False") as record:
+        fxfuse.optimize(MixtureDensityHead().eval(), (x, y))
+    assert len(record) == 1
+    model = MixtureDensityHead(validate_args=False).eval()
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, y), model(x, y))
