@@ -49,7 +49,7 @@ from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F4
 from .kernel import FusedKernel
 from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
                          state_dict_as_original)
-from .log import logger
+from .log import logger, model_warnings_once
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
                            share_memory, storages, structure, structure_changed, version)
@@ -247,8 +247,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         start = time.perf_counter()
         first = not self.specializations
         self._flags = baked_settings()
-        with BUILD_LOCK, _autocast_off():   # in the model's own dtypes; autocast calls run the original
-            BUILDING[0] += 1
+        with BUILD_LOCK, _autocast_off(), model_warnings_once():   # in the model's own dtypes (autocast
+            BUILDING[0] += 1                                       # calls run the original)
             try:
                 gm = self._build(self.original, args, self.options)
             finally:

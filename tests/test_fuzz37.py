@@ -1,4 +1,6 @@
 """Stop 37: fixes from the fuzz37 helper round, and exp computed as Cody-Waite."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,23 @@ def test_a_trace_failure_names_the_line_and_torch_distributions_validation():
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     with torch.no_grad():
         torch.testing.assert_close(opt(x, y), model(x, y))
+
+
+class ImplicitSoftmax(nn.Module):
+    def forward(self, x):
+        return F.softmax(x * 2) + 1   # warns: implicit dim
+
+
+def test_a_warning_of_the_model_shows_once_per_build_at_the_users_line():
+    # the build runs forward() several times: 3 more showings under default filters, 11 under "always" (fuzz37e)
+    x = torch.randn(4, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(ImplicitSoftmax().eval(), x)
+    assert [str(w.message)[:30] for w in caught] == ["Implicit dimension choice for "]
+    assert caught[0].filename == __file__
+    assert fxfuse.stats(opt)["optimized"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the user's filters apply to it: an error filter raises, as in eager
+        with pytest.raises(UserWarning, match="Implicit dimension"):
+            fxfuse.optimize(ImplicitSoftmax().eval(), x)
