@@ -39,8 +39,9 @@ from .normalize_layers import LINEAR_BIAS, SLICING_FUNCTIONS, SLICING_METHODS, _
 
 aten = torch.ops.aten
 
-PARTS = {"chunk", "split", "tensor_split", "unbind"}   # return a tuple: the readers take one part each
-PART_FUNCTIONS = {torch.chunk, torch.split, torch.tensor_split, torch.unbind, aten.chunk.default,
+PARTS = {"chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit"}   # a tuple: each reader takes a part
+PART_FUNCTIONS = {torch.chunk, torch.split, torch.tensor_split, torch.unbind, torch.hsplit, torch.vsplit, torch.dsplit,
+                  aten.chunk.default,
                   aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 

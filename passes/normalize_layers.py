@@ -320,8 +320,9 @@ def broadcast_drops_unit_view(node, is_pointwise) -> bool:
     return True
 
 
-SLICING_METHODS = {"narrow", "select", "chunk", "split", "tensor_split", "unbind"}
+SLICING_METHODS = {"narrow", "select", "chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit"}
 SLICING_FUNCTIONS = {torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
+                     torch.hsplit, torch.vsplit, torch.dsplit,
                      aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.chunk.default,
                      aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 

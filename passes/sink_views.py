@@ -32,7 +32,7 @@ RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, torch.unflatten, torch.unsque
                      aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default}
 RESHAPE_FUNCTIONS |= {getattr(packet, overload) for packet, overload in (   # export's spellings (fuzz34a)
     (aten.squeeze, "dim"), (aten.squeeze, "dims"), (aten.squeeze, "default"), (aten.flatten, "using_ints"),
-    (aten.unflatten, "int")) if hasattr(packet, overload)}
+    (aten.unflatten, "int"), (aten.view_as, "default"), (aten.reshape_as, "default")) if hasattr(packet, overload)}
 
 
 def _contiguous(meta) -> bool:

@@ -129,3 +129,43 @@ def test_a_warning_of_the_model_shows_once_per_build_at_the_users_line():
         warnings.simplefilter("error")   # the user's filters apply to it: an error filter raises, as in eager
         with pytest.raises(UserWarning, match="Implicit dimension"):
             fxfuse.optimize(ImplicitSoftmax().eval(), x)
+
+
+class SplitSpellings(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, x):
+        h = x * 2 + 1
+        if self.spelling == "hsplit":
+            a, b = torch.hsplit(h, 2)
+        elif self.spelling == "vsplit":
+            a, b = torch.vsplit(h, [2])
+        else:
+            a, b = h.hsplit([3])
+        return a.exp() - b.sigmoid()
+
+
+@pytest.mark.parametrize("spelling", ["hsplit", "vsplit", "hsplit-method"])
+def test_hsplit_and_vsplit_parts_join_the_producers_kernel(spelling):
+    model = SplitSpellings(spelling).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1   # 2 before: the parts were not seen as slices (fuzz37e)
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(opt(x), model(x))
+
+
+class ViewAsUnderExport(nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 0:   # symbolic_trace cannot take it: torch.export's aten.view_as
+            return (x * 2).reshape(-1).view_as(x) + 1
+        return x
+
+
+def test_export_view_as_between_pointwise_ops_keeps_one_kernel():
+    model = ViewAsUnderExport().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 7, 13))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(3, 7, 13)
+    torch.testing.assert_close(opt(x), model(x))
