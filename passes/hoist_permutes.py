@@ -30,6 +30,7 @@ import operator
 
 import torch
 import torch.fx
+from torch.fx.node import map_aggregate
 
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -150,7 +151,30 @@ def _movable(op, chain, written) -> bool:
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
     views = all(t._base is not None for t in laid if isinstance(t, torch.Tensor) and t.dim())   # no reshape copied
-    return views and tuple(result.shape) == tuple(out.shape) and _same_strides(result.stride(), out.stride, out.shape)
+    # other strides than the permute's (two broadcast operands: fuzz37e) do when no reader's result changes
+    return views and tuple(result.shape) == tuple(out.shape) and (
+        _same_strides(result.stride(), out.stride, out.shape) or readers_keep_strides(last, result))
+
+
+def readers_keep_strides(leaf, result) -> bool:
+    """Each pointwise reader of `leaf` (a slice, a permute) gives eager's strides when it reads
+    `result` (a meta tensor) instead."""
+    for reader in leaf.users:
+        def fake(a):
+            if a is leaf:
+                return result
+            meta = _meta(a) if isinstance(a, torch.fx.Node) else None
+            if isinstance(a, torch.fx.Node) and meta is None:
+                raise TypeError("an operand without tensor meta")
+            return meta_tensor(meta) if meta is not None else a
+        expected = _meta(reader)
+        try:
+            out = reader.target(*map_aggregate(reader.args, fake), **map_aggregate(reader.kwargs, fake))
+        except (RuntimeError, TypeError, ValueError, NotImplementedError, IndexError):
+            return False
+        if expected is None or not isinstance(out, torch.Tensor) or tuple(out.stride()) != tuple(expected.stride):
+            return False
+    return True
 
 
 def _hoist(gm, op, chain) -> None:

@@ -34,7 +34,7 @@ from fxfuse.node_meta import fetch_attr, meta_tensor, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target
 
 from .fuse_pointwise import _mutated_values
-from .hoist_permutes import _laid_out, _step, meta_operands
+from .hoist_permutes import _laid_out, _step, meta_operands, readers_keep_strides
 from .normalize_layers import LINEAR_BIAS, SLICING_FUNCTIONS, SLICING_METHODS, _selects_part, register_constant
 
 aten = torch.ops.aten
@@ -89,26 +89,6 @@ def _chains(op) -> list | None:
     return chains if follow(op, []) and chains else None
 
 
-def _readers_keep_strides(leaf, result) -> bool:
-    """Each pointwise reader of the slice gives eager's strides when it reads `result` instead."""
-    for reader in leaf.users:
-        def fake(a):
-            if a is leaf:
-                return result
-            meta = _meta(a) if isinstance(a, torch.fx.Node) else None
-            if isinstance(a, torch.fx.Node) and meta is None:
-                raise TypeError("an operand without tensor meta")
-            return meta_tensor(meta) if meta is not None else a
-        expected = _meta(reader)
-        try:
-            out = reader.target(*map_aggregate(reader.args, fake), **map_aggregate(reader.kwargs, fake))
-        except (RuntimeError, TypeError, ValueError, NotImplementedError, IndexError):
-            return False
-        if expected is None or not isinstance(out, torch.Tensor) or tuple(out.stride()) != tuple(expected.stride):
-            return False
-    return True
-
-
 def _part(chain) -> tuple:
     """What a chain selects, whichever nodes spell it: two `h.chunk(2, -1)` nodes' first parts
     are one part (review33b)."""
@@ -143,7 +123,7 @@ def _movable(op, chains, written) -> bool:
             return False
         if not all(t._base is not None for t in laid if isinstance(t, torch.Tensor) and t.dim()) \
                 or not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(out.shape) \
-                or result.dtype != out.dtype or not _readers_keep_strides(leaf, result):
+                or result.dtype != out.dtype or not readers_keep_strides(leaf, result):
             return False
     return True
 

@@ -169,3 +169,27 @@ def test_export_view_as_between_pointwise_ops_keeps_one_kernel():
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     x = torch.randn(3, 7, 13)
     torch.testing.assert_close(opt(x), model(x))
+
+
+class PermutedBroadcast(nn.Module):
+    def __init__(self, dims):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x, s, z):
+        return x.permute(*self.dims) + (s * z).permute(*self.dims)
+
+
+@pytest.mark.parametrize("dims", [(1, 0, 2), (2, 0, 1), (0, 2, 1)])
+@pytest.mark.parametrize("s_shape", [(4, 1, 5), (1, 6, 1), (4, 1, 1)])
+def test_a_permute_after_an_op_of_two_broadcast_operands_joins_one_kernel(dims, s_shape):
+    # s * z is [4, 6, 5] only by broadcasting: its permuted form had other strides than the permute's,
+    # which kept it unmoved (2 kernels; fuzz37e); the readers' strides are what must stay eager's
+    model = PermutedBroadcast(dims).eval()
+    args = (torch.randn(4, 6, 5), torch.randn(s_shape), torch.randn(6, 5))
+    opt = fxfuse.optimize(model, args, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    args = tuple(torch.randn_like(a) for a in args)
+    got, want = opt(*args), model(*args)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
