@@ -275,7 +275,8 @@ _TABLE = [
     _op("hardsigmoid", F.hardsigmoid, 1, lambda a: f"({_clamp(f'({a} + 3.0)', 0.0, 6.0)} * 0.16666666666666666)"),
     _op("hardswish", F.hardswish, 1,   # times fp32(1/6) after the product, as CUDA eager (fuzz36d: / 6.0 was
         lambda a: f"({a} * {_clamp(f'({a} + 3.0)', 0.0, 6.0)} * 0.16666666666666666)"),   # approximate there)
-    # as ATen computes them, NaN and signed zeros included (softshrink keeps a zero's sign: a * 0)
+    # as CUDA's eager kernels compute them, NaN and signed zeros included (softshrink's zeros are +0
+    # there, a NaN stays NaN: the H100, stop 37; CPU eager's scalar loop keeps the sign)
     _op("celu", F.celu, 1, lambda a, alpha=1.0: (
         f"tl.where({a} > 0, {a}, {literal(alpha)} * _expm1({a} * {literal(1.0 / alpha)}))"), ("alpha",), alpha=1.0),
     _op("softsign", F.softsign, 1, lambda a: f"_div({a}, 1.0 + tl.abs({a}))"),
@@ -286,7 +287,8 @@ _TABLE = [
         ("lambd",), lambd=0.5),
     _op("softshrink", F.softshrink, 1, lambda a, lambd=0.5: (
         f"tl.where({a} > {literal(lambd)}, {a} - {literal(lambd)}, "
-        f"tl.where({a} < {literal(-lambd)}, {a} + {literal(lambd)}, {a} * 0.0))"), ("lambd",), lambd=0.5),
+        f"tl.where({a} < {literal(-lambd)}, {a} + {literal(lambd)}, tl.where({a} != {a}, {a}, 0.0)))"),
+        ("lambd",), lambd=0.5),
     _op("threshold", F.threshold, 1, lambda a, threshold, value: (
         f"tl.where({a} <= {literal(threshold)}, {literal(value)}, {a})"), ("threshold", "value")),
     _op("cast", cast, 1, lambda a, dtype: _cast_expr(a, dtype), ("dtype",)),

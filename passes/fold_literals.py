@@ -56,3 +56,69 @@ def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     node.replace_all_uses_with(constant)
     gm.graph.erase_node(node)
     return True
+
+
+def _literal(node) -> torch.Tensor | None:
+    """The tensor of a literal this pass folded, or of one torch.fx made while tracing (a tensor
+    forward() built from numbers alone: `torch.sqrt(torch.tensor(24.))` ran at trace time), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"
+            and node.target.startswith((LITERAL_PREFIX, "_tensor_constant"))):
+        return None
+    return getattr(node.graph.owning_module, node.target, None)
+
+
+def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, pointwise: dict) -> bool:
+    """A canonical pointwise op whose tensor operands are all folded literals
+    (`torch.sqrt(torch.tensor(d_k))`) is one too: computed here once, on the literals' device,
+    by the op eager runs on every call, so its value is eager's bit for bit."""
+    if node.op != "call_function" or node.target not in pointwise or not node.users or any(
+            u.op == "output" or _writes_in_place(u) is not None for u in node.users):
+        return False
+    operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if not operands or any(_literal(a) is None for a in operands) or \
+            any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
+        return False
+    meta = single_tensor_meta(node)
+    try:
+        value = node.target(*[_literal(a) if isinstance(a, torch.fx.Node) else a for a in node.args], **node.kwargs)
+    except Exception:  # noqa: BLE001 -- what eager would raise, it raises at run time: left as it is
+        return False
+    if not isinstance(value, torch.Tensor) or meta is None or value.dtype != meta.dtype \
+            or tuple(value.shape) != tuple(meta.shape) or value.numel() > MAX_ELEMENTS:
+        return False
+    name = register_constant(gm, LITERAL_STEM, value)
+    with gm.graph.inserting_before(node):
+        constant = gm.graph.get_attr(name)
+    constant.meta = dict(node.meta)
+    node.replace_all_uses_with(constant)
+    gm.graph.erase_node(node)
+    return True
+
+
+def cpu_literal_as_number(node: torch.fx.Node, pointwise: dict) -> None:
+    """A 0-dim CPU literal read by a pointwise op of CUDA tensors (`x / torch.sqrt(torch.tensor(24.))`
+    made without device=): CUDA's kernels read a CPU scalar tensor as they read a Python number,
+    unrounded, and the fused kernel could not take a CPU tensor (it ran its reference ops on every
+    call, stop 37's GPU probe). Where the op's result dtype stays the same, the number is read."""
+    if node.op != "call_function" or node.target not in pointwise:
+        return
+    nargs = pointwise[node.target].nargs
+    operands = node.args[:nargs]
+    others = [a for a in operands if isinstance(a, torch.fx.Node) and _literal(a) is None]
+    if not others or any(getattr(fxfuse_meta(a).get("device"), "type", None) != "cuda" for a in others):
+        return
+    meta = single_tensor_meta(node)
+    for a in operands:
+        value = _literal(a)
+        if value is None or value.dim() != 0 or value.device.type != "cpu" or meta is None or value.dtype == torch.bool:
+            continue
+        number = value.item()
+        new_args = [number if b is a else b for b in node.args]
+        fakes = [torch.empty((1,) * len(single_tensor_meta(b).shape), dtype=single_tensor_meta(b).dtype, device="meta")
+                 if isinstance(b, torch.fx.Node) else b for b in new_args[:nargs]]
+        try:
+            same = torch.result_type(*fakes) == meta.dtype if len(fakes) == 2 else False
+        except (RuntimeError, TypeError):
+            same = False
+        if same:
+            node.args = tuple(new_args)

@@ -24,7 +24,7 @@ from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_maj
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
-from .fold_literals import fold_literal_tensor
+from .fold_literals import cpu_literal_as_number, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
@@ -254,6 +254,9 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 masked_fill_layout(gm, new)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
+        if fold_pointwise_of_literals(gm, node, POINTWISE):
+            continue
+        cpu_literal_as_number(node, POINTWISE)
         broadcast_drops_unit_view(node, is_pointwise_target)
         divide_as_cuda_does(node)
         _bool_arithmetic_as_logical(node)

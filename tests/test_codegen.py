@@ -380,8 +380,11 @@ def test_pow_is_accurate_to_fp32_rounding_over_a_wide_range(exponent):
 @pytest.mark.parametrize("name,params,fn", [c for c in UNARY_CASES if c[0] in (
     "celu", "softsign", "logsigmoid", "tanhshrink", "hardshrink", "softshrink", "threshold")])
 def test_shrink_and_threshold_keep_the_sign_of_zero(name, params, fn):
-    """softshrink's zeros keep their input's sign (ATen computes x * 0), hardshrink's are +0:
-    a later 1 / y or copysign tells them apart."""
+    """Zeros signed as CUDA eager's: a later 1 / y or copysign tells them apart. softshrink's
+    are +0 there (an H100, stop 37; so is CPU eager's vectorized loop from 16 elements, where its
+    scalar loop computes x * 0: fuzz37a), hardshrink's +0, the others keep their input's sign."""
     x = torch.tensor([-0.0, 0.0, -0.3, 0.3, -1e-30, 1e-30, 0.5, -0.5])
     got, want = _unary_kernel(name, params, x), fn(x)
+    if name == "softshrink":
+        want = want.abs()
     assert torch.equal(torch.signbit(got), torch.signbit(want)), (got, want)

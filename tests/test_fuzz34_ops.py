@@ -338,8 +338,8 @@ def test_inputs_of_dtypes_triton_lacks_leave_the_kernel_to_the_library(dtype):
     x = torch.randn(4, 8).to(dtype) if dtype != torch.complex32 else torch.randn(4, 8, dtype=torch.complex64).to(dtype)
     model = Up().eval()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        opt = fxfuse.optimize(model, x)
+        warnings.simplefilter("error", fxfuse.FxfuseWarning)   # no fallback (the model's own complex cast
+        opt = fxfuse.optimize(model, x)                        # warning shows once, since stop 37)
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     with torch.no_grad():
         assert torch.equal(opt(x), model(x))

@@ -193,3 +193,28 @@ def test_a_permute_after_an_op_of_two_broadcast_operands_joins_one_kernel(dims, 
     got, want = opt(*args), model(*args)
     assert got.stride() == want.stride()
     torch.testing.assert_close(got, want)
+
+
+class LiteralScale(nn.Module):
+    def forward(self, x):
+        scale = torch.sqrt(torch.tensor(24.0, dtype=torch.float32, device=x.device))   # folded at optimize time
+        return (x / scale).relu() * torch.tensor(1.7)
+
+
+def test_a_pointwise_op_of_literals_is_computed_once_as_eager_computes_it():
+    model = LiteralScale().eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 7), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert "sqrt" not in fxfuse.explain(opt)   # no sqrt node left, in the graph or in the kernel
+    x = torch.randn(5, 7)
+    assert torch.equal(opt(x), model(x))
+
+
+def test_softshrink_zeros_are_positive_as_cuda_eagers():
+    # fuzz37a: `a * 0.0` kept a negative input's sign; CUDA eager (and CPU's vectorized loop) give +0.0
+    x = torch.cat([torch.linspace(-1, 1, 41), torch.tensor([-0.0, float("nan")])])
+    opt = fxfuse.optimize(nn.Softshrink(0.5).eval(), x, strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    got = opt(x)
+    inside = x.abs() <= 0.5
+    assert (got[inside] == 0).all() and not got[inside].signbit().any() and got[-1].isnan()

@@ -79,6 +79,12 @@ class _ScaledByLiteral(nn.Module):
         return (x / torch.sqrt(torch.tensor(24.0))).relu() * torch.tensor(1.7)
 
 
+class _ScaledByLiteralOnDevice(nn.Module):
+    def forward(self, x):
+        scale = torch.sqrt(torch.tensor(24.0, dtype=torch.float32, device=x.device))
+        return (x / scale).relu() - torch.tensor(0.25)
+
+
 class _ScaledByInput(nn.Module):
     def forward(self, x, t):
         return (x * t).relu()
@@ -89,7 +95,7 @@ def test_a_cpu_scalar_tensor_in_a_cuda_chain_matches_eager(dtype, capsys):
     # CUDA eager reads a CPU 0-dim tensor as an unrounded fp32 scalar, a CUDA one in x's dtype (fuzz37c)
     torch.manual_seed(0)
     x = torch.randn(64, 48, device="cuda", dtype=dtype)
-    cases = [(_ScaledByLiteral(), (x,)), (_ScaledByInput(), (x, torch.tensor(1.7))),
+    cases = [(_ScaledByLiteral(), (x,)), (_ScaledByLiteralOnDevice(), (x,)), (_ScaledByInput(), (x, torch.tensor(1.7))),
              (_ScaledByInput(), (x, torch.tensor(1.7, device="cuda")))]
     for model, args in cases:
         opt = fxfuse.optimize(model.eval(), args, strict=True)
@@ -100,6 +106,8 @@ def test_a_cpu_scalar_tensor_in_a_cuda_chain_matches_eager(dtype, capsys):
                   f"max diff {(got.float() - want.float()).abs().max().item():.3g}, stats {stats}")
         torch.testing.assert_close(got, want)
         assert stats["fused_kernels"] >= 1
+        if args[-1].device.type == "cuda":   # literals read as numbers, not a CPU operand (that took the
+            assert stats["reference_fallbacks"] == 0 and torch.equal(got, want)   # reference ops each call)
 
 
 def test_shrinks_and_threshold_give_cuda_eagers_signed_zeros():
