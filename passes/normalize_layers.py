@@ -337,6 +337,11 @@ def _selects_part(index) -> bool:
         not isinstance(i, slice) or all(v is None or type(v) is int for v in (i.start, i.stop, i.step)) for i in items)
 
 
+# a weight kept flat and viewed in forward (`F.linear(x, self.w.view(out, in))`, fuzz37d): a view too
+RESHAPING_METHODS = {"view", "reshape", "unflatten"}
+RESHAPING_FUNCTIONS = {torch.reshape, torch.unflatten}
+
+
 def fold_constant_slice(gm, node) -> bool:
     """`F.linear(x, W[:16], b[:16])`, `w_q, w_kv = W.split([e, 2 * e])` (nn.MultiheadAttention's
     packed projection for cross-attention), `W.chunk(3)[0]`: a part of a parameter or buffer
@@ -344,8 +349,8 @@ def fold_constant_slice(gm, node) -> bool:
     tensor (the same storage, so in-place edits are seen as for the tensor itself). The Linear
     passes then see a weight the model holds (a get_attr) instead of a weight computed in the
     graph, which kept such layers library GEMMs with their bias and activation unfused."""
-    is_slicing = (node.op == "call_method" and node.target in SLICING_METHODS
-                  or node.op == "call_function" and node.target in SLICING_FUNCTIONS
+    is_slicing = (node.op == "call_method" and node.target in SLICING_METHODS | RESHAPING_METHODS
+                  or node.op == "call_function" and node.target in SLICING_FUNCTIONS | RESHAPING_FUNCTIONS
                   or node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
                   and _selects_part(node.args[1]))
     if not is_slicing or not node.args or not isinstance(node.args[0], torch.fx.Node) \

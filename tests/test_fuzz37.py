@@ -218,3 +218,25 @@ def test_softshrink_zeros_are_positive_as_cuda_eagers():
     got = opt(x)
     inside = x.abs() <= 0.5
     assert (got[inside] == 0).all() and not got[inside].signbit().any() and got[-1].isnan()
+
+
+class FlatWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(13 * 17) * 0.2)
+        self.b = nn.Parameter(torch.randn(13))
+
+    def forward(self, x):
+        return F.relu(F.linear(x, self.w.view(13, 17), self.b))
+
+
+def test_a_weight_viewed_in_forward_is_a_weight_of_the_model():
+    # fuzz37d: w.view(out, in) was "a weight computed in the graph", a library GEMM even under gemm="force"
+    model = FlatWeight().eval()
+    opt = fxfuse.optimize(model, torch.randn(5, 17), gemm="force", strict=True)
+    assert fxfuse.stats(opt)["library_calls"] == 0 and fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(5, 17)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.w.mul_(-2.0)   # an in-place edit after optimize is seen, as for the weight itself
+        torch.testing.assert_close(opt(x), model(x))
