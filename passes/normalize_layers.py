@@ -342,6 +342,16 @@ RESHAPING_METHODS = {"view", "reshape", "unflatten"}
 RESHAPING_FUNCTIONS = {torch.reshape, torch.unflatten}
 
 
+def _reshaped_weight(node) -> bool:
+    """A reshape read only as F.linear's weight: anywhere else (returned, a view's source) the
+    node's own view keeps eager's requires_grad and _base (review29's round trips)."""
+    return (node.op == "call_method" and node.target in RESHAPING_METHODS
+            or node.op == "call_function" and node.target in RESHAPING_FUNCTIONS) and bool(node.users) and all(
+        u.op == "call_function" and u.target in (F.linear, torch.ops.aten.linear.default)
+        and len(u.args) > 1 and u.args[1] is node and node not in (*u.args[:1], *u.args[2:], *u.kwargs.values())
+        for u in node.users)
+
+
 def fold_constant_slice(gm, node) -> bool:
     """`F.linear(x, W[:16], b[:16])`, `w_q, w_kv = W.split([e, 2 * e])` (nn.MultiheadAttention's
     packed projection for cross-attention), `W.chunk(3)[0]`: a part of a parameter or buffer
@@ -349,10 +359,10 @@ def fold_constant_slice(gm, node) -> bool:
     tensor (the same storage, so in-place edits are seen as for the tensor itself). The Linear
     passes then see a weight the model holds (a get_attr) instead of a weight computed in the
     graph, which kept such layers library GEMMs with their bias and activation unfused."""
-    is_slicing = (node.op == "call_method" and node.target in SLICING_METHODS | RESHAPING_METHODS
-                  or node.op == "call_function" and node.target in SLICING_FUNCTIONS | RESHAPING_FUNCTIONS
+    is_slicing = (node.op == "call_method" and node.target in SLICING_METHODS
+                  or node.op == "call_function" and node.target in SLICING_FUNCTIONS
                   or node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
-                  and _selects_part(node.args[1]))
+                  and _selects_part(node.args[1]) or _reshaped_weight(node))
     if not is_slicing or not node.args or not isinstance(node.args[0], torch.fx.Node) \
             or node.args[0].op != "get_attr" or any(isinstance(a, torch.fx.Node) for a in node.args[1:]) \
             or any(isinstance(a, torch.fx.Node) for a in node.kwargs.values()):
