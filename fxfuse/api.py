@@ -184,7 +184,8 @@ def build_graph(model, args: tuple, options: Options):
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         traced = {storage_address(t) for t in traced_reads}
         derived = any(t.is_floating_point() and storage_address(t) not in traced for t in tensors_read(gm))
-        gm.meta["fxfuse_copied"] = tuple(traced_reads) if derived else ()   # a copy may come from any of them
+        snapshots = gm.meta.get("fxfuse_snapshots", False)   # values taken from traced tensors (fold_literals)
+        gm.meta["fxfuse_copied"] = tuple(traced_reads) if derived or snapshots else ()   # from any of them
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:

@@ -6,6 +6,8 @@ of its own unless FXFUSE_LOG is set, in which case a stderr handler is attached 
 import contextlib
 import logging
 import os
+import sys
+import threading
 import warnings
 
 from .env import FALSE_WORDS, TRUE_WORDS
@@ -27,7 +29,7 @@ if _level in LEVELS:
     logger.setLevel(_level)
 
 
-_SHOWN: dict = {}   # the registry of warnings shown again after a build: "default" shows each place once
+_EMITTED: set = set()   # (category, text, file, line) shown after a build: later builds do not show them again
 
 
 @contextlib.contextmanager
@@ -35,21 +37,52 @@ def model_warnings_once():
     """A build runs forward() several times (the trace, shape propagation, verify and its
     probes), and torch.fx's and fxfuse's own catch_warnings blocks reset the "once per place"
     memory: a warning of the model's own (F.softmax without dim, var() of one element) showed 3
-    to 15 times where eager shows it once (fuzz37e). Each distinct warning is recorded and shown
-    once, at its first place, through the user's filters, after the build (also a failed one)."""
-    caught = []
+    to 15 times where eager shows it once (fuzz37e). The build thread's warnings are recorded and,
+    after the build (also a failed one), each shown once per place in the user's code (the run
+    that had it there: verify's eager run), through the user's filters, and not again by later
+    builds (review37). Other threads' warnings meanwhile are shown as they come."""
+    builder, caught = threading.get_ident(), []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            show = warnings.showwarning
+
+            def record(message, category, filename, lineno, file=None, line=None):
+                if threading.get_ident() == builder:
+                    caught.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+                else:
+                    show(message, category, filename, lineno, file, line)
+            warnings.showwarning = record
             yield
     finally:
-        places = {}   # each warning at its place in the user's code where one run had it (verify's eager run)
-        for w in caught:
-            key = (type(w.message), str(w.message))
-            if key not in places or _internal(places[key].filename) and not _internal(w.filename):
-                places[key] = w
-        for w in places.values():
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SHOWN, source=w.source)
+        _show_once(caught)
+
+
+def _show_once(caught) -> None:
+    places = {}   # (category, text) -> the places it had in the user's code, else its first place
+    for w in caught:
+        group = places.setdefault((w.category, str(w.message)), {})
+        if not _internal(w.filename):
+            group.pop(None, None)
+            group.setdefault((w.filename, w.lineno), w)
+        elif not group:
+            group[None] = w
+    for (category, text), group in places.items():
+        for w in group.values():
+            key = (category, text, w.filename, w.lineno)
+            if key not in _EMITTED:
+                _EMITTED.add(key)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                       module=_module_name(w.filename), registry={}, source=w.source)
+
+
+def _module_name(filename: str) -> str | None:
+    """The name of the module loaded from filename ("__main__" for a script): filters that name
+    a module, and Python's default DeprecationWarning filter for __main__, match on it."""
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return name
+    return None
 
 
 def _internal(filename: str) -> bool:

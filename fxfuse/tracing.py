@@ -333,6 +333,13 @@ for _name in AUGMENTED_NAMES:
         setattr(_cls, f"__i{_name}__", _augmented)
 
 
+def number_to_the_power(base, exponent):
+    """`base ** exponent` for a negative number base, which torch.fx would print as `-2 ** x`,
+    that is -(2 ** x). A function of its own, not torch.pow: the exponent may be a size
+    (`(-1) ** x.shape[-1]`, an int; review37), which torch.pow refuses."""
+    return base ** exponent
+
+
 def _negative_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.copysign(1.0, v) < 0
 
@@ -348,7 +355,7 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
         if node.op == "call_function" and node.target is operator.pow and _negative_number(node.args[0]):
-            node.target = torch.pow   # torch.fx prints operator.pow(-2, x) as `-2 ** x`: -(2 ** x) (fuzz37c)
+            node.target = number_to_the_power   # torch.fx prints operator.pow(-2, x) as `-2 ** x` (fuzz37c)
         if self.autocast_node is None and node.op not in ("placeholder", "output") and autocast_enabled():
             self.autocast_node = node.name
         return node

@@ -20,6 +20,7 @@ from fxfuse.state_writes import _writes_in_place
 from .normalize_layers import register_constant
 
 FACTORIES = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
+DETACHES = {torch.ops.aten.detach_.default, torch.ops.aten.detach.default}
 MAX_ELEMENTS = 256
 LITERAL_STEM = "literal"
 LITERAL_PREFIX = "fxfuse_" + LITERAL_STEM   # register_constant's names: api.tensors_read knows them for no model copy
@@ -31,20 +32,38 @@ def _numbers(data) -> bool:
     return isinstance(data, (bool, int, float))
 
 
+def _lifted_literal(node) -> torch.Tensor | None:
+    """The constant of torch.export's `lift_fresh_copy(lifted_tensor_k)`, its spelling of a
+    tensor forward() builds from numbers (review37: left a library copy on every call)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.lift_fresh_copy.default \
+            or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], torch.fx.Node) \
+            or node.args[0].op != "get_attr":
+        return None
+    value = getattr(node.graph.owning_module, node.args[0].target, None)
+    return value if isinstance(value, torch.Tensor) and value.numel() <= MAX_ELEMENTS else None
+
+
 def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     from .normalize import _reads_without_alias   # normalize calls this: import late
     if node.op == "call_function" and node.target in FACTORIES and len(node.args) == 1:
         data = node.args[0]
     elif node.op == "call_method" and node.target == "new_tensor" and len(node.args) == 2:
         data = node.args[1]
+    elif _lifted_literal(node) is not None:   # torch.export's torch.tensor(..): a fresh copy of a constant
+        data = _lifted_literal(node).tolist()
     else:
         return False
     meta, device = single_tensor_meta(node), fxfuse_meta(node).get("device")
     if not _numbers(data) or set(node.kwargs) - {"dtype", "device", "requires_grad"} or node.kwargs.get(
             "requires_grad") or meta is None or device is None or math.prod(meta.shape) > MAX_ELEMENTS:
         return False
-    if not node.users or any(u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(gm, u)
-                             for u in node.users):
+    made = [node]   # and torch.export's detach_ of it (torch.tensor's result is a leaf): the same value
+    while len(made[-1].users) == 1 and next(iter(made[-1].users)).target in DETACHES \
+            and next(iter(made[-1].users)).args == (made[-1],):
+        made.append(next(iter(made[-1].users)))
+    last = made[-1]
+    if not last.users or any(u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(gm, u)
+                             for u in last.users):
         return False
     value = torch.tensor(data, dtype=meta.dtype, device=device)
     if tuple(value.shape) != tuple(meta.shape):
@@ -53,8 +72,9 @@ def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     with gm.graph.inserting_before(node):
         constant = gm.graph.get_attr(name)
     constant.meta = dict(node.meta)
-    node.replace_all_uses_with(constant)
-    gm.graph.erase_node(node)
+    last.replace_all_uses_with(constant)
+    for n in reversed(made):
+        gm.graph.erase_node(n)
     return True
 
 
@@ -86,6 +106,7 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
     if not isinstance(value, torch.Tensor) or meta is None or value.dtype != meta.dtype \
             or tuple(value.shape) != tuple(meta.shape) or value.numel() > MAX_ELEMENTS:
         return False
+    _note_snapshot(gm, operands)
     name = register_constant(gm, LITERAL_STEM, value)
     with gm.graph.inserting_before(node):
         constant = gm.graph.get_attr(name)
@@ -93,6 +114,15 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
     node.replace_all_uses_with(constant)
     gm.graph.erase_node(node)
     return True
+
+
+def _note_snapshot(gm, sources) -> None:
+    """A value taken from a tensor torch.fx recorded while tracing: forward()'s own `torch.tensor(..)`,
+    but also a tensor it reads from a global or a dict (review37: `x / torch.sqrt(SCALE)`), which
+    may be edited in place later. The runtime then watches every tensor the trace read
+    (api.build_graph: fxfuse_copied), as for a weight folded into a copy."""
+    if any(not a.target.startswith(LITERAL_PREFIX) for a in sources):
+        gm.meta["fxfuse_snapshots"] = True
 
 
 def cpu_literal_as_number(node: torch.fx.Node, pointwise: dict) -> None:
@@ -121,4 +151,5 @@ def cpu_literal_as_number(node: torch.fx.Node, pointwise: dict) -> None:
         except (RuntimeError, TypeError):
             same = False
         if same:
+            _note_snapshot(node.graph.owning_module, [a])
             node.args = tuple(new_args)

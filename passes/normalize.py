@@ -29,7 +29,7 @@ from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanc
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
-from .spellings import (ARITH, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
+from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
                         cast_target, divide_as_cuda_does, masked_fill_layout, spelling_of)
 
@@ -62,7 +62,8 @@ def _reads_without_alias(gm, user) -> bool:
         return True
     if "kept" in user.meta.get("fxfuse", {}):
         return False
-    if user.op == "call_function" and (_produces_fresh_tensor(user) or user.target in FUNCTION_SPELLINGS):
+    if user.op == "call_function" and (_produces_fresh_tensor(user) or user.target in FUNCTION_SPELLINGS
+                                       or user.target in ATEN_SPELLINGS and not ATEN_SPELLINGS[user.target].inplace):
         return True
     if user.op == "call_method" and (user.target in METHOD_SPELLINGS or user.target in SHAPE_METHODS
                                      or user.target in FRESH_METHODS):

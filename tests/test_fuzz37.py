@@ -125,10 +125,19 @@ def test_a_warning_of_the_model_shows_once_per_build_at_the_users_line():
     assert [str(w.message)[:30] for w in caught] == ["Implicit dimension choice for "]
     assert caught[0].filename == __file__
     assert fxfuse.stats(opt)["optimized"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")   # shown once per place and process, as "default" would: not again
+        fxfuse.optimize(ImplicitSoftmax().eval(), x)
+    assert not [w for w in caught if "Implicit dimension" in str(w.message)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # the user's filters apply to it: an error filter raises, as in eager
         with pytest.raises(UserWarning, match="Implicit dimension"):
-            fxfuse.optimize(ImplicitSoftmax().eval(), x)
+            fxfuse.optimize(ImplicitSoftmaxElsewhere().eval(), x)
+
+
+class ImplicitSoftmaxElsewhere(nn.Module):
+    def forward(self, x):
+        return F.softmax(x * 3) - 1   # warns: implicit dim, at a place of its own
 
 
 class SplitSpellings(nn.Module):
@@ -240,3 +249,74 @@ def test_a_weight_viewed_in_forward_is_a_weight_of_the_model():
         torch.testing.assert_close(opt(x), model(x))
         model.w.mul_(-2.0)   # an in-place edit after optimize is seen, as for the weight itself
         torch.testing.assert_close(opt(x), model(x))
+
+
+SCALE = torch.tensor([4.0, 9.0])
+
+
+class GlobalScale(nn.Module):
+    def forward(self, x):
+        return x / SCALE.to(x.device).sqrt() + 1.0   # the cast and sqrt are graph nodes: folded at optimize time
+
+
+def test_a_value_folded_from_a_global_tensor_follows_in_place_edits():
+    # review37: folding `SCALE.to(..).sqrt()` froze it; the runtime now watches the tensors the trace read
+    model = GlobalScale().eval()
+    x = torch.randn(3, 2)
+    try:
+        opt = fxfuse.optimize(model, x, strict=True)
+        torch.testing.assert_close(opt(x), model(x))
+        SCALE.mul_(4.0)
+        torch.testing.assert_close(opt(x), model(x))
+    finally:
+        SCALE.copy_(torch.tensor([4.0, 9.0]))
+
+
+class SignBySize(nn.Module):
+    def forward(self, x):
+        return (-1) ** x.shape[-1] * x + 1.0
+
+
+class LiteralUnderExport(nn.Module):
+    def forward(self, x):
+        if x.shape[-1] > 1:   # symbolic_trace cannot follow it: torch.export's lift_fresh_copy + detach_
+            x = x * 2.0
+        return x / torch.sqrt(torch.tensor(24.0)) + 1.0
+
+
+def test_negative_base_with_a_size_exponent_and_export_literals():
+    opt = fxfuse.optimize(SignBySize().eval(), torch.randn(2, 3), strict=True)
+    assert "symbolic_trace" in fxfuse.explain(opt)   # torch.pow(-1, <int>) failed and sent it to torch.export
+    for n in (3, 4):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(fxfuse.optimize(SignBySize().eval(), x)(x), SignBySize()(x))
+    opt = fxfuse.optimize(LiteralUnderExport().eval(), torch.randn(3, 2), strict=True)
+    assert fxfuse.stats(opt)["library_calls"] == 0 and "sqrt" not in fxfuse.explain(opt)   # folded (review37)
+    x = torch.randn(3, 2)
+    assert torch.equal(opt(x), LiteralUnderExport()(x))
+
+
+class WarnsTwice(nn.Module):
+    def forward(self, x):
+        if not torch.jit.is_scripting():
+            warnings.warn("stop 37: first place")
+        y = x * 2
+        warnings.warn("stop 37: first place")   # the same text at another line: shown there too
+        return y + 1
+
+
+def test_model_warnings_keep_their_places_and_module_filters():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxfuse.optimize(WarnsTwice().eval(), torch.randn(2, 3))
+    assert len({w.lineno for w in caught if "stop 37" in str(w.message)}) == 2   # review37: deduplicated by text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", module=__name__)   # a filter naming the model's module applies
+        fxfuse.optimize(ImplicitSoftmaxThird().eval(), torch.randn(2, 3))
+    assert not [w for w in caught if "Implicit dimension" in str(w.message)]
+
+
+class ImplicitSoftmaxThird(nn.Module):
+    def forward(self, x):
+        return F.softmax(x - 1) * 2
