@@ -180,6 +180,10 @@ def build_graph(model, args: tuple, options: Options):
     with torch.no_grad(), kept_state(model) as snapshot:   # the model as before; forward() with state refused
         gm = trace(model, args)
         snapshot.drop_proxies()
+        if gm.meta.get("fxfuse_proxy_attributes") and not options.verify:   # assigned during the trace:
+            rewind = _torch_random_state()                                   # eager shows whether that
+            model(*clone_args(args))                                         # changes the model (kept_state)
+            rewind()
         traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         traced = {storage_address(t) for t in traced_reads}

@@ -280,17 +280,23 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     write with no traced operand (`self.buf.zero_()`, a scratch buffer's reset) runs once and is
     not recorded (review35, fuzz35c: silently lost); `proxy_buffers` makes them graph nodes."""
     _check_traceable_forward(model)
+    before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
+        if isinstance(model, torch.nn.Module) else {}
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         tracer = _AutocastWatchingTracer()
         tracer.proxy_buffer_attributes = proxy_buffers
-        graph = tracer.trace(model, concrete_args=concrete)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete)
+        finally:
+            assigned = _undo_proxy_attributes(model, before)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
             one_placeholder_per_parameter(graph, model, concrete)
         if concrete:
             drop_value_checks(graph)
         name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
         gm = torch.fx.GraphModule(tracer.root, graph, name)
+        gm.meta["fxfuse_proxy_attributes"] = assigned
     if tracer.autocast_node is not None:
         raise AutocastInForward(
             f"forward() enters torch.autocast (around node {tracer.autocast_node}), which torch.fx does not "
@@ -298,6 +304,24 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
             "instead (fxfuse then runs the original module), or cast the model (model.half()) before "
             "fxfuse.optimize")
     return gm
+
+
+def _undo_proxy_attributes(model, before: dict) -> list:
+    """The trace's Proxies out of the modules' plain attributes, their values before it back
+    (`self.freqs_cis = self.freqs_cis.to(h.device)` in LLaMA's reference left a Proxy there,
+    which torch.export and verify's eager run then read: the model was refused; fuzz37f).
+    Returns their names: whether eager's assignment changes anything, an eager run shows
+    (api.build_graph), and kept_state refuses a forward() whose assignment does."""
+    assigned = []
+    for m in model.modules() if before else ():
+        for now, then in zip((vars(m), m._buffers), before.get(id(m), ({}, {}))):   # a buffer too (`self.fc =
+            for k in [k for k, v in now.items() if isinstance(v, torch.fx.Proxy)]:  # self.fc.to(x.device)`)
+                assigned.append(f"{type(m).__name__}.{k}")
+                if k in then:
+                    now[k] = then[k]
+                else:
+                    del now[k]
+    return assigned
 
 
 class _AugmentedAssignmentProxy(torch.fx.Proxy):

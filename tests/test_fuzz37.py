@@ -320,3 +320,40 @@ def test_model_warnings_keep_their_places_and_module_filters():
 class ImplicitSoftmaxThird(nn.Module):
     def forward(self, x):
         return F.softmax(x - 1) * 2
+
+
+class ReassignsToItself(nn.Module):
+    """LLaMA's reference: `self.freqs_cis = self.freqs_cis.to(h.device)` (the same tensor in eager)."""
+    def __init__(self, as_buffer):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        table = torch.randn(32, 16)
+        if as_buffer:
+            self.register_buffer("table", table, persistent=False)
+        else:
+            self.table = table
+
+    def forward(self, x):
+        self.table = self.table.to(x.device)
+        return self.lin(x) * self.table[: x.shape[1]] + 1
+
+
+class CachesItsInput(nn.Module):
+    def forward(self, x):
+        self.last = x * 2   # a real change of state: refused, with or without verify
+        return self.last + 1
+
+
+@pytest.mark.parametrize("as_buffer", [False, True])
+def test_an_attribute_assigned_its_own_value_is_no_change_of_state(as_buffer):
+    # fuzz37f: the trace left a Proxy in the attribute, and the model was refused as changing its state
+    model = ReassignsToItself(as_buffer).eval()
+    for verify in (True, False):
+        opt = fxfuse.optimize(model, torch.randn(2, 7, 16), strict=True, verify=verify)
+        assert fxfuse.stats(opt)["fused_kernels"] >= 1
+        x = torch.randn(2, 5, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+    for verify in (True, False):
+        with pytest.raises(fxfuse.UnsupportedError, match="changes the module's state"):
+            fxfuse.optimize(CachesItsInput().eval(), torch.randn(3), strict=True, verify=verify)
