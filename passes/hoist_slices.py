@@ -73,6 +73,8 @@ def _chains(op) -> list | None:
                 if not _extend(user, chain + [user]):
                     return False
                 continue
+            if not user.users:   # a dead `h.hsplit(2)` still reads op: op stays (fuzz37g: erased under it)
+                return False
             for item in user.users:
                 if not (item.op == "call_function" and item.target is operator.getitem and type(item.args[1]) is int):
                     return False   # the tuple itself is read (returned, unpacked by a call)

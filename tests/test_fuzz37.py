@@ -357,3 +357,19 @@ def test_an_attribute_assigned_its_own_value_is_no_change_of_state(as_buffer):
     for verify in (True, False):
         with pytest.raises(fxfuse.UnsupportedError, match="changes the module's state"):
             fxfuse.optimize(CachesItsInput().eval(), torch.randn(3), strict=True, verify=verify)
+
+
+class DeadSplit(nn.Module):
+    def forward(self, x):
+        h = x + 1
+        unused = h.hsplit(2)   # noqa: F841 -- dead code that still reads h
+        a, b = h.chunk(2, 0)
+        return a.relu() * b
+
+
+def test_a_dead_split_of_a_pointwise_result_does_not_break_the_build():
+    # fuzz37g: hoist_slices erased h under the dead hsplit ("still had 1 users"): the whole model fell back
+    model = DeadSplit().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 4), strict=True)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(opt(x), model(x))
