@@ -2,6 +2,8 @@
 outputs within each dtype's tolerance (or at least as accurate as eager against a float64
 run), the inputs written as eager writes them, both runs from one torch random state."""
 import copy
+import dataclasses
+import reprlib
 
 import torch
 
@@ -26,8 +28,8 @@ def _verify(model, gm, args, rewind) -> list:
     eager_out = model(*eager_args)
     rewind()
     graph_out = gm(*graph_args)
-    expected, expected_spec = torch.utils._pytree.tree_flatten(eager_out)
-    got, got_spec = torch.utils._pytree.tree_flatten(graph_out)
+    expected, expected_spec = _flatten(eager_out)
+    got, got_spec = _flatten(graph_out)
     if expected_spec != got_spec:
         if type(eager_out) is not type(graph_out):   # a dict subclass torch.fx rebuilds as a dict
             raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, which the traced graph "
@@ -45,12 +47,13 @@ def _verify(model, gm, args, rewind) -> list:
         if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
                 and _differs_at_all(e, g):
             raise UnsupportedError(   # review36d: a returned np.float64 came back a float (1 / 0 then raised)
-                f"output {k} is {type(e).__name__} {e!r} where the rewritten graph returns {type(g).__name__} {g!r}: "
+                f"output {k} is {type(e).__name__} {_SHORT.repr(e)} where the rewritten graph returns "
+                f"{type(g).__name__} {_SHORT.repr(g)}: "
                 "return tensors, or Python numbers and sizes")
         problem = _mismatch(e, g, floor)
         if problem:
             rewind()
-            again = torch.utils._pytree.tree_flatten(model(*clone_args(args)))[0]
+            again = _flatten(model(*clone_args(args)))[0]
             if any(_mismatch(a, b) for a, b in zip(expected, again)):
                 raise UnsupportedError(
                     f"output {k} differs between two eager runs of the model on the same input: it is not "
@@ -97,6 +100,25 @@ def _differs_at_all(e, g) -> bool:
         return True
 
 
+_SHORT = reprlib.Repr()   # a message names a value, it does not print a tensor (keywords: Python 3.12+)
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
+def _flatten(out) -> tuple:
+    """Leaves and structure of an output, a dataclass's fields included: torch's pytree leaves an
+    unregistered dataclass (research code's ModelOutput) one opaque leaf, compared as a whole
+    and refused (fuzz37f)."""
+    def plain(o):
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return (type(o).__qualname__, {f.name: plain(getattr(o, f.name)) for f in dataclasses.fields(o)})
+        if type(o) in (list, tuple):
+            return type(o)(plain(v) for v in o)
+        if type(o) is dict:
+            return {k: plain(v) for k, v in o.items()}
+        return o
+    return torch.utils._pytree.tree_flatten(plain(out))
+
+
 def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     """Whether output k of the graph (g) is within 4x eager's (e) error against a float64 run of
     the model. A tolerance relative to the output's size trips where the output is a small
@@ -110,7 +132,7 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
         wide = {}   # one float64 copy per tensor object: `f(a, a)` stays the same tensor twice
         args64 = [wide.setdefault(id(a), a.double()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                   for a in clone_args(args)]
-        ref = torch.utils._pytree.tree_flatten(model64(*args64))[0][k].double()
+        ref = _flatten(model64(*args64))[0][k].double()
     except Exception as err:  # noqa: BLE001 -- no float64 run (memory, ops without fp64): no excuse either
         logger.info("no float64 reference for the verification: %s", err)
         return False

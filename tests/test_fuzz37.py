@@ -1,4 +1,5 @@
 """Stop 37: fixes from the fuzz37 helper round, and exp computed as Cody-Waite."""
+import dataclasses
 import warnings
 
 import pytest
@@ -373,3 +374,29 @@ def test_a_dead_split_of_a_pointwise_result_does_not_break_the_build():
     opt = fxfuse.optimize(model, torch.randn(4, 4), strict=True)
     x = torch.randn(4, 4)
     torch.testing.assert_close(opt(x), model(x))
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return ModelOutput(logits=self.lin(x) * 2 + 1)
+
+
+def test_a_dataclass_output_is_verified_field_by_field():
+    # fuzz37f: compared as one opaque value, it "differed" and was refused, the message printing every tensor twice
+    model = ReturnsDataclass().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 7, 8), strict=True)
+    x = torch.randn(2, 7, 8)
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    assert type(got) is ModelOutput and got.loss is None
+    torch.testing.assert_close(got.logits, want.logits)
