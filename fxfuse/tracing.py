@@ -109,7 +109,17 @@ def _trace(model, example_args, concrete, held):
     signature does: None, flags and numbers are checked by value on every call)."""
     try:
         versions = _buffer_versions(model)
-        gm = _quiet_symbolic_trace(model, concrete)
+        try:
+            gm = _quiet_symbolic_trace(model, concrete)
+        except UnsupportedError:
+            raise
+        except Exception as first:  # noqa: BLE001 -- `self.pe[:x.size(1)]`: a buffer indexed by a size
+            if not _buffer_versions(model):   # (a Proxy) fails on the real tensor; as a node it slices (fuzz37f)
+                raise
+            try:
+                gm = _quiet_symbolic_trace(model, concrete, proxy_buffers=True)
+            except Exception:  # noqa: BLE001 -- the first failure says more
+                raise first from None
         # a write torch.fx ran instead of recording it (into a buffer, or into a value it computed
         # from buffers at trace time: `v = self.scale.exp(); v.clamp_(max=1.5)`, fuzz35a): buffers as nodes
         if _buffer_versions(model) != versions or _buffer_versions(model) and written_constant(gm, held):

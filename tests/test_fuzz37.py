@@ -400,3 +400,27 @@ def test_a_dataclass_output_is_verified_field_by_field():
         got, want = opt(x), model(x)
     assert type(got) is ModelOutput and got.loss is None
     torch.testing.assert_close(got.logits, want.logits)
+
+
+class TutorialPositionalEncoding(nn.Module):
+    """PyTorch's tutorial slices a buffer by the input's size; the Annotated Transformer reads mask.data."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pe", torch.randn(64, 16))
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        x = x + self.pe[:x.size(1)]
+        return self.lin(x) * mask.data
+
+
+def test_a_buffer_sliced_by_a_size_traces_with_buffers_as_nodes():
+    # fuzz37f: symbolic_trace failed on the real buffer indexed by a Proxy, torch.export on .data: refused
+    model = TutorialPositionalEncoding().eval()
+    args = (torch.randn(2, 7, 16), torch.rand(2, 7, 1))
+    opt = fxfuse.optimize(model, args, strict=True)
+    assert "symbolic_trace" in fxfuse.explain(opt)
+    for n in (7, 5):
+        args = (torch.randn(2, n, 16), torch.rand(2, n, 1))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*args), model(*args))
