@@ -149,7 +149,8 @@ def generate(ir: KernelIR, name: str | None = None) -> tuple:
             spec = ir.outputs[st.output]
             value = values[st.value]
             if not is_vector[st.value]:  # a value built only from scalars still fills the block;
-                value = f"(tl.full([BLOCK], -0.0, tl.float32) + {value})"   # x + -0.0 is x, also for -0.0
+                value = f"(tl.full([BLOCK], -2147483648, tl.int32).to(tl.float32, bitcast=True) + {value})"   # + -0.0:
+                # x for any x (-0.0 too); the bits, since Triton made a -0.0 constant +0.0 on the GPU (stop 37)
             address = _address(st.index, dim_vars)
             if not any(st.index.strides):  # a one-point space ([], [1, 1]): a block of one address
                 address += " + offs * 0"

@@ -139,6 +139,8 @@ def literal(v) -> str:
         return "(0.0 * 1e999)"
     if math.isinf(v):
         return "1e999" if v > 0 else "(-1e999)"
+    if v == 0 and math.copysign(1.0, v) < 0:
+        return "_neg_zero()"   # a -0.0 literal came out +0.0 on the H100 (F.threshold(x, 0.1, -0.0); stop 37)
     return repr(v)
 
 
@@ -328,6 +330,12 @@ def is_pointwise_target(target) -> bool:
 # correctly rounded forms (Triton's `/` and tl.sqrt are approximate on the GPU), so fp32
 # results match eager to the last bits where eager itself is exact.
 PRELUDE = '''
+@triton.jit
+def _neg_zero():
+    # -0.0 from its bits: Triton (3.6, on the GPU) made a -0.0 constant +0.0
+    return tl.full((), -2147483648, tl.int32).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _div(a, b):
     return tl.div_rn(a, b)

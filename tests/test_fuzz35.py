@@ -60,9 +60,9 @@ def _ids(*shape):
 
 @pytest.mark.parametrize("example", ["embeds", "flags", "mask"])
 def test_none_and_flag_example_arguments_are_traced_by_torch_export(example):
-    """symbolic_trace fails on the model; fxfuse refused it where the example held None or a
-    flag ("torch.export is not tried for non-tensor inputs", fuzz34g). Export specializes on
-    them as the runtime's signature does, so other values build other specializations."""
+    """symbolic_trace failed on the model; fxfuse refused it where the example held None or a
+    flag ("torch.export is not tried for non-tensor inputs", fuzz34g). Either tracer specializes
+    on them as the runtime's signature does, so other values build other specializations."""
     torch.manual_seed(0)
     model = _HFStyleEmbeddings().eval()
     examples = {"embeds": (None, None, torch.randn(2, 8, 16)),
@@ -72,7 +72,8 @@ def test_none_and_flag_example_arguments_are_traced_by_torch_export(example):
         warnings.simplefilter("error")
         opt = fxfuse.optimize(model, examples[example])
     assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
-    assert "torch.export(strict=False)" in fxfuse.explain(opt)
+    # symbolic_trace with the buffers as graph nodes since stop 37 (the slice of position_ids by a size)
+    assert "torch.fx.symbolic_trace" in fxfuse.explain(opt)
     _check_calls(opt, model, [
         (examples[example], {}),
         ((None, None, torch.randn(2, 8, 16)), {}),

@@ -424,3 +424,15 @@ def test_a_buffer_sliced_by_a_size_traces_with_buffers_as_nodes():
         args = (torch.randn(2, n, 16), torch.rand(2, n, 1))
         with torch.no_grad():
             torch.testing.assert_close(opt(*args), model(*args))
+
+
+def test_negative_zero_literals_are_written_from_their_bits():
+    # H100 (stop 37): Triton made a -0.0 constant +0.0, so F.threshold(x, 0.1, -0.0) gave +0.0 (a GPU test
+    # checks the values there); the source now builds it from its bits
+    from fxfuse.ops import literal
+    assert literal(-0.0) == "_neg_zero()" and literal(0.0) == "0.0"
+    x = torch.linspace(-1, 1, 41)
+    model = nn.Threshold(0.1, -0.0).eval()
+    opt = fxfuse.optimize(model, x, strict=True, verify=False)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert torch.equal(opt(x).signbit(), model(x).signbit())

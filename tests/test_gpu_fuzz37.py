@@ -113,7 +113,9 @@ def test_a_cpu_scalar_tensor_in_a_cuda_chain_matches_eager(dtype, capsys):
 def test_shrinks_and_threshold_give_cuda_eagers_signed_zeros():
     # fuzz37a: softshrink inside (-lambd, 0) was `a * 0.0`, -0.0, where CUDA eager's kernel gives +0.0
     x = torch.cat([torch.linspace(-1, 1, 4001), torch.tensor([0.0, -0.0, 0.5, -0.5])]).cuda()
-    for fn in (F.softshrink, F.hardshrink, lambda v: F.threshold(v, 0.1, -0.0)):
+    # and -0.0 literals: Triton made a -0.0 constant +0.0 on the GPU (threshold's value, a clamp bound, x + -0.0)
+    for fn in (F.softshrink, F.hardshrink, lambda v: F.threshold(v, 0.1, -0.0), lambda v: v.clamp(min=-0.0),
+               lambda v: (v * 0.0) + -0.0, lambda v: torch.where(v > 0, v, -0.0)):
         opt = fxfuse.optimize(_Pointwise(fn).eval(), x, strict=True)
         got, want = opt(x), fn(x)
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), \
