@@ -41,20 +41,23 @@ def model_warnings_once():
     after the build (also a failed one), each shown once per place in the user's code (the run
     that had it there: verify's eager run), through the user's filters, and not again by later
     builds (review37). Other threads' warnings meanwhile are shown as they come."""
-    builder, caught = threading.get_ident(), []
+    builder, caught, building = threading.get_ident(), [], [True]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             show = warnings.showwarning
 
             def record(message, category, filename, lineno, file=None, line=None):
-                if threading.get_ident() == builder:
+                # after the build it passes everything on: another thread's catch_warnings that began during
+                # the build and ends after it puts this function back (review37b: later warnings were lost)
+                if building[0] and threading.get_ident() == builder:
                     caught.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
                 else:
                     show(message, category, filename, lineno, file, line)
             warnings.showwarning = record
             yield
     finally:
+        building[0] = False
         _show_once(caught)
 
 
@@ -80,8 +83,11 @@ def _module_name(filename: str) -> str | None:
     """The name of the module loaded from filename ("__main__" for a script): filters that name
     a module, and Python's default DeprecationWarning filter for __main__, match on it."""
     for name, module in list(sys.modules.items()):
-        if getattr(module, "__file__", None) == filename:
-            return name
+        try:
+            if getattr(module, "__file__", None) == filename:
+                return name
+        except Exception:  # noqa: BLE001 -- a lazy module raising on attribute access (review37b)
+            continue
     return None
 
 

@@ -130,10 +130,11 @@ def _probe(model, args, expected, reads, differs, inference, rewind) -> None:
 def _changes(model, args, expected, differs, rewind) -> tuple:
     """(whether the outputs differ from `expected`, whether autograd computed one: _computed)."""
     from .tracing import clone_args
+    from .verify import flatten_output   # a dataclass's fields as leaves (review37b: one leaf, "changed")
     inputs = clone_args(args)
     rewind()
     try:
-        got = torch.utils._pytree.tree_flatten(model(*inputs))[0]
+        got = flatten_output(model(*inputs))[0]
     except Exception:  # noqa: BLE001 -- see probe_mode_dependence
         return True, True
     return len(got) != len(expected) or any(differs(e, g.detach() if isinstance(g, torch.Tensor) else g)
@@ -178,7 +179,8 @@ def _records_autograd(model, args, grad: bool) -> bool:
             with torch.enable_grad():   # builds run under no_grad: a clone made there would not require grad
                 inputs = torch.utils._pytree.tree_map(requiring_grad, clone_args(args))
             with torch.set_grad_enabled(grad):
-                got = torch.utils._pytree.tree_flatten(model(*inputs))[0]
+                from .verify import flatten_output
+                got = flatten_output(model(*inputs))[0]
     except Exception:  # noqa: BLE001
         return grad
     return _computed(got, inputs)

@@ -26,10 +26,12 @@ AUGMENTED_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "an
 AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in AUGMENTED_NAMES if name != "matmul"}   # writes
 VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "narrow", "select",
                 "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as", "diagonal", "as_strided",
-                "split", "chunk", "unbind", "detach", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold"}
+                "split", "chunk", "unbind", "detach", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold",
+                "tensor_split", "hsplit", "vsplit", "dsplit"}
 VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
                   torch.narrow, torch.select, torch.t, torch.permute, torch.diagonal, torch.split, torch.chunk,
-                  torch.unbind, torch.detach, torch.movedim, torch.swapaxes, torch.swapdims}
+                  torch.unbind, torch.detach, torch.movedim, torch.swapaxes, torch.swapdims, torch.tensor_split,
+                  torch.hsplit, torch.vsplit, torch.dsplit}
 
 
 # named with a trailing underscore only because `and`, `or`, `not` and `is` are Python keywords:

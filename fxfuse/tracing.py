@@ -325,13 +325,22 @@ def _undo_proxy_attributes(model, before: dict) -> list:
     assigned = []
     for m in model.modules() if before else ():
         for now, then in zip((vars(m), m._buffers), before.get(id(m), ({}, {}))):   # a buffer too (`self.fc =
-            for k in [k for k, v in now.items() if isinstance(v, torch.fx.Proxy)]:  # self.fc.to(x.device)`)
+            for k in [k for k, v in now.items() if _holds_proxy(v)]:                # self.fc.to(x.device)`)
                 assigned.append(f"{type(m).__name__}.{k}")
                 if k in then:
                     now[k] = then[k]
                 else:
                     del now[k]
     return assigned
+
+
+def _holds_proxy(v) -> bool:
+    """A Proxy, or a tuple / list / dict holding one (`self.dims = (x.shape[-1], 3)`; review37b)."""
+    if isinstance(v, torch.fx.Proxy):
+        return True
+    if type(v) in (tuple, list):
+        return any(map(_holds_proxy, v))
+    return type(v) is dict and any(map(_holds_proxy, v.values()))
 
 
 class _AugmentedAssignmentProxy(torch.fx.Proxy):

@@ -28,8 +28,8 @@ def _verify(model, gm, args, rewind) -> list:
     eager_out = model(*eager_args)
     rewind()
     graph_out = gm(*graph_args)
-    expected, expected_spec = _flatten(eager_out)
-    got, got_spec = _flatten(graph_out)
+    expected, expected_spec = flatten_output(eager_out)
+    got, got_spec = flatten_output(graph_out)
     if expected_spec != got_spec:
         if type(eager_out) is not type(graph_out):   # a dict subclass torch.fx rebuilds as a dict
             raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, which the traced graph "
@@ -53,7 +53,7 @@ def _verify(model, gm, args, rewind) -> list:
         problem = _mismatch(e, g, floor)
         if problem:
             rewind()
-            again = _flatten(model(*clone_args(args)))[0]
+            again = flatten_output(model(*clone_args(args)))[0]
             if any(_mismatch(a, b) for a, b in zip(expected, again)):
                 raise UnsupportedError(
                     f"output {k} differs between two eager runs of the model on the same input: it is not "
@@ -104,17 +104,19 @@ _SHORT = reprlib.Repr()   # a message names a value, it does not print a tensor 
 _SHORT.maxstring = _SHORT.maxother = 80
 
 
-def _flatten(out) -> tuple:
+def flatten_output(out) -> tuple:
     """Leaves and structure of an output, a dataclass's fields included: torch's pytree leaves an
     unregistered dataclass (research code's ModelOutput) one opaque leaf, compared as a whole
     and refused (fuzz37f)."""
     def plain(o):
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
             return (type(o).__qualname__, {f.name: plain(getattr(o, f.name)) for f in dataclasses.fields(o)})
-        if type(o) in (list, tuple):
-            return type(o)(plain(v) for v in o)
-        if type(o) is dict:
-            return {k: plain(v) for k, v in o.items()}
+        if isinstance(o, tuple) and hasattr(o, "_fields"):   # a NamedTuple (review37b: one holding a dataclass)
+            return (type(o).__qualname__, tuple(plain(v) for v in o))
+        if isinstance(o, (list, tuple)):
+            return [type(o).__qualname__, *(plain(v) for v in o)]
+        if isinstance(o, dict):   # OrderedDict and other dict subclasses too
+            return (type(o).__qualname__, {k: plain(v) for k, v in o.items()})
         return o
     return torch.utils._pytree.tree_flatten(plain(out))
 
@@ -132,7 +134,7 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
         wide = {}   # one float64 copy per tensor object: `f(a, a)` stays the same tensor twice
         args64 = [wide.setdefault(id(a), a.double()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                   for a in clone_args(args)]
-        ref = _flatten(model64(*args64))[0][k].double()
+        ref = flatten_output(model64(*args64))[0][k].double()
     except Exception as err:  # noqa: BLE001 -- no float64 run (memory, ops without fp64): no excuse either
         logger.info("no float64 reference for the verification: %s", err)
         return False

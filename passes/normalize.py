@@ -137,9 +137,12 @@ def _is_no_op_conversion(node) -> bool:
         return len(devices) == 1 and None not in devices and node.kwargs.get("copy") is not True \
             and node.kwargs.get("memory_format") in (None, torch.preserve_format) and node.kwargs.get(
                 "layout", torch.strided) is torch.strided and not any(a is True for a in node.args[2:])
-    plain = all(isinstance(a, (str, torch.device)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
-                is not None for a in node.args[1:])
-    return len(node.args) == 2 and plain and not node.kwargs and len(devices) == 1 and None not in devices
+    plain = all(isinstance(a, (str, torch.device, torch.dtype)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
+                is not None for a in node.args[1:])   # .to(x.device, x.dtype), .to(device=.., dtype=..) (review37b)
+    keywords = set(node.kwargs) <= {"device", "dtype", "non_blocking"} and not any(
+        isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+    return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
+        and len(devices) == 1 and None not in devices
 
 
 DETACH_FUNCTIONS = {torch.detach, aten.detach.default, aten.detach_.default, aten.alias.default}

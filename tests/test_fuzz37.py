@@ -1,4 +1,6 @@
 """Stop 37: fixes from the fuzz37 helper round, and exp computed as Cody-Waite."""
+import collections
+import contextlib
 import dataclasses
 import warnings
 
@@ -436,3 +438,64 @@ def test_negative_zero_literals_are_written_from_their_bits():
     opt = fxfuse.optimize(model, x, strict=True, verify=False)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert torch.equal(opt(x).signbit(), model(x).signbit())
+
+
+class ReturnsNested(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        out = ModelOutput(logits=x.exp() + 1, loss=x.sin().sum())
+        if self.kind == "ordered":
+            return collections.OrderedDict(out=out)
+        return Pair(out, x * 2) if self.kind == "named" else out
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@pytest.mark.parametrize("kind", ["plain", "ordered", "named"])
+def test_dataclass_outputs_in_every_mode_and_container(kind):
+    # review37b: the mode probe saw a dataclass as one leaf (grad mode and inference_mode calls ran the original,
+    # warning), and one inside an OrderedDict or a NamedTuple was still refused
+    model = ReturnsNested(kind).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxfuse.FxfuseWarning)
+        opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+        x = torch.randn(4, 8)
+        for mode in (contextlib.nullcontext, torch.no_grad, torch.inference_mode):
+            with mode():
+                got, want = opt(x), model(x)
+            assert type(got) is type(want)
+            torch.testing.assert_close(torch.utils._pytree.tree_leaves(dataclasses.asdict(
+                got["out"] if kind == "ordered" else got[0] if kind == "named" else got)),
+                torch.utils._pytree.tree_leaves(dataclasses.asdict(
+                    want["out"] if kind == "ordered" else want[0] if kind == "named" else want)))
+    assert fxfuse.stats(opt)["reference_fallbacks"] == 0
+
+
+class SizesInATuple(nn.Module):
+    def forward(self, x):
+        self.dims = (x.shape[-1], 3)   # the same value every call: no change of state
+        return x * self.dims[1]
+
+
+class NoOpCasts(nn.Module):
+    def forward(self, x):
+        h = (x * 2).to(x.device, x.dtype).to(device=x.device).to(device=x.device, dtype=x.dtype)
+        return h.relu()
+
+
+def test_tuple_attributes_no_op_casts_and_dead_splits():
+    model = SizesInATuple().eval()
+    model.dims = (8, 3)
+    for verify in (True, False):   # review37b: refused with verify=False (the Proxy sat inside the tuple)
+        opt = fxfuse.optimize(model, torch.randn(2, 8), strict=True, verify=verify)
+        torch.testing.assert_close(opt(torch.ones(2, 8)), model(torch.ones(2, 8)))
+    assert model.dims == (8, 3)
+    opt = fxfuse.optimize(NoOpCasts().eval(), torch.randn(3, 4), strict=True)   # review37b: library calls each
+    assert fxfuse.stats(opt)["library_calls"] == 0 and fxfuse.stats(opt)["fused_kernels"] == 1
+    opt = fxfuse.optimize(DeadSplit().eval(), torch.randn(4, 4), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1   # the dead hsplit goes (a view): h is no extra kernel output
+    assert "hsplit" not in fxfuse.explain(opt)
