@@ -310,14 +310,27 @@ def written_constant(gm: torch.fx.GraphModule, held: dict) -> str | None:
         if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor) and not value.is_inference() and value._version \
-                    and held.get(id(value)) != value._version:
+                    and held.get(id(value), held.get(_storage_key(value))) != value._version:
                 return node.name
     return None
 
 
 def held_tensor_versions(model) -> dict:
-    """id -> version of each tensor the model holds (_held_tensors), before a trace."""
-    return {id(t): t._version for t in _held_tensors(model) if not t.is_inference()}
+    """id -> version of each tensor the model holds (_held_tensors), before a trace; and the same
+    by storage: a view or detach() of one made at trace time (`self.pe[:6]` of a table filled by
+    slice assignments, `GT.chunk(2)[0]`) shares its version counter (fuzz37h: refused as written)."""
+    held = {}
+    for t in _held_tensors(model):
+        if not t.is_inference():
+            held[id(t)] = held[_storage_key(t)] = t._version
+    return held
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return ("storage", t.untyped_storage().data_ptr(), t.device)
+    except (RuntimeError, NotImplementedError):   # a tensor without storage (a subclass)
+        return ("no storage", id(t))
 
 
 def _held_tensors(model) -> list:
@@ -346,6 +359,10 @@ def _held_tensors(model) -> list:
     for m in model.modules() if isinstance(model, torch.nn.Module) else ():
         for value in vars(m).values():
             visit(value, 2)
+        for klass in type(m).__mro__[:-1]:   # a tensor held as a class attribute (`T = torch.tensor(..)`)
+            for value in vars(klass).values():
+                if isinstance(value, torch.Tensor):
+                    visit(value, 0)
         for fn in vars(type(m)).values():
             code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
             for name in code.co_names if code is not None else ():

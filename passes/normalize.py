@@ -256,6 +256,10 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             new = _replace(g, node, *call)
             if row.fixed.get("_masked_fill"):
                 masked_fill_layout(gm, new)
+    for node in [n for n in g.nodes if _copies_onto_itself(n)]:   # torch.export's record of `self.t =
+        node.replace_all_uses_with(node.args[0])                    # self.t.to(x.device)`: a write of t into t
+        g.erase_node(node)                                         # that bumped t's version each call, and
+        kept_inplace = [n for n in kept_inplace if n is not node]  # every call rebuilt (fuzz37h)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         if fold_pointwise_of_literals(gm, node, POINTWISE):
@@ -268,6 +272,11 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def _copies_onto_itself(node) -> bool:
+    return node.op == "call_function" and node.target is aten.copy_.default and len(node.args) == 2 \
+        and node.args[0] is node.args[1] and not node.kwargs
 
 
 def _bool_arithmetic_as_logical(node) -> None:
