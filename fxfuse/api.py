@@ -14,7 +14,8 @@ import numbers
 import torch
 
 from .call_context import user_mode_active
-from .concrete_args import UNBINDABLE, bind_positional, positional_names, same_default
+from .concrete_args import (UNBINDABLE, bind_positional, positional_names, restore_argument_containers, same_default,
+                            watch_argument_containers)
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
@@ -161,7 +162,6 @@ def _check_example_binds(model, args: tuple) -> None:
 
 def build_graph(model, args: tuple, options: Options):
     """Trace, rewrite, and verify one specialization; returns the rewritten GraphModule."""
-    from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
 
     use_kernels, warning = options.use_kernels, None
     devices = {a.device for a in args if isinstance(a, torch.Tensor)}
@@ -177,6 +177,20 @@ def build_graph(model, args: tuple, options: Options):
                        "The rewritten graph runs and explain() tells the story; speed needs a GPU.")
     options = options.with_(use_kernels=use_kernels)
     _refuse_tensor_subclass_state(model)
+    containers = watch_argument_containers(args)
+    try:
+        gm = _build_graph(model, args, options, warning)
+    finally:
+        written = restore_argument_containers(containers)   # the example's as given, also after a failure
+    if written:
+        raise UnsupportedError("forward() writes into a list, dict or set it is given (an append, an item "
+                               "assigned): eager changes the caller's object on every call, which fxfuse's graphs "
+                               "do not repeat, so the original module runs")
+    return gm
+
+
+def _build_graph(model, args: tuple, options: Options, warning):
+    from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
     with torch.no_grad(), kept_state(model) as snapshot:   # the model as before; forward() with state refused
         gm = trace(model, args)
         snapshot.drop_proxies()

@@ -430,3 +430,40 @@ def check_exported(gm: torch.fx.GraphModule) -> None:
             node.args, node.kwargs = torch.fx.node.map_aggregate(
                 (node.args, node.kwargs), lambda v: v.item() if numpy_number(v) else v)
     gm.recompile()
+
+
+def watch_argument_containers(args) -> list:
+    """(container, a shallow copy) of each list, dict or set among the arguments, two levels deep:
+    forward() writing into one (`state["pos"] += T`, `feats.append(h)`) changes the caller's
+    object in eager, which no graph repeats (fuzz37j: silent wrong outputs from the second call)."""
+    found = []
+
+    def visit(v, depth):
+        if isinstance(v, (list, dict, set)):
+            found.append((v, dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else set(v)))
+        if depth and isinstance(v, (list, tuple, dict)):
+            for item in list(v.values() if isinstance(v, dict) else v)[:256]:
+                visit(item, depth - 1)
+    for a in args:
+        visit(a, 2)
+    return found
+
+
+def restore_argument_containers(found) -> bool:
+    """Put each watched container back as it was; whether any had changed."""
+    changed = False
+    for container, saved in found:
+        if isinstance(container, dict):
+            same = container.keys() == saved.keys() and all(container[k] is saved[k] for k in saved)
+        elif isinstance(container, list):
+            same = len(container) == len(saved) and all(a is b for a, b in zip(container, saved))
+        else:
+            same = container == saved
+        if not same:
+            changed = True
+            if isinstance(container, list):
+                container[:] = saved
+            else:
+                container.clear()
+                container.update(saved)
+    return changed

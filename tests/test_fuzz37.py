@@ -550,3 +550,31 @@ def test_views_of_held_tensors_written_before_and_self_copies_under_export():
         torch.testing.assert_close(opt(x), model(x))
     assert fxfuse.stats(opt)["specializations"] == 1 and "copy_" not in fxfuse.explain(opt)
     assert "built 1 time" in fxfuse.explain(opt) or fxfuse.explain(opt).count("built in") == 1
+
+
+class CounterInADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(64, 8))
+
+    def forward(self, x, state: dict, feats: list):
+        pos = state["pos"]
+        state["pos"] = pos + x.shape[0]
+        h = (x + self.table[pos:pos + x.shape[0]]).tanh()
+        feats.append(h)
+        return h * 2
+
+
+def test_forward_writing_into_a_container_argument_is_refused_and_the_example_kept():
+    # fuzz37j: the graph neither repeated the write nor refused: wrong rows from the second call, and
+    # optimize itself advanced the example's counter 3 times
+    model = CounterInADict().eval()
+    state, feats = {"pos": 0}, []
+    with pytest.warns(fxfuse.FxfuseWarning, match="writes into a list, dict or set it is given"):
+        opt = fxfuse.optimize(model, (torch.randn(2, 8), state, feats))
+    assert state == {"pos": 0} and feats == []
+    mine, theirs, mine_f, theirs_f = {"pos": 0}, {"pos": 0}, [], []
+    for _ in range(3):
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(opt(x, mine, mine_f), model(x, theirs, theirs_f))
+    assert mine == theirs and len(mine_f) == len(theirs_f) == 3
