@@ -92,5 +92,29 @@ def _module_name(filename: str) -> str | None:
 
 
 def _internal(filename: str) -> bool:
-    path = filename.replace("\\", "/")
-    return path.startswith("<eval_with_key>") or "/torch/" in path or "/fxfuse/" in path
+    """A place in torch, fxfuse or a generated graph, not in the user's code (real package folders:
+    a checkout named fxfuse/ holds user code too, as CI's clone does)."""
+    return filename.startswith("<eval_with_key>") or inside_packages(filename, ("torch", "fxfuse"))
+
+
+def inside_packages(filename: str, packages, except_for=()) -> bool:
+    """Whether filename lies in one of the installed packages' folders (`fxfuse.passes` included,
+    which an editable install maps outside fxfuse/), not in any of `except_for` (subpackages)."""
+    path = os.path.realpath(filename) if not filename.startswith("<") else filename
+    inside = any(path.startswith(folder) for folder in _folders(tuple(packages)))
+    return inside and not any(path.startswith(folder) for folder in _folders(tuple(except_for)))
+
+
+def _folders(packages: tuple) -> tuple:
+    """The folders of packages by name; a subpackage not imported yet, under its parent's folder."""
+    folders = []
+    for name in packages:
+        module = sys.modules.get(name)
+        paths = list(getattr(module, "__path__", ())) if module is not None else []
+        root = sys.modules.get(name.split(".")[0])
+        if not paths and root is not None and "." in name:
+            paths = [os.path.join(p, *name.split(".")[1:]) for p in getattr(root, "__path__", ())]
+        folders += [os.path.join(os.path.realpath(p), "") for p in paths]
+        if name == "fxfuse":
+            folders += _folders(("fxfuse.passes",))
+    return tuple(folders)

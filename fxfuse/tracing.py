@@ -27,7 +27,7 @@ from .concrete_args import (check_exported, drop_value_checks, held_tensor_versi
                             numpy_number, one_placeholder_per_parameter, refuse_written_constants,
                             sizes_returned_as_sizes, split_concrete, written_constant)
 from .errors import TraceError, UnsupportedError
-from .log import logger
+from .log import inside_packages, logger
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .module_state import version
@@ -468,9 +468,8 @@ def _failing_line(e: BaseException) -> str:
     and fxfuse, where forward() (or a library it calls: torch.distributions' argument checks)
     did what the tracer cannot follow, such as branching on a tensor's value (fuzz37b)."""
     def inside_the_tracers(filename):
-        path = filename.replace("\\", "/")
-        return "/fxfuse/" in path or "/torch/" in path and not any(
-            f"/torch/{public}/" in path for public in ("distributions", "nn"))
+        return inside_packages(filename, ("fxfuse",)) or inside_packages(
+            filename, ("torch",), except_for=("torch.distributions", "torch.nn"))
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not inside_the_tracers(f.filename)]
     if not frames:
         return ""
