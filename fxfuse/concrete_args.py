@@ -367,7 +367,24 @@ def _held_tensors(model) -> list:
             code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
             for name in code.co_names if code is not None else ():
                 visit(scope.get(name), 1)
+                for value in _bound_values(scope.get(name)):   # a helper function's tensor default
+                    visit(value, 1)
+            for value in _bound_values(fn):   # a tensor default or a closure's tensor (fuzz37j)
+                visit(value, 1)
     return list(held.values())
+
+
+def _bound_values(fn) -> list:
+    """The default values and closure contents of a function (nothing for anything else)."""
+    if not isinstance(fn, types.FunctionType):
+        return []
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:   # an empty cell
+            pass
+    return [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(), *cells]
 
 
 class ReturnedSize:

@@ -578,3 +578,25 @@ def test_forward_writing_into_a_container_argument_is_refused_and_the_example_ke
         x = torch.randn(2, 8)
         torch.testing.assert_close(opt(x, mine, mine_f), model(x, theirs, theirs_f))
     assert mine == theirs and len(mine_f) == len(theirs_f) == 3
+
+
+WRITTEN_AT_IMPORT = torch.ones(8)
+WRITTEN_AT_IMPORT[::2] = 3.0   # a tensor written in place before optimize: version 1
+
+
+def _helper(x, w=WRITTEN_AT_IMPORT):
+    return x * w
+
+
+class TensorDefaults(nn.Module):
+    def forward(self, x, w=WRITTEN_AT_IMPORT):
+        return (_helper(x) + w).sin() + 1
+
+
+def test_tensor_defaults_written_before_optimize_are_held_not_written():
+    # fuzz37j: a default (of forward or of a helper it calls) edited before optimize was refused as a tensor
+    # "forward() writes in place"
+    model = TensorDefaults().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
