@@ -166,6 +166,10 @@ def _trace(model, example_args, concrete, held):
                 advice_first = ("torch.distributions checks its arguments' values (validate_args): build the "
                                 "distributions with validate_args=False, or call torch.distributions.Distribution."
                                 "set_default_validate_args(False), to optimize the model")
+            elif "torch/nn/utils/rnn" in (where + export_where).replace("\\", "/"):
+                advice_first = ("packed sequences (pack_padded_sequence and the RNNs that read them) are no tensor "
+                                "graph either tracer records: optimize the layers around them "
+                                "(model.head = fxfuse.optimize(model.head, h)) and keep the packing outside")
             else:
                 advice_first = None
             advice = advice_first or ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "

@@ -600,3 +600,21 @@ def test_tensor_defaults_written_before_optimize_are_held_not_written():
     opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), model(x))
+
+
+class PackedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.gru = nn.Embedding(20, 8), nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, ids, lens):
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lens.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.gru(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        return out * 2
+
+
+def test_packed_sequences_are_refused_with_advice_that_fits():
+    # fuzz37i: the message was two raw torch TypeErrors and "remove data-dependent control flow"
+    with pytest.warns(fxfuse.FxfuseWarning, match="packed sequences"):
+        fxfuse.optimize(PackedEncoder().eval(), (torch.randint(0, 20, (3, 5)), torch.tensor([5, 3, 2])))
