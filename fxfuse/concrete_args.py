@@ -470,8 +470,8 @@ def restore_argument_containers(found) -> bool:
     """Put each watched container back as it was; whether any had changed."""
     changed = False
     for container, saved in found:
-        if isinstance(container, dict):
-            same = container.keys() == saved.keys() and all(container[k] is saved[k] for k in saved)
+        if isinstance(container, dict):   # the keys' order too (review37c)
+            same = list(container) == list(saved) and all(container[k] is saved[k] for k in saved)
         elif isinstance(container, list):
             same = len(container) == len(saved) and all(a is b for a, b in zip(container, saved))
         else:

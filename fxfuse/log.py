@@ -75,8 +75,10 @@ def _show_once(caught) -> None:
             key = (category, text, w.filename, w.lineno)
             if key not in _EMITTED:
                 _EMITTED.add(key)
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
-                                       module=_module_name(w.filename), registry={}, source=w.source)
+                module = _module_name(w.filename)   # not module=None: Python then drops the warning (a notebook
+                named = {"module": module} if module is not None else {}   # cell's, exec'd code's; review37c)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry={}, source=w.source,
+                                       **named)
 
 
 def _module_name(filename: str) -> str | None:

@@ -618,3 +618,22 @@ def test_packed_sequences_are_refused_with_advice_that_fits():
     # fuzz37i: the message was two raw torch TypeErrors and "remove data-dependent control flow"
     with pytest.warns(fxfuse.FxfuseWarning, match="packed sequences"):
         fxfuse.optimize(PackedEncoder().eval(), (torch.randint(0, 20, (3, 5)), torch.tensor([5, 3, 2])))
+
+
+NOTEBOOK_CELL = '''
+import warnings, torch.nn as nn
+class Warny(nn.Module):
+    def forward(self, x):
+        warnings.warn("stop 37: a notebook model's warning")
+        return (x.sin() * 2).relu()
+'''
+
+
+def test_a_warning_from_code_of_no_module_is_shown():
+    # review37c: warn_explicit(module=None) drops the warning: a notebook cell's model lost it in optimize
+    scope = {}
+    exec(compile(NOTEBOOK_CELL, "/tmp/ipykernel_37/cell.py", "exec"), scope)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxfuse.optimize(scope["Warny"]().eval(), torch.randn(4))
+    assert [str(w.message) for w in caught] == ["stop 37: a notebook model's warning"]
