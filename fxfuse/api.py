@@ -35,7 +35,11 @@ def _as_args(example_input, model) -> tuple:
     if isinstance(example_input, collections.abc.Mapping) and isinstance(model, torch.nn.Module):
         example_input = _bound_keywords(example_input, model)
     if isinstance(example_input, (tuple, list)):
-        leaves = torch.utils._pytree.tree_leaves(example_input)   # (a dataclass is one leaf: not a number)
+        try:
+            leaves = torch.utils._pytree.tree_leaves(example_input)   # (a dataclass is one leaf: not a number)
+        except RecursionError:   # review37c: a raw RecursionError from torch's pytree
+            raise UnsupportedError("example_input holds a container that contains itself (`cfg['root'] = cfg`), "
+                                   "which fxfuse cannot specialize on: pass forward() the values it reads") from None
         if all(isinstance(a, (numbers.Number, str)) or a is None for a in leaves):   # [1.0, 2.0]
             raise UnsupportedError("example_input holds no tensor (a list of numbers?): give a tensor, e.g. "
                                    "torch.tensor(...), or a tuple of the forward's arguments")

@@ -637,3 +637,16 @@ def test_a_warning_from_code_of_no_module_is_shown():
         warnings.simplefilter("always")
         fxfuse.optimize(scope["Warny"]().eval(), torch.randn(4))
     assert [str(w.message) for w in caught] == ["stop 37: a notebook model's warning"]
+
+
+class ScaleFromConfig(nn.Module):
+    def forward(self, x, cfg):
+        return (x * cfg["scale"]).sin()
+
+
+def test_an_example_container_holding_itself_gets_a_clear_error():
+    # review37c: a raw RecursionError from torch's pytree
+    cfg = {"scale": 2.0}
+    cfg["root"] = cfg
+    with pytest.raises(fxfuse.UnsupportedError, match="contains itself"):
+        fxfuse.optimize(ScaleFromConfig().eval(), (torch.randn(3), cfg))
