@@ -15,6 +15,7 @@ import torch
 import torch.fx
 
 from .errors import TraceError, UnsupportedError
+from .module_state import storage_address
 
 
 def split_concrete(model: torch.nn.Module, example_args: tuple):
@@ -310,7 +311,7 @@ def written_constant(gm: torch.fx.GraphModule, held: dict) -> str | None:
         if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor) and not value.is_inference() and value._version \
-                    and held.get(id(value), held.get(_storage_key(value))) != value._version:
+                    and held.get(id(value), held.get(("storage", storage_address(value)))) != value._version:
                 return node.name
     return None
 
@@ -322,15 +323,10 @@ def held_tensor_versions(model) -> dict:
     held = {}
     for t in _held_tensors(model):
         if not t.is_inference():
-            held[id(t)] = held[_storage_key(t)] = t._version
+            held[id(t)] = t._version
+            if storage_address(t) is not None:   # not an empty, meta or sparse tensor
+                held[("storage", storage_address(t))] = t._version
     return held
-
-
-def _storage_key(t: torch.Tensor):
-    try:
-        return ("storage", t.untyped_storage().data_ptr(), t.device)
-    except (RuntimeError, NotImplementedError):   # a tensor without storage (a subclass)
-        return ("no storage", id(t))
 
 
 def _held_tensors(model) -> list:

@@ -247,8 +247,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         start = time.perf_counter()
         first = not self.specializations
         self._flags = baked_settings()
-        with BUILD_LOCK, _autocast_off(), model_warnings_once():   # in the model's own dtypes (autocast
-            BUILDING[0] += 1                                       # calls run the original)
+        with BUILD_LOCK, _autocast_off(), model_warnings_once():   # model dtypes (autocast: the original)
+            BUILDING[0] += 1
             try:
                 gm = self._build(self.original, args, self.options)
             finally:

@@ -1,6 +1,7 @@
 """The check of a fresh specialization against the original module on its example input:
 outputs within each dtype's tolerance (or at least as accurate as eager against a float64
 run), the inputs written as eager writes them, both runs from one torch random state."""
+import collections
 import copy
 import dataclasses
 import reprlib
@@ -108,15 +109,15 @@ def flatten_output(out) -> tuple:
     """Leaves and structure of an output, a dataclass's fields included: torch's pytree leaves an
     unregistered dataclass (research code's ModelOutput) one opaque leaf, compared as a whole
     and refused (fuzz37f)."""
-    def plain(o):
+    def plain(o):   # containers opened all the way down, leaves as torch's pytree orders them ("output k")
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return (type(o).__qualname__, {f.name: plain(getattr(o, f.name)) for f in dataclasses.fields(o)})
-        if isinstance(o, tuple) and hasattr(o, "_fields"):   # a NamedTuple (review37b: one holding a dataclass)
-            return (type(o).__qualname__, tuple(plain(v) for v in o))
-        if isinstance(o, (list, tuple)):
-            return [type(o).__qualname__, *(plain(v) for v in o)]
-        if isinstance(o, dict):   # OrderedDict and other dict subclasses too
-            return (type(o).__qualname__, {k: plain(v) for k, v in o.items()})
+            return {f.name: plain(getattr(o, f.name)) for f in dataclasses.fields(o)}
+        if isinstance(o, (list, tuple)):   # a NamedTuple too (review37b: one holding a dataclass)
+            return type(o)(*map(plain, o)) if hasattr(o, "_fields") else \
+                (tuple if isinstance(o, tuple) else list)(map(plain, o))
+        if isinstance(o, dict):   # an OrderedDict stays one; other dict subclasses: the caller compares types
+            return (collections.OrderedDict if isinstance(o, collections.OrderedDict) else dict)(
+                (k, plain(v)) for k, v in o.items())
         return o
     return torch.utils._pytree.tree_flatten(plain(out))
 

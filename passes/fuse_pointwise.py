@@ -92,7 +92,7 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
     if op.returns_bool and _compares_wide_integers(node):
         return "compares int32/int64 values, which fp32 (the kernel's compute type) cannot hold exactly"
     if op.returns_bool:
-        return _number_outside_integer_range(node) or _tensor_outside_integer_range(node)
+        return _outside_integer_range(node)
     return None
 
 
@@ -116,10 +116,12 @@ def _compares_wide_integers(node) -> bool:
     return any(_meta(a).dtype not in EXACT_IN_FP32 for a in node.args[:2] if isinstance(a, torch.fx.Node))
 
 
-def _number_outside_integer_range(node) -> str | None:
-    """Eager converts a Python number compared with an integer tensor to the tensor's dtype
-    first, wrapping it (uint8 == 300 compares with 44; int8 > 200 with -56); the kernel compares
-    in fp32, unwrapped: such a comparison stays in the library."""
+def _outside_integer_range(node) -> str | None:
+    """Eager converts what an integer tensor is compared with to the comparison's dtype first,
+    wrapping it: a Python number (uint8 == 300 compares with 44; int8 > 200 with -56), and a 0-dim
+    integer tensor of another dtype, which does not promote (uint8_x > int8_t: -5 is 251;
+    fuzz37c). The kernel compares in fp32, unwrapped: such a comparison stays in the library
+    unless every value of the operand fits the comparison dtype."""
     dtype = comparison_dtype(node)
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         return None
@@ -128,6 +130,12 @@ def _number_outside_integer_range(node) -> str | None:
         if isinstance(a, numbers.Real) and not isinstance(a, torch.fx.Node) and not info.min <= a <= info.max:
             return (f"compares {dtype} values with {a!r}, outside the {dtype} range: eager converts the number "
                     f"to {dtype} first (wrapping it), the kernel would compare it unwrapped")
+        m = _meta(a) if isinstance(a, torch.fx.Node) else None
+        if m is not None and m.dtype not in (dtype, torch.bool) and not (
+                not m.dtype.is_floating_point and info.min <= torch.iinfo(m.dtype).min
+                and torch.iinfo(m.dtype).max <= info.max):
+            return (f"compares {dtype} values with {a.name}, a {m.dtype} tensor: eager converts it to {dtype} "
+                    "first (wrapping it), the kernel would compare it unwrapped")
     return None
 
 
@@ -384,25 +392,6 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
-
-
-def _tensor_outside_integer_range(node) -> str | None:
-    """A 0-dim integer tensor does not promote a comparison of its category: uint8_x > t_int8
-    compares in uint8, converting t first (-5 is 251); the kernel reads both in fp32, unwrapped
-    (fuzz37c). Such a comparison stays in the library unless every value of each operand's dtype
-    fits the comparison dtype."""
-    dtype = comparison_dtype(node)
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        return None
-    info = torch.iinfo(dtype)
-    for a in node.args[:2]:
-        m = _meta(a) if isinstance(a, torch.fx.Node) else None
-        if m is None or m.dtype == dtype or m.dtype == torch.bool:
-            continue
-        if m.dtype.is_floating_point or not info.min <= torch.iinfo(m.dtype).min <= torch.iinfo(m.dtype).max <= info.max:
-            return (f"compares {dtype} values with {a.name}, a {m.dtype} tensor: eager converts it to {dtype} "
-                    "first (wrapping it), the kernel would compare it unwrapped")
-    return None
 
 
 def build_fused_kernel(gm, members, use_kernels: bool):
