@@ -68,14 +68,19 @@ def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     value = torch.tensor(data, dtype=meta.dtype, device=device)
     if tuple(value.shape) != tuple(meta.shape):
         return False
+    _replace_by_literal(gm, made, value)
+    return True
+
+
+def _replace_by_literal(gm, made: list, value: torch.Tensor) -> None:
+    """The nodes `made` (each read only by the next) become one constant of the graph, `value`."""
     name = register_constant(gm, LITERAL_STEM, value)
-    with gm.graph.inserting_before(node):
+    with gm.graph.inserting_before(made[0]):
         constant = gm.graph.get_attr(name)
-    constant.meta = dict(node.meta)
-    last.replace_all_uses_with(constant)
+    constant.meta = dict(made[0].meta)
+    made[-1].replace_all_uses_with(constant)
     for n in reversed(made):
         gm.graph.erase_node(n)
-    return True
 
 
 def _literal(node) -> torch.Tensor | None:
@@ -107,12 +112,7 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
             or tuple(value.shape) != tuple(meta.shape) or value.numel() > MAX_ELEMENTS:
         return False
     _note_snapshot(gm, operands)
-    name = register_constant(gm, LITERAL_STEM, value)
-    with gm.graph.inserting_before(node):
-        constant = gm.graph.get_attr(name)
-    constant.meta = dict(node.meta)
-    node.replace_all_uses_with(constant)
-    gm.graph.erase_node(node)
+    _replace_by_literal(gm, [node], value)
     return True
 
 
