@@ -27,8 +27,8 @@ from fxfuse.tracing import fxfuse_meta
 from .fold_literals import cpu_literal_as_number, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
-from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
-                               matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
+from .normalize_layers import (broadcast_drops_unit_view, explicit_softmax_dim, fold_constant_slice, glu_as_gate,
+                               keywords_to_positions, matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
                         cast_target, divide_as_cuda_does, masked_fill_layout, spelling_of)
@@ -190,6 +190,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 continue                                  # `h @= W.T` may be a Linear
         if node.op == "call_module" and node.kwargs:
             keywords_to_positions(gm, node)   # self.lin(input=x): as self.lin(x), for the layer passes
+        explicit_softmax_dim(gm, node)
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)
