@@ -227,6 +227,8 @@ _TABLE = [
         returns_bool=True),
     _op("logical_or", torch.logical_or, 2, lambda a, b: f"((({a} != 0).to(tl.int8) + ({b} != 0).to(tl.int8)) != 0)",
         returns_bool=True),
+    _op("logical_xor", torch.logical_xor, 2, lambda a, b: f"(({a} != 0).to(tl.int8) != ({b} != 0).to(tl.int8))",
+        returns_bool=True),
     # unary math
     _op("exp", torch.exp, 1, lambda a: f"_exp({a})"),
     _op("log", torch.log, 1, lambda a: f"tl.log({a})"),

@@ -60,13 +60,15 @@ BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, 
           operator.le: ("le", [torch.le, torch.less_equal]), operator.eq: ("eq", [torch.eq]),
           operator.ne: ("ne", [torch.ne, torch.not_equal]),
           torch.maximum: ("maximum", [torch.maximum]), torch.minimum: ("minimum", [torch.minimum]),
-          torch.logical_and: ("logical_and", [torch.logical_and]), torch.logical_or: ("logical_or", [torch.logical_or])}
-# `mask_a & mask_b`, `|`, bitwise_and/or of two bool tensors: logical_and/or (on integers bitwise ops)
-BOOL_BINARY = {operator.and_: torch.logical_and, torch.bitwise_and: torch.logical_and, "bitwise_and": torch.logical_and,
-               "__and__": torch.logical_and, aten.bitwise_and.Tensor: torch.logical_and,
-               operator.or_: torch.logical_or, torch.bitwise_or: torch.logical_or, "bitwise_or": torch.logical_or,
-               "__or__": torch.logical_or, aten.bitwise_or.Tensor: torch.logical_or,
-               aten.__and__.Tensor: torch.logical_and, aten.__or__.Tensor: torch.logical_or}   # export's `&` (fuzz33m)
+          torch.logical_and: ("logical_and", [torch.logical_and]), torch.logical_or: ("logical_or", [torch.logical_or]),
+          torch.logical_xor: ("logical_xor", [torch.logical_xor])}
+# `mask_a & mask_b`, `|`, `^`, bitwise_and/or/xor of two bool tensors: logical ops (on integers bitwise ones);
+# aten.__and__ & co. are export's `&` (fuzz33m)
+BOOL_BINARY = {spelling: logical for op, name, logical in ((operator.and_, "and", torch.logical_and),
+                                                         (operator.or_, "or", torch.logical_or),
+                                                         (operator.xor, "xor", torch.logical_xor))
+               for spelling in (op, getattr(torch, f"bitwise_{name}"), f"bitwise_{name}", f"__{name}__",
+                                getattr(aten, f"bitwise_{name}").Tensor, getattr(aten, f"__{name}__").Tensor)}
 # three-operand ops after input (a value= keyword for addcmul/addcdiv, keyword-only in torch)
 TERNARY = {torch.lerp: ("end", "weight"), torch.addcmul: ("tensor1", "tensor2", "value"),
            torch.addcdiv: ("tensor1", "tensor2", "value")}

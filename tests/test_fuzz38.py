@@ -39,3 +39,22 @@ def test_softmax_without_dim_warns_in_the_build_only_and_keeps_torchs_dim(shape)
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w)
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class ExclusiveOr(nn.Module):
+    def forward(self, x, y):
+        a, b = x > 0, y < 0.3
+        return (x * (a ^ b), torch.logical_xor(x, y - 0.5) * 2.0, x.logical_xor(a).float() + y,
+                torch.bitwise_xor(a, b) | a, a.__xor__(b) & b)
+
+
+def test_exclusive_or_of_masks_and_logical_xor_join_the_kernel():
+    # `^` of two masks and torch.logical_xor were library calls between kernels (review37)
+    x, y = torch.randn(3, 5), torch.randn(5)
+    x[0, 0], y[1] = 0.0, 0.5   # exact zeros: logical_xor reads "nonzero"
+    opt = fxfuse.optimize(ExclusiveOr().eval(), (x, y), strict=True)
+    assert (fxfuse.stats(opt)["fused_kernels"], fxfuse.stats(opt)["library_calls"]) == (1, 0)
+    for args in ((x, y), (torch.randn(3, 5), torch.randn(5))):
+        with torch.no_grad():
+            for got, want in zip(opt(*args), ExclusiveOr()(*args)):
+                assert got.dtype == want.dtype and torch.equal(got, want)
