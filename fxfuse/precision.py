@@ -32,19 +32,33 @@ def matmul_allows_tf32() -> bool:
     return _matmul() in ("tf32", True)
 
 
+def _unknown() -> None:
+    return None
+
+
+# cuBLAS's reduced-precision reductions of fp16 / bf16 matmuls and cuDNN on or off: the library
+# kernels a CUDA graph captured follow them as they were (review38)
+_HALF_REDUCTION = getattr(torch._C, "_get_cublas_allow_fp16_reduced_precision_reduction", _unknown)
+_BF16_REDUCTION = getattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction", _unknown)
+_CUDNN_ENABLED = getattr(torch._C, "_get_cudnn_enabled", _unknown)
+
+
 def baked_settings() -> tuple:
     """The process-wide settings a build bakes in (runtime: a change rebuilds): the default
-    dtype (`torch.ones(3)`, `int * 0.1`) and the fp32 precision of matmuls and convolutions
-    (kernel precision; cuBLAS's and cuDNN's choice captured in a CUDA graph)."""
+    dtype (`torch.ones(3)`, `int * 0.1`), the fp32 precision of matmuls and convolutions
+    (kernel precision; cuBLAS's and cuDNN's choice captured in a CUDA graph), and the library
+    switches after them."""
     return (torch.get_default_dtype(), _matmul(),
-            _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()))   # cuDNN's: torch.backends.cudnn.conv
+            _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()),   # cuDNN's: torch.backends.cudnn.conv
+            _HALF_REDUCTION(), _BF16_REDUCTION(), _CUDNN_ENABLED())
 
 
 if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple per setting
     def settings_changed(saved: tuple) -> bool:
         """Whether baked_settings() differs from `saved` (runtime: every call)."""
         return (torch.get_default_dtype() is not saved[0] or _NEW_GETTER("cuda", "matmul") != saved[1]
-                or _NEW_GETTER("cuda", "conv") != saved[2])
+                or _NEW_GETTER("cuda", "conv") != saved[2] or _HALF_REDUCTION() != saved[3]
+                or _BF16_REDUCTION() != saved[4] or _CUDNN_ENABLED() != saved[5])
 else:
     def settings_changed(saved: tuple) -> bool:
         return baked_settings() != saved

@@ -55,7 +55,8 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATI
                            share_memory, storages, structure, structure_changed, version)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
-from .specialization import Specialization, UnsupportedInput, describe_mismatch, signature  # noqa: F401 (re-export)
+from .specialization import (Specialization, UnsupportedInput, describe_mismatch, signature,  # noqa: F401 (re-export)
+                             without_unit_strides)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -212,7 +213,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
             # the fp32 precision is baked into the kernels and the CUDA graph's library calls
-            reason = "torch's default dtype or fp32 precision (TF32) setting changed since the build"
+            reason = ("torch's default dtype, fp32 precision (TF32), reduced-precision fp16/bf16 reduction or cuDNN "
+                      "setting changed since the build")
         else:
             return
         served = sum(spec.calls for spec in self.specializations.values())
@@ -260,8 +262,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
-        if self._writes_in_place:   # an input that is one of them must not be written under a copy's reader
-            self._model_storages = storages((*self.original.parameters(), *self.original.buffers()))
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
@@ -274,6 +274,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
+        if self._writes_in_place:   # an input that is one of them must not be written under a copy's reader
+            self._model_storages = storages((*self.original.parameters(), *self.original.buffers(),
+                                             *self._plain_tensors))   # (review38: a plain tensor attribute too)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
         watched = {id(t) for t, _ in self._buffer_versions}
@@ -365,8 +368,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
         if self._writes_in_place and share_memory(args, self._model_storages):
             return self._run_original("aliased", "two inputs share memory, or an input is (a view of) a "
-                                      "parameter or buffer of the model, and the graph writes an input in "
-                                      "place (fusion assumed distinct tensors)", args)
+                                      "parameter or buffer of the model or a tensor it holds, and the graph writes "
+                                      "an input in place (fusion assumed distinct tensors)", args)
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
@@ -421,10 +424,19 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._drop_if_edited()
         return self._miss(signature(args), args)
 
+    def _unit_stride_twin(self, sig):
+        """The specialization built for sig up to the strides of size-1 dims (without_unit_strides)."""
+        key = without_unit_strides(sig)
+        return next((spec for built, spec in self.specializations.items() if without_unit_strides(built) == key),
+                    None)
+
     def _miss(self, sig, args):
         """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
+        twin = self._unit_stride_twin(sig)
+        if twin is not None:
+            return self._run(twin, args)
         if bind_positional(self.original.forward, args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
         trimmed = without_trailing_defaults(self.original.forward, args)

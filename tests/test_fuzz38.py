@@ -58,3 +58,68 @@ def test_exclusive_or_of_masks_and_logical_xor_join_the_kernel():
         with torch.no_grad():
             for got, want in zip(opt(*args), ExclusiveOr()(*args)):
                 assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.randn(4, 8)   # a plain tensor attribute, not a buffer
+
+    def forward(self, x):
+        x.add_(1)
+        return (self.table * 2).sigmoid() + x
+
+
+def test_an_input_that_is_a_tensor_attribute_of_the_model_runs_the_original_when_forward_writes_it():
+    # the graph's (self.table * 2).sigmoid() is a constant computed before the write; eager reads the
+    # written table through the alias (review38: a silent wrong answer; buffers were guarded already)
+    model = WritesItsInput().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    before = model.table.clone()
+    with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="a tensor it holds"):
+        got = opt(model.table)
+    model.table.copy_(before)
+    with torch.no_grad():
+        want = model(model.table)
+    torch.testing.assert_close(got, want)
+
+
+class Pointwise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.lin((x * 2).relu() + 1).sigmoid()
+
+
+def test_dense_inputs_that_differ_only_in_the_strides_of_size_one_dims_share_a_specialization():
+    # seq-first at batch 1 ([1, T, H].transpose(0, 1)) is the same bytes as a [T, 1, H] tensor; each
+    # layout took a specialization, and the third ran the original with a warning (review38)
+    model = Pointwise().eval()
+    opt = fxfuse.optimize(model, torch.randn(6, 1, 8), max_specializations=2, strict=True)
+    for x in (torch.randn(6, 1, 8), torch.randn(1, 6, 8).transpose(0, 1), torch.randn(6, 8, 1).permute(0, 2, 1)):
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+    assert len(opt.specializations) == 1 and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert opt.miss_count == 0
+
+
+@pytest.mark.parametrize("switch", ["fp16_reduction", "bf16_reduction", "cudnn"])
+def test_library_precision_switches_changed_after_the_build_rebuild(switch):
+    # cuBLAS's reduced-precision fp16/bf16 reductions and cuDNN on/off decide the library kernels a CUDA
+    # graph captured; turned off after the build they kept the old kernels (review38)
+    owner, name = {"fp16_reduction": (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+                   "bf16_reduction": (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+                   "cudnn": (torch.backends.cudnn, "enabled")}[switch]
+    model, x = Pointwise().eval(), torch.randn(3, 8)
+    saved = getattr(owner, name)
+    try:
+        opt = fxfuse.optimize(model, x, strict=True)
+        built = next(iter(opt.specializations.values()))
+        setattr(owner, name, False)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+        assert next(iter(opt.specializations.values())) is not built
+    finally:
+        setattr(owner, name, saved)
