@@ -56,7 +56,27 @@ def _writes_in_place(n: torch.fx.Node):
                                           or (name.startswith("__i") and name.endswith("__")))
     if in_place or n.kwargs.get("inplace") is True:
         return n.args[0] if n.args else None
-    return None
+    written = schema_writes(n)
+    return written[0] if written else None
+
+
+def schema_writes(n: torch.fx.Node) -> list:
+    """The operands an op's schema marks as written: a torch.library.custom_op(mutates_args=...)
+    called through torch.ops (its name says nothing: review38 found fusion moving a read of x
+    across it), aten's in-place and out= overloads."""
+    if n.op != "call_function":
+        return []
+    target = n.target
+    overloads = [target] if isinstance(target, torch._ops.OpOverload) else [
+        getattr(target, name) for name in target.overloads()] if isinstance(target, torch._ops.OpOverloadPacket) else []
+    written = []
+    for schema in (op._schema for op in overloads):
+        for k, arg in enumerate(schema.arguments):
+            value = n.args[k] if k < len(n.args) and not arg.kwarg_only else n.kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node) \
+                    and value not in written:
+                written.append(value)
+    return written
 
 
 RENORMS = {   # functions whose max_norm renormalizes the looked-up rows of the weight in place

@@ -18,6 +18,7 @@ from fxfuse.ir import IndexMap, IRBuilder
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, TRITON_DTYPE, PointwiseOp, as_layout, is_pointwise_target
 from fxfuse.tracing import fetch_attr, fxfuse_meta
+from fxfuse.state_writes import schema_writes
 
 from .normalize import _reads_without_alias
 
@@ -172,7 +173,7 @@ def _aliases(gm, write, kept, attributes) -> set:
     """Nodes whose value may share storage with what `write` writes: the written operand (and
     an `out=` tensor), the op's own result, and, transitively, what those are views of, what is
     a view of them, and other reads of the same attribute (`attributes`: _attribute_groups)."""
-    written = [write.args[0]] if write.args else []
+    written = schema_writes(write) or ([write.args[0]] if write.args else [])
     written += [write.kwargs["out"]] if write.kwargs.get("out") is not None else []
     written = [w for w in written if isinstance(w, torch.fx.Node)]
     out, stack = {write}, written or list(write.all_input_nodes)

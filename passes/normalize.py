@@ -21,7 +21,7 @@ import torch.fx
 from fxfuse.graph_launch import draws_random
 from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_major
-from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
+from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
 from .fold_literals import cpu_literal_as_number, fold_literal_tensor, fold_pointwise_of_literals
@@ -381,8 +381,8 @@ def _mutates(gm, node) -> bool:
         return True   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x); not `a & b`
     if node.target in INPLACE_OPERATORS_UNKNOWN:
         return bool(node.args) and _is_tensor_node(node.args[0])
-    schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export
-    return bool(schema is not None and schema.is_mutable)
+    schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export; custom ops
+    return bool(schema is not None and schema.is_mutable) or bool(schema_writes(node))   # through torch.ops
 
 
 def _passes_inplace(node) -> bool:
