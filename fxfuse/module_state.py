@@ -290,6 +290,8 @@ class _Snapshot:
                           p.detach().clone() if renorms and p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
+        from .trace_leftovers import TraceLeftovers   # (it imports this module)
+        self.leftovers = TraceLeftovers(model)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
         # stored there by the trace would reach every later eager call of the class
         self.class_containers = []
@@ -301,22 +303,26 @@ class _Snapshot:
                                       for kind, k, v in _held(shared, {}, seen) if kind == "container"]
 
     def drop_proxies(self) -> None:
-        """The trace's Proxies out of the snapshotted containers (a class's `_masks["causal"]`), which
-        verify's eager run read: its output was a Proxy, the check empty. Plain values the trace
-        left stay: they are how verify sees a container that grows per call (stop 36)."""
+        """The trace's Proxies and FakeTensors out of the snapshotted containers (a class's
+        `_masks["causal"]`), the forward()s' globals and lru caches (trace_leftovers), which verify's
+        eager run read: its output was a Proxy, the check empty. Plain values the trace left stay:
+        they are how verify sees a container that grows per call (stop 36)."""
+        from .trace_leftovers import is_trace_value
+        self.leftovers.clean()
         containers = [c for _, c, _ in self.class_containers]
         containers += [c for module in self.modules for c, _ in module[7].values()]
         for c in containers:
             target = vars(c) if _is_record(c) else c
             if isinstance(target, dict):
-                for k in [k for k, v in target.items() if isinstance(v, torch.fx.Proxy)]:
+                for k in [k for k, v in target.items() if is_trace_value(v)]:
                     del target[k]
-            elif isinstance(target, list) and any(isinstance(v, torch.fx.Proxy) for v in target):
-                target[:] = [v for v in target if not isinstance(v, torch.fx.Proxy)]
+            elif isinstance(target, list) and any(is_trace_value(v) for v in target):
+                target[:] = [v for v in target if not is_trace_value(v)]
 
     def restore(self) -> list:
         """Put everything back; the names of what forward() had changed."""
         changed = []
+        self.leftovers.clean()
         for name, c, saved in self.class_containers:
             _restore_container(name, c, saved, changed)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:

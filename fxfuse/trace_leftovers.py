@@ -1,0 +1,66 @@
+"""Values of a trace left in the user's Python state, taken out again.
+
+Why: forward() may store what it computes outside the model: a module-level global filled on
+the first call (`global _MASK; if _MASK is None: _MASK = ...`), or a functools.lru_cache helper
+that builds a table or a causal mask per length. Traced, those hold a torch.fx Proxy or one of
+torch.export's FakeTensors; left there, the eager model computed with them afterwards (it
+returned a Proxy or a FakeTensor), later builds failed, and the check against eager failed on
+them ("DataDependentOutputException: aten.equal", fuzz38e). The globals of every forward() of
+the model and the lru caches among them and on the model's classes are noted before the build;
+after the trace (and after the build) a global holding a trace value gets its old value back
+(or goes, if it is new), and a cache that grew is cleared: the helper computes again on its
+next call, which is all a cache promises.
+"""
+import torch
+
+from .module_state import forward_function
+
+
+def is_trace_value(value) -> bool:
+    """A torch.fx Proxy or a FakeTensor of torch.export's trace."""
+    from torch._subclasses.fake_tensor import FakeTensor   # torch-internal: imported where used
+    return isinstance(value, (torch.fx.Proxy, FakeTensor))
+
+
+def _own_code(owner) -> bool:
+    return not (getattr(owner, "__module__", None) or "").startswith("torch.")
+
+
+class TraceLeftovers:
+    def __init__(self, model: torch.nn.Module):
+        self.namespaces, self.caches = {}, {}
+        for m in model.modules():
+            if not _own_code(type(m)):
+                continue
+            namespace = getattr(forward_function(m), "__globals__", None)
+            if isinstance(namespace, dict) and id(namespace) not in self.namespaces:
+                self.namespaces[id(namespace)] = (namespace, dict(namespace))
+            for cls in type(m).__mro__:
+                if _own_code(cls):
+                    for value in list(vars(cls).values()):
+                        self._note_cache(value)
+        for _, saved in self.namespaces.values():
+            for value in saved.values():
+                self._note_cache(value)
+
+    def _note_cache(self, value) -> None:
+        function = getattr(value, "__func__", value)   # a staticmethod or classmethod around it
+        info = getattr(function, "cache_info", None)
+        if id(function) in self.caches or not callable(info) or not callable(getattr(function, "cache_clear", None)):
+            return
+        try:
+            self.caches[id(function)] = (function, info().currsize)
+        except Exception:  # noqa: BLE001 -- a look-alike whose cache_info() needs arguments: not a cache
+            pass
+
+    def clean(self) -> None:
+        for namespace, saved in self.namespaces.values():
+            for name, value in list(namespace.items()):
+                if is_trace_value(value):
+                    if name in saved and not is_trace_value(saved[name]):
+                        namespace[name] = saved[name]
+                    else:
+                        del namespace[name]
+        for function, size in self.caches.values():
+            if function.cache_info().currsize != size:
+                function.cache_clear()

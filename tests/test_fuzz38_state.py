@@ -1,0 +1,75 @@
+"""Stop 38: tracing and state: values of a trace left in the user's Python state (fuzz38e)."""
+import functools
+
+import torch
+from torch import nn
+
+import fxfuse
+
+
+@functools.lru_cache(maxsize=None)
+def _sinusoid(n, d):
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    i = torch.arange(d, dtype=torch.float32)[None]
+    return torch.sin(pos / (100 ** (i / d)))
+
+
+class CachedTable(nn.Module):
+    max_len = 16
+
+    def forward(self, x):
+        b, t, d = x.shape
+        n = int(b / 2)   # symbolic_trace fails on int(Proxy): torch.export traces
+        return x * n + _sinusoid(self.max_len, d)[:t]
+
+
+class CachedMask(nn.Module):
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def causal(t):
+        return torch.ones(t, t).tril()
+
+    def forward(self, x):
+        return (x @ x.transpose(1, 2)).masked_fill(self.causal(x.shape[1]) == 0, float("-inf")).softmax(-1)
+
+
+_LAZY = None
+_MASKS = {}
+
+
+class LazyGlobal(nn.Module):
+    def forward(self, x):
+        global _LAZY
+        if _LAZY is None:
+            _LAZY = torch.arange(x.shape[1] * 8.0).view(x.shape[1], 8)
+        return x + _LAZY
+
+
+class GlobalMaskCache(nn.Module):
+    def forward(self, x):
+        t = x.shape[1]
+        if t not in _MASKS:
+            _MASKS[t] = torch.ones(t, t).tril()
+        return (x @ x.transpose(1, 2)).masked_fill(_MASKS[t] == 0, float("-inf")).softmax(-1)
+
+
+def test_trace_values_do_not_stay_in_lru_caches_globals_or_global_dicts():
+    # a FakeTensor of torch.export's trace stayed in an lru_cache (the eager model returned FakeTensors
+    # afterwards and the build failed with DataDependentOutputException); a Proxy stayed in a global
+    # forward() fills lazily (the eager model returned a Proxy); a FakeTensor in a global dict (fuzz38e)
+    global _LAZY
+    for model in (CachedTable(), CachedMask(), LazyGlobal(), GlobalMaskCache()):
+        model.eval()
+        _LAZY = None
+        _MASKS.clear()
+        opt = fxfuse.optimize(model, torch.randn(2, 3, 8), strict=True)
+        assert fxfuse.stats(opt)["optimized"]
+        for shape in ((2, 3, 8), (4, 3, 8)):
+            x = torch.randn(shape)
+            with torch.no_grad():
+                got, want = opt(x), model(x)
+            assert type(want) is torch.Tensor and type(got) is torch.Tensor
+            torch.testing.assert_close(got, want)
+        assert _LAZY is None or type(_LAZY) is torch.Tensor
+        assert all(type(m) is torch.Tensor for m in _MASKS.values())
+    assert type(_sinusoid(16, 8)) is torch.Tensor and type(CachedMask.causal(3)) is torch.Tensor
