@@ -199,7 +199,7 @@ def _build_graph(model, args: tuple, options: Options, warning):
         gm = trace(model, args)
         snapshot.drop_proxies()
         if gm.meta.get("fxfuse_proxy_attributes") and not options.verify:   # assigned during the trace:
-            rewind = _torch_random_state()                                   # eager shows whether that
+            rewind = _torch_random_state(gm)                                 # eager shows whether that
             model(*clone_args(args))                                         # changes the model (kept_state)
             rewind()
         traced_reads = tensors_read(gm)
@@ -211,7 +211,7 @@ def _build_graph(model, args: tuple, options: Options, warning):
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
-            rewind = _torch_random_state()   # every eager and graph run below draws what the first drew
+            rewind = _torch_random_state(gm)   # every eager and graph run below draws what the first drew
             try:
                 expected = _verify(model, gm, args, rewind)
             except UnsupportedError:

@@ -1,5 +1,6 @@
 """Stop 38: tracing and state: values of a trace left in the user's Python state (fuzz38e)."""
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -73,3 +74,33 @@ def test_trace_values_do_not_stay_in_lru_caches_globals_or_global_dicts():
         assert _LAZY is None or type(_LAZY) is torch.Tensor
         assert all(type(m) is torch.Tensor for m in _MASKS.values())
     assert type(_sinusoid(16, 8)) is torch.Tensor and type(CachedMask.causal(3)) is torch.Tensor
+
+
+class NoDraws(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * 2
+
+
+def test_a_build_does_not_rewind_the_random_numbers_other_threads_draw():
+    # verify rewound torch's global generator around its runs: a thread drawing meanwhile got the same
+    # numbers again, though the model draws none (fuzz38f)
+    draws, stop = [], threading.Event()
+
+    def draw():
+        while not stop.is_set():
+            draws.extend(torch.rand(1).tolist())
+    thread = threading.Thread(target=draw)
+    thread.start()
+    try:
+        for _ in range(3):
+            opt = fxfuse.optimize(NoDraws().eval(), torch.randn(4, 8), strict=True)
+    finally:
+        stop.set()
+        thread.join()
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    pairs = list(zip(draws, draws[1:]))
+    assert len(draws) > 100 and len(set(pairs)) == len(pairs)
