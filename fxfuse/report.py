@@ -191,7 +191,7 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
                 "fxfuse.optimize returned it, it is the original module, and optimize's warning says why.")
     out = [f"fxfuse report for {type(optimized.original).__name__}: "
            f"{len(optimized.specializations)} specialization(s)"]
-    for k, spec in enumerate(optimized.specializations.values()):
+    for k, spec in enumerate(list(optimized.specializations.values())):
         gm = spec.gm
         sig = ", ".join(f"{DTYPE_SHORT.get(s[1], s[1])}{list(s[0])} on {s[2]}" if s[0] != "const" else s[2]
                         for s in spec.signature)

@@ -507,7 +507,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self.original_calls[key.split(":")[0]] += 1
 
     def fused_kernels(self):
-        for spec in self.specializations.values():
+        for spec in list(self.specializations.values()):   # (another thread may be building: fuzz38f)
             for mod in spec.gm.modules():
                 if isinstance(mod, FusedKernel):
                     yield mod

@@ -104,3 +104,29 @@ def test_a_build_does_not_rewind_the_random_numbers_other_threads_draw():
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     pairs = list(zip(draws, draws[1:]))
     assert len(draws) > 100 and len(set(pairs)) == len(pairs)
+
+
+def test_stats_and_explain_from_another_thread_while_calls_build():
+    # a monitoring thread got "dictionary changed size during iteration" from fxfuse's report (fuzz38f)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    opt = fxfuse.optimize(model, torch.randn(1, 8), max_specializations=64)
+    errors, stop = [], threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            try:
+                fxfuse.stats(opt)
+                fxfuse.explain(opt)
+            except Exception as e:  # noqa: BLE001 -- collected for the assertion
+                errors.append(repr(e))
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    try:
+        with torch.no_grad():
+            for batch in range(2, 24):   # each new batch size builds a specialization
+                x = torch.randn(batch, 8)
+                torch.testing.assert_close(opt(x), model(x))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[:3]
