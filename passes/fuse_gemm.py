@@ -180,6 +180,8 @@ def _tf32x3_guard(gm, options, allow_tf32: bool) -> dict:
     found = {}
 
     def measure(node, x, w, on="the example input"):
+        if x.numel() == 0 or w.numel() == 0:   # Linear(0, n): no product to measure (fuzz38b); not in 3xTF32
+            return
         found[node] = {**measure_tf32x3(x.reshape(-1, x.shape[-1]), w, options.tolerance), "measured_on": on}
 
     example = gm.meta.get("fxfuse_example_args")

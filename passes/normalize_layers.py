@@ -320,11 +320,15 @@ def broadcast_drops_unit_view(node, is_pointwise) -> bool:
     return True
 
 
-SLICING_METHODS = {"narrow", "select", "chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit"}
-SLICING_FUNCTIONS = {torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
-                     torch.hsplit, torch.vsplit, torch.dsplit,
-                     aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.chunk.default,
-                     aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+# ops that return a tuple of parts (a reader takes one) and the other slicing ops, by every spelling
+PART_METHODS = {"chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit"}
+PART_FUNCTIONS = {torch.chunk, torch.split, torch.tensor_split, torch.unbind, torch.hsplit, torch.vsplit, torch.dsplit,
+                  aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+                  aten.tensor_split.sections, aten.tensor_split.indices,   # export's (fuzz38b)
+                  *(getattr(aten, f"{d}split").int for d in "hvd"), *(getattr(aten, f"{d}split").array for d in "hvd")}
+SLICING_METHODS = PART_METHODS | {"narrow", "select"}
+SLICING_FUNCTIONS = PART_FUNCTIONS | {torch.narrow, torch.select, aten.slice.Tensor, aten.narrow.default,
+                                      aten.select.int}
 
 
 def _selects_part(index) -> bool:

@@ -338,6 +338,9 @@ def cast_target(node):
 
 def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
     """The Spelling row of a node, with module spellings bound to the module's attributes."""
+    first = single_tensor_meta(node.args[0]) if node.args else None
+    if first is not None and first.dtype.is_complex:   # no kernel computes complex values, and torch's other
+        return None   # names differ there (sgn is z / |z|, sign refuses complex; fuzz38b)
     if node.op in ("call_function", "call_method") and node.target in BOOL_NOTS:
         meta = single_tensor_meta(node.args[0]) if len(node.args) == 1 and not node.kwargs else None
         return Spelling(torch.logical_not, ("input",)) if meta is not None and meta.dtype == torch.bool else None

@@ -169,3 +169,49 @@ def test_a_custom_op_that_writes_an_input_is_a_write_by_its_schema(second):
                 got, want = opt(a, b), model(a_eager, b)
             torch.testing.assert_close(got, want)
             torch.testing.assert_close(a, a_eager)   # the caller's x written as eager writes it
+
+
+def test_sgn_of_complex_values_stays_torchs_sgn():
+    # normalize spelled torch.sgn as torch.sign, which refuses complex tensors: the build failed (fuzz38b)
+    class Sgn(nn.Module):
+        def forward(self, z):
+            return torch.sgn(z) * 2, z.sgn() + 1
+
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    opt = fxfuse.optimize(Sgn().eval(), z, strict=True)
+    for got, want in zip(opt(z), Sgn()(z)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_linear_with_no_input_features_under_forced_gemm_and_3xtf32():
+    # the 3xTF32 guard measured the layer by x.reshape(-1, 0): an internal error (fuzz38b)
+    model = nn.Sequential(nn.Linear(0, 8), nn.ReLU()).eval()
+    for rows in (20, 600):
+        x = torch.randn(rows, 0)
+        opt = fxfuse.optimize(model, x, gemm="force", tf32x3="force", strict=True)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+
+
+def _split_gate(x):
+    a, b = (x * 2 + 1).tensor_split(2, -1)
+    c, d = torch.hsplit(x * 3, 2)
+    return a * torch.sigmoid(b) + c * d
+
+
+class SplitGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _split_gate
+
+    def forward(self, *args):   # torch.export traces this one (aten spellings)
+        return self.gate(*args)
+
+
+def test_export_tensor_split_and_hsplit_parts_join_the_producers_kernel():
+    # aten.tensor_split.sections under export kept the ops before it in a kernel of their own (fuzz38b)
+    x = torch.randn(2, 8)
+    opt = fxfuse.optimize(SplitGate().eval(), x, strict=True)
+    assert "aten.tensor_split" in fxfuse.explain(opt) and fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), SplitGate()(x))
