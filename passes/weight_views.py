@@ -56,7 +56,8 @@ def weight_views(gm, options):
             if target not in readable:
                 readable[target] = _readable(gm, target, weight)
             with graph.inserting_before(user):
-                w = graph.get_attr(readable[target])
+                # not graph.get_attr: its check warns about a plain attribute, as torch.export keeps a global
+                w = graph.create_node("get_attr", readable[target])   # tensor (lifted_tensor_0), which reads fine
                 view = graph.call_method("t", (w,))
             w.meta["tensor_meta"] = tensor_metadata(weight)
             view.meta["tensor_meta"] = tensor_metadata(weight.t())

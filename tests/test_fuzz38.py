@@ -215,3 +215,27 @@ def test_export_tensor_split_and_hsplit_parts_join_the_producers_kernel():
     assert "aten.tensor_split" in fxfuse.explain(opt) and fxfuse.stats(opt)["fused_kernels"] == 1
     with torch.no_grad():
         torch.testing.assert_close(opt(x), SplitGate()(x))
+
+
+GLOBAL_WEIGHT = nn.Parameter(torch.randn(7, 5))
+
+
+class ReadsAGlobalWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(7, 7)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) @ GLOBAL_WEIGHT + 1
+
+
+def test_a_module_level_weight_read_by_a_linear_gives_no_torch_fx_warning():
+    # torch.fx's "Attempted to insert a get_attr Node with no underlying reference" reached the user from
+    # weight_views (fuzz38a, fuzz38d)
+    model = ReadsAGlobalWeight().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, torch.randn(4, 7), strict=True)
+    x = torch.randn(4, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
