@@ -11,9 +11,14 @@ after the trace (and after the build) a global holding a trace value gets its ol
 (or goes, if it is new), and a cache that grew is cleared: the helper computes again on its
 next call, which is all a cache promises.
 """
+import functools
+
 import torch
 
 from .module_state import forward_function
+
+# functools.lru_cache's wrapper type (CPython's C one; a pure-Python functools has a function there)
+LRU_CACHE = functools._lru_cache_wrapper if isinstance(getattr(functools, "_lru_cache_wrapper", None), type) else ()
 
 
 def is_trace_value(value) -> bool:
@@ -44,14 +49,10 @@ class TraceLeftovers:
                 self._note_cache(value)
 
     def _note_cache(self, value) -> None:
-        function = getattr(value, "__func__", value)   # a staticmethod or classmethod around it
-        info = getattr(function, "cache_info", None)
-        if id(function) in self.caches or not callable(info) or not callable(getattr(function, "cache_clear", None)):
-            return
-        try:
-            self.caches[id(function)] = (function, info().currsize)
-        except Exception:  # noqa: BLE001 -- a look-alike whose cache_info() needs arguments: not a cache
-            pass
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, LRU_CACHE) and id(value) not in self.caches:   # no getattr on arbitrary objects:
+            self.caches[id(value)] = (value, value.cache_info().currsize)    # some raise KeyError (fuzz35d's test)
 
     def clean(self) -> None:
         for namespace, saved in self.namespaces.values():

@@ -57,6 +57,23 @@ FRESH_FUNCTIONS |= {getattr(packet, overload) for name in FRESH_REDUCTIONS + FRE
                     for overload in packet.overloads()
                     if not getattr(packet, overload)._schema.is_mutable}   # export's; no out= forms (fuzz35e)
 
+# fuzz38d: after a write into a fresh buffer (an FNO's `out_ft[..., :m] = ...`, a GCN's `index_add_`), the results of
+# these were counted as possible aliases of it, and the pointwise ops reading them stayed unfused
+NEW_RESULTS = ("where", "masked_fill", "nan_to_num", "atan2", "remainder", "fmod", "cdist", "index_add", "scatter_add",
+               "scatter", "index_copy", "index_fill", "tensordot", "glu", "one_hot", "im2col", "col2im",
+               "constant_pad_nd", "embedding_bag", "batch_norm")
+FFT = ("fft", "ifft", "rfft", "irfft", "fft2", "ifft2", "rfft2", "irfft2", "fftn", "ifftn", "rfftn", "irfftn", "hfft",
+       "ihfft")
+FRESH_FUNCTIONS |= {f for name in NEW_RESULTS if (f := getattr(torch, name, None)) is not None}
+FRESH_FUNCTIONS |= {F.pad, F.one_hot, F.glu, F.unfold, F.fold, F.embedding_bag, F.batch_norm}
+FRESH_FUNCTIONS |= {getattr(torch.fft, name) for name in FFT}
+FRESH_METHODS |= {name for name in NEW_RESULTS if hasattr(torch.Tensor, name)}
+FRESH_FUNCTIONS |= {getattr(packet, overload) for name in NEW_RESULTS + tuple(f"fft_{n}" for n in FFT) + (
+                        "_fft_r2c", "_fft_c2r", "_fft_c2c", "_cdist_forward")
+                    if (packet := getattr(aten, name, None)) is not None
+                    for overload in packet.overloads()
+                    if not getattr(packet, overload)._schema.is_mutable}
+
 
 def part_of_fresh_tuple(node) -> bool:
     """`x.topk(k)[0]`, `x.max(-1).values`: a part of what a (values, indices) op returned."""

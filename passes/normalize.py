@@ -338,8 +338,17 @@ FUNCTIONAL_TWINS = {"masked_fill_", "masked_scatter_", "index_fill_", "index_add
 def _functional_twin(gm, node, order) -> bool:
     """`scores.masked_fill_(mask, v)` on a fresh tensor (a matmul's result) that nothing else
     reads as is: the out-of-place `masked_fill`, and later readers of `scores` read its result.
-    Kept in place, the write would make everything that may alias `scores` unfusible."""
-    if node.op != "call_method" or node.target not in FUNCTIONAL_TWINS or not node.args:
+    Kept in place, the write would make everything that may alias `scores` unfusible. torch.export
+    spells it aten.index_add_.default & co. (fuzz38d: a GCN's aggregation into torch.zeros)."""
+    if node.op == "call_method" and node.target in FUNCTIONAL_TWINS:
+        twin = node.target[:-1]
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target.overloadpacket.__name__ in FUNCTIONAL_TWINS:
+        packet = getattr(aten, node.target.overloadpacket.__name__[:-1], None)
+        twin = getattr(packet, node.target._overloadname, None) if packet is not None else None
+    else:
+        return False
+    if twin is None or not node.args:
         return False
     base = node.args[0]
     if base in node.args[1:] or base in node.kwargs.values():   # sc.masked_scatter_(m, sc): reads what it writes
@@ -349,7 +358,7 @@ def _functional_twin(gm, node, order) -> bool:
                     for u in base.users)):                            # the result (review35c)
         return False
     with gm.graph.inserting_after(node):
-        new = gm.graph.call_method(node.target[:-1], node.args, dict(node.kwargs))
+        new = gm.graph.create_node(node.op, twin, node.args, dict(node.kwargs))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)

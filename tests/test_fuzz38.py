@@ -239,3 +239,69 @@ def test_a_module_level_weight_read_by_a_linear_gives_no_torch_fx_warning():
     x = torch.randn(4, 7)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+class GCNLayer(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.lin, self.b, self.spelling = nn.Linear(7, 16, bias=False), nn.Parameter(torch.randn(16)), spelling
+
+    def forward(self, x, src, dst):
+        msg = self.lin(x)[src]
+        zeros = torch.zeros(x.shape[0], 16)   # torch.export traces this (zeros of a traced size)
+        agg = zeros.index_add_(0, dst, msg) if self.spelling == "index_add_" else \
+            zeros.scatter_add_(0, dst[:, None].expand(-1, 16), msg)
+        deg = torch.zeros(x.shape[0]).index_add_(0, dst, torch.ones_like(dst, dtype=x.dtype))
+        return F.relu(agg * deg.clamp(min=1).pow(-0.5)[:, None] + self.b)
+
+
+class FNOLayer(nn.Module):
+    def __init__(self, c=4, m=3):
+        super().__init__()
+        self.m, self.w, self.pw = m, nn.Parameter(torch.randn(c, c, m, m, dtype=torch.cfloat) / c), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        xf = torch.fft.rfft2(x)
+        out = torch.zeros(b, c, h, w // 2 + 1, dtype=torch.cfloat)
+        out[:, :, :self.m, :self.m] = torch.einsum("bixy,ioxy->boxy", xf[:, :, :self.m, :self.m], self.w)
+        return F.gelu(torch.fft.irfft2(out, s=(h, w)) + self.pw(x))
+
+
+@pytest.mark.parametrize("model", ["index_add_", "scatter_add_", "fno"])
+def test_readers_after_a_write_into_a_fresh_buffer_fuse(model):
+    # export's aten.index_add_ on torch.zeros kept every reader of the aggregate out of the kernels, and an
+    # irfft2 of a written buffer counted as its alias (fuzz38d: a GCN layer, an FNO layer)
+    if model == "fno":
+        m, args = FNOLayer().eval(), (torch.randn(2, 4, 9, 10),)
+        new_args = (torch.randn(2, 4, 9, 10),)
+    else:
+        m, src, dst = GCNLayer(model).eval(), torch.randint(0, 13, (40,)), torch.randint(0, 13, (40,))
+        args, new_args = (torch.randn(13, 7), src, dst), (torch.randn(13, 7), src, dst)
+    opt = fxfuse.optimize(m, args, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and "may alias" not in fxfuse.explain(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*new_args), m(*new_args))
+
+
+class HalfComposites(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tanhshrink, self.softsign = nn.Tanhshrink(), nn.Softsign()
+
+    def forward(self, x):
+        return F.tanhshrink(x) * 1.0, F.softsign(x) * 1.0, self.tanhshrink(x * 3), self.softsign(x * 3)
+
+
+def test_fp16_tanhshrink_and_softsign_round_their_inner_result_as_eager():
+    # torch computes them as x - x.tanh() and x / (x.abs() + 1), rounding the inner result to fp16; the
+    # kernel rounded once (fuzz38c: 61 of 64 fp16 tanhshrinks differed, up to 73x relative near 0)
+    x = torch.randn(8, 16).half()
+    model = HalfComposites().eval()
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    for _ in range(2):
+        with torch.no_grad():
+            for got, want in zip(opt(x), model(x)):
+                assert torch.equal(got, want)
+        x = torch.randn(8, 16).half()
