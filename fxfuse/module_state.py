@@ -93,11 +93,19 @@ def structure_changed(saved: list) -> bool:
 
 
 def moved(watched: tuple) -> bool:
-    """Whether a (tensor, version at build) pair's tensor changed in place since."""
-    for t, seen in watched:
-        if t._version != seen:
+    """Whether a watched tensor (watch_entries) changed in place since the build, or the
+    _parameters / _buffers entry that held it holds another tensor now: learn2learn's MAML
+    writes fast weights there, which fires no hook (fuzz38a: the graph's copies went stale)."""
+    for t, seen, holder, key in watched:
+        if t._version != seen or holder is not None and holder.get(key) is not t:
             return True
     return False
+
+
+def watch_entries(model: torch.nn.Module, tensors) -> tuple:
+    """(tensor, version, the dict of the model that holds it or None, its key) for moved()."""
+    holders = {id(v): (d, k) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()}
+    return tuple((t, t._version, *holders.get(id(t), (None, None))) for t in tensors if version(t) is not None)
 
 
 def version(t: torch.Tensor) -> int | None:

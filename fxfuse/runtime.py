@@ -52,7 +52,7 @@ from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_speciali
 from .log import logger, model_warnings_once
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
-                           share_memory, storages, structure, structure_changed, version)
+                           share_memory, storages, structure, structure_changed, version, watch_entries)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, describe_mismatch, signature,  # noqa: F401 (re-export)
@@ -174,7 +174,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
         self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
-        self._buffer_versions = tuple((b, b._version) for b in model.buffers() if version(b) is not None)
+        self._buffer_versions = watch_entries(model, model.buffers())
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
         self._modes, self._modes_seen = tuple((m, m.training) for m in model.modules()), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
@@ -199,10 +199,10 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._registrations_seen, self._child_counts, self._modes_seen = REGISTRATIONS[0], counts, MODE_CHANGES[0]
         since, self._steps_seen = self._steps_seen, UNVERSIONED_STEPS[0]   # steps after `since` wrote what?
         if self._buffer_versions and moved(self._buffer_versions):
-            reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place since "
-                      "the build")
+            reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place (or "
+                      "was replaced in its module's _parameters / _buffers) since the build")
         elif since != self._steps_seen and any(UNVERSIONED_STEPS[1].get(id(t), 0) > since
-                                               for t, _ in self._buffer_versions):
+                                               for t, *_ in self._buffer_versions):
             reason = ("a fused optimizer step (fused=True: no version counter sees its writes) changed a parameter "
                       "the graph holds a copy of")
         elif registered and structure_changed(self._structure):
@@ -279,10 +279,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                              *self._plain_tensors))   # (review38: a plain tensor attribute too)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
-        watched = {id(t) for t, _ in self._buffer_versions}
-        self._buffer_versions += tuple((t, t._version) for t in dict.fromkeys((*gm.meta.get("fxfuse_copied", ()),
-                                                                               *plain_tensors))
-                                       if id(t) not in watched and version(t) is not None)
+        watched = {id(t) for t, *_ in self._buffer_versions}
+        self._buffer_versions += watch_entries(self.original, (t for t in dict.fromkeys(
+            (*gm.meta.get("fxfuse_copied", ()), *plain_tensors)) if id(t) not in watched))
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
         # the temporary tensors in the model after the call

@@ -130,3 +130,21 @@ def test_stats_and_explain_from_another_thread_while_calls_build():
         stop.set()
         thread.join()
     assert not errors, errors[:3]
+
+
+def test_a_parameter_or_buffer_replaced_in_its_modules_dict_rebuilds():
+    # learn2learn's MAML writes fast weights into module._parameters, which fires no hook: the graph kept
+    # computing with copies of the old weights (BatchNorm folded into the Linear; forced GEMMs) (fuzz38a)
+    for options in ({}, {"gemm": "force"}):
+        model = nn.Sequential(nn.Linear(7, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)).eval()
+        model[1].running_mean.normal_()
+        opt = fxfuse.optimize(model, torch.randn(4, 7), strict=True, **options)
+        x = torch.randn(4, 7)
+        with torch.no_grad():
+            opt(x)
+            model[0]._parameters["weight"] = model[0].weight - 0.5 * torch.randn_like(model[0].weight)
+            torch.testing.assert_close(opt(x), model(x))
+            model[1]._buffers["running_mean"] = torch.ones(16)
+            torch.testing.assert_close(opt(x), model(x))
+            model[3]._parameters["weight"] = nn.Parameter(torch.randn(3, 16))
+            torch.testing.assert_close(opt(x), model(x))
