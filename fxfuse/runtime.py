@@ -274,6 +274,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._attributes = plain_attributes(self.original, self._attribute_reads)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
+        spec.model_tensors += tuple(self._plain_tensors)   # returned as themselves, as eager does (fuzz38f)
         if self._writes_in_place:   # an input that is one of them must not be written under a copy's reader
             self._model_storages = storages((*self.original.parameters(), *self.original.buffers(),
                                              *self._plain_tensors))   # (review38: a plain tensor attribute too)

@@ -117,7 +117,7 @@ class Specialization(SlotChoice):
     def __init__(self, gm: torch.fx.GraphModule, example_args: tuple, options, build_ms: float,
                  model_tensors: tuple = ()):
         self.gm = gm
-        self.model_tensors = model_tensors   # the model's parameters and buffers (_run_directly)
+        self.model_tensors = model_tensors   # the model's parameters, buffers and tensor attributes (_run_directly)
         self.options = options
         self.build_ms = build_ms
         self.signature = signature(example_args)

@@ -148,3 +148,24 @@ def test_a_parameter_or_buffer_replaced_in_its_modules_dict_rebuilds():
             torch.testing.assert_close(opt(x), model(x))
             model[3]._parameters["weight"] = nn.Parameter(torch.randn(3, 16))
             torch.testing.assert_close(opt(x), model(x))
+
+
+class ReturnsItsState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.state = nn.Linear(8, 8), torch.zeros(8)   # a plain tensor attribute
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + self.state, self.state
+
+
+def test_a_returned_tensor_attribute_is_the_attribute_as_in_eager():
+    # the graph returned a copy: a caller updating the returned state in place did not change the model (fuzz38f)
+    model = ReturnsItsState().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        _, state = opt(x)
+        assert state is model.state
+        state.add_(1.0)
+        torch.testing.assert_close(opt(x)[0], model(x)[0])
