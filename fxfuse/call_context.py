@@ -5,6 +5,7 @@ is no graph: Triton's launcher, CUDA graphs); torch.func transforms and forward-
 wrapped or dual tensors that the kernels would strip. Each check is one attribute read or one
 C call: forward() runs them on every call.
 """
+import contextlib
 import sys
 
 import torch
@@ -60,3 +61,12 @@ def user_mode_active() -> bool:
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._device import DeviceContext
     return any(not isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
+
+
+def autocast_off() -> contextlib.ExitStack:
+    """torch.autocast off on every device for a build (the model's own dtypes are traced)."""
+    stack = contextlib.ExitStack()
+    if getattr(torch._C, "_is_any_autocast_enabled", lambda: False)():
+        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack

@@ -30,7 +30,6 @@ transforms and forward-mode AD, inputs aliasing each other where the graph write
 and specializations used up. torch.compile and torch.export of opt (or of a model holding it)
 trace the original module, as torch.jit.trace does.
 """
-import contextlib
 import re
 import threading
 import time
@@ -41,8 +40,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .attribute_reads import contained_tensors, merge_reads, plain_attributes, reassigned, watched_values
-from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, dynamo_traces, functorch_active, holds_proxy,
-                           traced_in_this_thread, user_mode_active)
+from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, autocast_off, dynamo_traces, functorch_active,
+                           holds_proxy, traced_in_this_thread, user_mode_active)
 from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
 from .delegation import PassesThroughToOriginal
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
@@ -56,7 +55,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATI
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, describe_mismatch, signature,  # noqa: F401 (re-export)
-                             without_unit_strides)
+                             unit_stride_twin)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -69,14 +68,6 @@ _RebuildOnLoad = RebuildOnLoad   # the name models pickled with an older fxfuse'
 BUILD_LOCK = threading.RLock()
 RUNNING_ORIGINAL = [0]   # _run_original calls in progress (under BUILD_LOCK)
 BUILDING = [0]   # builds in progress (under BUILD_LOCK: the thread that owns it is the one building)
-
-
-def _autocast_off() -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    if autocast_enabled():
-        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-            stack.enter_context(torch.autocast(device, enabled=False))
-    return stack
 
 
 MAX_MISSES_KEPT = 32
@@ -249,7 +240,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         start = time.perf_counter()
         first = not self.specializations
         self._flags = baked_settings()
-        with BUILD_LOCK, _autocast_off(), model_warnings_once():   # model dtypes (autocast: the original)
+        with BUILD_LOCK, autocast_off(), model_warnings_once():   # model dtypes (autocast: the original)
             BUILDING[0] += 1
             try:
                 gm = self._build(self.original, args, self.options)
@@ -424,17 +415,11 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._drop_if_edited()
         return self._miss(signature(args), args)
 
-    def _unit_stride_twin(self, sig):
-        """The specialization built for sig up to the strides of size-1 dims (without_unit_strides)."""
-        key = without_unit_strides(sig)
-        return next((spec for built, spec in self.specializations.items() if without_unit_strides(built) == key),
-                    None)
-
     def _miss(self, sig, args):
         """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
-        twin = self._unit_stride_twin(sig)
+        twin = unit_stride_twin(self.specializations, sig)
         if twin is not None:
             return self._run(twin, args)
         if bind_positional(self.original.forward, args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,

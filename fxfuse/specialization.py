@@ -55,6 +55,12 @@ def without_unit_strides(sig: tuple) -> tuple:
                                             *e[4:]) for e in sig)
 
 
+def unit_stride_twin(specializations: dict, sig: tuple):
+    """The specialization built for sig up to the strides of size-1 dims, or None."""
+    key = without_unit_strides(sig)
+    return next((spec for built, spec in list(specializations.items()) if without_unit_strides(built) == key), None)
+
+
 class UnsupportedInput(UnsupportedError, RuntimeError):
     """An input tensor no specialization can take: the call runs the original module."""
 
