@@ -1,8 +1,6 @@
 """Shape propagation: each node of a traced graph run once on copies of the example input, its
 result's TensorMetadata (or plain value: a size, a dim) recorded in the node's meta. The passes
 read shapes, strides and dtypes from there; tracing.py re-exports these names."""
-import contextlib
-import io
 
 import torch
 import torch.fx
@@ -10,6 +8,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .data_dependent import mark_data_dependent_shapes
+from .log import quiet_this_thread
 from .node_meta import fxfuse_meta
 
 
@@ -100,7 +99,7 @@ def clone_args(args) -> tuple:
 def propagate_shapes(gm: torch.fx.GraphModule, example_args: tuple) -> None:
     # the model's own code may print while it runs; the error fxfuse raises (or warns with)
     # carries the reason, so nothing is printed
-    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+    with torch.no_grad(), quiet_this_thread(stdout=False):
         ShapePropagation(gm).propagate(*clone_args(example_args))
     mark_data_dependent_shapes(gm)
 

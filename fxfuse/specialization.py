@@ -2,8 +2,6 @@
 CUDA graph (runtime.OptimizedModule chooses which one a call runs; its docstring tells the
 whole story: static inputs, memcpy nodes, the memory pool as the plan, output handout).
 """
-import contextlib
-import io
 import itertools
 
 import torch
@@ -13,7 +11,7 @@ from .errors import UnsupportedError
 from .graph_launch import GraphLauncher, clear_cublas_workspaces, draws_random_numbers, generator_offset
 from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fits, pool_segments
 from .input_copy import GraphInputs, can_bind, new_graph
-from .log import logger
+from .log import logger, quiet_this_thread
 from .module_state import storage_address
 
 CALL_ORDER = itertools.count()   # the order of calls over all specializations
@@ -157,7 +155,7 @@ class Specialization(SlotChoice):
             self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
             return
         try:   # quietly: a failing capture's GraphModule prints its traceback to stderr, unasked (fuzz34b)
-            with contextlib.redirect_stderr(io.StringIO()):
+            with quiet_this_thread(stdout=False):
                 self._capture_graph(example_args)
         except Exception as e:  # noqa: BLE001 -- capture is an optimization; run directly instead
             torch.cuda.synchronize()

@@ -11,8 +11,6 @@ normalize pass can fold them into constants.
 import collections
 import contextlib
 import inspect
-import io
-import logging
 import math
 import operator
 import time
@@ -27,7 +25,7 @@ from .concrete_args import (check_exported, drop_value_checks, held_tensor_versi
                             numpy_number, one_placeholder_per_parameter, refuse_written_constants,
                             sizes_returned_as_sizes, split_concrete, written_constant)
 from .errors import TraceError, UnsupportedError
-from .log import inside_packages, logger
+from .log import inside_packages, logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .module_state import version
@@ -192,7 +190,7 @@ def _eager_error(model, example_args):
     """The exception the model itself raises on (a copy of) the example input, else None. Only
     after both tracers failed; the build's kept_state puts back what the run changes."""
     try:
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        with torch.no_grad(), quiet_this_thread(stderr=False):
             model(*clone_args(example_args))
     except Exception as e:  # noqa: BLE001 -- any error of the model's own is the answer
         return e
@@ -296,7 +294,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     _check_traceable_forward(model)
     before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
         if isinstance(model, torch.nn.Module) else {}
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+    with quiet_this_thread(stderr=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         tracer = _AutocastWatchingTracer()
         tracer.proxy_buffer_attributes = proxy_buffers
@@ -456,15 +454,10 @@ def _quiet_export(model, args):
     """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure,
     and raises Python warnings about the model's internals (an LSTM's _flat_weights) that the
     user cannot act on; fxfuse prints nothing unless asked: its TraceError carries the reason."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:  # it also prints a partial graph to stderr when it fails
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()), \
-                warnings.catch_warnings():   # stdout: a print() in forward() would print fake tensors
-            warnings.simplefilter("ignore")
-            return torch.export.export(model, args, strict=False)
-    finally:
-        logging.disable(previous)
+    # it also prints a partial graph to stderr when it fails; stdout: a print() in forward() would print fake tensors
+    with quiet_this_thread(logs=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(model, args, strict=False)
 
 
 def _failing_line(e: BaseException) -> str:

@@ -169,3 +169,40 @@ def test_a_returned_tensor_attribute_is_the_attribute_as_in_eager():
         assert state is model.state
         state.add_(1.0)
         torch.testing.assert_close(opt(x)[0], model(x)[0])
+
+
+class PrintsAndNeedsExport(nn.Module):
+    def forward(self, x):
+        print("forward sees", x.shape)   # eager prints this; the trace's fake tensors must not be printed
+        return (x * int(x.shape[0] / 2)).relu()   # int() of a size: torch.export traces
+
+
+def test_other_threads_output_and_logs_pass_while_a_build_is_quiet(capsys):
+    # the build's stdout/stderr redirect and logging.disable were the process's: another thread's prints
+    # and log records during a torch.export trace were lost (fuzz38f)
+    import logging
+    records, stop, printed = [], threading.Event(), [0]
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    log = logging.getLogger("fxfuse_test38_other_thread")
+    log.addHandler(Keep())
+    log.propagate = False
+
+    def chatter():
+        while not stop.is_set() or printed[0] < 5:
+            printed[0] += 1
+            print(f"other thread line {printed[0]}")
+            log.warning("other thread record %d", printed[0])
+    thread = threading.Thread(target=chatter)
+    thread.start()
+    try:
+        opt = fxfuse.optimize(PrintsAndNeedsExport().eval(), torch.randn(4, 8), strict=True, verify=False)
+    finally:
+        stop.set()
+        thread.join()
+    out = capsys.readouterr().out
+    assert "torch.export" in fxfuse.explain(opt)
+    assert out.count("other thread line") == printed[0] and len(records) == printed[0]
+    assert "FakeTensor" not in out and "Proxy" not in out
