@@ -51,7 +51,7 @@ from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_speciali
 from .log import logger, model_warnings_once
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
-                           share_memory, storages, structure, structure_changed, version, watch_entries)
+                           share_memory, storage_address, storages, structure, structure_changed, version, watch_entries)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, describe_mismatch, signature,  # noqa: F401 (re-export)
@@ -266,9 +266,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
         spec.model_tensors += tuple(self._plain_tensors)   # returned as themselves, as eager does (fuzz38f)
-        if self._writes_in_place:   # an input that is one of them must not be written under a copy's reader
-            self._model_storages = storages((*self.original.parameters(), *self.original.buffers(),
-                                             *self._plain_tensors))   # (review38: a plain tensor attribute too)
+        # the aliasing guard's (an input that is one of them must not be written under a copy's reader)
+        self._model_storages = storages((*self.original.parameters(), *self.original.buffers(),
+                                         *self._plain_tensors))   # (review38: a plain tensor attribute too)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
         watched = {id(t) for t, *_ in self._buffer_versions}
@@ -277,7 +277,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
         # the temporary tensors in the model after the call
-        if any(version(t) is None for t in gm.meta.get("fxfuse_copied", ())):
+        if any(version(t) is None and storage_address(t) in self._model_storages   # the model's, not trace-time
+               for t in gm.meta.get("fxfuse_copied", ())):                       # constants (fuzz38f)
             self._warn_once("inference-copies", INFERENCE_COPIES)
         if gm.meta.get("fxfuse_warning"):   # once per OptimizedModule, not per specialization
             self._warn_once("no-cuda", gm.meta["fxfuse_warning"])

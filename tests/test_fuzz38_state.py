@@ -1,6 +1,7 @@
 """Stop 38: tracing and state: values of a trace left in the user's Python state (fuzz38e)."""
 import functools
 import threading
+import warnings
 
 import torch
 from torch import nn
@@ -206,3 +207,24 @@ def test_other_threads_output_and_logs_pass_while_a_build_is_quiet(capsys):
     assert "torch.export" in fxfuse.explain(opt)
     assert out.count("other thread line") == printed[0] and len(records) == printed[0]
     assert "FakeTensor" not in out and "Proxy" not in out
+
+
+class FoldedWithAConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.lin(x))), torch.zeros(3) + 2
+
+
+def test_optimize_under_inference_mode_does_not_call_trace_constants_the_models_inference_tensors():
+    # the "model was created or loaded under torch.inference_mode()" warning counted a tensor made from
+    # constants in forward() as one of the model's (fuzz38f)
+    model = FoldedWithAConstant().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(opt(x)[0], model(x)[0])
