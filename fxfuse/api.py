@@ -320,7 +320,8 @@ def stats(optimized) -> dict:
     fused = library = epilogues = 0
     # the graph that served the latest call (the first built before any): a call with another
     # dtype or a 0-size example built one that fused nothing, and the counts stayed its (fuzz36e)
-    current = max(list(optimized.specializations.values()), key=lambda s: s.last_call, default=None)   # None after a load
+    current = max(list(optimized.specializations.values()), key=lambda s: s.last_call,
+                  default=None)   # None after a load
     for node in current.gm.graph.nodes if current is not None else ():
         kind = node_kind(current.gm, node)
         fused += kind == "fused kernel"

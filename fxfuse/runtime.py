@@ -51,7 +51,8 @@ from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_speciali
 from .log import logger, model_warnings_once
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
-                           share_memory, storage_address, storages, structure, structure_changed, version, watch_entries)
+                           share_memory, storage_address, storages, structure, structure_changed, version,
+                           watch_entries)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, describe_mismatch, signature,  # noqa: F401 (re-export)

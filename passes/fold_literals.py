@@ -10,6 +10,7 @@ call, so only where nothing can see the difference: no reader writes it or keeps
 and forward() does not return it).
 """
 import math
+import operator
 
 import torch
 import torch.fx
@@ -153,3 +154,25 @@ def cpu_literal_as_number(node: torch.fx.Node, pointwise: dict) -> None:
         if same:
             _note_snapshot(node.graph.owning_module, [a])
             node.args = tuple(new_args)
+
+
+def divide_as_cuda_does(node) -> bool:
+    """`x / c` with c a number, in fp32/fp16/bf16 on CUDA: eager's kernel multiplies by 1/c, the
+    reciprocal computed once (BinaryDivTrueKernel.cu: "if the second argument is a CPU scalar,
+    compute a * reciprocal(b)"), which can differ from a true division in the last bit (fuzz33d;
+    on an H100, x / 1e-3 and x / 2.5e-4 did). Written so, every kernel computes what eager
+    computes. CPU eager divides (and so do the kernels there)."""
+    if node.op != "call_function" or node.target is not operator.truediv or node.kwargs or len(node.args) != 2:
+        return False
+    x, c = node.args
+    meta = single_tensor_meta(node)
+    device = node.meta.get("fxfuse", {}).get("device")
+    if not isinstance(x, torch.fx.Node) or type(c) not in (int, float) or meta is None \
+            or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) or getattr(device, "type", None) != "cuda":
+        return False
+    try:   # 1/c in double, then rounded to fp32: what CUDA's eager matched, bit for bit, on an H100 (x / 1e-3,
+        one_over = torch.tensor(1.0 / c, dtype=torch.float32).item()   # x / 2.5e-4); 1/fp32(c) did not
+    except (OverflowError, ZeroDivisionError):   # x / 0 (inf, nan) and huge ints: left as they are
+        return False
+    node.target, node.args = operator.mul, (x, one_over)
+    return True

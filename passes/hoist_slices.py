@@ -35,8 +35,8 @@ from fxfuse.ops import is_pointwise_target
 
 from .fuse_pointwise import _mutated_values
 from .hoist_permutes import _laid_out, _step, meta_operands, readers_keep_strides
-from .normalize_layers import (LINEAR_BIAS, PART_FUNCTIONS, PART_METHODS, SLICING_FUNCTIONS, SLICING_METHODS, _selects_part,
-                               register_constant)
+from .normalize_layers import (LINEAR_BIAS, PART_FUNCTIONS, PART_METHODS, SLICING_FUNCTIONS, SLICING_METHODS,
+                               _selects_part, register_constant)
 
 
 def _is_slice(node, source) -> bool:
@@ -50,7 +50,8 @@ def _is_slice(node, source) -> bool:
 
 
 def _returns_parts(node) -> bool:
-    return node.op == "call_method" and node.target in PART_METHODS or node.op == "call_function" and node.target in PART_FUNCTIONS
+    return node.op == "call_method" and node.target in PART_METHODS \
+        or node.op == "call_function" and node.target in PART_FUNCTIONS
 
 
 def _chains(op) -> list | None:

@@ -24,14 +24,15 @@ from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_maj
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
-from .fold_literals import cpu_literal_as_number, fold_literal_tensor, fold_pointwise_of_literals
+from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
-from .normalize_layers import (broadcast_drops_unit_view, explicit_softmax_dim, fold_constant_slice, glu_as_gate,
-                               keywords_to_positions, matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
+from .implicit_args import explicit_softmax_dim
+from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
+                               matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
-                        cast_target, divide_as_cuda_does, masked_fill_layout, spelling_of)
+                        cast_target, masked_fill_layout, spelling_of)
 
 aten = torch.ops.aten
 
