@@ -55,8 +55,8 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATI
                            watch_entries)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
-from .specialization import (Specialization, UnsupportedInput, describe_mismatch, signature,  # noqa: F401 (re-export)
-                             unit_stride_twin)
+from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
+                             describe_mismatch, signature, unit_stride_twin)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -443,7 +443,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         if rebuild:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
-            reason = describe_mismatch(next(iter(self.specializations)), sig,
+            reason = describe_mismatch(closest_signature(list(self.specializations), sig), sig,
                                        positional_names(self.original.forward))
             self.miss_count, self.last_miss = self.miss_count + 1, reason
             if len(self.misses) < MAX_MISSES_KEPT:

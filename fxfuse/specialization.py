@@ -93,15 +93,25 @@ def describe_mismatch(expected: tuple, got: tuple, names=()) -> str:
     fields = ("shape", "dtype", "device", "stride", "requires_grad")
     for k, (e, g) in enumerate(zip(expected, got)):
         if e != g:
+            which = f"input {k}{f' ({names[k]})' if k < len(names) else ''}"   # by name too (fuzz38f)
             if e[0] == "const" or g[0] == "const":
-                return f"input {k}: {_described(g)} where the specialization has {_described(e)}"
+                return f"{which}: {_described(g)} where the specialization has {_described(e)}"
             for name, ev, gv in zip(fields, e, g):
                 if ev != gv:
                     ev, gv = (tuple(v) if isinstance(v, torch.Size) else v for v in (ev, gv))
-                    return f"input {k}: {name} {gv} where the specialization has {ev}"
+                    return f"{which}: {name} {gv} where the specialization has {ev}"
             same = lambda entry: f"input {entry[5]}'s tensor" if len(entry) > 5 else "a tensor of its own"  # noqa: E731
-            return f"input {k}: {same(g)} where the specialization has {same(e)}"
+            return f"{which}: {same(g)} where the specialization has {same(e)}"
     return "no difference"
+
+
+def closest_signature(built, sig: tuple) -> tuple:
+    """The built signature with the fewest differences from sig: a miss is told against it (the
+    first one built named a shape another specialization has, not the dtype that differed;
+    fuzz38f)."""
+    def differences(b):
+        return 8 * abs(len(b) - len(sig)) + sum(x != y for e, g in zip(b, sig) for x, y in zip(e, g))
+    return min(built, key=differences)
 
 
 def _described(entry: tuple) -> str:

@@ -1,8 +1,10 @@
-"""Stop 38: tracing and state: values of a trace left in the user's Python state (fuzz38e)."""
+"""Stop 38: tracing, state, threads and guards: fixes from the fuzz38 helper rounds (numerics and
+fusion: test_fuzz38.py)."""
 import functools
 import threading
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -228,3 +230,20 @@ def test_optimize_under_inference_mode_does_not_call_trace_constants_the_models_
             opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
             x = torch.randn(4, 8)
             torch.testing.assert_close(opt(x)[0], model(x)[0])
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x, mask):
+        return (x * 2 + mask).relu()
+
+
+def test_a_miss_is_told_against_the_closest_specialization_and_names_the_argument():
+    # with specializations for (4, 8) and (6, 8), a (6, 8) call with an fp64 mask was told "input 0: shape
+    # (6, 8) where the specialization has (4, 8)"; tensor inputs were named by position only (fuzz38f)
+    opt = fxfuse.optimize(TwoInputs().eval(), (torch.randn(4, 8), torch.randn(4, 8)), max_specializations=2,
+                          strict=True)
+    with torch.no_grad():
+        opt(torch.randn(6, 8), torch.randn(6, 8))
+        with pytest.raises(fxfuse.GuardError, match=r"input 1 \(mask\): dtype torch.float64 where the "
+                                                     r"specialization has torch.float32"):
+            opt(torch.randn(6, 8), torch.randn(6, 8, dtype=torch.float64))
