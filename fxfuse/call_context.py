@@ -70,3 +70,24 @@ def autocast_off() -> contextlib.ExitStack:
         for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def compile_flags_as_eager():
+    """torch.compiler.is_compiling() and is_exporting() answer False, as in eager, while torch.export
+    traces the model for fxfuse: a forward() branching on them (HF's is_torchdynamo_compiling) was
+    traced down its compile-only branch, refused with an unclear reason, or with verify=False
+    silently wrong (fuzz38e)."""
+    saved = {name: getattr(torch.compiler, name) for name in ("is_compiling", "is_exporting")
+             if hasattr(torch.compiler, name)}
+    for name in saved:
+        setattr(torch.compiler, name, _not_compiling)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.compiler, name, function)

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 from torch.nn.utils import parametrize
 
+from .call_context import compile_flags_as_eager
 from .concrete_args import (check_exported, drop_value_checks, held_tensor_versions, inline_disabled_autocast,
                             numpy_number, one_placeholder_per_parameter, refuse_written_constants,
                             sizes_returned_as_sizes, split_concrete, written_constant)
@@ -455,7 +456,7 @@ def _quiet_export(model, args):
     and raises Python warnings about the model's internals (an LSTM's _flat_weights) that the
     user cannot act on; fxfuse prints nothing unless asked: its TraceError carries the reason."""
     # it also prints a partial graph to stderr when it fails; stdout: a print() in forward() would print fake tensors
-    with quiet_this_thread(logs=True), warnings.catch_warnings():
+    with quiet_this_thread(logs=True), warnings.catch_warnings(), compile_flags_as_eager():
         warnings.simplefilter("ignore")
         return torch.export.export(model, args, strict=False)
 
