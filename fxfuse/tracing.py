@@ -174,8 +174,9 @@ def _trace(model, example_args, concrete, held):
             advice = advice_first or ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
                       "graphs do not capture: keep that part out of the optimized module" if _runs_autograd(model)
                       else "Check the example input's shapes and dtypes against the model" if ran else
-                      "Remove data-dependent Python control flow from forward() (use torch.where), or optimize "
-                      "the submodules around the part that has it (model.block = fxfuse.optimize(model.block, h))")
+                      "Remove the Python code that reads a tensor's value from forward() (a branch on it: use "
+                      "torch.where; .item() or float() of it, also inside a print or log call), or optimize the "
+                      "submodules around that part (model.block = fxfuse.optimize(model.block, h))")
             raise TraceError(
                 f"could not capture a graph of {type(model).__name__}: "
                 f"symbolic_trace failed{where} with {type(fx_error).__name__}: {_first_line(fx_error)}"
