@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -251,6 +252,28 @@ def _turns_grad_on(fn) -> bool:
     return False
 
 
+def unregistered_parameters(model: torch.nn.Module) -> tuple:
+    """Parameters of modules the model holds without registering them (`self.shared =
+    [nn.Linear(...)]`, in a tuple, dict or namespace, or set with object.__setattr__): unfrozen
+    after optimize(), eager records autograd through them (fuzz38a: the graph ran on, and the
+    weight's .grad stayed None)."""
+    registered, found = {id(p) for p in model.parameters()}, {}
+
+    def walk(value, depth):
+        if isinstance(value, torch.nn.Module):
+            found.update((id(p), p) for p in value.parameters() if id(p) not in registered)
+        elif depth < 3 and isinstance(value, (list, tuple, dict, types.SimpleNamespace)):
+            items = value.values() if isinstance(value, dict) else vars(value).values() \
+                if isinstance(value, types.SimpleNamespace) else value
+            for item in list(items)[:64]:
+                walk(item, depth + 1)
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                walk(value, 0)
+    return tuple(found.values())
+
+
 class GradRecording:
     """What the builds' probes (probe_mode_dependence) found about autograd in one model's
     forward(), and the rule runtime.OptimizedModule asks on each call: would eager record
@@ -261,6 +284,7 @@ class GradRecording:
         self.model = model
         self.plain_tensors = plain_tensors   # the plain tensor attributes the traces read (`self.T`), kept current
         self.reads_grad_mode = False   # forward() asks torch.is_grad_enabled() (any build; kept)
+        self.unregistered = ()         # parameters of modules the model holds unregistered (note_build)
         self.forget_builds()
 
     def forget_builds(self) -> None:
@@ -270,6 +294,7 @@ class GradRecording:
         self.flags = ()                    # the requires_grad flags of parameters and buffers they held for
 
     def note_build(self, trace: dict, constants_require_grad: bool = False) -> None:
+        self.unregistered = unregistered_parameters(self.model)
         flags = self._flags()
         if flags != self.flags:   # what earlier builds saw held for other flags (a model frozen since)
             self.forget_builds()
@@ -285,7 +310,7 @@ class GradRecording:
         """Parameters, buffers and plain tensor attributes: `self.T.requires_grad_(True)` on a
         temperature after optimize() makes eager record as much as unfreezing a parameter does
         (fuzz33a)."""
-        return (*self.model.parameters(), *self.model.buffers(), *self.plain_tensors)
+        return (*self.model.parameters(), *self.model.buffers(), *self.plain_tensors, *self.unregistered)
 
     def _flags(self) -> tuple:
         return tuple(t.requires_grad for t in self._state())

@@ -2,10 +2,12 @@
 fusion: test_fuzz38.py)."""
 import functools
 import threading
+import types
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxfuse
@@ -268,3 +270,41 @@ def test_is_compiling_and_is_exporting_answer_as_in_eager_while_export_traces():
         with torch.no_grad():
             torch.testing.assert_close(opt(x2), model(x2))
     assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+class HoldsAModuleUnregistered(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.body, self.how, shared = nn.Linear(7, 7), how, nn.Linear(7, 5)
+        if how == "setattr":
+            object.__setattr__(self, "shared", shared)
+        else:
+            self.shared = {"list": [shared], "tuple": (shared,), "dict": {"p": shared},
+                           "namespace": types.SimpleNamespace(p=shared)}[how]
+
+    def projection(self):
+        s = self.shared
+        return s if self.how == "setattr" else s[0] if self.how in ("list", "tuple") else s["p"] \
+            if self.how == "dict" else s.p
+
+    def forward(self, x):
+        return F.linear(torch.relu(self.body(x)), self.projection().weight) * 2
+
+
+@pytest.mark.parametrize("how", ["list", "tuple", "dict", "namespace", "setattr"])
+def test_a_parameter_of_an_unregistered_module_unfrozen_after_optimize_gets_its_gradient(how):
+    # the graph ran on: the output did not require grad and the weight's .grad stayed None (fuzz38a)
+    model = HoldsAModuleUnregistered(how).eval()
+    model.requires_grad_(False)
+    model.projection().requires_grad_(False)
+    opt = fxfuse.optimize(model, torch.randn(4, 7))
+    weight = model.projection().weight
+    weight.requires_grad_(True)
+    x = torch.randn(4, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = opt(x)
+    assert got.requires_grad
+    (g_got,) = torch.autograd.grad(got.sum(), weight)
+    (g_want,) = torch.autograd.grad(model(x).sum(), weight)
+    torch.testing.assert_close(g_got, g_want)
