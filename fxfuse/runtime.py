@@ -56,7 +56,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATI
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
-                             describe_mismatch, signature, unit_stride_twin)
+                             describe_mismatch, signature)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -421,9 +421,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
-        twin = unit_stride_twin(self.specializations, sig)
-        if twin is not None:
-            return self._run(twin, args)
         if bind_positional(self.original.forward, args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
         trimmed = without_trailing_defaults(self.original.forward, args)

@@ -44,21 +44,6 @@ def signature(args) -> tuple:
         raise UnsupportedInput(why) from e
 
 
-def without_unit_strides(sig: tuple) -> tuple:
-    """sig with the strides of size-1 dims left out. Two tensors that differ only there (a
-    [1, T, H] tensor transposed to [T, 1, H], and one made [T, 1, H]) are the same bytes to every
-    kernel (FusedKernel._matches ignores those strides) and to a CUDA graph's input copy; each
-    took a specialization of its own, and the third such layout ran the original (review38)."""
-    return tuple(e if e[0] == "const" else (e[0], e[1], e[2], tuple(st for n, st in zip(e[0], e[3]) if n != 1),
-                                            *e[4:]) for e in sig)
-
-
-def unit_stride_twin(specializations: dict, sig: tuple):
-    """The specialization built for sig up to the strides of size-1 dims, or None."""
-    key = without_unit_strides(sig)
-    return next((spec for built, spec in list(specializations.items()) if without_unit_strides(built) == key), None)
-
-
 class UnsupportedInput(UnsupportedError, RuntimeError):
     """An input tensor no specialization can take: the call runs the original module."""
 

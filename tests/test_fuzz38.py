@@ -93,16 +93,17 @@ class Pointwise(nn.Module):
         return self.lin((x * 2).relu() + 1).sigmoid()
 
 
-def test_dense_inputs_that_differ_only_in_the_strides_of_size_one_dims_share_a_specialization():
-    # seq-first at batch 1 ([1, T, H].transpose(0, 1)) is the same bytes as a [T, 1, H] tensor; each
-    # layout took a specialization, and the third ran the original with a warning (review38)
-    model = Pointwise().eval()
-    opt = fxfuse.optimize(model, torch.randn(6, 1, 8), max_specializations=2, strict=True)
-    for x in (torch.randn(6, 1, 8), torch.randn(1, 6, 8).transpose(0, 1), torch.randn(6, 8, 1).permute(0, 2, 1)):
+def test_inputs_differing_only_in_a_size_one_dims_stride_keep_eagers_output_layout():
+    # a conv picks its output memory format from the input's strides, a size-1 channel dim's too: a
+    # specialization reused across such inputs handed back the other layout, and .view() failed (review38b)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU()).eval()
+    plain = torch.randn(2, 1, 5, 5)
+    opt = fxfuse.optimize(model, plain, strict=True)
+    for x in (plain.contiguous(memory_format=torch.channels_last), torch.randn(2, 1, 5, 5)):
         with torch.no_grad():
-            torch.testing.assert_close(opt(x), model(x))
-    assert len(opt.specializations) == 1 and fxfuse.stats(opt)["fused_kernels"] >= 1
-    assert opt.miss_count == 0
+            got, want = opt(x), model(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got.view(2, -1), want.view(2, -1))
 
 
 @pytest.mark.parametrize("switch", ["fp16_reduction", "bf16_reduction", "cudnn"])
