@@ -73,9 +73,10 @@ def schema_writes(n: torch.fx.Node) -> list:
     for schema in (op._schema for op in overloads):
         for k, arg in enumerate(schema.arguments):
             value = n.args[k] if k < len(n.args) and not arg.kwarg_only else n.kwargs.get(arg.name)
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node) \
-                    and value not in written:
-                written.append(value)
+            if arg.alias_info is not None and arg.alias_info.is_write:   # a Tensor[] operand: each (review38b)
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(item, torch.fx.Node) and item not in written:
+                        written.append(item)
     return written
 
 
