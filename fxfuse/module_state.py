@@ -317,15 +317,16 @@ class _Snapshot:
         they are how verify sees a container that grows per call (stop 36)."""
         from .trace_leftovers import is_trace_value
         self.leftovers.clean()
-        containers = [c for _, c, _ in self.class_containers]
-        containers += [c for module in self.modules for c, _ in module[7].values()]
-        for c in containers:
+        containers = [(c, saved) for _, c, saved in self.class_containers]
+        containers += [held for module in self.modules for held in module[7].values()]
+        for c, saved in containers:   # what the trace put there: not the user's own fake tensors (review38b)
             target = vars(c) if _is_record(c) else c
             if isinstance(target, dict):
-                for k in [k for k, v in target.items() if is_trace_value(v)]:
+                for k in [k for k, v in target.items() if is_trace_value(v) and saved.get(k) is not v]:
                     del target[k]
             elif isinstance(target, list) and any(is_trace_value(v) for v in target):
-                target[:] = [v for v in target if not is_trace_value(v)]
+                kept = {id(v) for v in saved}
+                target[:] = [v for v in target if not is_trace_value(v) or id(v) in kept]
 
     def restore(self) -> list:
         """Put everything back; the names of what forward() had changed."""

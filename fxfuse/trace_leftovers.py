@@ -12,6 +12,8 @@ after the trace (and after the build) a global holding a trace value gets its ol
 next call, which is all a cache promises.
 """
 import functools
+import sys
+import types
 
 import torch
 
@@ -31,6 +33,23 @@ def _own_code(owner) -> bool:
     return not (getattr(owner, "__module__", None) or "").startswith("torch.")
 
 
+NOT_USER_CODE = ("torch", "fxfuse", "triton", "numpy", "builtins")
+
+
+def _namespace_of(value) -> dict | None:
+    """The module namespace of a module object or a plain function, where it is the user's code
+    (not the standard library's, torch's or fxfuse's)."""
+    if isinstance(value, types.ModuleType):
+        name, namespace = value.__name__, vars(value)
+    elif isinstance(value, types.FunctionType):
+        name, namespace = value.__module__ or "", value.__globals__
+    else:
+        return None
+    top = name.split(".")[0]
+    private = top.startswith("_") and top != "__main__"   # _operator, _functools
+    return None if top in sys.stdlib_module_names or top in NOT_USER_CODE or private else namespace
+
+
 class TraceLeftovers:
     def __init__(self, model: torch.nn.Module):
         self.namespaces, self.caches = {}, {}
@@ -38,15 +57,22 @@ class TraceLeftovers:
             if not _own_code(type(m)):
                 continue
             namespace = getattr(forward_function(m), "__globals__", None)
-            if isinstance(namespace, dict) and id(namespace) not in self.namespaces:
-                self.namespaces[id(namespace)] = (namespace, dict(namespace))
+            if isinstance(namespace, dict) and self._note_namespace(namespace):
+                for value in list(namespace.values()):   # helper modules and functions it names (review38b:
+                    self._note_namespace(_namespace_of(value))   # `helpers.table(n)`, an imported helper's global)
             for cls in type(m).__mro__:
                 if _own_code(cls):
                     for value in list(vars(cls).values()):
                         self._note_cache(value)
-        for _, saved in self.namespaces.values():
+        for _, saved in list(self.namespaces.values()):
             for value in saved.values():
                 self._note_cache(value)
+
+    def _note_namespace(self, namespace) -> bool:
+        if not isinstance(namespace, dict) or id(namespace) in self.namespaces:
+            return False
+        self.namespaces[id(namespace)] = (namespace, dict(namespace))
+        return True
 
     def _note_cache(self, value) -> None:
         if isinstance(value, (staticmethod, classmethod)):
@@ -56,8 +82,8 @@ class TraceLeftovers:
 
     def clean(self) -> None:
         for namespace, saved in self.namespaces.values():
-            for name, value in list(namespace.items()):
-                if is_trace_value(value):
+            for name, value in list(namespace.items()):   # the user's own fake tensors stay (review38b)
+                if is_trace_value(value) and value is not saved.get(name):
                     if name in saved and not is_trace_value(saved[name]):
                         namespace[name] = saved[name]
                     else:

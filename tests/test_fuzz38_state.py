@@ -308,3 +308,41 @@ def test_a_parameter_of_an_unregistered_module_unfrozen_after_optimize_gets_its_
     (g_got,) = torch.autograd.grad(got.sum(), weight)
     (g_want,) = torch.autograd.grad(model(x).sum(), weight)
     torch.testing.assert_close(g_got, g_want)
+
+
+def _helper_module(name, source):
+    module = types.ModuleType(name)
+    exec(source, module.__dict__)   # a helper module of the user's (imported from another file)
+    return module
+
+
+HELPERS = _helper_module("helpers38", "import functools\n@functools.lru_cache(maxsize=None)\ndef folded(mod):\n"
+                                      "    return mod.w * 2\n_W = None\ndef scaled(mod):\n    global _W\n"
+                                      "    if _W is None:\n        _W = mod.w * 3\n    return _W\n")
+scaled_by_a_helper = HELPERS.scaled
+
+
+class UsesHelperModules(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return x + HELPERS.folded(self) + scaled_by_a_helper(self)
+
+
+def test_trace_values_do_not_stay_in_helper_modules_and_the_users_own_fake_tensors_stay():
+    # a helper module's lru cache and an imported helper's lazily filled global kept the trace's Proxy
+    # (the eager model returned it); the cleanup deleted a fake tensor the user had made (review38b)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    global USERS_FAKE
+    with FakeTensorMode():
+        USERS_FAKE = torch.empty(4, 8)
+    model = UsesHelperModules().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+        assert type(want) is torch.Tensor and type(HELPERS._W) is torch.Tensor
+        torch.testing.assert_close(opt(x), want)
+    assert USERS_FAKE.shape == (4, 8)
