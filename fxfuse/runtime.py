@@ -71,6 +71,8 @@ RUNNING_ORIGINAL = [0]   # _run_original calls in progress (under BUILD_LOCK)
 BUILDING = [0]   # builds in progress (under BUILD_LOCK: the thread that owns it is the one building)
 
 
+ALIASED = ("two inputs share memory, or an input is (a view of) a parameter or buffer of the model or a tensor it "
+           "holds, and the graph writes an input in place (fusion assumed distinct tensors)")
 MAX_MISSES_KEPT = 32
 REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts towards the "keep changing" warning,
 REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change per call; a few edits by hand
@@ -360,9 +362,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         if RemovableHandle.next_id != self._hook_ids_seen and self._hook_added():
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
         if self._writes_in_place and share_memory(args, self._model_storages):
-            return self._run_original("aliased", "two inputs share memory, or an input is (a view of) a "
-                                      "parameter or buffer of the model or a tensor it holds, and the graph writes "
-                                      "an input in place (fusion assumed distinct tensors)", args)
+            return self._run_original("aliased", ALIASED, args)
         if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
@@ -471,6 +471,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         logger.info("built specialization %d: %s", len(self.specializations), reason)
         if self._grad.records(args):   # the build's probes found that it records now
             return self._run_original("grad", GRAD_REASON, args)
+        if self._writes_in_place and share_memory(args, self._model_storages):   # the rebuilt model's tensors: a
+            return self._run_original("aliased", ALIASED, args)   # table reassigned, then passed in (review38b)
         return self._run(spec, args)
 
     def _run_original(self, key: str, reason: str, args, kwargs=None):

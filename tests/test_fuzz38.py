@@ -84,6 +84,22 @@ def test_an_input_that_is_a_tensor_attribute_of_the_model_runs_the_original_when
     torch.testing.assert_close(got, want)
 
 
+def test_a_reassigned_tensor_attribute_passed_as_the_written_input_runs_the_original():
+    # the aliasing guard knew the build's tensors only: after `model.table = t`, opt(t) rebuilt and ran the
+    # graph on the alias (review38b)
+    model = WritesItsInput().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    for _ in range(2):
+        model.table = torch.randn(4, 8)
+        before = model.table.clone()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = opt(model.table)
+            model.table.copy_(before)
+            want = model(model.table)
+        torch.testing.assert_close(got, want)
+
+
 class Pointwise(nn.Module):
     def __init__(self):
         super().__init__()
