@@ -122,17 +122,22 @@ def _folders(packages: tuple) -> tuple:
     return tuple(folders)
 
 
-class _QuietForThread:
-    """A stream that drops what one thread writes and passes the others' writes on."""
+class _QuietForThreads:
+    """A stream that drops what the quiet threads write and passes the others' writes on."""
 
-    def __init__(self, stream, thread: int):
-        self._stream, self._thread = stream, thread
+    def __init__(self, stream):
+        self._stream, self.quiet = stream, set()
 
     def write(self, text):
-        return len(text) if threading.get_ident() == self._thread else self._stream.write(text)
+        return len(text) if threading.get_ident() in self.quiet else self._stream.write(text)
 
     def __getattr__(self, name):   # flush, fileno, encoding, isatty: the stream's own
         return getattr(self._stream, name)
+
+
+# kept alive after use: print() in another thread holds a borrowed reference to sys.stdout while it
+# writes, and a wrapper freed when the build put the stream back crashed the process (segfault)
+_WRAPPERS: dict = {}
 
 
 class _DropThread(logging.Filter):
@@ -158,9 +163,12 @@ def quiet_this_thread(stdout: bool = True, stderr: bool = True, logs: bool = Fal
     build were lost (fuzz38f: 1,200 of 1,690 lines during a torch.export trace)."""
     me, saved = threading.get_ident(), {}
     for name, wanted in (("stdout", stdout), ("stderr", stderr)):
-        if wanted and getattr(sys, name) is not None:
-            saved[name] = getattr(sys, name)
-            setattr(sys, name, _QuietForThread(saved[name], me))
+        stream = getattr(sys, name)
+        if wanted and stream is not None:
+            wrapper = _WRAPPERS.setdefault((name, id(stream)), _QuietForThreads(stream))   # it keeps stream alive
+            wrapper.quiet.add(me)
+            saved[name] = (stream, wrapper)
+            setattr(sys, name, wrapper)
     drop = _DropThread(me) if logs else None
     handlers = _all_handlers() if logs else []
     for h in handlers:
@@ -170,5 +178,6 @@ def quiet_this_thread(stdout: bool = True, stderr: bool = True, logs: bool = Fal
     finally:
         for h in handlers:
             h.removeFilter(drop)
-        for name, stream in saved.items():
+        for name, (stream, wrapper) in saved.items():
+            wrapper.quiet.discard(me)
             setattr(sys, name, stream)
