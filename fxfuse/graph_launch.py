@@ -21,8 +21,9 @@ from .input_copy import driver
 from .log import logger
 
 RANDOM_OP_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson",
-                   "exponential", "cauchy", "geometric", "gumbel", "rrelu")   # (review35c: gumbel_softmax,
-#                                                                                    F.rrelu(training=True))
+                   "exponential", "cauchy", "geometric", "gumbel", "rrelu",   # (review35c: gumbel_softmax,
+                   "binomial", "standard_gamma", "dirichlet")                 # F.rrelu(training=True); review38b:
+#                                                          torch.binomial, torch._standard_gamma, _sample_dirichlet)
 NOT_RANDOM_WORDS = ("normalize",)   # F.normalize (review35c)
 
 
