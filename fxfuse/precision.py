@@ -36,11 +36,11 @@ def _unknown() -> None:
     return None
 
 
-# cuBLAS's reduced-precision reductions of fp16 / bf16 matmuls and cuDNN on or off: the library
-# kernels a CUDA graph captured follow them as they were (review38)
+# cuBLAS's reduced-precision reductions of fp16 / bf16 matmuls: the library kernels a CUDA graph
+# captured follow them as they were (review38). Not cuDNN on/off: code that runs parts of a model
+# under torch.backends.cudnn.flags(enabled=False) rebuilt every specialization on every call (review38b)
 _HALF_REDUCTION = getattr(torch._C, "_get_cublas_allow_fp16_reduced_precision_reduction", _unknown)
 _BF16_REDUCTION = getattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction", _unknown)
-_CUDNN_ENABLED = getattr(torch._C, "_get_cudnn_enabled", _unknown)
 
 
 def baked_settings() -> tuple:
@@ -50,7 +50,7 @@ def baked_settings() -> tuple:
     switches after them."""
     return (torch.get_default_dtype(), _matmul(),
             _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()),   # cuDNN's: torch.backends.cudnn.conv
-            _HALF_REDUCTION(), _BF16_REDUCTION(), _CUDNN_ENABLED())
+            _HALF_REDUCTION(), _BF16_REDUCTION())
 
 
 if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple per setting
@@ -58,7 +58,7 @@ if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple p
         """Whether baked_settings() differs from `saved` (runtime: every call)."""
         return (torch.get_default_dtype() is not saved[0] or _NEW_GETTER("cuda", "matmul") != saved[1]
                 or _NEW_GETTER("cuda", "conv") != saved[2] or _HALF_REDUCTION() != saved[3]
-                or _BF16_REDUCTION() != saved[4] or _CUDNN_ENABLED() != saved[5])
+                or _BF16_REDUCTION() != saved[4])
 else:
     def settings_changed(saved: tuple) -> bool:
         return baked_settings() != saved

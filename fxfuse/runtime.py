@@ -207,7 +207,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
             # the fp32 precision is baked into the kernels and the CUDA graph's library calls
-            reason = ("torch's default dtype, fp32 precision (TF32), reduced-precision fp16/bf16 reduction or cuDNN "
+            reason = ("torch's default dtype, fp32 precision (TF32) or reduced-precision fp16/bf16 reduction "
                       "setting changed since the build")
         else:
             return
@@ -217,7 +217,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # evaluate) is the usual case, a change per call the one worth a warning
         self._state_rebuilds = self._state_rebuilds + 1 if served < REBUILD_SERVED_CALLS else 1
         if self._state_rebuilds == REBUILD_WARN_AFTER:
-            self._warn_once("buffers", f"fxfuse: the model's buffers or attributes keep changing between calls "
+            self._warn_once("buffers", f"fxfuse: the model's state or torch's settings keep changing between calls "
                             f"({reason}); each change rebuilds the optimized graph (folded and packed copies "
                             "would be stale). Call the original module for such use.")
 

@@ -122,13 +122,12 @@ def test_inputs_differing_only_in_a_size_one_dims_stride_keep_eagers_output_layo
         torch.testing.assert_close(got.view(2, -1), want.view(2, -1))
 
 
-@pytest.mark.parametrize("switch", ["fp16_reduction", "bf16_reduction", "cudnn"])
+@pytest.mark.parametrize("switch", ["fp16_reduction", "bf16_reduction"])
 def test_library_precision_switches_changed_after_the_build_rebuild(switch):
-    # cuBLAS's reduced-precision fp16/bf16 reductions and cuDNN on/off decide the library kernels a CUDA
-    # graph captured; turned off after the build they kept the old kernels (review38)
+    # cuBLAS's reduced-precision fp16/bf16 reductions decide the library kernels a CUDA graph captured;
+    # turned off after the build they kept the old kernels (review38)
     owner, name = {"fp16_reduction": (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
-                   "bf16_reduction": (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
-                   "cudnn": (torch.backends.cudnn, "enabled")}[switch]
+                   "bf16_reduction": (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction")}[switch]
     model, x = Pointwise().eval(), torch.randn(3, 8)
     saved = getattr(owner, name)
     try:
@@ -348,3 +347,17 @@ def test_fp16_tanhshrink_and_softsign_round_their_inner_result_as_eager():
             for got, want in zip(opt(x), model(x)):
                 assert torch.equal(got, want)
         x = torch.randn(8, 16).half()
+
+
+def test_calls_inside_and_outside_a_cudnn_flags_block_do_not_rebuild():
+    # cuDNN on/off was a watched setting: code that runs under torch.backends.cudnn.flags(enabled=False) now
+    # and then rebuilt the graph on every call (review38b)
+    model, x = Pointwise().eval(), torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    built = next(iter(opt.specializations.values()))
+    with torch.no_grad():
+        for _ in range(3):
+            with torch.backends.cudnn.flags(enabled=False):
+                opt(x)
+            opt(x)
+    assert next(iter(opt.specializations.values())) is built
