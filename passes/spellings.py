@@ -69,6 +69,11 @@ BOOL_BINARY = {spelling: logical for op, name, logical in ((operator.and_, "and"
                                                          (operator.xor, "xor", torch.logical_xor))
                for spelling in (op, getattr(torch, f"bitwise_{name}"), f"bitwise_{name}", f"__{name}__",
                                 getattr(aten, f"bitwise_{name}").Tensor, getattr(aten, f"__{name}__").Tensor)}
+BOOL_INPLACE = {spelling: logical for op, name, logical in ((operator.iand, "and", torch.logical_and),   # `m &= c`
+                                                          (operator.ior, "or", torch.logical_or),      # (review38b)
+                                                          (operator.ixor, "xor", torch.logical_xor))
+                for spelling in (op, f"bitwise_{name}_", f"__i{name}__", getattr(aten, f"bitwise_{name}_").Tensor,
+                                 getattr(aten, f"__i{name}__").Tensor)}
 # three-operand ops after input (a value= keyword for addcmul/addcdiv, keyword-only in torch)
 TERNARY = {torch.lerp: ("end", "weight"), torch.addcmul: ("tensor1", "tensor2", "value"),
            torch.addcdiv: ("tensor1", "tensor2", "value")}
@@ -350,10 +355,12 @@ def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
         if single_tensor_meta(other) is None:   # max(x), max(x, dim): reductions, not this
             return None
         return Spelling(torch.maximum if BINARY_MAX_MIN[node.target] else torch.minimum, ("input", "other"))
-    if node.op in ("call_function", "call_method") and node.target in BOOL_BINARY:
+    if node.op in ("call_function", "call_method") and (node.target in BOOL_BINARY or node.target in BOOL_INPLACE):
         metas = [single_tensor_meta(a) for a in node.args] if len(node.args) == 2 and not node.kwargs else [None]
-        both_bool = all(m is not None and m.dtype == torch.bool for m in metas)
-        return Spelling(BOOL_BINARY[node.target], ("input", "other")) if both_bool else None
+        if not all(m is not None and m.dtype == torch.bool for m in metas):
+            return None
+        inplace = node.target in BOOL_INPLACE
+        return Spelling((BOOL_INPLACE if inplace else BOOL_BINARY)[node.target], ("input", "other"), inplace=inplace)
     if node.op == "call_function":
         if node.target is operator.abs and not (node.args and single_tensor_meta(node.args[0]) is not None):
             return None   # abs() of a number (a size the shape folding did not take) stays Python's

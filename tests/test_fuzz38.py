@@ -361,3 +361,27 @@ def test_calls_inside_and_outside_a_cudnn_flags_block_do_not_rebuild():
                 opt(x)
             opt(x)
     assert next(iter(opt.specializations.values())) is built
+
+
+class InPlaceMaskOps(nn.Module):
+    def forward(self, a, b, given):
+        m = a > 0
+        m &= b > 0
+        m ^= a < 0.5
+        m.bitwise_or_(b > 1)
+        given ^= m   # a mask the caller passed: written in place, as eager writes it
+        return m.float() * a, given
+
+
+def test_in_place_and_or_xor_of_masks_fuse_and_write_what_eager_writes():
+    # `m &= c`, `^=`, bitwise_or_ on a fresh mask were kept in place and split the chain (review38b)
+    model = InPlaceMaskOps().eval()
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    opt = fxfuse.optimize(model, (a, b, torch.rand(4, 8) > 0.5), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] <= 2
+    for _ in range(2):
+        a, b, given = torch.randn(4, 8), torch.randn(4, 8), torch.rand(4, 8) > 0.5
+        given_eager = given.clone()
+        with torch.no_grad():
+            got, want = opt(a, b, given), model(a, b, given_eager)
+        assert torch.equal(got[0], want[0]) and torch.equal(given, given_eager) and torch.equal(got[1], want[1])
