@@ -72,20 +72,20 @@ def autocast_off() -> contextlib.ExitStack:
     return stack
 
 
-def _not_compiling() -> bool:
-    return False
-
-
 @contextlib.contextmanager
-def compile_flags_as_eager():
+def compile_flags_as_eager(asked: list):
     """torch.compiler.is_compiling() and is_exporting() answer False, as in eager, while torch.export
-    traces the model for fxfuse: a forward() branching on them (HF's is_torchdynamo_compiling) was
+    traces the model for fxfuse (each call noted in `asked`): a forward() branching on them was
     traced down its compile-only branch, refused with an unclear reason, or with verify=False
     silently wrong (fuzz38e)."""
     saved = {name: getattr(torch.compiler, name) for name in ("is_compiling", "is_exporting")
              if hasattr(torch.compiler, name)}
+
+    def as_in_eager() -> bool:
+        asked.append(True)
+        return False
     for name in saved:
-        setattr(torch.compiler, name, _not_compiling)
+        setattr(torch.compiler, name, as_in_eager)
     try:
         yield
     finally:

@@ -456,10 +456,19 @@ def _quiet_export(model, args):
     """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure,
     and raises Python warnings about the model's internals (an LSTM's _flat_weights) that the
     user cannot act on; fxfuse prints nothing unless asked: its TraceError carries the reason."""
-    # it also prints a partial graph to stderr when it fails; stdout: a print() in forward() would print fake tensors
-    with quiet_this_thread(logs=True), warnings.catch_warnings(), compile_flags_as_eager():
-        warnings.simplefilter("ignore")
-        return torch.export.export(model, args, strict=False)
+    # it also prints a partial graph to stderr when it fails; stdout: a print() in forward() would print fake
+    # tensors. Traced first with is_compiling() False, as eager has it; where forward() asked and that failed
+    # (HF's is_torchdynamo_compiling() guards checks of data the trace cannot read: review38b), as torch answers
+    asked = []
+    for eager_flags in (True, False):
+        with quiet_this_thread(logs=True), warnings.catch_warnings(), \
+                compile_flags_as_eager(asked) if eager_flags else contextlib.nullcontext():
+            warnings.simplefilter("ignore")
+            try:
+                return torch.export.export(model, args, strict=False)
+            except Exception:
+                if not (eager_flags and asked):
+                    raise
 
 
 def _failing_line(e: BaseException) -> str:

@@ -259,6 +259,22 @@ class CompileOnlyBranch(nn.Module):
         return h
 
 
+class EagerOnlyCheck(nn.Module):
+    def forward(self, x):
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):   # HF's pattern
+            if not torch.isfinite(x).all():   # a check of the data the trace cannot read
+                raise ValueError("non-finite input")
+        return torch.relu(x) * 2 + 1
+
+
+def test_an_eager_only_check_behind_is_compiling_is_traced_as_torch_answers():
+    # with is_compiling() False the export trace met the data check and failed: refused (review38b)
+    opt = fxfuse.optimize(EagerOnlyCheck().eval(), torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), EagerOnlyCheck()(x))
+
+
 def test_is_compiling_and_is_exporting_answer_as_in_eager_while_export_traces():
     # torch.export's trace answered True: the graph took the compile-only branch (verify=False: silently
     # wrong; verify on: refused with an unclear reason; fuzz38e)
