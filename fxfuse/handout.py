@@ -21,6 +21,7 @@ happen: such a block can be one that another graph uses for an intermediate (fre
 the allocator knows, written at every replay of that graph). An earlier version did that and
 failed exactly so on the H100.
 """
+import collections
 import sys
 
 import torch
@@ -85,6 +86,28 @@ def is_size(x) -> bool:
 def map_tensors(fn, out):
     """out with fn applied to each tensor, containers (and torch.Size values) as they were."""
     return torch.utils._pytree.tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, out, is_leaf=is_size)
+
+
+def copies_keeping_aliases(out, fill: bool):
+    """out with each tensor copied (fill) or made like it (uninitialized); outputs sharing a storage
+    (`return y, y.view(-1)`) as views of one new storage, as eager returns them: cloned one by one,
+    an in-place write into one no longer showed in the other (review38)."""
+    shared = collections.Counter(t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(out)
+                                 if isinstance(t, torch.Tensor))
+    if all(n == 1 for n in shared.values()):
+        return map_tensors(torch.Tensor.clone if fill else torch.empty_like, out)
+    storages = {}
+
+    def copy(t):
+        key = t.untyped_storage()._cdata
+        if shared[key] == 1:
+            return t.clone() if fill else torch.empty_like(t)
+        if key not in storages:
+            storages[key] = t.untyped_storage().clone() if fill else torch.empty(
+                t.untyped_storage().nbytes(), dtype=torch.uint8, device=t.device).untyped_storage()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storages[key], t.storage_offset(), t.shape,
+                                                                  t.stride())
+    return map_tensors(copy, out)
 
 
 class OutputSlots:

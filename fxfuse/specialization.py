@@ -8,8 +8,10 @@ import torch
 import torch.fx
 
 from .errors import UnsupportedError
-from .graph_launch import GraphLauncher, clear_cublas_workspaces, draws_random_numbers, generator_offset
-from .handout import HANDOUT_SLOTS, SlotChoice, inside, map_tensors, own_pool_fits, pool_segments
+from .graph_launch import (GraphLauncher, _current_stream, clear_cublas_workspaces, draws_random_numbers,
+                           generator_offset)
+from .handout import (HANDOUT_SLOTS, SlotChoice, copies_keeping_aliases, inside, map_tensors, own_pool_fits,
+                      pool_segments)
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger, quiet_this_thread
 from .module_state import storage_address
@@ -130,6 +132,10 @@ class Specialization(SlotChoice):
         self.last_call = -1                # CALL_ORDER at its latest call: stats() describes that one
         self._constant_storages = None     # (_run_directly)
         devices = {a.device for a in example_args if isinstance(a, torch.Tensor)}
+        cuda = next((d for d in devices if d.type == "cuda"), None)   # one stream at a time (_follow_stream)
+        self.stream_device = None if cuda is None else cuda.index if cuda.index is not None \
+            else torch.cuda.current_device()
+        self._stream = None
         if options.cuda_graphs and devices and all(d.type == "cuda" for d in devices):
             self._capture(example_args)
         elif not options.cuda_graphs:
@@ -238,7 +244,7 @@ class Specialization(SlotChoice):
                 logger.info("own-pool handout capture failed, copying outputs instead: %s", e)
             self.own_pool_slots = False
         with torch.inference_mode(False):   # plain tensors even if this call runs in inference mode
-            buffers = map_tensors(torch.empty_like, self.static_out)   # outside the pool: see the module docstring
+            buffers = copies_keeping_aliases(self.static_out, fill=False)   # outside the pool: module docstring
         into = [t for t in torch.utils._pytree.tree_leaves(buffers) if isinstance(t, torch.Tensor)]
         graph, _, inputs = self._capture_one(static_args, pool=self.graph.pool(), into=into)
         return graph, buffers, inputs
@@ -260,9 +266,23 @@ class Specialization(SlotChoice):
     def __call__(self, args):
         self.calls += 1
         self.last_call = next(CALL_ORDER)
+        if self.stream_device is not None and _current_stream(self.stream_device) != self._stream:
+            self._follow_stream()
         if self.graph is None:
             return self._run_directly(args)
         return self._replay(args)
+
+    def _follow_stream(self) -> None:
+        """A call on another CUDA stream than the last one waits for everything queued on that one so
+        far: the graph copies share their static inputs, pools and handed-out outputs, and a split-K
+        GEMM its workspace, so two streams replaying at once raced (review38). Eager is safe there
+        (the caching allocator keeps each stream's blocks apart); here it costs one event per switch."""
+        current = _current_stream(self.stream_device)
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.ExternalStream(self._stream, device=self.stream_device))
+            torch.cuda.ExternalStream(current, device=self.stream_device).wait_event(event)
+        self._stream = current
 
     def _replay(self, args):
         """Inputs into the graph, one replay, the outputs handed out: one step per call, which
@@ -282,7 +302,7 @@ class Specialization(SlotChoice):
             self.handed_out += 1
             return slot.hand_out()
         self.cloned += 1
-        return map_tensors(torch.Tensor.clone, self.static_out)
+        return copies_keeping_aliases(self.static_out, fill=True)
 
 
 def _constant_storages(gm, model_tensors: tuple) -> set:
