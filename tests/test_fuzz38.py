@@ -357,7 +357,7 @@ def test_calls_inside_and_outside_a_cudnn_flags_block_do_not_rebuild():
     built = next(iter(opt.specializations.values()))
     with torch.no_grad():
         for _ in range(3):
-            with torch.backends.cudnn.flags(enabled=False):
+            with torch.backends.cudnn.flags(enabled=False, allow_tf32=torch.backends.cudnn.allow_tf32):
                 opt(x)
             opt(x)
     assert next(iter(opt.specializations.values())) is built
