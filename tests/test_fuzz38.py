@@ -385,3 +385,26 @@ def test_in_place_and_or_xor_of_masks_fuse_and_write_what_eager_writes():
         with torch.no_grad():
             got, want = opt(a, b, given), model(a, b, given_eager)
         assert torch.equal(got[0], want[0]) and torch.equal(given, given_eager) and torch.equal(got[1], want[1])
+
+
+class IntoATransposedBuffer(nn.Module):
+    def forward(self, y):
+        s = torch.sigmoid(y)
+        v = torch.zeros_like(s)   # y's strides: (1, 4) for a transposed y
+        v.index_add_(0, torch.tensor([3, 0, 1, 1]), s)
+        v.reshape(-1).view(4, 8).diagonal().zero_()   # eager: a copy, v not contiguous
+        return v * 1.0
+
+
+def test_a_write_into_a_buffer_of_other_strides_keeps_them():
+    # the out-of-place twin of index_add_ returned a contiguous tensor: eager's strides were lost, and a
+    # reshape that copies in eager became a view whose write changed v (fuzz38h)
+    y = torch.randn(8, 4).t()
+    model = IntoATransposedBuffer().eval()
+    opt = fxfuse.optimize(model, y, strict=True, verify=False)
+    for _ in range(2):
+        with torch.no_grad():
+            got, want = opt(y), model(y)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+        y = torch.randn(8, 4).t()
