@@ -3,13 +3,17 @@
 torch.compile, torch.export and torch.fx traces record the original module (fxfuse's runtime
 is no graph: Triton's launcher, CUDA graphs); torch.func transforms and forward-mode AD hand in
 wrapped or dual tensors that the kernels would strip. Each check is one attribute read or one
-C call: forward() runs them on every call.
+C call: forward() runs them on every call. At the end, fxfuse's own call of torch.export
+(quiet_export): quiet, and with torch.compiler's flags as eager has them where it can.
 """
 import contextlib
 import sys
+import warnings
 
 import torch
 import torch.fx
+
+from .log import quiet_this_thread
 
 FX_TRACE_STATE = torch.fx._symbolic_trace   # its _is_fx_tracing_flag is set while torch.fx traces
 if not hasattr(FX_TRACE_STATE, "_is_fx_tracing_flag"):   # a torch without it: never seen as tracing
@@ -91,3 +95,22 @@ def compile_flags_as_eager(asked: list):
     finally:
         for name, function in saved.items():
             setattr(torch.compiler, name, function)
+
+
+def quiet_export(model, args):
+    """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure,
+    and raises Python warnings about the model's internals (an LSTM's _flat_weights) that the
+    user cannot act on; fxfuse prints nothing unless asked: its TraceError carries the reason."""
+    # it also prints a partial graph to stderr when it fails; stdout: a print() in forward() would print fake
+    # tensors. Traced first with is_compiling() False, as eager has it; where forward() asked and that failed
+    # (HF's is_torchdynamo_compiling() guards checks of data the trace cannot read: review38b), as torch answers
+    asked = []
+    for eager_flags in (True, False):
+        with quiet_this_thread(logs=True), warnings.catch_warnings(), \
+                compile_flags_as_eager(asked) if eager_flags else contextlib.nullcontext():
+            warnings.simplefilter("ignore")
+            try:
+                return torch.export.export(model, args, strict=False)
+            except Exception:
+                if not (eager_flags and asked):
+                    raise

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch.nn.utils import parametrize
 
-from .call_context import compile_flags_as_eager
+from .call_context import quiet_export
 from .concrete_args import (check_exported, drop_value_checks, held_tensor_versions, inline_disabled_autocast,
                             numpy_number, one_placeholder_per_parameter, refuse_written_constants,
                             sizes_returned_as_sizes, split_concrete, written_constant)
@@ -57,6 +57,11 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}: {entered[0].target}); apply "
                                 "autocast around the call instead (fxfuse then runs the original module)")
+    if how == "torch.fx.symbolic_trace" and written_constant(gm, held) is not None:
+        try:   # `h = torch.zeros(4, 8); h[:, :4] = x`: torch.fx made h a constant and wrote it; torch.export
+            gm, how = _exported(model, example_args), "torch.export(strict=False)"   # records both (fuzz38h)
+        except Exception:  # noqa: BLE001 -- the refusal below says why
+            pass
     refuse_written_constants(gm, held)
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
@@ -232,7 +237,7 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
-    gm = _quiet_export(model, tuple(example_args)).module()
+    gm = quiet_export(model, tuple(example_args)).module()
     check_exported(gm)
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)
@@ -450,25 +455,6 @@ autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False) 
 
 class AutocastInForward(UnsupportedError):
     """forward() enters torch.autocast: no tracer here records it faithfully."""
-
-
-def _quiet_export(model, args):
-    """torch.export logs warnings, errors (fake-tensor tracebacks) and graph dumps on failure,
-    and raises Python warnings about the model's internals (an LSTM's _flat_weights) that the
-    user cannot act on; fxfuse prints nothing unless asked: its TraceError carries the reason."""
-    # it also prints a partial graph to stderr when it fails; stdout: a print() in forward() would print fake
-    # tensors. Traced first with is_compiling() False, as eager has it; where forward() asked and that failed
-    # (HF's is_torchdynamo_compiling() guards checks of data the trace cannot read: review38b), as torch answers
-    asked = []
-    for eager_flags in (True, False):
-        with quiet_this_thread(logs=True), warnings.catch_warnings(), \
-                compile_flags_as_eager(asked) if eager_flags else contextlib.nullcontext():
-            warnings.simplefilter("ignore")
-            try:
-                return torch.export.export(model, args, strict=False)
-            except Exception:
-                if not (eager_flags and asked):
-                    raise
 
 
 def _failing_line(e: BaseException) -> str:

@@ -385,3 +385,21 @@ def test_a_model_that_draws_through_binomial_builds_beside_another_thread():
     got = opt(x)
     torch.manual_seed(3)
     torch.testing.assert_close(got, DrawsThroughBinomial()(x))
+
+
+class FixedScratch(nn.Module):
+    def forward(self, x, y):
+        h = torch.zeros(4, 8)   # torch.fx makes it a constant and runs the writes on it
+        h[:, :4] = x[:, :4]
+        h[:, 4:] = y[:, ::2]
+        return h.tanh() * 3 - 1
+
+
+def test_a_fixed_size_scratch_buffer_filled_by_slices_is_traced_by_torch_export():
+    # refused as "writes in place into a tensor it makes from constants"; torch.export records it (fuzz38h)
+    model = FixedScratch().eval()
+    opt = fxfuse.optimize(model, (torch.randn(4, 8), torch.randn(4, 8)), strict=True)
+    for _ in range(2):
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x, y), model(x, y))
