@@ -197,8 +197,8 @@ def unmeasured(table: str) -> str:
             "only on measured evidence (python -m benchmarks.autotune, then option calibration=...)")
 
 
-WRITTEN_INPUT = ("its input is written in place later in forward() (`h += lin(h)`): fuse_gemm, fuse_mlp and "
-                 "Strassen leave such a Linear to the library GEMM")
+WRITTEN_INPUT = ("its input is written in place in forward(), before or after it (`h[:, :8] = a`, `h += lin(h)`): "
+                 "fuse_gemm, fuse_mlp and Strassen leave such a Linear to the library GEMM")
 
 
 def _legal(layer: LinearLayer, options, model) -> dict:
