@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .errors import FxfuseWarning
-from .module_state import MODE_FREE, forward_globals
+from .module_state import forward_globals, mode_free
 
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
@@ -193,7 +193,7 @@ def training_submodule(model) -> str | None:
     optimize(): a module assigned after optimize starts in training mode, and a rebuild would
     trace its training branch, which the graph then kept after model.eval() (fuzz34h)."""
     for name, m in model.named_modules():
-        if m.training and (m is model or type(m) not in MODE_FREE):
+        if m.training and (m is model or not mode_free(m)):
             return name or type(model).__name__
     return None
 

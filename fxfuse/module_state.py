@@ -45,6 +45,13 @@ MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
              torch.nn.Flatten, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.LayerNorm,
              torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.AvgPool1d,
              torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.Upsample}
+_MODE_FREE_FORWARDS = {cls.forward for cls in MODE_FREE}
+
+
+def mode_free(m: torch.nn.Module) -> bool:
+    """Whether m's own forward ignores its training flag: one of MODE_FREE, or a subclass that keeps
+    its forward (torch.ao's ConvReLU2d is an nn.Sequential: fuzz38i)."""
+    return type(m) in MODE_FREE or getattr(type(m), "forward", None) in _MODE_FREE_FORWARDS
 # ^ module types whose forward does not read self.training: forward() need not check their mode per call
 
 

@@ -50,7 +50,7 @@ from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_speciali
                          state_dict_as_original)
 from .log import logger, model_warnings_once
 from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
-from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, MODE_FREE, REGISTRATIONS, forward_hook_owner, moved,
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, forward_hook_owner, mode_free, moved,
                            share_memory, storage_address, storages, structure, structure_changed, version,
                            watch_entries)
 from .node_meta import fetch_attr
@@ -167,7 +167,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         and each buffer's version counter (BatchNorm statistics move in place when the original
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
-        self._mode_modules = tuple(m for m in model.modules() if m is not model and type(m) not in MODE_FREE)
+        self._mode_modules = tuple(m for m in model.modules() if m is not model and not mode_free(m))
         self._buffer_versions = watch_entries(model, model.buffers())
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
         self._modes, self._modes_seen = tuple((m, m.training) for m in model.modules()), MODE_CHANGES[0]

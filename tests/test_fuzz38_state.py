@@ -403,3 +403,31 @@ def test_a_fixed_size_scratch_buffer_filled_by_slices_is_traced_by_torch_export(
         x, y = torch.randn(4, 8), torch.randn(4, 8)
         with torch.no_grad():
             torch.testing.assert_close(opt(x, y), model(x, y))
+
+
+def test_statistics_a_training_forward_moves_are_seen_without_num_batches_tracked():
+    # torch's kernel moves running_mean/var without a version bump; num_batches_tracked's += 1 showed it,
+    # and with that None the folded copies went stale (fuzz38i)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    model[1].num_batches_tracked = None
+    x = torch.randn(2, 3, 8, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        opt(x)
+        model.train()
+        model(torch.randn(16, 3, 8, 8) * 3 + 2)
+        model.eval()
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_subclass_of_sequential_assigned_after_optimize_rebuilds():
+    # torch.ao's ConvReLU2d is an nn.Sequential that starts in training mode: its mode was taken to matter
+    # and the original ran, where a plain Sequential rebuilt (fuzz38i)
+    from torch.ao.nn.intrinsic import ConvReLU2d
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 1)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    model[2] = ConvReLU2d(nn.Conv2d(4, 4, 1), nn.ReLU())
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["optimized"]
