@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from fxfuse.library_choice import bias_in_library_gemm, relu_in_library_gemm, split_k_library_gemm, split_k_mm
 from fxfuse.ops import HALF_DTYPES, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
-from fxfuse.tracing import fxfuse_meta
+from fxfuse.node_meta import fetch_attr
+from fxfuse.tracing import fxfuse_meta, tensor_metadata
 
 from .normalize import FRESH_FUNCTIONS
-from .normalize_layers import LINEAR_BIAS
+from .normalize_layers import LINEAR_BIAS, register_constant
+from .spellings import CONV_FUNCTIONS
 
 LIBRARY_EPILOGUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_REASON = ("bias in the library GEMM: in fp16/bf16 it adds the bias before its one rounding, as eager's "
@@ -195,7 +197,37 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
         gm.graph.erase_node(add)
         gm.graph.erase_node(linear)
         changed = True
+    changed |= _conv_bias_back(gm)
     if changed:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _conv_bias_back(gm) -> bool:
+    """normalize splits a Conv's bias into a pointwise add so that an activation's kernel takes
+    it; where no pointwise op reads the sum (conv -> conv, -> pooling, -> an unfolded norm) the
+    add would be a kernel of its own, a pass over the output eager does not make: the bias goes
+    back into the conv call (fuzz38i)."""
+    changed = False
+    for conv in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in CONV_FUNCTIONS.values()]:
+        add = next(iter(conv.users)) if len(conv.users) == 1 else None
+        if add is None or add.target is not operator.add or add.args[0] is not conv or add.kwargs \
+                or len(conv.args) < 3 or conv.args[2] is not None or conv.kwargs or not _lone(add):
+            continue
+        bias, out = add.args[1], conv.meta.get("tensor_meta")
+        value = fetch_attr(gm, bias.target) if isinstance(bias, torch.fx.Node) and bias.op == "get_attr" else None
+        if not isinstance(value, torch.Tensor) or out is None or value.dtype != out.dtype \
+                or tuple(value.shape) != (out.shape[1],) + (1,) * (len(out.shape) - 2):
+            continue
+        with gm.graph.inserting_before(add):
+            flat = gm.graph.get_attr(register_constant(gm, bias.target, value.view(-1)))
+            new = gm.graph.call_function(conv.target, (conv.args[0], conv.args[1], flat, *conv.args[3:]))
+        flat.meta["tensor_meta"] = tensor_metadata(value.view(-1))
+        new.meta = dict(add.meta)
+        fxfuse_meta(new)["decision"] = "bias in the conv call: nothing pointwise reads the sum"
+        add.replace_all_uses_with(new)
+        gm.graph.erase_node(add)
+        gm.graph.erase_node(conv)
+        changed = True
+    return changed

@@ -408,3 +408,18 @@ def test_a_write_into_a_buffer_of_other_strides_keeps_them():
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want)
         y = torch.randn(8, 4).t()
+
+
+@pytest.mark.parametrize("after", ["conv", "maxpool", "relu"])
+def test_a_conv_bias_nothing_pointwise_reads_stays_in_the_conv_call(after):
+    # split into a pointwise add, it was a one-op kernel of its own before a conv or a pooling (fuzz38i);
+    # before a ReLU it joins the ReLU's kernel
+    tail = {"conv": nn.Conv2d(8, 4, 1), "maxpool": nn.MaxPool2d(2), "relu": nn.ReLU()}[after]
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), tail).eval()
+    model[1].running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 3, 9, 9)
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == (1 if after == "relu" else 0)
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
