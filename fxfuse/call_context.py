@@ -85,11 +85,15 @@ def compile_flags_as_eager(asked: list):
     saved = {name: getattr(torch.compiler, name) for name in ("is_compiling", "is_exporting")
              if hasattr(torch.compiler, name)}
 
-    def as_in_eager() -> bool:
-        asked.append(True)
-        return False
-    for name in saved:
-        setattr(torch.compiler, name, as_in_eager)
+    def as_in_eager(original):
+        def answer() -> bool:   # torch's own code gets torch's answer: it picks its paths by it (review38c)
+            if sys._getframe(1).f_globals.get("__name__", "").startswith(("torch.", "fxfuse.")):
+                return original()
+            asked.append(True)
+            return False
+        return answer
+    for name, original in saved.items():
+        setattr(torch.compiler, name, as_in_eager(original))
     try:
         yield
     finally:
@@ -109,8 +113,8 @@ def quiet_export(model, args):
         with quiet_this_thread(logs=True), warnings.catch_warnings(), \
                 compile_flags_as_eager(asked) if eager_flags else contextlib.nullcontext():
             warnings.simplefilter("ignore")
-            try:
-                return torch.export.export(model, args, strict=False)
+            try:   # (the program, whether is_compiling() answered True for forward(): explain says so)
+                return torch.export.export(model, args, strict=False), not eager_flags
             except Exception:
                 if not (eager_flags and asked):
                     raise

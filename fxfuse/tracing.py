@@ -63,6 +63,8 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
         except Exception:  # noqa: BLE001 -- the refusal below says why
             pass
     refuse_written_constants(gm, held)
+    if gm.meta.get("fxfuse_traced_as_compiling"):   # review38c: explain() says which branch the graph took
+        how += ", with torch.compiler.is_compiling() True (forward() asks it, and the trace as eager answers failed)"
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),
                                "concrete_args": concrete or {}, "reads_grad_mode": "grad" in mode_reads,
                                "reads_inference_mode": inference_mode if "inference" in mode_reads else None,
@@ -237,7 +239,9 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
-    gm = quiet_export(model, tuple(example_args)).module()
+    program, compiling = quiet_export(model, tuple(example_args))
+    gm = program.module()
+    gm.meta["fxfuse_traced_as_compiling"] = compiling
     check_exported(gm)
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)

@@ -68,11 +68,13 @@ def _verify(model, gm, args, rewind) -> list:
                         f"output {k}: eager overflows to inf or NaN on the example input where the rewritten "
                         "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
                         "the rewrite on it: optimize with an example input whose eager result is finite")
+                compiling = ("; here: torch.compiler.is_compiling(), which the graph was traced with True "
+                             "(explain)") if gm.meta.get("fxfuse_traced_as_compiling") else ""
                 raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
-                                  "(control flow on requires_grad, is_contiguous() or a global flag), or the "
-                                  "output turns a last-bit rounding difference into a large one (sin of large "
-                                  "values, a comparison or an integer cast of an intermediate), or this is a bug "
-                                  "in fxfuse: please report it with explain()")
+                                  "(control flow on requires_grad, is_contiguous() or a global flag"
+                                  f"{compiling}), or the output turns a last-bit rounding difference into a large "
+                                  "one (sin of large values, a comparison or an integer cast of an intermediate), or "
+                                  "this is a bug in fxfuse: please report it with explain()")
     return expected
 
 
