@@ -3,6 +3,7 @@
 Nothing is printed unless asked: the logger has a NullHandler and does not propagate a level
 of its own unless FXFUSE_LOG is set, in which case a stderr handler is attached once.
 """
+import collections
 import contextlib
 import logging
 import os
@@ -135,9 +136,18 @@ class _QuietForThreads:
         return getattr(self._stream, name)
 
 
-# kept alive after use: print() in another thread holds a borrowed reference to sys.stdout while it
-# writes, and a wrapper freed when the build put the stream back crashed the process (segfault)
-_WRAPPERS: dict = {}
+# the last few kept alive after use: print() in another thread holds a borrowed reference to sys.stdout
+# while it writes, and a wrapper freed when the build put the stream back crashed the process (segfault);
+# not all of them: each keeps its stream (a redirect's buffer, pytest's capture) alive (review38c)
+_RECENT_WRAPPERS = collections.deque(maxlen=8)
+
+
+def _wrapper_of(stream) -> _QuietForThreads:
+    found = next((w for w in _RECENT_WRAPPERS if w._stream is stream), None)
+    if found is None:
+        found = _QuietForThreads(stream)
+        _RECENT_WRAPPERS.append(found)
+    return found
 
 
 class _DropThread(logging.Filter):
@@ -165,7 +175,7 @@ def quiet_this_thread(stdout: bool = True, stderr: bool = True, logs: bool = Fal
     for name, wanted in (("stdout", stdout), ("stderr", stderr)):
         stream = getattr(sys, name)
         if wanted and stream is not None:
-            wrapper = _WRAPPERS.setdefault((name, id(stream)), _QuietForThreads(stream))   # it keeps stream alive
+            wrapper = _wrapper_of(stream)
             wrapper.quiet.add(me)
             saved[name] = (stream, wrapper)
             setattr(sys, name, wrapper)
@@ -180,4 +190,5 @@ def quiet_this_thread(stdout: bool = True, stderr: bool = True, logs: bool = Fal
             h.removeFilter(drop)
         for name, (stream, wrapper) in saved.items():
             wrapper.quiet.discard(me)
-            setattr(sys, name, stream)
+            if getattr(sys, name) is wrapper:   # not another thread's redirect made meanwhile (review38c)
+                setattr(sys, name, stream)
