@@ -205,6 +205,7 @@ def _build_graph(model, args: tuple, options: Options, warning):
         traced_reads = tensors_read(gm)
         gm = run_pipeline(gm, clone_args(args), options)  # passes may run the graph (strassen)
         traced = {storage_address(t) for t in traced_reads}
+        gm.meta["fxfuse_read_storages"] = frozenset(traced) - {None}
         derived = any(t.is_floating_point() and storage_address(t) not in traced for t in tensors_read(gm))
         snapshots = gm.meta.get("fxfuse_snapshots", False)   # values taken from traced tensors (fold_literals)
         gm.meta["fxfuse_copied"] = tuple(traced_reads) if derived or snapshots else ()   # from any of them

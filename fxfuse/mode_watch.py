@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .errors import FxfuseWarning
-from .module_state import forward_globals, mode_free
+from .module_state import forward_function, forward_globals, mode_free, storage_address
 
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
@@ -254,17 +254,21 @@ def _turns_grad_on(fn) -> bool:
 
 def unregistered_parameters(model: torch.nn.Module) -> tuple:
     """Parameters of modules the model holds without registering them (`self.shared =
-    [nn.Linear(...)]`, in a tuple, dict or namespace, or set with object.__setattr__): unfrozen
-    after optimize(), eager records autograd through them (fuzz38a: the graph ran on, and the
-    weight's .grad stayed None)."""
-    registered, found = {id(p) for p in model.parameters()}, {}
+    [nn.Linear(...)]`, in a tuple, dict, namespace, dataclass or plain object, or set with
+    object.__setattr__): unfrozen after optimize(), eager records autograd through them (fuzz38a,
+    review38c: the graph ran on, and the weight's .grad stayed None). A bounded walk: four levels,
+    64 items a container, 4096 objects."""
+    registered, found, seen = {id(p) for p in model.parameters()}, {}, set()
 
     def walk(value, depth):
+        if id(value) in seen or len(seen) > 4096:
+            return
+        seen.add(id(value))
         if isinstance(value, torch.nn.Module):
             found.update((id(p), p) for p in value.parameters() if id(p) not in registered)
-        elif depth < 3 and isinstance(value, (list, tuple, dict, types.SimpleNamespace)):
-            items = value.values() if isinstance(value, dict) else vars(value).values() \
-                if isinstance(value, types.SimpleNamespace) else value
+        elif depth < 4:
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else vars(value).values() if _plain_object(value) else ()
             for item in list(items)[:64]:
                 walk(item, depth + 1)
     for m in model.modules():
@@ -272,6 +276,23 @@ def unregistered_parameters(model: torch.nn.Module) -> tuple:
             if name not in ("_parameters", "_buffers", "_modules"):
                 walk(value, 0)
     return tuple(found.values())
+
+
+def held_elsewhere(model: torch.nn.Module) -> tuple:
+    """Tensors forward() may read besides its parameters, buffers and attributes: unregistered
+    modules' parameters and module-level tensors. A trace folds what it computes from them into
+    constants, so the aliasing guard names them all (review38c)."""
+    namespaces = {id(g): g for m in model.modules() if not (type(m).__module__ or "").startswith("torch.")
+                  and isinstance(g := getattr(forward_function(m), "__globals__", None), dict)}
+    global_tensors = [v for g in namespaces.values() for v in list(g.values()) if isinstance(v, torch.Tensor)]
+    return unregistered_parameters(model) + tuple(global_tensors)
+
+
+def _plain_object(value) -> bool:
+    """An object of the user's with attributes to look into (not a class, function, module or tensor)."""
+    return hasattr(value, "__dict__") and not isinstance(
+        value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)) \
+        and not (type(value).__module__ or "").startswith("torch")
 
 
 class GradRecording:
@@ -293,8 +314,10 @@ class GradRecording:
         self.enables_grad = False          # records under no_grad (torch.enable_grad() inside)
         self.flags = ()                    # the requires_grad flags of parameters and buffers they held for
 
-    def note_build(self, trace: dict, constants_require_grad: bool = False) -> None:
-        self.unregistered = unregistered_parameters(self.model)
+    def note_build(self, trace: dict, constants_require_grad: bool = False, read=frozenset()) -> None:
+        # those the traces read (`read`: storages): a teacher model held in a list, unused, does not
+        # make each call with grad on run the original (review38c)
+        self.unregistered = tuple(p for p in unregistered_parameters(self.model) if storage_address(p) in read)
         flags = self._flags()
         if flags != self.flags:   # what earlier builds saw held for other flags (a model frozen since)
             self.forget_builds()

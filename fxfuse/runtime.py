@@ -49,7 +49,7 @@ from .kernel import FusedKernel
 from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
                          state_dict_as_original)
 from .log import logger, model_warnings_once
-from .mode_watch import GRAD_REASON, GradRecording, training_reason, training_submodule
+from .mode_watch import GRAD_REASON, GradRecording, held_elsewhere, training_reason, training_submodule
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, forward_hook_owner, mode_free, moved,
                            share_memory, storage_address, storages, structure, structure_changed, version,
                            watch_entries)
@@ -98,6 +98,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._warned: set = set()
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
+        self._read_storages = frozenset()   # storages of what the traces read (add_specialization)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._modes, self._modes_seen = (), MODE_CHANGES[0]   # every module's training flag at the build
@@ -269,19 +270,22 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
         spec.model_tensors += tuple(self._plain_tensors)   # returned as themselves, as eager does (fuzz38f)
-        # the aliasing guard's (an input that is one of them must not be written under a copy's reader)
-        self._model_storages = storages((*self.original.parameters(), *self.original.buffers(),
-                                         *self._plain_tensors))   # (review38: a plain tensor attribute too)
+        own = storages((*self.original.parameters(), *self.original.buffers(), *self._plain_tensors))
+        self._read_storages |= gm.meta.get("fxfuse_read_storages", frozenset())
+        # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a
+        # plain tensor attribute too: review38; a module-level tensor, an unregistered weight: review38c)
+        self._model_storages = own | self._read_storages | storages(held_elsewhere(self.original))
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
-            getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"))
+            getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
+            self._read_storages)
         watched = {id(t) for t, *_ in self._buffer_versions}
         self._buffer_versions += watch_entries(self.original, (t for t in dict.fromkeys(
             (*gm.meta.get("fxfuse_copied", ()), *plain_tensors)) if id(t) not in watched))
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
         # the temporary tensors in the model after the call
-        if any(version(t) is None and storage_address(t) in self._model_storages   # the model's, not trace-time
-               for t in gm.meta.get("fxfuse_copied", ())):                       # constants (fuzz38f)
+        if any(version(t) is None and storage_address(t) in own   # the model's, not trace-time constants
+               for t in gm.meta.get("fxfuse_copied", ())):     # (fuzz38f)
             self._warn_once("inference-copies", INFERENCE_COPIES)
         if gm.meta.get("fxfuse_warning"):   # once per OptimizedModule, not per specialization
             self._warn_once("no-cuda", gm.meta["fxfuse_warning"])
@@ -308,6 +312,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
+        self._read_storages = frozenset()
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
         self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
 
