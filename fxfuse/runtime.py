@@ -87,18 +87,15 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     def __init__(self, model: torch.nn.Module, example_args: tuple, options, build):
         super().__init__()
         self.original = model
-        self.options = options
-        self._build = build                # (model, args, options) -> GraphModule
+        self.options, self._build = options, build   # build: (model, args, options) -> GraphModule
         self.specializations: dict = {}
         self.misses: list = []             # the first MAX_MISSES_KEPT guard misses (explain shows the count)
-        self.miss_count, self.last_miss = 0, None
+        self.miss_count, self.last_miss, self._warned = 0, None, set()
         self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._trimmed: dict = {}           # signature with trailing defaults -> (its trimmed one, its length)
-        self._warned: set = set()
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
-        self._read_storages = frozenset()   # storages of what the traces read (add_specialization)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._modes, self._modes_seen = (), MODE_CHANGES[0]   # every module's training flag at the build
@@ -106,7 +103,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
-        self._model_storages = frozenset()  # then: the storages of the model's parameters and buffers
+        self._model_storages = self._read_storages = frozenset()   # the aliasing guard's (add_specialization)
         self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
         self._grad = GradRecording(model, self._plain_tensors)   # what the builds' probes found about autograd,
         #                                     and the rule; the list shared, not a closure: no cycle through self
@@ -497,8 +494,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._warn_once(key, f"fxfuse: {reason}; running the original module")
         self.original_calls[key.split(":")[0]] += 1
 
-    def fused_kernels(self):
-        for spec in list(self.specializations.values()):   # (another thread may be building: fuzz38f)
-            for mod in spec.gm.modules():
-                if isinstance(mod, FusedKernel):
-                    yield mod
+    def fused_kernels(self):   # a copy of the dict: another thread may be building (fuzz38f)
+        return (m for spec in list(self.specializations.values()) for m in spec.gm.modules()
+                if isinstance(m, FusedKernel))
