@@ -19,6 +19,8 @@ import torch
 
 from .module_state import forward_function
 
+_NEW = object()   # a name the build added
+
 # functools.lru_cache's wrapper type (CPython's C one; a pure-Python functools has a function there)
 LRU_CACHE = functools._lru_cache_wrapper if isinstance(getattr(functools, "_lru_cache_wrapper", None), type) else ()
 
@@ -81,10 +83,13 @@ class TraceLeftovers:
             self.caches[id(value)] = (value, value.cache_info().currsize)    # some raise KeyError (fuzz35d's test)
 
     def clean(self) -> None:
+        """Globals the build changed get their values back, all of them where one holds a trace
+        value (`_MASK, _LEN = build(n), n`: the length stayed and the mask went back; review38c)."""
         for namespace, saved in self.namespaces.values():
-            for name, value in list(namespace.items()):   # the user's own fake tensors stay (review38b)
-                if is_trace_value(value) and value is not saved.get(name):
-                    if name in saved and not is_trace_value(saved[name]):
+            changed = [name for name, value in list(namespace.items()) if value is not saved.get(name, _NEW)]
+            if any(is_trace_value(namespace[name]) for name in changed):   # the user's own fake tensors stay
+                for name in changed:
+                    if name in saved:
                         namespace[name] = saved[name]
                     else:
                         del namespace[name]

@@ -519,3 +519,28 @@ def test_an_unused_unregistered_module_requiring_grad_does_not_stop_the_graph():
     opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), model(x))   # grad mode on: strict raises if the original had to run
+
+
+_CACHED_MASK, _CACHED_LEN = None, None
+
+
+class CachesAMaskWithItsLength(nn.Module):
+    def forward(self, x):
+        global _CACHED_MASK, _CACHED_LEN
+        n = x.shape[1]
+        if _CACHED_LEN != n:
+            _CACHED_MASK, _CACHED_LEN = torch.ones(n, n).tril(), n
+        return (x @ x.transpose(1, 2)).masked_fill(_CACHED_MASK == 0, float("-inf")).softmax(-1)
+
+
+def test_a_global_cache_and_its_key_are_put_back_together():
+    # the trace's mask went back to None and its length stayed: the eager model then failed on that length
+    # (review38c)
+    model = CachesAMaskWithItsLength().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 4, 8), strict=True)
+    for n in (4, 5):
+        x = torch.randn(2, n, 8)
+        with torch.no_grad():
+            want = model(x)
+            torch.testing.assert_close(opt(x), want)
+    assert type(_CACHED_MASK) is torch.Tensor
