@@ -92,15 +92,21 @@ def copies_keeping_aliases(out, fill: bool):
     """out with each tensor copied (fill) or made like it (uninitialized); outputs sharing a storage
     (`return y, y.view(-1)`) as views of one new storage, as eager returns them: cloned one by one,
     an in-place write into one no longer showed in the other (review38)."""
-    shared = collections.Counter(t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(out)
-                                 if isinstance(t, torch.Tensor))
+    groups = collections.defaultdict(list)   # plain views only: not conj/neg bits or overlapping strides, and
+    for t in torch.utils._pytree.tree_leaves(out):   # not small views of a big storage (review38c)
+        if isinstance(t, torch.Tensor) and not (t.is_conj() or t.is_neg()) and t.numel() \
+                and torch._debug_has_internal_overlap(t) == 0:
+            groups[t.untyped_storage()._cdata].append(t)
+    shared = collections.Counter({key: len(ts) for key, ts in groups.items()
+                                  if ts[0].untyped_storage().nbytes() <= 2 * sum(t.numel() * t.element_size()
+                                                                                 for t in ts)})
     if all(n == 1 for n in shared.values()):
         return map_tensors(torch.Tensor.clone if fill else torch.empty_like, out)
     storages = {}
 
     def copy(t):
         key = t.untyped_storage()._cdata
-        if shared[key] == 1:
+        if shared.get(key, 0) <= 1 or t.is_conj() or t.is_neg() or torch._debug_has_internal_overlap(t) != 0:
             return t.clone() if fill else torch.empty_like(t)
         if key not in storages:
             storages[key] = t.untyped_storage().clone() if fill else torch.empty(

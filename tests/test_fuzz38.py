@@ -423,3 +423,19 @@ def test_a_conv_bias_nothing_pointwise_reads_stays_in_the_conv_call(after):
     x = torch.randn(2, 3, 9, 9)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_copies_keeping_aliases_keep_views_together_and_leave_conj_expand_and_small_views_alone():
+    # the CUDA-graph runtime's copies of outputs (review38, review38c)
+    from fxfuse.handout import copies_keeping_aliases
+    y = torch.randn(3, 4)
+    a, b, c, d = copies_keeping_aliases((y, y.view(-1), y[1], torch.randn(2)), fill=True)
+    a.add_(1)
+    assert torch.equal(b.view(3, 4), a) and torch.equal(c, a[1]) and a.untyped_storage() is not None
+    w = torch.randn(3, dtype=torch.complex64)
+    got = copies_keeping_aliases((w, w.conj()), fill=True)
+    assert torch.equal(got[0], w) and torch.equal(got[1], w.conj())
+    e = torch.randn(4)
+    assert [t.shape for t in copies_keeping_aliases((e, e.expand(3, 4)), fill=False)] == [(4,), (3, 4)]
+    big = torch.randn(1000)
+    assert copies_keeping_aliases((big[:2], big[5:7]), fill=True)[0].untyped_storage().nbytes() == 8
