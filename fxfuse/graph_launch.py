@@ -25,6 +25,7 @@ RANDOM_OP_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multino
                    "binomial", "standard_gamma", "dirichlet")                 # F.rrelu(training=True); review38b:
 #                                                          torch.binomial, torch._standard_gamma, _sample_dirichlet)
 NOT_RANDOM_WORDS = ("normalize",)   # F.normalize (review35c)
+ATTENTION = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
 
 def draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
@@ -39,6 +40,9 @@ def draws_random(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         return False
     if "generator" in node.kwargs or any(isinstance(a, torch.Generator) for a in node.args):
         return True
+    if node.target in ATTENTION:   # dropout_p > 0 draws (review38c: refused beside a thread, or removed as dead)
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return not isinstance(p, (int, float)) or p > 0
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     if node.op == "call_module":
         name = type(gm.get_submodule(node.target)).__name__

@@ -544,3 +544,27 @@ def test_a_global_cache_and_its_key_are_put_back_together():
             want = model(x)
             torch.testing.assert_close(opt(x), want)
     assert type(_CACHED_MASK) is torch.Tensor
+
+
+class AttentionDropout(nn.Module):
+    def forward(self, q):
+        unused = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)   # draws, result unread
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.3) * 2 + torch.rand_like(q)
+
+
+def test_attention_with_dropout_draws_in_eagers_order_beside_another_thread():
+    # scaled_dot_product_attention with dropout_p > 0 was no random draw: refused beside a thread, and an
+    # unread one removed as dead code, shifting the later draws (review38c)
+    idle = threading.Event()
+    thread = threading.Thread(target=idle.wait)
+    thread.start()
+    try:
+        opt = fxfuse.optimize(AttentionDropout().eval(), torch.randn(1, 2, 4, 8), strict=True)
+    finally:
+        idle.set()
+        thread.join()
+    q = torch.randn(1, 2, 4, 8)
+    torch.manual_seed(5)
+    got = opt(q)
+    torch.manual_seed(5)
+    torch.testing.assert_close(got, AttentionDropout()(q))
