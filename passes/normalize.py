@@ -351,8 +351,9 @@ def _functional_twin(gm, node, order) -> bool:
         return False
     base = node.args[0] if node.args else None
     meta = single_tensor_meta(base)   # the out-of-place twin returns a contiguous result: a buffer with
-    if twin is None or meta is None or tuple(meta.stride) != row_major(meta.shape):   # other strides keeps
-        return False                                                                # them (fuzz38h)
+    if twin is None or meta is None or any(n != 1 and st != rm for n, st, rm in zip(   # other strides keeps
+            meta.shape, meta.stride, row_major(meta.shape))):                       # them (fuzz38h)
+        return False
     if base in node.args[1:] or base in node.kwargs.values():   # sc.masked_scatter_(m, sc): reads what it writes
         return False
     if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)   # a view taken after the
