@@ -10,6 +10,7 @@ mode too (probe_mode_dependence), which catches every other way of asking (a hel
 imported the function, one stored on the module, `h.is_inference()`).
 """
 import contextlib
+import dis
 import inspect
 import os
 import sys
@@ -19,7 +20,7 @@ import warnings
 import torch
 
 from .errors import FxfuseWarning
-from .module_state import forward_function, forward_globals, mode_free, storage_address
+from .module_state import forward_globals, mode_free, storage_address
 
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
@@ -282,10 +283,30 @@ def held_elsewhere(model: torch.nn.Module) -> tuple:
     """Tensors forward() may read besides its parameters, buffers and attributes: unregistered
     modules' parameters and module-level tensors. A trace folds what it computes from them into
     constants, so the aliasing guard names them all (review38c)."""
-    namespaces = {id(g): g for m in model.modules() if not (type(m).__module__ or "").startswith("torch.")
-                  and isinstance(g := getattr(forward_function(m), "__globals__", None), dict)}
-    global_tensors = [v for g in namespaces.values() for v in list(g.values()) if isinstance(v, torch.Tensor)]
-    return unregistered_parameters(model) + tuple(global_tensors)
+    global_tensors = {}
+    for cls in {type(m) for m in model.modules()}:   # the names the model's own code loads: not every tensor
+        for name, namespace in _globals_loaded(cls):   # of a script's globals (an example input: fuzz38j)
+            if isinstance(value := namespace.get(name), torch.Tensor):
+                global_tensors[id(value)] = value
+    return unregistered_parameters(model) + tuple(global_tensors.values())
+
+
+def _globals_loaded(cls) -> list:
+    """(name, the function's globals) for each global name the methods of cls (and its user base
+    classes, their lambdas and inner functions) load."""
+    found = []
+    for klass in cls.__mro__:
+        if (klass.__module__ or "").startswith(("torch.", "builtins")):
+            continue
+        for attr in vars(klass).values():
+            fn = getattr(attr, "__func__", getattr(attr, "fget", attr))
+            code = getattr(fn, "__code__", None)
+            stack = [code] if code is not None else []
+            while stack:
+                c = stack.pop()
+                found += [(i.argval, fn.__globals__) for i in dis.get_instructions(c) if i.opname == "LOAD_GLOBAL"]
+                stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return found
 
 
 def _plain_object(value) -> bool:

@@ -568,3 +568,22 @@ def test_attention_with_dropout_draws_in_eagers_order_beside_another_thread():
     got = opt(q)
     torch.manual_seed(5)
     torch.testing.assert_close(got, AttentionDropout()(q))
+
+
+EXAMPLE_INPUT = torch.randn(4, 6)   # a script's example input, a global of the model's module
+
+
+class FillsItsOwnBuffer(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        h[0] = 3.0   # torch.export traces it; a write into a fresh buffer, no input written
+        return h
+
+
+def test_an_example_input_that_is_a_global_of_the_models_module_runs_the_graph():
+    # every tensor of the module's globals counted as one forward() might read: opt(x) with the script's
+    # own x ran the original with "two inputs share memory" (fuzz38j)
+    model = FillsItsOwnBuffer().eval()
+    opt = fxfuse.optimize(model, EXAMPLE_INPUT, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(EXAMPLE_INPUT), model(EXAMPLE_INPUT))
