@@ -134,6 +134,8 @@ def _build_function_spellings() -> dict:
     table[torch.clamp_] = Spelling(torch.clamp, clamp, inplace=True)
     table[torch.clamp_min] = Spelling(torch.clamp, ("input", "min"))
     table[torch.clamp_max] = Spelling(torch.clamp, ("input", "max"))
+    table[torch.clamp_min_] = Spelling(torch.clamp, ("input", "min"), inplace=True)   # (fuzz38j)
+    table[torch.clamp_max_] = Spelling(torch.clamp, ("input", "max"), inplace=True)
     table[F.hardtanh] = Spelling(torch.clamp, ("input", "min_val", "max_val", "inplace"),
                                  fixed={"min": -1.0, "max": 1.0},
                                  rename={"min_val": "min", "max_val": "max"})
@@ -180,6 +182,8 @@ def _build_method_spellings() -> dict:
         table[name + "_"] = Spelling(torch.clamp, ("input", "min", "max"), inplace=True)
     table["clamp_min"] = Spelling(torch.clamp, ("input", "min"))
     table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
+    table["clamp_min_"] = Spelling(torch.clamp, ("input", "min"), inplace=True)
+    table["clamp_max_"] = Spelling(torch.clamp, ("input", "max"), inplace=True)
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
     table["masked_fill"], table["masked_fill_"] = MASKED_FILL, MASKED_FILL_
     for canon, names in TERNARY.items():   # x.lerp(y, 0.5), x.addcmul_(a, b, value=2)
@@ -234,7 +238,9 @@ def _build_aten_spellings() -> dict:
         ("clamp", "Tensor", Spelling(torch.clamp, ("input", "min", "max"))),
         ("clamp_", "Tensor", Spelling(torch.clamp, ("input", "min", "max"), inplace=True)),
         ("clamp_min", "Tensor", Spelling(torch.clamp, ("input", "min"))),
-        ("clamp_max", "Tensor", Spelling(torch.clamp, ("input", "max"))))
+        ("clamp_max", "Tensor", Spelling(torch.clamp, ("input", "max"))),
+        ("clamp_min_", "default", Spelling(torch.clamp, ("input", "min"), inplace=True)),
+        ("clamp_max_", "default", Spelling(torch.clamp, ("input", "max"), inplace=True)))
     for name, overload, row in optional:
         if hasattr(getattr(aten, name, None), overload):
             table[getattr(getattr(aten, name), overload)] = row

@@ -439,3 +439,21 @@ def test_copies_keeping_aliases_keep_views_together_and_leave_conj_expand_and_sm
     assert [t.shape for t in copies_keeping_aliases((e, e.expand(3, 4)), fill=False)] == [(4,), (3, 4)]
     big = torch.randn(1000)
     assert copies_keeping_aliases((big[:2], big[5:7]), fill=True)[0].untyped_storage().nbytes() == 8
+
+
+class InPlaceClampBounds(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        h.clamp_min_(-0.5)
+        torch.clamp_max_(h, 0.7)
+        return h + 1, x.clone().clamp_max_(0.1) * 3
+
+
+def test_in_place_clamp_min_and_clamp_max_fuse():
+    # they had no canonical form: kept in place, the chain split around them (fuzz38j)
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(InPlaceClampBounds().eval(), x, strict=True)
+    assert fxfuse.stats(opt)["library_calls"] == 0
+    with torch.no_grad():
+        for got, want in zip(opt(x), InPlaceClampBounds()(x)):
+            torch.testing.assert_close(got, want)
