@@ -360,7 +360,9 @@ def _held_tensors(model) -> list:
                 if isinstance(value, torch.Tensor):
                     visit(value, 0)
         for fn in vars(type(m)).values():
-            code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+            if not isinstance(fn, types.FunctionType):   # getattr on any class attribute: an AttrDict
+                continue                                 # raised KeyError (review38d)
+            code, scope = fn.__code__, fn.__globals__
             for name in code.co_names if code is not None else ():
                 visit(scope.get(name), 1)
                 for value in _bound_values(scope.get(name)):   # a helper function's tensor default

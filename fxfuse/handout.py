@@ -95,7 +95,7 @@ def copies_keeping_aliases(out, fill: bool):
     groups = collections.defaultdict(list)   # plain views only: not conj/neg bits or overlapping strides, and
     for t in torch.utils._pytree.tree_leaves(out):   # not small views of a big storage (review38c)
         if isinstance(t, torch.Tensor) and not (t.is_conj() or t.is_neg()) and t.numel() \
-                and torch._debug_has_internal_overlap(t) == 0:
+                and torch._debug_has_internal_overlap(t) != 1:   # 2: too hard to tell, a strided view
             groups[t.untyped_storage()._cdata].append(t)
     shared = collections.Counter({key: len(ts) for key, ts in groups.items()
                                   if ts[0].untyped_storage().nbytes() <= 2 * sum(t.numel() * t.element_size()
@@ -106,7 +106,7 @@ def copies_keeping_aliases(out, fill: bool):
 
     def copy(t):
         key = t.untyped_storage()._cdata
-        if shared.get(key, 0) <= 1 or t.is_conj() or t.is_neg() or torch._debug_has_internal_overlap(t) != 0:
+        if shared.get(key, 0) <= 1 or t.is_conj() or t.is_neg() or torch._debug_has_internal_overlap(t) == 1:
             return t.clone() if fill else torch.empty_like(t)
         if key not in storages:
             storages[key] = t.untyped_storage().clone() if fill else torch.empty(

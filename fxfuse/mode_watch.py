@@ -293,27 +293,52 @@ def held_elsewhere(model: torch.nn.Module) -> tuple:
 
 def _globals_loaded(cls) -> list:
     """(name, the function's globals) for each global name the methods of cls (and its user base
-    classes, their lambdas and inner functions) load."""
-    found = []
-    for klass in cls.__mro__:
-        if (klass.__module__ or "").startswith(("torch.", "builtins")):
+    classes, their lambdas and inner functions, and the module-level functions they call, one
+    level: review38d) load; a decorated method's own code (`@torch.no_grad()` forward)."""
+    queue = [(f, 0) for klass in cls.__mro__ if not (klass.__module__ or "").startswith(("torch.", "builtins"))
+             for attr in list(vars(klass).values()) if (f := _function_of(attr)) is not None]
+    found, done = [], set()
+    while queue:
+        fn, level = queue.pop()
+        if id(fn) in done:
             continue
-        for attr in vars(klass).values():
-            fn = getattr(attr, "__func__", getattr(attr, "fget", attr))
-            code = getattr(fn, "__code__", None)
-            stack = [code] if code is not None else []
-            while stack:
-                c = stack.pop()
-                found += [(i.argval, fn.__globals__) for i in dis.get_instructions(c) if i.opname == "LOAD_GLOBAL"]
-                stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        done.add(id(fn))
+        stack = [fn.__code__]
+        while stack:
+            code = stack.pop()
+            for ins in dis.get_instructions(code):
+                if ins.opname == "LOAD_GLOBAL":
+                    found.append((ins.argval, fn.__globals__))
+                    helper = fn.__globals__.get(ins.argval)
+                    if level < 1 and isinstance(helper, types.FunctionType) \
+                            and not (helper.__module__ or "").startswith(("torch", "fxfuse")):
+                        queue.append((helper, level + 1))
+            stack += [k for k in code.co_consts if isinstance(k, types.CodeType)]
     return found
+
+
+def _function_of(attr):
+    """The plain function a class attribute runs (a method, static or class method, property,
+    under its decorators), else None; anything a class may hold is asked safely."""
+    try:
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        elif isinstance(attr, property):
+            attr = attr.fget
+        fn = inspect.unwrap(attr) if callable(attr) else None
+    except Exception:  # noqa: BLE001 -- a __getattr__ that raises KeyError (review38d)
+        return None
+    return fn if isinstance(fn, types.FunctionType) else None
 
 
 def _plain_object(value) -> bool:
     """An object of the user's with attributes to look into (not a class, function, module or tensor)."""
-    return hasattr(value, "__dict__") and not isinstance(
-        value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)) \
-        and not (type(value).__module__ or "").startswith("torch")
+    try:   # a __getattr__ may raise anything (KeyError from a dict-backed record: review38d)
+        has_dict = isinstance(getattr(value, "__dict__", None), dict)
+    except Exception:  # noqa: BLE001
+        return False
+    return has_dict and not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                                               torch.Tensor)) and not (type(value).__module__ or "").startswith("torch")
 
 
 class GradRecording:

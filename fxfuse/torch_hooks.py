@@ -1,6 +1,6 @@
 """What fxfuse hooks into torch to see changes that no version counter or module registration
-reports: torch.func.functional_call's tensor swaps, fused optimizer steps, BatchNorm statistics
-moved in training mode, training flags set by train()/eval(), and parameters set to None.
+reports: torch.func.functional_call's tensor swaps, fused optimizer steps, training flags set by
+train()/eval(), and parameters set to None.
 
 Both are process-wide and installed once, on import. runtime.OptimizedModule reads the counts per
 call (one integer compare each while nothing happens).
@@ -119,27 +119,6 @@ def _count_fused_step(optimizer, args, kwargs) -> None:
         step = UNVERSIONED_STEPS[0] + 1
         UNVERSIONED_STEPS[1].update((id(p), step) for g in groups for p in g["params"])
         UNVERSIONED_STEPS[0] = step
-
-
-def _marking_running_stats(forward):
-    """A BatchNorm's forward in training mode moves running_mean and running_var inside torch's
-    kernel, which bumps no version counter; only num_batches_tracked's `+= 1` showed it, and
-    where that is None (set so, or from an old checkpoint) the folded copies went stale
-    (fuzz38i). Marked like a fused optimizer step's parameters."""
-    @functools.wraps(forward)
-    def marking(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        if self.training and self.track_running_stats and not torch.compiler.is_compiling():
-            stats = [t for t in (self.running_mean, self.running_var) if t is not None]
-            if stats:
-                step = UNVERSIONED_STEPS[0] + 1
-                UNVERSIONED_STEPS[1].update((id(t), step) for t in stats)
-                UNVERSIONED_STEPS[0] = step
-        return out
-    return marking
-
-
-torch.nn.modules.batchnorm._BatchNorm.forward = _marking_running_stats(torch.nn.modules.batchnorm._BatchNorm.forward)
 
 
 try:

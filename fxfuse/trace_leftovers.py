@@ -11,6 +11,7 @@ after the trace (and after the build) a global holding a trace value gets its ol
 (or goes, if it is new), and a cache that grew is cleared: the helper computes again on its
 next call, which is all a cache promises.
 """
+import dis
 import functools
 import sys
 import types
@@ -23,6 +24,24 @@ _NEW = object()   # a name the build added
 
 # functools.lru_cache's wrapper type (CPython's C one; a pure-Python functools has a function there)
 LRU_CACHE = functools._lru_cache_wrapper if isinstance(getattr(functools, "_lru_cache_wrapper", None), type) else ()
+
+
+def _stored_with(namespace: dict, names: set) -> set:
+    """The globals that a function of this namespace (or a method of a class defined there)
+    assigns in the same code as one of `names` (STORE_GLOBAL)."""
+    found = set()
+    functions = [v for v in list(namespace.values())
+                 if isinstance(v, types.FunctionType) and v.__globals__ is namespace]
+    functions += [f for cls in list(namespace.values()) if isinstance(cls, type) and cls.__module__ == namespace.get(
+        "__name__") for f in vars(cls).values() if isinstance(f, types.FunctionType)]
+    stack = [f.__code__ for f in functions]
+    while stack:
+        code = stack.pop()
+        stored = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL"}
+        if stored & names:
+            found |= stored
+        stack += [k for k in code.co_consts if isinstance(k, types.CodeType)]
+    return found
 
 
 def is_trace_value(value) -> bool:
@@ -83,16 +102,19 @@ class TraceLeftovers:
             self.caches[id(value)] = (value, value.cache_info().currsize)    # some raise KeyError (fuzz35d's test)
 
     def clean(self) -> None:
-        """Globals the build changed get their values back, all of them where one holds a trace
-        value (`_MASK, _LEN = build(n), n`: the length stayed and the mask went back; review38c)."""
+        """A global the build left holding a trace value gets its old value back, and so do the
+        globals the same code assigns with it (`_MASK, _LEN = build(n), n`: the length stayed and
+        the mask went back; review38c); others stay (another thread's counter: review38d)."""
         for namespace, saved in self.namespaces.values():
-            changed = [name for name, value in list(namespace.items()) if value is not saved.get(name, _NEW)]
-            if any(is_trace_value(namespace[name]) for name in changed):   # the user's own fake tensors stay
-                for name in changed:
-                    if name in saved:
-                        namespace[name] = saved[name]
-                    else:
-                        del namespace[name]
+            changed = {name for name, value in list(namespace.items()) if value is not saved.get(name, _NEW)}
+            traced = {name for name in changed if is_trace_value(namespace[name])}   # the user's own fake
+            if not traced:                                                           # tensors stay
+                continue
+            for name in traced | (changed & _stored_with(namespace, traced)):
+                if name in saved:
+                    namespace[name] = saved[name]
+                else:
+                    del namespace[name]
         for function, size in self.caches.values():
             if function.cache_info().currsize != size:
                 function.cache_clear()

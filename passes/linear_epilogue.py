@@ -217,9 +217,10 @@ def _conv_bias_back(gm) -> bool:
             continue
         bias, out = add.args[1], conv.meta.get("tensor_meta")
         value = fetch_attr(gm, bias.target) if isinstance(bias, torch.fx.Node) and bias.op == "get_attr" else None
+        nd = next(k for k, f in CONV_FUNCTIONS.items() if f is conv.target)   # batched only: an unbatched
         if not isinstance(value, torch.Tensor) or out is None or value.dtype != out.dtype \
-                or tuple(value.shape) != (out.shape[1],) + (1,) * (len(out.shape) - 2):
-            continue
+                or len(out.shape) != nd + 2 or tuple(value.shape) != (out.shape[1],) + (1,) * nd:   # conv1d's [C, L]
+            continue   # has no channel dim 1 (review38d)
         with gm.graph.inserting_before(add):
             flat = gm.graph.get_attr(register_constant(gm, bias.target, value.view(-1)))
             new = gm.graph.call_function(conv.target, (conv.args[0], conv.args[1], flat, *conv.args[3:]))
