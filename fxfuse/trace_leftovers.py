@@ -114,7 +114,7 @@ class TraceLeftovers:
                 if name in saved:
                     namespace[name] = saved[name]
                 else:
-                    del namespace[name]
+                    namespace.pop(name, None)
         for function, size in self.caches.values():
             if function.cache_info().currsize != size:
                 function.cache_clear()
