@@ -52,7 +52,9 @@ _MODE_FREE_FORWARDS = {cls.forward for cls in MODE_FREE} - {torch.nn.Module.forw
 def mode_free(m: torch.nn.Module) -> bool:
     """Whether m's own forward ignores its training flag: one of MODE_FREE, or a subclass that keeps
     its forward (torch.ao's ConvReLU2d is an nn.Sequential: fuzz38i)."""
-    return type(m) in MODE_FREE or getattr(type(m), "forward", None) in _MODE_FREE_FORWARDS
+    forward = getattr(type(m), "forward", None)   # no forward of its own and torch's __call__: a container
+    return type(m) in MODE_FREE or forward in _MODE_FREE_FORWARDS or (   # (a ModuleList subclass: review38e)
+        forward is torch.nn.Module.forward and type(m).__call__ is torch.nn.Module.__call__)
 # ^ module types whose forward does not read self.training: forward() need not check their mode per call
 
 

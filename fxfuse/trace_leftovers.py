@@ -13,6 +13,7 @@ next call, which is all a cache promises.
 """
 import dis
 import functools
+import inspect
 import sys
 import types
 
@@ -30,10 +31,11 @@ def _stored_with(namespace: dict, names: set) -> set:
     """The globals that a function of this namespace (or a method of a class defined there)
     assigns in the same code as one of `names` (STORE_GLOBAL)."""
     found = set()
-    functions = [v for v in list(namespace.values())
-                 if isinstance(v, types.FunctionType) and v.__globals__ is namespace]
-    functions += [f for cls in list(namespace.values()) if isinstance(cls, type) and cls.__module__ == namespace.get(
-        "__name__") for f in vars(cls).values() if isinstance(f, types.FunctionType)]
+    candidates = list(namespace.values())
+    candidates += [a for cls in list(namespace.values()) if isinstance(cls, type)
+                   and cls.__module__ == namespace.get("__name__") for a in list(vars(cls).values())]
+    functions = [f for a in candidates if isinstance(f := _plain_function(a), types.FunctionType)
+                 and f.__globals__ is namespace]   # decorated (@torch.no_grad()), static and class methods too
     stack = [f.__code__ for f in functions]
     while stack:
         code = stack.pop()
@@ -42,6 +44,16 @@ def _stored_with(namespace: dict, names: set) -> set:
             found |= stored
         stack += [k for k in code.co_consts if isinstance(k, types.CodeType)]
     return found
+
+
+def _plain_function(attr):
+    """The function under a static/class method and its decorators, else None (asked safely)."""
+    try:
+        attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+        return inspect.unwrap(attr) if isinstance(attr, types.FunctionType) or callable(attr) and hasattr(
+            attr, "__wrapped__") else None
+    except Exception:  # noqa: BLE001 -- a __getattr__ that raises anything
+        return None
 
 
 def is_trace_value(value) -> bool:

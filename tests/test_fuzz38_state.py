@@ -642,3 +642,42 @@ def test_a_class_attribute_whose_getattr_raises_keyerror_is_no_internal_error():
     opt = fxfuse.optimize(HoldsAnAttrDict().eval(), torch.randn(4, 8), strict=True)   # (review38d)
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), HoldsAnAttrDict()(x))
+
+
+_STATIC_MASK, _STATIC_LEN = None, None
+
+
+class CachesInAStaticMethod(nn.Module):
+    @staticmethod
+    @torch.no_grad()
+    def mask(n):
+        global _STATIC_MASK, _STATIC_LEN
+        if _STATIC_LEN != n:
+            _STATIC_MASK, _STATIC_LEN = torch.ones(n, n).tril(), n
+        return _STATIC_MASK
+
+    def forward(self, x):
+        return (x @ x.transpose(1, 2)).masked_fill(self.mask(x.shape[1]) == 0, float("-inf")).softmax(-1)
+
+
+def test_a_cache_and_its_key_assigned_in_a_decorated_static_method_go_back_together():
+    # the co-assignment was looked for in plain functions only (review38e: the mask went back, the length stayed)
+    model = CachesInAStaticMethod().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 4, 8), strict=True)
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class Heads(nn.ModuleList):   # no forward of its own: a container, its training flag changes nothing
+    pass
+
+
+def test_a_container_subclass_assigned_after_optimize_rebuilds():
+    # review38e: counted as mode-sensitive, it sent every call to the original
+    model = NoDraws().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    model.extra = Heads([nn.Linear(8, 8)])   # starts in training mode; forward() never reads it
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
