@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from .code_walk import plain_functions
 from .mode_watch import LIBRARY_DIRS
 from .module_state import same_attr
 
@@ -150,13 +151,8 @@ def class_code(model: torch.nn.Module) -> set:
     """The code objects of the functions and properties defined on the model's own classes."""
     found = set()
     for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not _torch_class(c)}:
-        for value in vars(cls).values():
-            try:
-                fns = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
-                found.update(c for fn in fns if callable(fn)
-                             for c in [getattr(inspect.unwrap(fn), "__code__", None)] if c is not None)
-            except Exception:  # noqa: BLE001 -- a lazy proxy whose attributes raise: not a method
-                continue
+        for value in list(vars(cls).values()):
+            found.update(fn.__code__ for fn in plain_functions(value))
     return found
 
 

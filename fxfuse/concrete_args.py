@@ -14,6 +14,7 @@ import types
 import torch
 import torch.fx
 
+from .code_walk import plain_functions
 from .errors import TraceError, UnsupportedError
 from .module_state import storage_address
 
@@ -359,11 +360,10 @@ def _held_tensors(model) -> list:
             for value in vars(klass).values():
                 if isinstance(value, torch.Tensor):
                     visit(value, 0)
-        for fn in vars(type(m)).values():
-            if not isinstance(fn, types.FunctionType):   # getattr on any class attribute: an AttrDict
-                continue                                 # raised KeyError (review38d)
+        # the class's functions, decorated (`@torch.no_grad()`), static and properties too (review38e)
+        for fn in [f for attr in list(vars(type(m)).values()) for f in plain_functions(attr)]:
             code, scope = fn.__code__, fn.__globals__
-            for name in code.co_names if code is not None else ():
+            for name in code.co_names:
                 visit(scope.get(name), 1)
                 for value in _bound_values(scope.get(name)):   # a helper function's tensor default
                     visit(value, 1)

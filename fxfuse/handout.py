@@ -92,21 +92,19 @@ def copies_keeping_aliases(out, fill: bool):
     """out with each tensor copied (fill) or made like it (uninitialized); outputs sharing a storage
     (`return y, y.view(-1)`) as views of one new storage, as eager returns them: cloned one by one,
     an in-place write into one no longer showed in the other (review38)."""
-    groups = collections.defaultdict(list)   # plain views only: not conj/neg bits or overlapping strides, and
-    for t in torch.utils._pytree.tree_leaves(out):   # not small views of a big storage (review38c)
-        if isinstance(t, torch.Tensor) and not (t.is_conj() or t.is_neg()) and t.numel() \
-                and torch._debug_has_internal_overlap(t) != 1:   # 2: too hard to tell, a strided view
+    groups = collections.defaultdict(list)
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and _plain_view(t):
             groups[t.untyped_storage()._cdata].append(t)
-    shared = collections.Counter({key: len(ts) for key, ts in groups.items()
-                                  if ts[0].untyped_storage().nbytes() <= 2 * sum(t.numel() * t.element_size()
-                                                                                 for t in ts)})
-    if all(n == 1 for n in shared.values()):
+    shared = {key for key, ts in groups.items()   # not small views of a big storage (review38c)
+              if len(ts) > 1 and ts[0].untyped_storage().nbytes() <= 2 * sum(t.numel() * t.element_size() for t in ts)}
+    if not shared:
         return map_tensors(torch.Tensor.clone if fill else torch.empty_like, out)
     storages = {}
 
     def copy(t):
         key = t.untyped_storage()._cdata
-        if shared.get(key, 0) <= 1 or t.is_conj() or t.is_neg() or torch._debug_has_internal_overlap(t) == 1:
+        if key not in shared or not _plain_view(t):
             return t.clone() if fill else torch.empty_like(t)
         if key not in storages:
             storages[key] = t.untyped_storage().clone() if fill else torch.empty(
@@ -114,6 +112,12 @@ def copies_keeping_aliases(out, fill: bool):
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(storages[key], t.storage_offset(), t.shape,
                                                                   t.stride())
     return map_tensors(copy, out)
+
+
+def _plain_view(t: torch.Tensor) -> bool:
+    """A view set_ can rebuild: no conj/neg bit, not empty, no overlapping strides (2: too hard to
+    tell, a strided view such as a diagonal, is fine; review38c, review38d)."""
+    return not (t.is_conj() or t.is_neg()) and t.numel() > 0 and torch._debug_has_internal_overlap(t) != 1
 
 
 class OutputSlots:

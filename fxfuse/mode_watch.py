@@ -10,7 +10,6 @@ mode too (probe_mode_dependence), which catches every other way of asking (a hel
 imported the function, one stored on the module, `h.is_inference()`).
 """
 import contextlib
-import dis
 import inspect
 import os
 import sys
@@ -19,6 +18,7 @@ import warnings
 
 import torch
 
+from .code_walk import global_names, nested_code, plain_functions
 from .errors import FxfuseWarning
 from .module_state import forward_globals, mode_free, storage_address
 
@@ -295,40 +295,21 @@ def _globals_loaded(cls) -> list:
     """(name, the function's globals) for each global name the methods of cls (and its user base
     classes, their lambdas and inner functions, and the module-level functions they call, one
     level: review38d) load; a decorated method's own code (`@torch.no_grad()` forward)."""
-    queue = [(f, 0) for klass in cls.__mro__ if not (klass.__module__ or "").startswith(("torch.", "builtins"))
-             for attr in list(vars(klass).values()) if (f := _function_of(attr)) is not None]
+    queue = [(fn, 0) for klass in cls.__mro__ if not (klass.__module__ or "").startswith(("torch.", "builtins"))
+             for attr in list(vars(klass).values()) for fn in plain_functions(attr)]
     found, done = [], set()
     while queue:
         fn, level = queue.pop()
         if id(fn) in done:
             continue
         done.add(id(fn))
-        stack = [fn.__code__]
-        while stack:
-            code = stack.pop()
-            for ins in dis.get_instructions(code):
-                if ins.opname == "LOAD_GLOBAL":
-                    found.append((ins.argval, fn.__globals__))
-                    helper = fn.__globals__.get(ins.argval)
-                    if level < 1 and isinstance(helper, types.FunctionType) \
-                            and not (helper.__module__ or "").startswith(("torch", "fxfuse")):
-                        queue.append((helper, level + 1))
-            stack += [k for k in code.co_consts if isinstance(k, types.CodeType)]
+        for name in set().union(*(global_names(c, "LOAD_GLOBAL") for c in nested_code(fn.__code__))):
+            found.append((name, fn.__globals__))
+            helper = fn.__globals__.get(name)
+            if level < 1 and isinstance(helper, types.FunctionType) \
+                    and not (helper.__module__ or "").startswith(("torch", "fxfuse")):
+                queue.append((helper, level + 1))
     return found
-
-
-def _function_of(attr):
-    """The plain function a class attribute runs (a method, static or class method, property,
-    under its decorators), else None; anything a class may hold is asked safely."""
-    try:
-        if isinstance(attr, (staticmethod, classmethod)):
-            attr = attr.__func__
-        elif isinstance(attr, property):
-            attr = attr.fget
-        fn = inspect.unwrap(attr) if callable(attr) else None
-    except Exception:  # noqa: BLE001 -- a __getattr__ that raises KeyError (review38d)
-        return None
-    return fn if isinstance(fn, types.FunctionType) else None
 
 
 def _plain_object(value) -> bool:

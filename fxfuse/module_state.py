@@ -45,17 +45,18 @@ MODE_FREE = {torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
              torch.nn.Flatten, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.LayerNorm,
              torch.nn.GroupNorm, torch.nn.Embedding, torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.AvgPool1d,
              torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.Upsample}
-_MODE_FREE_FORWARDS = {cls.forward for cls in MODE_FREE} - {torch.nn.Module.forward}   # not "no forward of its
-#                                                                  own" (a module overriding __call__: review38d)
+# ^ module types whose forward does not read self.training: forward() need not check their mode per call
+_MODE_FREE_FORWARDS = {cls.forward for cls in MODE_FREE}
 
 
 def mode_free(m: torch.nn.Module) -> bool:
-    """Whether m's own forward ignores its training flag: one of MODE_FREE, or a subclass that keeps
-    its forward (torch.ao's ConvReLU2d is an nn.Sequential: fuzz38i)."""
-    forward = getattr(type(m), "forward", None)   # no forward of its own and torch's __call__: a container
-    return type(m) in MODE_FREE or forward in _MODE_FREE_FORWARDS or (   # (a ModuleList subclass: review38e)
-        forward is torch.nn.Module.forward and type(m).__call__ is torch.nn.Module.__call__)
-# ^ module types whose forward does not read self.training: forward() need not check their mode per call
+    """Whether m's own forward ignores its training flag: one of MODE_FREE, a subclass that keeps
+    its forward (torch.ao's ConvReLU2d is an nn.Sequential: fuzz38i), or a container with no
+    forward of its own (a ModuleList subclass: review38e), unless it overrides __call__ (review38d)."""
+    forward = getattr(type(m), "forward", None)
+    if forward is torch.nn.Module.forward:
+        return type(m).__call__ is torch.nn.Module.__call__
+    return type(m) in MODE_FREE or forward in _MODE_FREE_FORWARDS
 
 
 _MISSING = object()

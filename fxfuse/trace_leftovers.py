@@ -11,14 +11,13 @@ after the trace (and after the build) a global holding a trace value gets its ol
 (or goes, if it is new), and a cache that grew is cleared: the helper computes again on its
 next call, which is all a cache promises.
 """
-import dis
 import functools
-import inspect
 import sys
 import types
 
 import torch
 
+from .code_walk import global_names, nested_code, plain_functions
 from .module_state import forward_function
 
 _NEW = object()   # a name the build added
@@ -28,32 +27,18 @@ LRU_CACHE = functools._lru_cache_wrapper if isinstance(getattr(functools, "_lru_
 
 
 def _stored_with(namespace: dict, names: set) -> set:
-    """The globals that a function of this namespace (or a method of a class defined there)
-    assigns in the same code as one of `names` (STORE_GLOBAL)."""
-    found = set()
+    """The globals that a function of this namespace (or a method of a class defined there, under
+    its decorators) assigns in the same code as one of `names` (STORE_GLOBAL)."""
     candidates = list(namespace.values())
     candidates += [a for cls in list(namespace.values()) if isinstance(cls, type)
                    and cls.__module__ == namespace.get("__name__") for a in list(vars(cls).values())]
-    functions = [f for a in candidates if isinstance(f := _plain_function(a), types.FunctionType)
-                 and f.__globals__ is namespace]   # decorated (@torch.no_grad()), static and class methods too
-    stack = [f.__code__ for f in functions]
-    while stack:
-        code = stack.pop()
-        stored = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL"}
-        if stored & names:
-            found |= stored
-        stack += [k for k in code.co_consts if isinstance(k, types.CodeType)]
+    found = set()
+    for fn in [f for a in candidates for f in plain_functions(a) if f.__globals__ is namespace]:
+        for code in nested_code(fn.__code__):
+            stored = global_names(code, "STORE_GLOBAL")
+            if stored & names:
+                found |= stored
     return found
-
-
-def _plain_function(attr):
-    """The function under a static/class method and its decorators, else None (asked safely)."""
-    try:
-        attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-        return inspect.unwrap(attr) if isinstance(attr, types.FunctionType) or callable(attr) and hasattr(
-            attr, "__wrapped__") else None
-    except Exception:  # noqa: BLE001 -- a __getattr__ that raises anything
-        return None
 
 
 def is_trace_value(value) -> bool:
