@@ -7,6 +7,7 @@ handled (a decorated method, a static method, a class attribute whose __getattr_
 """
 import dis
 import inspect
+import sys
 import types
 
 
@@ -34,3 +35,43 @@ def nested_code(code: types.CodeType):
 def global_names(code: types.CodeType, opname: str) -> set:
     """The global names code (not its nested code) loads (LOAD_GLOBAL) or assigns (STORE_GLOBAL)."""
     return {ins.argval for ins in dis.get_instructions(code) if ins.opname == opname}
+
+
+def user_classes(cls) -> list:
+    """cls and its base classes that are not torch's or Python's own (their methods are the model's code)."""
+    return [k for k in cls.__mro__ if not (k.__module__ or "").startswith(("torch.", "builtins"))]
+
+
+def _library_module(module: types.ModuleType) -> bool:
+    name = module.__name__.partition(".")[0]
+    return name in sys.stdlib_module_names or name in ("torch", "fxfuse", "triton", "numpy", "builtins")
+
+
+def globals_read(cls, levels: int = 1) -> list:
+    """(name, value) for each module-level value the methods of cls (and its user base classes,
+    their lambdas and inner functions) read, and what the module-level helpers they call read,
+    `levels` calls deep (review38d): global names (LOAD_GLOBAL), and the attributes of a user's
+    module the same code names (`helpers.TABLE`, `helpers.scale(x)`: review38e). A user's helper
+    module's attribute is looked up by the names the code uses, so a name used on another
+    object too may add a value the code never reads: callers use this to know more, never less."""
+    queue = [(fn, 0) for klass in user_classes(cls) for attr in list(vars(klass).values())
+             for fn in plain_functions(attr)]
+    found, done = [], set()
+    while queue:
+        fn, level = queue.pop()
+        if id(fn) in done:
+            continue
+        done.add(id(fn))
+        scope, own = fn.__globals__, []
+        for code in nested_code(fn.__code__):
+            for name in global_names(code, "LOAD_GLOBAL"):
+                value = scope.get(name)
+                own.append((name, value))
+                if isinstance(value, types.ModuleType) and not _library_module(value):
+                    own += [(f"{name}.{attr}", vars(value)[attr]) for attr in code.co_names
+                            if attr != name and attr in vars(value)]
+        found += own
+        if level < levels:
+            queue += [(value, level + 1) for _, value in own if isinstance(value, types.FunctionType)
+                      and (value.__module__ or "").partition(".")[0] not in ("torch", "fxfuse")]
+    return found

@@ -14,7 +14,7 @@ import types
 import torch
 import torch.fx
 
-from .code_walk import plain_functions
+from .code_walk import globals_read, plain_functions
 from .errors import TraceError, UnsupportedError
 from .module_state import storage_address
 
@@ -362,13 +362,12 @@ def _held_tensors(model) -> list:
                     visit(value, 0)
         # the class's functions, decorated (`@torch.no_grad()`), static and properties too (review38e)
         for fn in [f for attr in list(vars(type(m)).values()) for f in plain_functions(attr)]:
-            code, scope = fn.__code__, fn.__globals__
-            for name in code.co_names:
-                visit(scope.get(name), 1)
-                for value in _bound_values(scope.get(name)):   # a helper function's tensor default
-                    visit(value, 1)
             for value in _bound_values(fn):   # a tensor default or a closure's tensor (fuzz37j)
                 visit(value, 1)
+        for _, value in globals_read(type(m)):   # what its code and the module-level helpers it calls read
+            visit(value, 1)
+            for bound in _bound_values(value):   # a helper function's tensor default
+                visit(bound, 1)
     return list(held.values())
 
 

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .code_walk import global_names, nested_code, plain_functions
+from .code_walk import globals_read
 from .errors import FxfuseWarning
 from .module_state import forward_globals, mode_free, storage_address
 
@@ -285,31 +285,10 @@ def held_elsewhere(model: torch.nn.Module) -> tuple:
     constants, so the aliasing guard names them all (review38c)."""
     global_tensors = {}
     for cls in {type(m) for m in model.modules()}:   # the names the model's own code loads: not every tensor
-        for name, namespace in _globals_loaded(cls):   # of a script's globals (an example input: fuzz38j)
-            if isinstance(value := namespace.get(name), torch.Tensor):
+        for _, value in globals_read(cls):            # of a script's globals (an example input: fuzz38j)
+            if isinstance(value, torch.Tensor):
                 global_tensors[id(value)] = value
     return unregistered_parameters(model) + tuple(global_tensors.values())
-
-
-def _globals_loaded(cls) -> list:
-    """(name, the function's globals) for each global name the methods of cls (and its user base
-    classes, their lambdas and inner functions, and the module-level functions they call, one
-    level: review38d) load; a decorated method's own code (`@torch.no_grad()` forward)."""
-    queue = [(fn, 0) for klass in cls.__mro__ if not (klass.__module__ or "").startswith(("torch.", "builtins"))
-             for attr in list(vars(klass).values()) for fn in plain_functions(attr)]
-    found, done = [], set()
-    while queue:
-        fn, level = queue.pop()
-        if id(fn) in done:
-            continue
-        done.add(id(fn))
-        for name in set().union(*(global_names(c, "LOAD_GLOBAL") for c in nested_code(fn.__code__))):
-            found.append((name, fn.__globals__))
-            helper = fn.__globals__.get(name)
-            if level < 1 and isinstance(helper, types.FunctionType) \
-                    and not (helper.__module__ or "").startswith(("torch", "fxfuse")):
-                queue.append((helper, level + 1))
-    return found
 
 
 def _plain_object(value) -> bool:
