@@ -66,8 +66,9 @@ def _other_code(filename: str) -> bool:
     return filename.startswith(OTHER_CODE) or (filename.startswith(STDLIB) and "-packages" not in filename)
 
 
-DYNAMIC = {"getattr", "vars", "__dict__", "attrgetter", "getattr_static", "__getattribute__"}
-# ^ a model's code using one of these may read attributes by computed names: watch them all
+DYNAMIC = {"getattr", "vars", "__dict__", "attrgetter", "getattr_static", "__getattribute__", "asdict", "astuple"}
+# ^ a model's code using one of these may read attributes by computed names: watch them all (dataclasses'
+# asdict / astuple read every field in the standard library's code, which does not count: review39b)
 
 
 def _strings(const):

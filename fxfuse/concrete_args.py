@@ -90,21 +90,42 @@ def same_default(value, default) -> bool:
 
 
 def mutable_defaults(model) -> tuple:
-    """(default, its repr) for each default of forward() that constant_default refuses for being
-    mutable (a list, dict or set, or a tuple holding one): Python passes the same object on every
-    call, so a change to it between calls changes what eager computes, while the traced graph
-    holds the contents it saw. The runtime compares the reprs on each call (runtime.forward)."""
+    """(default, its fingerprint) for each default of forward() that can change in place: a list,
+    dict or set (or a tuple holding one), or an object with attributes (`cfg=DEFAULT_CFG`, a
+    dataclass or namespace: review39b). Python passes the same object on every call, so a change
+    to it between calls changes what eager computes, while the traced graph holds the contents it
+    saw. The runtime compares the fingerprints on each call (runtime.forward)."""
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):
         return ()
-    return tuple((p.default, repr(p.default)) for p in params if _mutable(p.default))
+    return tuple((p.default, fingerprint(p.default)) for p in params if _mutable(p.default))
+
+
+def fingerprint(value) -> str:
+    """What a default holds, as text: its repr, and an object's attributes one level down (a
+    class's default repr names no attribute)."""
+    if isinstance(value, (list, dict, set, tuple)):
+        return repr(value)
+    try:
+        return repr(value) + repr(vars(value))
+    except TypeError:   # __slots__: no __dict__
+        return repr(value) + repr([getattr(value, name, None) for name in getattr(type(value), "__slots__", ())])
 
 
 def _mutable(value) -> bool:
     if isinstance(value, tuple):
         return any(_mutable(v) for v in value)
-    return isinstance(value, (list, dict, set))
+    return isinstance(value, (list, dict, set)) or _plain_object(value)
+
+
+def _plain_object(value) -> bool:
+    """An object of the user's with attributes that may change (not a class, function, module,
+    tensor, or a plain value such as a number or an enum member)."""
+    return not isinstance(value, (*PLAIN_TYPES, type, types.ModuleType, types.FunctionType, types.MethodType,
+                                  types.BuiltinFunctionType, torch.Tensor, torch.nn.Module)) \
+        and (hasattr(value, "__dict__") or bool(getattr(type(value), "__slots__", ()))) \
+        and not (type(value).__module__ or "").startswith("torch")
 
 
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,

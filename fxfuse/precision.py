@@ -41,6 +41,7 @@ def _unknown() -> None:
 # under torch.backends.cudnn.flags(enabled=False) rebuilt every specialization on every call (review38b)
 _HALF_REDUCTION = getattr(torch._C, "_get_cublas_allow_fp16_reduced_precision_reduction", _unknown)
 _BF16_REDUCTION = getattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction", _unknown)
+_HALF_ACCUMULATION = getattr(torch._C, "_get_cublas_allow_fp16_accumulation", _unknown)   # fp16 sums (review39b)
 
 
 def baked_settings() -> tuple:
@@ -50,7 +51,7 @@ def baked_settings() -> tuple:
     switches after them."""
     return (torch.get_default_dtype(), _matmul(),
             _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()),   # cuDNN's: torch.backends.cudnn.conv
-            _HALF_REDUCTION(), _BF16_REDUCTION())
+            _HALF_REDUCTION(), _BF16_REDUCTION(), _HALF_ACCUMULATION())
 
 
 if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple per setting
@@ -58,7 +59,7 @@ if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple p
         """Whether baked_settings() differs from `saved` (runtime: every call)."""
         return (torch.get_default_dtype() is not saved[0] or _NEW_GETTER("cuda", "matmul") != saved[1]
                 or _NEW_GETTER("cuda", "conv") != saved[2] or _HALF_REDUCTION() != saved[3]
-                or _BF16_REDUCTION() != saved[4])
+                or _BF16_REDUCTION() != saved[4] or _HALF_ACCUMULATION() != saved[5])
 else:
     def settings_changed(saved: tuple) -> bool:
         return baked_settings() != saved

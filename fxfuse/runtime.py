@@ -42,7 +42,8 @@ from torch.utils.hooks import RemovableHandle
 from .attribute_reads import contained_tensors, merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, autocast_off, dynamo_traces, functorch_active,
                            holds_proxy, traced_in_this_thread, user_mode_active)
-from .concrete_args import UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults
+from .concrete_args import (UNBINDABLE, bind_positional, fingerprint, mutable_defaults, positional_names,
+                            without_trailing_defaults)
 from .delegation import PassesThroughToOriginal
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
 from .kernel import FusedKernel
@@ -50,9 +51,9 @@ from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_speciali
                          state_dict_as_original)
 from .log import logger, model_warnings_once
 from .mode_watch import GRAD_REASON, GradRecording, held_elsewhere, training_reason, training_submodule
-from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, forward_hook_owner, mode_free, moved,
-                           share_memory, storage_address, storages, structure, structure_changed, version,
-                           watch_entries)
+from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, children_now, forward_hook_owner,
+                           mode_free, moved, share_memory, storage_address, storages, structure, structure_changed,
+                           version, watch_entries)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
@@ -99,7 +100,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._modes, self._modes_seen = (), MODE_CHANGES[0]   # every module's training flag at the build
-        self._children, self._child_counts = (), 0   # submodule dicts: a deletion fires no hook (_watch_state)
+        self._children, self._child_list = (), []   # submodule dicts: a deletion fires no hook (_watch_state)
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
@@ -171,7 +172,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._modes, self._modes_seen = tuple((m, m.training) for m in model.modules()), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
-        self._child_counts = sum(map(len, self._children))
+        self._child_list = children_now(self._children)
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
             + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
 
@@ -186,9 +187,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             self._drop_if_edited()
 
     def _drop_if_edited(self) -> None:
-        counts = sum(map(len, self._children))   # the structure is walked only after a registration or a deletion
-        registered = REGISTRATIONS[0] != self._registrations_seen or counts != self._child_counts
-        self._registrations_seen, self._child_counts, self._modes_seen = REGISTRATIONS[0], counts, MODE_CHANGES[0]
+        now = children_now(self._children)   # the structure is walked only after a registration, a deletion or
+        registered = REGISTRATIONS[0] != self._registrations_seen or now != self._child_list   # a _modules write
+        self._registrations_seen, self._child_list, self._modes_seen = REGISTRATIONS[0], now, MODE_CHANGES[0]
         since, self._steps_seen = self._steps_seen, UNVERSIONED_STEPS[0]   # steps after `since` wrote what?
         if self._buffer_versions and moved(self._buffer_versions):
             reason = ("a buffer, tensor attribute or parameter the graph holds a copy of changed in place (or "
@@ -311,7 +312,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._grad.forget_builds()   # found again by the next build's probes
         self._read_storages = frozenset()
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
-        self._structure, self._children, self._child_counts = [], (), 0                # next build (_watch_state)
+        self._structure, self._children, self._child_list = [], (), []                 # next build (_watch_state)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned and not RUNNING_ORIGINAL[0]:   # inside an optimized parent's original
@@ -365,13 +366,13 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
         if self._writes_in_place and share_memory(args, self._model_storages):
             return self._run_original("aliased", ALIASED, args)
-        if self._mutable_defaults and any(repr(d) != seen for d, seen in self._mutable_defaults):
+        if self._mutable_defaults and any(fingerprint(d) != seen for d, seen in self._mutable_defaults):
             self._mutable_defaults = mutable_defaults(self.original)
             self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
                 or MODE_CHANGES[0] != self._modes_seen
                 or UNVERSIONED_STEPS[0] != self._steps_seen
-                or sum(map(len, self._children)) != self._child_counts   # a deletion (an addition fires a hook)
+                or children_now(self._children) != self._child_list   # a deletion, `m._modules[k] = new` (no hook)
                 or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
             self._state_edited()
         if (torch.is_grad_enabled() or self._grad.enables_grad) and self._grad.records(args):
@@ -425,9 +426,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original(*self._failed_builds[sig], args)
         if bind_positional(self.original.forward, args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
-        trimmed = without_trailing_defaults(self.original.forward, args)
+        trimmed, full = without_trailing_defaults(self.original.forward, args), sig
         if len(trimmed) < len(args):   # model(x, y, 1.0) with alpha=1.0 the default: model(x, y), and the
-            full, args, sig, dropped = sig, trimmed, signature(trimmed), args[len(trimmed):]
+            args, sig, dropped = trimmed, signature(trimmed), args[len(trimmed):]
             if len(self._trimmed) < MAX_MISSES_KEPT and all(   # next such call finds it in forward; not
                     isinstance(a, (bool, int, float, str, type(None))) for a in dropped):   # a tensor default:
                 self._trimmed[full] = (sig, len(trimmed))   # another tensor of its shape has the same signature
@@ -442,14 +443,16 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         if rebuild:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
-            reason = describe_mismatch(closest_signature(list(self.specializations), sig), sig,
-                                       positional_names(self.original.forward))
+            told = min((sig, full), key=lambda s: closest_signature(list(self.specializations), s, count=True))
+            reason = describe_mismatch(closest_signature(list(self.specializations), told), told,   # a default
+                                       positional_names(self.original.forward))   # spelled out: review39b
             self.miss_count, self.last_miss = self.miss_count + 1, reason
             if len(self.misses) < MAX_MISSES_KEPT:
                 self.misses.append(reason)
         if len(self.specializations) >= self.options.max_specializations:
-            return self._run_original("full", f"{reason}; all {self.options.max_specializations} specializations "
-                                      "are in use (option max_specializations)", args)
+            n = self.options.max_specializations
+            held = f"all {n} specializations are" if n != 1 else "the one specialization is"
+            return self._run_original("full", f"{reason}; {held} in use (option max_specializations)", args)
         if rebuild and (hooked := forward_hook_owner(self.original)):   # a module assigned since, with its hook:
             return self._run_original("hook", f"{hooked}, which the optimized graph would not run", args)   # fuzz33e
         if training_submodule(self.original) is not None:   # a module assigned since: its training branch

@@ -36,7 +36,7 @@ def signature(args) -> tuple:
         #              cannot see, so identity is part of the signature (fuzz31h)
         return tuple([((a.shape, a.dtype, a.device, a.stride(), a.requires_grad)
                        + ((j,) if (j := first.setdefault(id(a), k)) != k else ()))
-                      if isinstance(a, torch.Tensor) else ("const", type(a).__name__, repr(a))
+                      if isinstance(a, torch.Tensor) else ("const", type(a).__name__, const_text(a))
                       for k, a in enumerate(args)])
     except UnsupportedInput:
         raise
@@ -44,6 +44,16 @@ def signature(args) -> tuple:
         why = next((f"input {k} {w}" for k, a in enumerate(args)
                     if isinstance(a, torch.Tensor) and (w := not_plain_tensor(a))), f"an input has no strides ({e})")
         raise UnsupportedInput(why) from e
+
+
+def const_text(a) -> str:
+    """A constant argument's repr, and its value where its type subclasses a number or str: such a
+    subclass's repr may not show the value (`class Scale(float): __repr__ = ...`: review39b)."""
+    text = repr(a)
+    for base in (bool, float, int, str, complex):
+        if isinstance(a, base):
+            return text if type(a) is base else f"{text}={base.__repr__(a)}"
+    return text
 
 
 class UnsupportedInput(UnsupportedError, RuntimeError):
@@ -92,13 +102,13 @@ def describe_mismatch(expected: tuple, got: tuple, names=()) -> str:
     return "no difference"
 
 
-def closest_signature(built, sig: tuple) -> tuple:
+def closest_signature(built, sig: tuple, count: bool = False):
     """The built signature with the fewest differences from sig: a miss is told against it (the
     first one built named a shape another specialization has, not the dtype that differed;
-    fuzz38f)."""
+    fuzz38f); with count, the number of those differences."""
     def differences(b):
         return 8 * abs(len(b) - len(sig)) + sum(x != y for e, g in zip(b, sig) for x, y in zip(e, g))
-    return min(built, key=differences)
+    return min(map(differences, built)) if count else min(built, key=differences)
 
 
 def _described(entry: tuple) -> str:

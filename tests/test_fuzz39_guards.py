@@ -1,0 +1,191 @@
+"""Stop 39: call-time guards and the model's state (review39b): submodules swapped through
+_modules, config objects read by the standard library, object defaults, inputs without
+storage, number subclasses, the model's own generators, miss messages, library switches."""
+import dataclasses
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+
+def _calls_match(opt, model, *shape):
+    with torch.no_grad():
+        x = torch.randn(*shape)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.lin(x)) * 2
+
+
+def test_a_submodule_swapped_through_modules_is_seen():
+    # torch.ao's convert and torchvision's _replace_relu write `module._modules[name] = new`, which fires
+    # no registration hook and keeps the count of children: the graph kept running the old ReLU (review39b)
+    model = Block().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    _calls_match(opt, model, 4, 8)
+    model._modules["act"] = nn.Sigmoid()
+    _calls_match(opt, model, 4, 8)
+    prebuilt = nn.Linear(8, 8)
+    model._modules["lin"] = prebuilt
+    _calls_match(opt, model, 4, 8)
+
+
+@dataclasses.dataclass
+class Config:
+    scale: float = 2.0
+    shift: float = 0.5
+
+
+class ReadsConfigAsTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = Config()
+
+    def forward(self, x):
+        scale, shift = dataclasses.astuple(self.cfg)   # the field names are read by the standard library
+        return torch.relu(x) * scale + shift
+
+
+class ReadsConfigAsDict(ReadsConfigAsTuple):
+    def forward(self, x):
+        return _affine(torch.relu(x), **dataclasses.asdict(self.cfg))
+
+
+def _affine(x, scale, shift):
+    return x * scale + shift
+
+
+@pytest.mark.parametrize("cls", [ReadsConfigAsTuple, ReadsConfigAsDict])
+def test_config_fields_read_through_asdict_or_astuple_are_watched(cls):
+    model = cls().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    model.cfg.scale = 5.0   # silently stale before (review39b)
+    _calls_match(opt, model, 4, 8)
+
+
+DEFAULT_CONFIG = Config()
+DEFAULT_NAMESPACE = types.SimpleNamespace(scale=2.0)
+
+
+class ObjectDefaults(nn.Module):
+    def forward(self, x, cfg=DEFAULT_CONFIG, ns=DEFAULT_NAMESPACE):
+        return torch.relu(x) * cfg.scale + ns.scale
+
+
+def test_an_object_default_of_forward_edited_between_calls_rebuilds():
+    model = ObjectDefaults().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    try:
+        _calls_match(opt, model, 4, 8)
+        DEFAULT_CONFIG.scale = 5.0   # the graph held 2.0 (review39b)
+        _calls_match(opt, model, 4, 8)
+        DEFAULT_NAMESPACE.scale = -1.0
+        _calls_match(opt, model, 4, 8)
+    finally:
+        DEFAULT_CONFIG.scale, DEFAULT_NAMESPACE.scale = 2.0, 2.0
+
+
+class WritesItsSecondInput(nn.Module):
+    def forward(self, adj, h):
+        h.mul_(0.5)
+        return torch.relu(adj @ h) + 1
+
+
+def test_a_sparse_input_to_a_forward_writing_in_place_runs_the_original_with_one_warning():
+    # the aliasing guard read the sparse tensor's storage before the layout check (review39b: a crash)
+    model = WritesItsSecondInput().eval()
+    opt = fxfuse.optimize(model, (torch.randn(5, 5), torch.randn(5, 3)))
+    adj, h = torch.randn(5, 5).relu().to_sparse(), torch.randn(5, 3)
+    with pytest.warns(fxfuse.FxfuseWarning, match="layout"):
+        got = opt(adj, h.clone())
+    torch.testing.assert_close(got, model(adj, h.clone()))
+
+
+def test_two_meta_inputs_are_told_by_their_device_not_as_sharing_memory():
+    model = WritesItsSecondInput().eval()
+    opt = fxfuse.optimize(model, (torch.randn(5, 5), torch.randn(5, 3)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt(torch.randn(5, 5, device="meta"), torch.randn(5, 3, device="meta"))
+    text = " ".join(str(w.message) for w in caught)
+    assert "meta" in text and "share memory" not in text
+
+
+class Scale(float):
+    def __repr__(self):
+        return "Scale"   # a repr that hides the value
+
+
+class Scaled(nn.Module):
+    def forward(self, x, s):
+        return torch.relu(x) * s
+
+
+def test_a_float_subclass_whose_repr_hides_its_value_is_guarded_by_value():
+    model, x = Scaled().eval(), torch.randn(4, 8)
+    opt = fxfuse.optimize(model, (x, Scale(2.0)))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, Scale(3.0)), model(x, Scale(3.0)))   # 2.0's result before (review39b)
+
+
+GENERATOR = torch.Generator().manual_seed(0)
+
+
+class DrawsFromItsGenerator(nn.Module):
+    def __init__(self, own: bool):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0) if own else None
+
+    def forward(self, x):
+        return torch.relu(x) + torch.rand(x.shape, generator=self.gen if self.gen is not None else GENERATOR)
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["attribute", "global"])
+def test_a_refused_build_leaves_the_models_generator_as_it_was_and_names_it(own):
+    model, x = DrawsFromItsGenerator(own).eval(), torch.randn(4, 8)
+    generator = model.gen if own else GENERATOR
+    state = generator.get_state()
+    with pytest.warns(fxfuse.FxfuseWarning, match="gen|GENERATOR") as caught:
+        opt = fxfuse.optimize(model, x)
+    assert opt is model
+    assert "_opaque_obj" not in str(caught[0].message)   # torch.fx's name for it (review39b)
+    assert torch.equal(generator.get_state(), state)     # the build's runs had advanced it
+
+
+class TwoSettings(nn.Module):
+    def forward(self, x, n, flag=True):
+        for _ in range(n):
+            x = torch.tanh(x)
+        return x + 1 if flag else x
+
+
+def test_a_miss_with_a_default_spelled_out_names_the_argument_that_changed():
+    opt = fxfuse.optimize(TwoSettings().eval(), (torch.randn(4, 8), 2, True), max_specializations=1)
+    with pytest.warns(fxfuse.FxfuseWarning, match=r"input 1 \(n\): the int 3 where the specialization has the "
+                                                  r"int 2; the one specialization is in use"):
+        opt(torch.randn(4, 8), 3, True)
+
+
+def test_cublas_fp16_accumulation_switched_after_the_build_rebuilds():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_fp16_accumulation
+    try:
+        model = Block().eval()
+        opt = fxfuse.optimize(model, torch.randn(3, 8), strict=True)
+        built = next(iter(opt.specializations.values()))
+        matmul.allow_fp16_accumulation = not saved
+        _calls_match(opt, model, 3, 8)
+        assert next(iter(opt.specializations.values())) is not built
+    finally:
+        matmul.allow_fp16_accumulation = saved
