@@ -20,6 +20,7 @@ from fxfuse.ops import FLOAT_DTYPES, POINTWISE, TRITON_DTYPE, PointwiseOp, as_la
 from fxfuse.tracing import fetch_attr, fxfuse_meta
 from fxfuse.state_writes import schema_writes
 
+from .eager_rounding import HALF_COMPOSITES, comparison_dtype, number_literal, round_operands
 from .normalize import _reads_without_alias
 
 SCALAR_TYPES = (int, float, bool)
@@ -99,16 +100,6 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
 
 # integer dtypes whose every value is exact in fp32, the type kernels load them as
 EXACT_IN_FP32 = (torch.bool, torch.uint8, torch.int8, torch.int16)
-
-
-def comparison_dtype(node: torch.fx.Node) -> torch.dtype:
-    """The dtype eager compares in: both operands are converted to it first (x_fp16 > 0.1
-    compares with 0.1 rounded to fp16; an int64 compared with an int compares as integers)."""
-    def like(a):
-        m = _meta(a) if isinstance(a, torch.fx.Node) else None
-        return torch.empty((1,) * len(m.shape), dtype=m.dtype, device="meta") if m is not None else a
-    operands = [like(a) for a in node.args[:_op_of(node.target).nargs]]
-    return torch.result_type(*operands) if len(operands) == 2 else getattr(operands[0], "dtype", torch.float32)
 
 
 def _compares_wide_integers(node) -> bool:
@@ -419,11 +410,11 @@ def build_fused_kernel(gm, members, use_kernels: bool):
                 meta = _meta(a)
                 args.append(b.load(inputs.index(a), IndexMap.broadcast(meta.shape, meta.stride, shape)))
             else:
-                args.append(b.const(a))
+                args.append(b.const(number_literal(a, m)))
         if op is LAYOUT:
             value[m] = args[0]
             continue
-        args = _round_operands(b, m, args)
+        args = round_operands(b, m, args)
         params = dict(zip(op.params, m.args[op.nargs:]))
         params.update(m.kwargs)
         half = _meta(m).dtype in (torch.float16, torch.bfloat16)
@@ -439,41 +430,6 @@ def build_fused_kernel(gm, members, use_kernels: bool):
     input_meta = tuple((tuple(_meta(a).shape), tuple(_meta(a).stride), _meta(a).dtype) for a in inputs)
     described = tuple(f"{m.name}={_op_of(m.target).name}" for m in members)
     return inputs, outputs, FusedKernel(b.build(), reference, input_meta, described, use_kernels)
-
-
-# torch's Python-level compositions, whose inner result eager rounds to fp16 / bf16 before the last step
-# (F.tanhshrink is x - x.tanh(), F.softsign x / (x.abs() + 1); fuzz38c: 61 of 64 fp16 tanhshrinks differed)
-HALF_COMPOSITES = {
-    "tanhshrink": lambda b, a, dtype: b.op("sub", [a, b.op("cast", [b.op("tanh", [a])], dtype=dtype)]),
-    "softsign": lambda b, a, dtype: b.op("div", [a, b.op("cast", [b.op("add", [b.op("abs", [a]), b.const(1.0)])],
-                                                          dtype=dtype)]),
-}
-
-
-def _round_operands(b: IRBuilder, node, args: list) -> list:
-    """Operands rounded to the dtype eager computes in, when that is narrower than the kernel's
-    fp32. A comparison converts both operands to their common dtype: x_fp16 == 0.1 is true where
-    x holds fp16(0.1). Any other op converts tensor operands to its result dtype: x_fp16 + t,
-    with t a 0-dim fp32 tensor, adds t rounded to fp16. A Python number there stays as it is:
-    CUDA's kernels read it unrounded (CPU eager is not consistent about it, by op)."""
-    op = POINTWISE[node.target]
-    dtype = comparison_dtype(node) if op.returns_bool else _meta(node).dtype
-    if dtype == torch.float32 and op.returns_bool:   # x == 1e-50 compares with fp32(1e-50) = 0.0 in eager; Triton
-        return [b.const(torch.tensor(float(a), dtype=dtype).item())   # types a literal outside fp32's normal
-                if isinstance(a, numbers.Real) and not isinstance(a, (bool, torch.fx.Node)) else v   # range as fp64
-                for a, v in zip(node.args[:op.nargs], args)]   # and compares in fp64 on the GPU (fuzz34e)
-    if dtype not in (torch.float16, torch.bfloat16) or op.name == "cast":
-        return args
-    rounded = []
-    for k, (a, v) in enumerate(zip(node.args[:op.nargs], args)):
-        if isinstance(a, torch.fx.Node):
-            condition = node.target is torch.where and k == 0
-            if op.returns_bool or (_meta(a).dtype != dtype and not condition):
-                v = b.op("cast", [v], dtype=dtype)
-        elif op.returns_bool:  # a number: round it here, Triton source cannot call .to() on a literal
-            v = b.const(torch.tensor(float(a), dtype=dtype).item())
-        rounded.append(v)
-    return rounded
 
 
 def _is_dense(shape, strides) -> bool:

@@ -1,0 +1,65 @@
+"""Stop 39: numerics and fusion of the pointwise path (review39, fuzz39a-c)."""
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+
+class Clamp(nn.Module):
+    def forward(self, x, lo, hi):
+        return torch.clamp(x * 1.0, lo, hi)
+
+
+@pytest.mark.parametrize("x, lo, hi", [
+    (torch.tensor(0.3, dtype=torch.float16), torch.randint(-2, 2, (3, 5), dtype=torch.int16), torch.tensor(0.1)),
+    (torch.randint(-5, 5, (3, 4)), torch.tensor(-1.5), torch.tensor(0.1, dtype=torch.float64)),
+], ids=["fp16-int16-fp32", "int-fp32-fp64"])
+def test_clamp_with_tensor_bounds_of_other_dtypes_promotes_as_eager(x, lo, hi):
+    # rewritten to maximum then minimum, it promoted a pair at a time: fp16 where eager gives fp32, fp32 where it
+    # gives fp64 (review39; with verify=False silently)
+    model = Clamp().eval()
+    opt = fxfuse.optimize(model, (x, lo, hi), verify=False)
+    got, want = opt(x, lo, hi), model(x, lo, hi)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_clamp_with_tensor_bounds_of_one_dtype_still_fuses():
+    model, x = Clamp().eval(), torch.randn(4, 8)
+    lo, hi = -torch.rand(4, 8), torch.rand(8)
+    opt = fxfuse.optimize(model, (x, lo, hi), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x, lo, hi), model(x, lo, hi), rtol=0, atol=0)
+
+
+BIG = 2 ** 60 + 2 ** 36 + 1   # int64 -> fp32 is 2**60 + 2**37; through fp64 it is 2**60
+
+
+class ComparesWithABigInt(nn.Module):
+    def forward(self, x):
+        return (x * 1.0) == BIG, (x * 1.0) + BIG
+
+
+def test_an_int_literal_past_2_53_is_rounded_once_as_eager():
+    model = ComparesWithABigInt().eval()
+    opt = fxfuse.optimize(model, torch.randn(4), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    x = torch.tensor([2.0 ** 60 + 2.0 ** 37, 2.0 ** 60, 1.0, 3.0])
+    for got, want in zip(opt(x), model(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class ReverseSubtract(nn.Module):
+    def forward(self, x):
+        return torch.rsub(x * 1.0, 0.1, alpha=2)
+
+
+def test_a_number_operand_is_read_as_fp32_as_eager_reads_it():
+    # 0.1 was written unrounded into the fp64 expression of add_scaled: 0.1 - 2 * 0.05 gave -1.5e-9 (review39)
+    model = ReverseSubtract().eval()
+    opt = fxfuse.optimize(model, torch.randn(4), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.tensor([0.05, 0.05000001, -1.0, 2.0])
+    torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
