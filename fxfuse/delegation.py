@@ -1,5 +1,7 @@
 """What an OptimizedModule passes through to its original module: attribute reads and writes
-of the model's own names, and indexing, length and iteration of a container.
+of the model's own names, indexing, length and iteration of a container, the training flag,
+and the nn.Module methods the model's class overrides (load_state_dict, eval, to and the other
+conversions); and what it refuses (replacing its original, pickling).
 
 Why: `model.encoder = fxfuse.optimize(model.encoder, x)` swaps a child for its optimized
 version, and the parent's code goes on reading that child: `self.encoder.config`,
@@ -13,6 +15,25 @@ import torch
 
 
 NOT_PASSED = {"parametrizations"}   # torch.nn.utils.parametrize takes a module holding it for parametrized
+CONVERSIONS = ("to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type")
+
+
+def overrides(module: torch.nn.Module, name: str) -> bool:
+    """Whether the module's class has its own version of nn.Module's method `name`."""
+    return getattr(type(module), name, None) is not getattr(torch.nn.Module, name)
+
+
+def _conversion(name: str):
+    def convert(self, *args, **kwargs):
+        """The original's own version where its class has one (a to() that also moves a plain
+        tensor attribute: fuzz39d), through _converted (stale specializations dropped)."""
+        original = self._modules["original"]
+        if not overrides(original, name):
+            return getattr(torch.nn.Module, name)(self, *args, **kwargs)
+        self._converted(lambda: getattr(original, name)(*args, **kwargs))
+        return self
+    convert.__name__ = name
+    return convert
 
 
 class PassesThroughToOriginal:
@@ -43,6 +64,30 @@ class PassesThroughToOriginal:
             return False
         return name not in d or name in vars(d["_modules"]["original"])
 
+    # nn.Module's methods a model's class may override, run as the original's (fuzz39d: a load_state_dict
+    # override that renames an old checkpoint's keys, loaded nothing with strict=False)
+    def load_state_dict(self, *args, **kwargs):
+        original = self._modules["original"]
+        if overrides(original, "load_state_dict"):   # its modules' load hooks drop the specializations
+            return original.load_state_dict(*args, **kwargs)
+        try:
+            return torch.nn.Module.load_state_dict(self, *args, **kwargs)
+        except RuntimeError as e:   # torch's error names this wrapper and its child's keys (fuzz39d): the
+            text = str(e)           # model's class and keys, as its state_dict() names them
+            if not text.startswith("Error(s) in loading state_dict for OptimizedModule:"):
+                raise
+            text = text.replace("OptimizedModule:", f"{type(original).__name__}:", 1)
+            raise RuntimeError(text.replace(" for original.", " for ").replace('named "original.', 'named "')) from None
+
+    def eval(self):
+        original = self._modules["original"]
+        if overrides(original, "eval"):
+            original.eval()
+            return self
+        return torch.nn.Module.eval(self)
+
+    locals().update({name: _conversion(name) for name in CONVERSIONS})
+
     def __getitem__(self, index):
         return self._modules["original"][index]
 
@@ -54,3 +99,43 @@ class PassesThroughToOriginal:
 
     def __bool__(self) -> bool:   # with __len__ defined, bool() would ask it (a non-container raises)
         return bool(self._modules["original"])
+
+    @property
+    def training(self) -> bool:
+        """The original module's mode: forward() runs the optimized graphs only when it is in
+        eval mode, so opt.training says the same even after model.train() or model.eval()."""
+        original = self.__dict__.get("_modules", {}).get("original")
+        return original.training if original is not None else False
+
+    @training.setter
+    def training(self, mode: bool) -> None:   # opt.train() / opt.eval() reach the original as a child too;
+        original = self.__dict__.get("_modules", {}).get("original")   # `opt.training = True` was dropped
+        if original is not None:                                        # (fuzz34i)
+            original.training = mode
+
+    def __setattr__(self, name, value) -> None:
+        self._refuse_replacing(name)
+        if self._passes_write(name):   # delegation.py
+            return setattr(self.original, name, value)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name) -> None:
+        self._refuse_replacing(name)
+        if self._passes_write(name) and name not in self.__dict__:   # delegation.py: the original's name
+            return delattr(self.original, name)
+        super().__delattr__(name)
+
+    def add_module(self, name, module) -> None:
+        self._refuse_replacing(name)
+        super().add_module(name, module)
+
+    def _refuse_replacing(self, name) -> None:
+        if name == "original" and "original" in self.__dict__.get("_modules", {}):
+            raise AttributeError("an fxfuse OptimizedModule's original module cannot be replaced or deleted: its "
+                                 "graphs were built from that model. Call fxfuse.optimize(new_model, "
+                                 "example_input) instead.")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
+                        "CUDA graphs. Save opt.original (or its state_dict()) and call fxfuse.optimize "
+                        "again after loading.")

@@ -120,46 +120,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self.register_load_state_dict_post_hook(keys_named_as_saved)
         self._passing_through = True   # from here, a write of the original's names is the original's
 
-    @property
-    def training(self) -> bool:
-        """The original module's mode: forward() runs the optimized graphs only when it is in
-        eval mode, so opt.training says the same even after model.train() or model.eval()."""
-        original = self.__dict__.get("_modules", {}).get("original")
-        return original.training if original is not None else False
-
-    @training.setter
-    def training(self, mode: bool) -> None:   # opt.train() / opt.eval() reach the original as a child too;
-        original = self.__dict__.get("_modules", {}).get("original")   # `opt.training = True` was dropped
-        if original is not None:                                        # (fuzz34i)
-            original.training = mode
-
-    def __setattr__(self, name, value) -> None:
-        self._refuse_replacing(name)
-        if self._passes_write(name):   # delegation.py
-            return setattr(self.original, name, value)
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name) -> None:
-        self._refuse_replacing(name)
-        if self._passes_write(name) and name not in self.__dict__:   # delegation.py: the original's name
-            return delattr(self.original, name)
-        super().__delattr__(name)
-
-    def add_module(self, name, module) -> None:
-        self._refuse_replacing(name)
-        super().add_module(name, module)
-
-    def _refuse_replacing(self, name) -> None:
-        if name == "original" and "original" in self.__dict__.get("_modules", {}):
-            raise AttributeError("an fxfuse OptimizedModule's original module cannot be replaced or deleted: its "
-                                 "graphs were built from that model. Call fxfuse.optimize(new_model, "
-                                 "example_input) instead.")
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
-                        "CUDA graphs. Save opt.original (or its state_dict()) and call fxfuse.optimize "
-                        "again after loading.")
-
     def _watch_state(self) -> None:
         """What forward() checks per call besides the guards, kept short for the hot path: the
         submodules whose mode may matter (all but the types below, whose forward ignores it)
@@ -293,10 +253,14 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         """opt.half(), opt.to(device): the specializations hold weight copies (and CUDA graphs the
         addresses) of the old dtype and device; the next call builds from the converted original.
         A conversion that changes nothing (opt.float() of an fp32 model) keeps them."""
+        return self._converted(lambda: super(OptimizedModule, self)._apply(fn, *args, **kwargs))
+
+    def _converted(self, convert):
+        """Run a conversion; drop the specializations if it moved or converted a weight."""
         def tensors():
             return [(t.data_ptr(), t.dtype, t.device) for t in (*self.original.parameters(), *self.original.buffers())]
         before = tensors()
-        out = super()._apply(fn, *args, **kwargs)
+        out = convert()
         if tensors() != before:
             self.drop_specializations("the module was converted (.to(), .half(), .cuda(), ...)")
         return out

@@ -62,3 +62,73 @@ def test_the_aliasing_guard_knows_a_helper_modules_table():
         got = opt(helpers.TABLE)
     helpers.TABLE.copy_(torch.arange(8.))
     torch.testing.assert_close(got, model(helpers.TABLE))
+
+
+class OwnMethods(nn.Module):
+    """A model whose class overrides nn.Module's load_state_dict (old checkpoint key names), to() (a plain
+    tensor attribute moved too, as rotary caches are) and eval()."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.freq = torch.randn(16)
+        self.frozen = False
+
+    def forward(self, x):
+        return torch.tanh(self.l2(torch.relu(self.l1(x)))) * self.freq
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        state_dict = {k.replace("fc1.", "l1.").replace("fc2.", "l2."): v for k, v in state_dict.items()}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def to(self, *args, **kwargs):
+        module = super().to(*args, **kwargs)
+        module.freq = module.freq.to(*args, **kwargs)
+        return module
+
+    def eval(self):
+        self.frozen = True
+        return super().eval()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_on_opt_runs_the_models_own_override(strict):
+    # opt ran nn.Module's: the old names were unexpected keys, and with strict=False nothing loaded (fuzz39d)
+    model = OwnMethods().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 16))
+    legacy = {k.replace("l1.", "fc1.").replace("l2.", "fc2."): v for k, v in OwnMethods().state_dict().items()}
+    result = opt.load_state_dict(legacy, strict=strict)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(model.l1.weight, legacy["fc1.weight"])
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_to_and_eval_on_opt_run_the_models_own_overrides():
+    model = OwnMethods().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 16))
+    assert opt.to(torch.float64) is opt
+    assert model.freq.dtype == torch.float64 and model.l1.weight.dtype == torch.float64
+    with torch.no_grad():
+        x = torch.randn(4, 16, dtype=torch.float64)
+        assert opt(x).dtype == torch.float64
+        torch.testing.assert_close(opt(x), model(x))
+    model.frozen = False
+    assert opt.eval() is opt and model.frozen
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return torch.relu(self.l1(x))
+
+
+def test_a_size_mismatch_on_opt_names_the_models_class_and_keys():
+    opt = fxfuse.optimize(Plain().eval(), torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match=r"for Plain:\s+size mismatch for l1\.weight") as caught:
+        opt.load_state_dict({"l1.weight": torch.randn(3, 3), "l1.bias": torch.randn(32)})
+    assert "original." not in str(caught.value) and "OptimizedModule" not in str(caught.value)
