@@ -476,10 +476,11 @@ def _replace(g, node, target, args, kwargs):
         elif target == "tensor_clamp":  # clamp with tensor bounds -> maximum / minimum
             x, lo, hi = args
             new = x
-            if lo is not None:
-                new = g.call_function(torch.maximum, (new, lo))
-            if hi is not None:
-                new = g.call_function(torch.minimum, (new, hi))
+            for bound, pick, key in ((lo, torch.maximum, "min"), (hi, torch.minimum, "max")):
+                if isinstance(bound, torch.fx.Node):
+                    new = g.call_function(pick, (new, bound))
+                elif bound is not None:   # a number beside a tensor bound (fuzz39a: torch.minimum(h, 3.0) failed)
+                    new = g.call_function(torch.clamp, (new,), {key: bound})
         else:
             new = g.call_function(target, tuple(args), kwargs)
     new.meta = dict(node.meta)

@@ -441,8 +441,9 @@ def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
     Both were library calls between two kernels (fuzz35f)."""
     g, mod = gm.graph, gm.get_submodule(node.target) if node.op == "call_module" else None
     if type(mod) is nn.RReLU and len(node.args) == 1 and not node.kwargs or \
-            node.op == "call_function" and node.target is F.rrelu:
-        bound = dict(zip(("input", "lower", "upper", "training", "inplace"), node.args), **node.kwargs)
+            node.op == "call_function" and node.target in (F.rrelu, torch.ops.aten.rrelu.default):
+        names = ("input", "lower", "upper", "training", "inplace" if node.target is F.rrelu else "generator")
+        bound = dict(zip(names, node.args), **node.kwargs)   # aten's: torch.export's spelling (fuzz39a)
         lower, upper = (mod.lower, mod.upper) if mod is not None else (bound.get("lower", 1 / 8), bound.get("upper", 1 / 3))
         if bound.get("training", False) is not False or bound.get("inplace", False) or \
                 not all(isinstance(v, (int, float)) for v in (lower, upper)) or mod is not None and mod.inplace:
@@ -450,7 +451,8 @@ def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
         with g.inserting_before(node):
             out = g.call_function(F.leaky_relu, (bound["input"],), {"negative_slope": (lower + upper) / 2})
     elif type(mod) is nn.PReLU and len(node.args) == 1 and not node.kwargs or \
-            node.op == "call_function" and node.target in (F.prelu, torch.prelu) and len(node.args) == 2 and not node.kwargs:
+            node.op == "call_function" and node.target in (F.prelu, torch.prelu, torch.ops.aten.prelu.default) \
+            and len(node.args) == 2 and not node.kwargs:
         x = node.args[0]
         meta = tensor_meta(x) if isinstance(x, torch.fx.Node) else None
         weight = mod.weight if mod is not None else None
@@ -461,8 +463,8 @@ def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
             return False
         with g.inserting_before(node):
             w = get_attr_quietly(g, f"{node.target}.weight") if mod is not None else node.args[1]
-            if channels != 1:
-                w = g.call_method("view", (w, channels, *[1] * (len(meta.shape) - 2)))
+            if channels != 1 or not meta.shape:   # a 0-dim x: w as 0-dim too, or x * w is [1] (fuzz39a)
+                w = g.call_method("view", (w, *([channels] + [1] * (len(meta.shape) - 2) if meta.shape else [()])))
             out = g.call_function(torch.where, (g.call_function(operator.gt, (x, 0)), x,
                                                 g.call_function(operator.mul, (x, w))))
     else:

@@ -1,9 +1,12 @@
 """Stop 39: numerics and fusion of the pointwise path (review39, fuzz39a-c)."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxfuse
+
+from conftest import optimized_graph
 
 
 class Clamp(nn.Module):
@@ -63,3 +66,58 @@ def test_a_number_operand_is_read_as_fp32_as_eager_reads_it():
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     x = torch.tensor([0.05, 0.05000001, -1.0, 2.0])
     torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+
+
+class ClampTensorAndNumber(nn.Module):
+    def forward(self, x):
+        return torch.clamp(x * 2, torch.tensor(-0.75), 3.0) + 1
+
+
+def test_clamp_with_a_tensor_bound_and_a_number_bound_fuses():
+    # torch.minimum(h, 3.0) failed in shape propagation: an internal error and the original (fuzz39a)
+    model = ClampTensorAndNumber().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(4, 8) * 3
+    torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+
+
+class PReLUOnAScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.PReLU()
+
+    def forward(self, x):
+        return self.act(x * 2) + 1
+
+
+def test_prelu_of_a_0_dim_input_keeps_its_shape():
+    # x * w with w of shape [1] made the result [1] (fuzz39a; with verify=False silently)
+    model = PReLUOnAScalar().eval()
+    opt = fxfuse.optimize(model, torch.tensor(0.5), verify=False)
+    for value in (-0.35, 0.8):
+        x = torch.tensor(value)
+        got = opt(x)
+        assert got.shape == torch.Size([])
+        torch.testing.assert_close(got, model(x))
+
+
+class ExportedActivations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8) * 0.5)
+
+    def forward(self, x):
+        n = int(x.shape[0] / 2)   # symbolic_trace fails on int(Proxy): torch.export traces
+        return F.prelu(x * 2, self.w) + F.rrelu(x, training=False) * n
+
+
+def test_prelu_and_eval_rrelu_fuse_under_torch_export():
+    # torch.export spells them aten.prelu / aten.rrelu, which stayed library calls (fuzz39a)
+    model = ExportedActivations().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert not [n for n in optimized_graph(opt).graph.nodes if "relu" in str(n.target)]   # only w.view(8) besides
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), model(x))
