@@ -141,8 +141,11 @@ def _held_bias(add) -> bool:
 
 
 def _rounds_once(add) -> bool:
-    """Whether eager added this bias inside its GEMM, before the one rounding of a half type."""
-    return add.meta.get("tensor_meta") is not None and add.meta["tensor_meta"].dtype in HALF_DTYPES \
+    """Whether eager added this bias inside its GEMM, before the one rounding of a half type, or of
+    a dtype no fused kernel takes (fp64: the add would be a library call of its own, one more pass
+    over the output and another rounding; fuzz39b)."""
+    dtype = add.meta["tensor_meta"].dtype if add.meta.get("tensor_meta") is not None else None
+    return (dtype in HALF_DTYPES or dtype is not None and dtype not in LIBRARY_EPILOGUE_DTYPES) \
         and add.meta.get(LINEAR_BIAS, False)
 
 
@@ -170,7 +173,8 @@ def linear_epilogue(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphMod
                 continue
         one_rounding = _rounds_once(add)
         if one_rounding:
-            use_library, reason = True, HALF_REASON
+            use_library, reason = True, HALF_REASON if meta.dtype in HALF_DTYPES else \
+                f"bias in the library GEMM: no fused kernel takes {meta.dtype} (eager's addmm adds it, one rounding)"
         elif options is not None and not options.fuse:   # no kernel to take the add: the library's is free
             use_library, reason = True, "bias in the library GEMM: fuse=False (no pointwise kernel to take it)"
         else:

@@ -28,7 +28,8 @@ from fxfuse.chain_plan import plan_chain
 from fxfuse.cost_model import CostModel, LinearLayer
 import fxfuse.gemm_kernel as gemm_kernel
 from fxfuse.gemm_kernel import ROWWISE_MAX_BATCH as GEMM_ROWWISE_MAX_BATCH, skip_fits
-from fxfuse.mlp_spec import FMA_ONE_TILE, MAX_TILE as MLP_MAX_TILE, ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH
+from fxfuse.mlp_spec import (FMA_ONE_TILE, KERNEL_DTYPES, MAX_TILE as MLP_MAX_TILE,
+                             ROWWISE_MAX_BATCH as MLP_ROWWISE_MAX_BATCH)
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, is_pointwise_target
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fxfuse_meta, tensor_meta as _tmeta
@@ -192,7 +193,9 @@ def _epilogue_reads(node, ops: int, mutated) -> tuple:
     return len(inside) + len(outside), len(outside), inside + outside
 
 
-def unmeasured(table: str) -> str:
+def unmeasured(table: str, dtype: torch.dtype) -> str:
+    if dtype not in KERNEL_DTYPES:   # not a table to measure (fuzz39b: an fp64 model was sent to autotune)
+        return f"{dtype}: generated GEMM/MLP kernels take fp32, fp16 and bf16 only"
     return (f"the calibration has no '{table}' table for this dtype: generated GEMM/MLP kernels are chosen "
             "only on measured evidence (python -m benchmarks.autotune, then option calibration=...)")
 
@@ -209,8 +212,8 @@ def _legal(layer: LinearLayer, options, model) -> dict:
     on the H100 those kernels measured far from ideal at the sizes where the roofline prefers
     them; so they need a measurement to be chosen. cuBLAS and its bmm sit near the roofline."""
     legal = {"library": None}
-    legal["gemm"] = ("gemm='off' or fuse=False" if not options.fuse or options.gemm == "off"
-                     else None if model.measured("gemm_epilogue", layer.dtype) else unmeasured("gemm_epilogue"))
+    legal["gemm"] = ("gemm='off' or fuse=False" if not options.fuse or options.gemm == "off" else None
+                     if model.measured("gemm_epilogue", layer.dtype) else unmeasured("gemm_epilogue", layer.dtype))
     legal["gemm_x3"] = _tf32x3_legal(layer, options, model)
     if legal["gemm_x3"] is None and options.tf32x3 == "force":
         legal["gemm"] = "tf32x3='force': the generated fp32 GEMM runs as gemm_x3"
@@ -249,7 +252,7 @@ def _tf32x3_legal(layer: LinearLayer, options, model, table: str = "gemm_tf32x3"
     if table == "gemm_tf32x3" and layer.m <= GEMM_ROWWISE_MAX_BATCH:
         return f"{layer.m} rows: the generated GEMM is the row-wise GEMV form there, IEEE fp32 (no tl.dot to split)"
     if options.tf32x3 == "auto" and not model.measured(table, layer.dtype):
-        return unmeasured(table)
+        return unmeasured(table, layer.dtype)
     return None
 
 
@@ -296,7 +299,7 @@ def _mlp_legal(run: list, options, model) -> str | None:
     if options.fused_mlp == "off":
         return "fused_mlp='off'"
     if not model.measured("mlp", run[0].dtype):
-        return unmeasured("mlp")
+        return unmeasured("mlp", run[0].dtype)
     widest = max(max(l.k, l.n) for l in run)
     if widest > MLP_MAX_WIDTH:
         return f"width {widest} > {MLP_MAX_WIDTH} does not fit on chip"
