@@ -16,7 +16,7 @@ import torch.fx
 
 from .code_walk import globals_read, plain_functions
 from .errors import TraceError, UnsupportedError
-from .module_state import storage_address
+from .module_state import storage_address, version
 
 
 def split_concrete(model: torch.nn.Module, example_args: tuple):
@@ -103,14 +103,16 @@ def mutable_defaults(model) -> tuple:
 
 
 def fingerprint(value) -> str:
-    """What a default holds, as text: its repr, and an object's attributes one level down (a
-    class's default repr names no attribute)."""
+    """What a default holds, as text: its repr, or an object's attributes one level down (a class's
+    default repr names no attribute; a dataclass's repr would print a tensor field's values on
+    every call: a tensor is named by identity and version, which in-place edits move)."""
     if isinstance(value, (list, dict, set, tuple)):
         return repr(value)
     try:
-        return repr(value) + repr(vars(value))
+        items = list(vars(value).items())
     except TypeError:   # __slots__: no __dict__
-        return repr(value) + repr([getattr(value, name, None) for name in getattr(type(value), "__slots__", ())])
+        items = [(name, getattr(value, name, None)) for name in getattr(type(value), "__slots__", ())]
+    return repr([(k, ("tensor", id(v), version(v)) if isinstance(v, torch.Tensor) else v) for k, v in items])
 
 
 def _mutable(value) -> bool:
