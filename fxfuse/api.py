@@ -20,7 +20,8 @@ from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .module_state import forward_hook_owner, kept_state, storage_address
+from .build_state import kept_state
+from .module_state import forward_hook_owner, storage_address
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
@@ -195,7 +196,8 @@ def build_graph(model, args: tuple, options: Options):
 
 def _build_graph(model, args: tuple, options: Options, warning):
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
-    with torch.no_grad(), kept_state(model) as snapshot:   # the model as before; forward() with state refused
+    with torch.no_grad(), kept_state(model, lambda: model(*clone_args(args))) as snapshot:   # the model as
+        # before; forward() with state refused, a memo it fills taken (build_state)
         gm = trace(model, args)
         snapshot.drop_proxies()
         if gm.meta.get("fxfuse_proxy_attributes") and not options.verify:   # assigned during the trace:

@@ -9,14 +9,13 @@ any state once more (`F.batch_norm(..., training=True)` on module buffers, even 
 bumping their version counters). A graph cannot keep such state between calls, so every
 call would return the same thing.
 
-`kept_state(model)` snapshots each submodule's attributes, buffers (by value), parameters
+`build_state.kept_state(model)` snapshots each submodule's attributes, buffers (by value), parameters
 and submodules before the build, puts everything back afterwards, and raises
 UnsupportedError naming what forward() changed. Parameters are compared by identity and
 version counter only (copying them would double the model's memory). Inference tensors
 (a model created under torch.inference_mode) have no version counter: they are compared
 by identity (and buffers by value).
 """
-import contextlib
 import dataclasses
 import dis
 import functools
@@ -26,8 +25,6 @@ import types
 import torch
 import torch.fx
 
-from .errors import UnsupportedError
-from .random_streams import RandomStreams
 
 try:   # the global hook dicts nn.Module.__call__ checks (filled in place, never rebound)
     from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks,
@@ -347,14 +344,17 @@ class _Snapshot:
                 target[:] = [v for v in target if not is_trace_value(v) or id(v) in kept]
 
     def restore(self) -> list:
-        """Put everything back; the names of what forward() had changed."""
-        changed = []
+        """Put everything back; the names of what forward() had changed (in self.replaced too where
+        it assigned an attribute or a container's item: build_state's memo probe)."""
+        changed, self.replaced = [], set()
         self.leftovers.clean()
         for name, c, saved in self.class_containers:
             _restore_container(name, c, saved, changed)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
                 _restore_container(f"{name}.{k}", c, saved, changed)
+        self.replaced.update(changed)
+        for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (t, saved) in tensors.items():
                 if not same_value(t, saved):
                     changed.append(f"{name}.{k}")
@@ -363,10 +363,12 @@ class _Snapshot:
             for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
                 if not k.startswith("_tensor_constant") and not _cached(m, k):   # torch.fx's own constants;
                     changed.append(f"{name}.{k}")                                 # a cached_property's cache
+                    self.replaced.add(f"{name}.{k}")
                 del m.__dict__[k]
             for k, v in attrs.items():
                 if k not in m.__dict__ or not same_attr(m.__dict__[k], v):
                     changed.append(f"{name}.{k}")
+                    self.replaced.add(f"{name}.{k}")
                     m.__dict__[k] = v
             for k, (b, saved) in buffers.items():
                 if m._buffers.get(k) is not b:
@@ -412,36 +414,6 @@ def _cached(m: torch.nn.Module, k: str) -> bool:
     return len(again) == len(value) and all(
         same_value(a, v) if isinstance(a, torch.Tensor) and isinstance(v, torch.Tensor) else same_attr(a, v)
         for a, v in zip(again, value))
-
-
-@contextlib.contextmanager
-def kept_state(model: torch.nn.Module):
-    """Run a build; afterwards the model and the random number streams are as before, and a
-    forward() that changed the model or drew from Python's random module is refused."""
-    snapshot, streams = _Snapshot(model), RandomStreams(model)
-    try:
-        yield snapshot
-    except Exception as e:   # the state, when changed, is the better reason (verification fails on it too)
-        changed = snapshot.restore() + streams.restore()
-        if changed:
-            raise _refusal(changed) from e
-        raise
-    except BaseException:
-        snapshot.restore()
-        streams.restore()
-        raise
-    changed = snapshot.restore() + streams.restore()
-    if changed:
-        raise _refusal(changed)
-
-
-def _refusal(changed: list) -> UnsupportedError:
-    if any(c.startswith("it draws from the torch.Generator") for c in changed):   # torch.fx kept it as
-        changed = [c for c in changed if "._opaque_obj" not in c]                    # root._opaque_obj0
-    if all(c.startswith("it draws from") for c in changed):
-        return UnsupportedError(f"forward() {' and '.join(c[3:] for c in changed)}; the original module runs")
-    return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}); fxfuse's "
-                            "graphs keep no state between calls, so the original module runs")
 
 
 def forward_hook_owner(model: torch.nn.Module) -> str | None:

@@ -132,3 +132,90 @@ def test_a_size_mismatch_on_opt_names_the_models_class_and_keys():
     with pytest.raises(RuntimeError, match=r"for Plain:\s+size mismatch for l1\.weight") as caught:
         opt.load_state_dict({"l1.weight": torch.randn(3, 3), "l1.bias": torch.randn(32)})
     assert "original." not in str(caught.value) and "OptimizedModule" not in str(caught.value)
+
+
+class LazyTable(nn.Module):
+    """A positional table made on first use and kept as an attribute (review39b: refused as state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.pe = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        if self.pe is None or self.pe.shape[0] < x.shape[0]:
+            pos = torch.arange(x.shape[0], dtype=torch.float32)[:, None]
+            self.pe = torch.sin(pos * 0.1 + torch.arange(8.0))
+        return torch.relu(self.lin(x) + self.pe[: x.shape[0]])
+
+
+class GridHead(nn.Module):
+    """YOLOv5's Detect head: a grid cached in a list, made again when the feature map's size changes
+    (fuzz39c: refused without a warm-up call; after one call at another size, never built again)."""
+
+    def __init__(self, no=8, ch=8, na=2):
+        super().__init__()
+        self.no, self.na, self.grid = no, na, [torch.empty(0)]
+        self.m = nn.Conv2d(ch, no * na, 1)
+
+    def forward(self, x):
+        x = self.m(x)
+        bs, _, ny, nx = x.shape
+        x = x.view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous()
+        if self.grid[0].shape[2:4] != x.shape[2:4]:
+            yv, xv = torch.meshgrid(torch.arange(ny).float(), torch.arange(nx).float(), indexing="ij")
+            self.grid[0] = torch.stack((xv, yv), 2).view(1, 1, ny, nx, 2)
+        y = x.sigmoid()
+        xy = (y[..., :2] * 2 - 0.5 + self.grid[0]) * 8.0
+        return torch.cat((xy, y[..., 2:]), -1).view(bs, -1, self.no)
+
+
+def test_an_attribute_filled_on_first_use_is_a_memo_not_state():
+    model = LazyTable().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    assert model.pe is None   # put back as it was
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        for rows in (4, 4, 3):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_grid_cache_is_a_memo_and_a_call_at_another_size_does_not_stop_the_optimization():
+    model = GridHead().eval()
+    opt = fxfuse.optimize(model, torch.randn(1, 8, 6, 5), strict=True)   # no warm-up call
+    with torch.no_grad():
+        for shape in ((1, 8, 6, 5), (1, 8, 4, 4), (1, 8, 6, 5), (1, 8, 6, 5)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(opt(x), model(x))
+    assert not opt.original_calls   # every call ran a specialization (the 6 x 5 one rebuilt once)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+class Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls, self.history = 0, []
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return torch.relu(x) * 2
+
+
+class KeepsHistory(Counts):
+    def forward(self, x):
+        self.history = self.history + [1]
+        return torch.relu(x) * 2
+
+
+class FlipsAFlag(Counts):
+    def forward(self, x):
+        self.flag = not getattr(self, "flag", False)
+        return torch.relu(x) * (2 if self.flag else 3)
+
+
+@pytest.mark.parametrize("cls", [Counts, KeepsHistory, FlipsAFlag])
+def test_state_that_moves_on_every_call_is_still_refused(cls):
+    model = cls().eval()
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+    assert opt is model and model.calls == 0 and model.history == [] and not hasattr(model, "flag")

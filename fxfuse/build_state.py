@@ -1,0 +1,89 @@
+"""A build leaves the model and the random streams as it found them (module_state._Snapshot,
+random_streams.RandomStreams), and refuses a forward() that keeps state in the module; except
+a memo: an attribute or cache entry that forward() fills on a miss and then only reads.
+
+Why the memo probe: `if self.grid[0].shape[2:4] != x.shape[2:4]: self.grid[0] = make_grid(...)`
+(YOLOv5's Detect head), or `if self.pe is None: self.pe = table(...)`, assigns during the trace,
+which looked like state: the whole model was refused, and after one call at another size the
+model's own size was never built again (fuzz39c, review39b). A memo is told apart from state by
+running forward() twice more from the restored model: the first run fills it, the second must
+leave every attribute and container as the first left it (a counter, a history or a running
+value moves again) and return the same outputs (the graph traced the filling branch, later eager
+calls take the other), and neither may draw random numbers (a random table made on first use is
+no memo: the graph would keep the trace's draw). Then the model is put back as it was, and the
+build goes on.
+"""
+import contextlib
+
+import torch
+
+from .errors import UnsupportedError
+from .module_state import _Snapshot, same_attr, same_value
+from .random_streams import RandomStreams
+
+
+@contextlib.contextmanager
+def kept_state(model: torch.nn.Module, rerun=None):
+    """Run a build; afterwards the model and the random number streams are as before, and a
+    forward() that changed the model or drew from Python's random module is refused, unless
+    what it changed is a memo (`rerun()` runs forward() on the example: the probe above)."""
+    snapshot, streams = _Snapshot(model), RandomStreams(model)
+    try:
+        yield snapshot
+    except Exception as e:   # the state, when changed, is the better reason (verification fails on it too)
+        changed = snapshot.restore() + streams.restore()
+        if changed and not _memoized(model, snapshot, changed, rerun):
+            raise _refusal(changed) from e
+        raise
+    except BaseException:
+        snapshot.restore()
+        streams.restore()
+        raise
+    changed = snapshot.restore() + streams.restore()
+    if changed and not _memoized(model, snapshot, changed, rerun):
+        raise _refusal(changed)
+
+
+def _memoized(model, snapshot, changed: list, rerun) -> bool:
+    """Whether all forward() changed are attributes or container items it fills once (see above)."""
+    if rerun is None or not set(changed) <= snapshot.replaced:
+        return False
+    streams, drawn = RandomStreams(model), _generator_states()
+    try:
+        with torch.no_grad():
+            first = rerun()
+            filled = _Snapshot(model)
+            second = rerun()
+        moved = filled.restore()
+        drawn = _generator_states() != drawn
+    except Exception:  # noqa: BLE001 -- not known to be a memo
+        return False
+    finally:
+        snapshot.restore()
+        streams.restore()
+    return not moved and not drawn and _same_outputs(first, second)
+
+
+def _generator_states() -> list:
+    """torch's default generators' states: a forward() that draws is no memo (a random table made on
+    first use: the trace's draw would be baked into the graph, eager's next fill draws anew)."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return [bytes(s.numpy()) for s in states]
+
+
+def _same_outputs(a, b) -> bool:
+    leaves_a, leaves_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        same_value(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else same_attr(x, y)
+        for x, y in zip(leaves_a, leaves_b))
+
+
+def _refusal(changed: list) -> UnsupportedError:
+    if any(c.startswith("it draws from the torch.Generator") for c in changed):   # torch.fx kept it as
+        changed = [c for c in changed if "._opaque_obj" not in c]                    # root._opaque_obj0
+    if all(c.startswith("it draws from") for c in changed):
+        return UnsupportedError(f"forward() {' and '.join(c[3:] for c in changed)}; the original module runs")
+    return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}); fxfuse's "
+                            "graphs keep no state between calls, so the original module runs")
