@@ -333,14 +333,35 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         if node in fusible:
             for src in node.all_input_nodes:
                 grouping.try_merge(src, node)
-    for node in g.nodes:                      # siblings reading the same value
-        readers = sorted((u for u in node.users if u in fusible), key=order.get)
+    for node in g.nodes:                      # siblings reading the same value, or views of it (fuzz39c:
+        readers = sorted((u for v in (node, *_views_of(node, fusible)) for u in v.users if u in fusible),
+                         key=order.get)       # YOLO's p[..., 0], p[..., 1], ... were a kernel each)
+        readers = list(dict.fromkeys(readers))
         anchor = readers[0] if readers else None
         for u in readers[1:]:                 # past a full group (MAX_GROUP_OPS), the next ones join
             if not grouping.try_merge(anchor, u) and len(grouping.members[grouping.group[anchor]]) + len(
                     grouping.members[grouping.group[u]]) > MAX_GROUP_OPS:
                 anchor = u                    # each other, not one kernel each (fuzz34i: 73 kernels, not 2)
     return _rebuild(gm, grouping, order, use_kernels)
+
+
+SLICING = {operator.getitem, torch.select, torch.narrow, torch.split, torch.chunk, torch.unbind, torch.tensor_split,
+           torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.narrow.default,
+           torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.unbind.int}
+
+
+def _views_of(node, fusible, depth: int = 2) -> list:
+    """The slices of node (`p[..., 0]`, p.select, a split's or chunk's pieces), two levels down: a
+    kernel's loads read them where they lie, so the chains reading them are siblings too."""
+    found = []
+    for u in node.users:
+        if u not in fusible and (u.op == "call_function" and u.target in SLICING
+                                 or u.op == "call_method" and u.target in ("select", "narrow", "split", "chunk",
+                                                                           "unbind", "tensor_split")):
+            found.append(u)
+            if depth > 1:
+                found += _views_of(u, fusible, depth - 1)
+    return found
 
 
 def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx.GraphModule:
