@@ -6,12 +6,11 @@ Why the memo probe: `if self.grid[0].shape[2:4] != x.shape[2:4]: self.grid[0] = 
 (YOLOv5's Detect head), or `if self.pe is None: self.pe = table(...)`, assigns during the trace,
 which looked like state: the whole model was refused, and after one call at another size the
 model's own size was never built again (fuzz39c, review39b). A memo is told apart from state by
-running forward() twice more from the restored model: the first run fills it, the second must
-leave every attribute and container as the first left it (a counter, a history or a running
-value moves again) and return the same outputs (the graph traced the filling branch, later eager
-calls take the other), and neither may draw random numbers (a random table made on first use is
-no memo: the graph would keep the trace's draw). Then the model is put back as it was, and the
-build goes on.
+three more eager runs: one fills it from the example; one on the example's values shuffled must
+change nothing (a counter, a history or a running value moves again) and return what a run on
+those values from the empty memo returns (a data-dependent init, ActNorm's, does not); none may
+draw random numbers (a random table made on first use: the graph would keep the trace's draw).
+The model then keeps the filled memo, as after one eager call, and the build goes on.
 """
 import contextlib
 
@@ -20,13 +19,15 @@ import torch
 from .errors import UnsupportedError
 from .module_state import _Snapshot, same_attr, same_value
 from .random_streams import RandomStreams
+from .shape_propagation import clone_args
 
 
 @contextlib.contextmanager
 def kept_state(model: torch.nn.Module, rerun=None):
     """Run a build; afterwards the model and the random number streams are as before, and a
     forward() that changed the model or drew from Python's random module is refused, unless
-    what it changed is a memo (`rerun()` runs forward() on the example: the probe above)."""
+    what it changed is a memo (`rerun(other)` runs forward() on copies of the example, with its
+    values shuffled where `other`: the probe above)."""
     snapshot, streams = _Snapshot(model), RandomStreams(model)
     try:
         yield snapshot
@@ -45,23 +46,45 @@ def kept_state(model: torch.nn.Module, rerun=None):
 
 
 def _memoized(model, snapshot, changed: list, rerun) -> bool:
-    """Whether all forward() changed are attributes or container items it fills once (see above)."""
+    """Whether all forward() changed are attributes or container items it fills once (see above).
+    Taken, the model keeps what the first run filled, as after one eager call on the example: a
+    later build's trace reads the memo as eager's later calls do (a value made from the first
+    call's arguments stays)."""
     if rerun is None or not set(changed) <= snapshot.replaced:
         return False
-    streams, drawn = RandomStreams(model), _generator_states()
+    streams, drawn, memo = RandomStreams(model), _generator_states(), False
     try:
         with torch.no_grad():
-            first = rerun()
+            rerun(False)
             filled = _Snapshot(model)
-            second = rerun()
-        moved = filled.restore()
-        drawn = _generator_states() != drawn
+            hit = rerun(True)         # other values of the same shapes, the memo in place
+            moved = filled.restore()
+            snapshot.restore()
+            missed = rerun(True)      # the same values, the memo made from them: a data-dependent init
+        memo = not moved and _same_outputs(hit, missed) and _generator_states() == drawn   # differs (review39c)
     except Exception:  # noqa: BLE001 -- not known to be a memo
-        return False
+        memo = False
     finally:
         snapshot.restore()
+        if memo:
+            filled.restore()
         streams.restore()
-    return not moved and not drawn and _same_outputs(first, second)
+    return memo
+
+
+def shuffled(args: tuple) -> tuple:
+    """Copies of the tensor arguments with their values permuted (the same values, other places:
+    indices stay in range), for the memo probe; a fixed generator, torch's own stream untouched."""
+    generator = torch.Generator().manual_seed(0)
+    copies = clone_args(args)
+    for t in copies:
+        if isinstance(t, torch.Tensor) and t.numel() > 1:
+            flat = t.reshape(-1)
+            try:
+                t.copy_(flat[torch.randperm(flat.numel(), generator=generator).to(t.device)].reshape(t.shape))
+            except RuntimeError:   # an expanded input (stride 0) cannot be written: left as it is
+                pass
+    return copies
 
 
 def _generator_states() -> list:

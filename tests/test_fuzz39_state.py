@@ -172,7 +172,7 @@ class GridHead(nn.Module):
 def test_an_attribute_filled_on_first_use_is_a_memo_not_state():
     model = LazyTable().eval()
     opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
-    assert model.pe is None   # put back as it was
+    assert model.pe is not None and model.pe.shape == (4, 8)   # filled, as by one eager call on the example
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     with torch.no_grad():
         for rows in (4, 4, 3):
@@ -219,3 +219,46 @@ def test_state_that_moves_on_every_call_is_still_refused(cls):
     with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
         opt = fxfuse.optimize(model, torch.randn(4, 8))
     assert opt is model and model.calls == 0 and model.history == [] and not hasattr(model, "flag")
+
+
+class DataInit(nn.Module):
+    """ActNorm's data-dependent init: filled from the first call's values, then kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = self.scale = None
+
+    def forward(self, x):
+        if self.loc is None:
+            self.loc, self.scale = -x.mean(0), 1 / (x.std(0) + 1e-6)
+        return torch.tanh((x + self.loc) * self.scale)
+
+
+def test_a_value_filled_from_the_inputs_values_is_state_not_a_memo():
+    # the probe ran forward() on the example again only, so the fill looked like a memo: the graph normalized
+    # every call by its own statistics, eager by the first call's (review39c: wrong by 1.4 from call 2 on)
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
+        opt = fxfuse.optimize(DataInit().eval(), torch.randn(16, 8))
+    assert isinstance(opt, DataInit) and opt.loc is None
+
+
+class ArgumentMemo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = None
+
+    def forward(self, x, scale: float = 1.0):
+        if self.s is None:
+            self.s = scale
+        return torch.relu(x) * self.s
+
+
+def test_a_memo_made_from_the_first_calls_argument_stays_as_in_eager():
+    # each specialization traced the filling branch from the empty memo: opt followed the argument, eager
+    # keeps the first call's value (review39c)
+    model, reference = ArgumentMemo().eval(), ArgumentMemo().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for scale in (1.0, 2.0):
+            torch.testing.assert_close(opt(x, scale), reference(x, scale))
