@@ -5,6 +5,7 @@ A call's non-tensor arguments are checked by value on every call (runtime.Optimi
 signature), so the traced graph may treat them as constants: the example's values, and the
 defaults of the parameters the example leaves out (as the call binds them).
 """
+import collections
 import enum
 import inspect
 import operator
@@ -94,7 +95,7 @@ def mutable_defaults(model) -> tuple:
     dict or set (or a tuple holding one), or an object with attributes (`cfg=DEFAULT_CFG`, a
     dataclass or namespace: review39b). Python passes the same object on every call, so a change
     to it between calls changes what eager computes, while the traced graph holds the contents it
-    saw. The runtime compares the fingerprints on each call (runtime.forward)."""
+    saw. The runtime compares the fingerprints on each call (runtime.forward); a change rebuilds.""" 
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):
@@ -102,31 +103,51 @@ def mutable_defaults(model) -> tuple:
     return tuple((p.default, fingerprint(p.default)) for p in params if _mutable(p.default))
 
 
-def fingerprint(value) -> str:
-    """What a default holds, as text: its repr, or an object's attributes one level down (a class's
-    default repr names no attribute; a dataclass's repr would print a tensor field's values on
-    every call: a tensor is named by identity and version, which in-place edits move)."""
-    if isinstance(value, (list, dict, set, tuple)):
-        return repr(value)
-    try:
-        items = list(vars(value).items())
-    except TypeError:   # __slots__: no __dict__
-        items = [(name, getattr(value, name, None)) for name in getattr(type(value), "__slots__", ())]
-    return repr([(k, ("tensor", id(v), version(v)) if isinstance(v, torch.Tensor) else v) for k, v in items])
+MAX_FINGERPRINT_ITEMS = 256   # a longer container or object is watched by its length only
+
+
+def fingerprint(value, depth: int = 3):
+    """What a default holds, by identity (`cfg.scale = 5.0` puts another float object there), three
+    levels down: an object's attributes, a container's items, an object in a list (review39c). A
+    tensor by identity and version. Attributes whose lookup raises count as absent."""
+    if isinstance(value, torch.Tensor):
+        return id(value), version(value)
+    if depth == 0 or isinstance(value, PLAIN_TYPES):
+        return id(value)
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        items = list(enumerate(value))
+    elif _plain_object(value):
+        try:
+            items = list(vars(value).items())
+        except TypeError:   # __slots__
+            items = [(name, getattr(value, name, None)) for name in getattr(type(value), "__slots__", ())]
+        except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
+            return id(value)
+    else:
+        return id(value)
+    if len(items) > MAX_FINGERPRINT_ITEMS:
+        return id(value), len(items)
+    return id(value), tuple((k if isinstance(k, (str, int)) else id(k), fingerprint(v, depth - 1)) for k, v in items)
 
 
 def _mutable(value) -> bool:
     if isinstance(value, tuple):
         return any(_mutable(v) for v in value)
-    return isinstance(value, (list, dict, set)) or _plain_object(value)
+    return isinstance(value, (list, dict, set, collections.deque)) or _plain_object(value)
 
 
 def _plain_object(value) -> bool:
     """An object of the user's with attributes that may change (not a class, function, module,
     tensor, or a plain value such as a number or an enum member)."""
-    return not isinstance(value, (*PLAIN_TYPES, type, types.ModuleType, types.FunctionType, types.MethodType,
-                                  types.BuiltinFunctionType, torch.Tensor, torch.nn.Module)) \
-        and (hasattr(value, "__dict__") or bool(getattr(type(value), "__slots__", ()))) \
+    try:   # a __getattr__ may raise anything (a dict-backed record: review39c)
+        has_attributes = isinstance(getattr(value, "__dict__", None), dict) or bool(getattr(type(value), "__slots__", ()))
+    except Exception:  # noqa: BLE001
+        return False
+    return has_attributes and not isinstance(value, (*PLAIN_TYPES, type, types.ModuleType, types.FunctionType,
+                                                     types.MethodType, types.BuiltinFunctionType, torch.Tensor,
+                                                     torch.nn.Module)) \
         and not (type(value).__module__ or "").startswith("torch")
 
 

@@ -131,6 +131,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
         self._modes, self._modes_seen = tuple((m, m.training) for m in model.modules()), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
+        self._mutable_defaults = mutable_defaults(model)
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
         self._child_list = children_now(self._children)
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
@@ -164,6 +165,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             reason = "a submodule's training flag changed since the build (forward() may read it)"
         elif name := reassigned(self._attributes):
             reason = f"attribute {name!r} of the model was assigned a new value since the build"
+        elif self._mutable_defaults and self._defaults_moved():   # fingerprinted again by the next build
+            reason = "a list, dict, set or object default of forward() changed since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
             # the fp32 precision is baked into the kernels and the CUDA graph's library calls
             reason = ("torch's default dtype, fp32 precision (TF32) or reduced-precision fp16/bf16 reduction "
@@ -179,6 +182,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             self._warn_once("buffers", f"fxfuse: the model's state or torch's settings keep changing between calls "
                             f"({reason}); each change rebuilds the optimized graph (folded and packed copies "
                             "would be stale). Call the original module for such use.")
+
+    def _defaults_moved(self) -> bool:
+        return any(fingerprint(d) != seen for d, seen in self._mutable_defaults)
 
     def _submodule_training(self) -> bool:
         for m in self._mode_modules:
@@ -330,14 +336,12 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
         if self._writes_in_place and share_memory(args, self._model_storages):
             return self._run_original("aliased", ALIASED, args)
-        if self._mutable_defaults and any(fingerprint(d) != seen for d, seen in self._mutable_defaults):
-            self._mutable_defaults = mutable_defaults(self.original)
-            self.drop_specializations("a list, dict or set default of forward() changed since the build")
         if (self._buffer_versions and moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
                 or MODE_CHANGES[0] != self._modes_seen
                 or UNVERSIONED_STEPS[0] != self._steps_seen
                 or children_now(self._children) != self._child_list   # a deletion, `m._modules[k] = new` (no hook)
-                or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)):
+                or self._attributes and reassigned(self._attributes) or settings_changed(self._flags)
+                or self._mutable_defaults and self._defaults_moved()):
             self._state_edited()
         if (torch.is_grad_enabled() or self._grad.enables_grad) and self._grad.records(args):
             return self._run_original("grad", GRAD_REASON, args)

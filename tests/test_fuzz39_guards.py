@@ -1,6 +1,7 @@
 """Stop 39: call-time guards and the model's state (review39b): submodules swapped through
 _modules, config objects read by the standard library, object defaults, inputs without
 storage, number subclasses, the model's own generators, miss messages, library switches."""
+import collections
 import dataclasses
 import types
 import warnings
@@ -189,3 +190,71 @@ def test_cublas_fp16_accumulation_switched_after_the_build_rebuilds():
         assert next(iter(opt.specializations.values())) is not built
     finally:
         matmul.allow_fp16_accumulation = saved
+
+
+class Inner:
+    def __init__(self):
+        self.scale = 2.0
+
+
+class Outer:
+    def __init__(self):
+        self.inner = Inner()
+
+
+NESTED, IN_LIST, HISTORY = Outer(), Inner(), collections.deque([2.0], maxlen=4)
+
+
+class NestedDefaults(nn.Module):
+    def forward(self, x, cfg=NESTED, cfgs=[IN_LIST], hist=HISTORY):   # noqa: B006 -- the point of the test
+        return torch.relu(x) * cfg.inner.scale + cfgs[0].scale * hist[-1]
+
+
+@pytest.mark.parametrize("edit", ["nested", "in_list", "deque"])
+def test_defaults_are_watched_below_their_first_level(edit):
+    # an object in an object or in a list, and a deque, kept the traced values (review39c)
+    model = NestedDefaults().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    try:
+        {"nested": lambda: setattr(NESTED.inner, "scale", 5.0), "in_list": lambda: setattr(IN_LIST, "scale", 5.0),
+         "deque": lambda: HISTORY.append(-3.0)}[edit]()
+        _calls_match(opt, model, 4, 8)
+    finally:
+        NESTED.inner.scale = IN_LIST.scale = 2.0
+        HISTORY.append(2.0)
+
+
+class Record:
+    __slots__ = ("_data",)
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_data", dict(fields))
+
+    def __getattr__(self, name):
+        return self._data[name]   # KeyError for any other name
+
+
+class Unprintable:
+    def __repr__(self):
+        raise RuntimeError("closed")
+
+
+RECORD, HOLDS_UNPRINTABLE = Record(scale=2.0), types.SimpleNamespace(scale=2.0, handle=Unprintable())
+
+
+class OddDefaults(nn.Module):
+    def forward(self, x, rec=RECORD, cfg=HOLDS_UNPRINTABLE):
+        return torch.relu(x) * rec.scale + cfg.scale
+
+
+def test_defaults_whose_attributes_raise_are_optimized():
+    # the fingerprint asked __dict__ of a record whose __getattr__ raises, and repr() of an unprintable
+    # attribute: an internal error (review39c)
+    model = OddDefaults().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    _calls_match(opt, model, 4, 8)
+    HOLDS_UNPRINTABLE.scale = 3.0
+    try:
+        _calls_match(opt, model, 4, 8)
+    finally:
+        HOLDS_UNPRINTABLE.scale = 2.0
