@@ -13,6 +13,8 @@ Names with a leading underscore stay the wrapper's own (torch's internals probe 
 them), and so do the wrapper's attributes (specializations, options, the counters)."""
 import torch
 
+from .errors import warn
+
 
 NOT_PASSED = {"parametrizations"}   # torch.nn.utils.parametrize takes a module holding it for parametrized
 CONVERSIONS = ("to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type")
@@ -30,7 +32,11 @@ def _conversion(name: str):
         original = self._modules["original"]
         if not overrides(original, name):
             return getattr(torch.nn.Module, name)(self, *args, **kwargs)
-        self._converted(lambda: getattr(original, name)(*args, **kwargs))
+        result = self._converted(lambda: getattr(original, name)(*args, **kwargs))
+        if isinstance(result, torch.nn.Module) and result is not original:   # a new module, not optimized:
+            warn(f"fxfuse: {type(original).__name__}.{name}() returned a new module; returning it as it is "   # opt
+                 "(not optimized): call fxfuse.optimize on it")   # would go on wrapping the old one (review39c)
+            return result
         return self
     convert.__name__ = name
     return convert

@@ -20,7 +20,12 @@ class RandomStreams:
     def __init__(self, model=None):
         # a torch.Generator of the model's own (an attribute, a module-level one its code reads): its
         # draws are the model's, not another thread's; the build's forward() runs moved it (review39b)
-        self.generators = [(name, g, g.get_state()) for name, g in _held_generators(model)]
+        self.generators = []
+        for name, g in _held_generators(model):
+            try:
+                self.generators.append((name, g, _state(g)))
+            except (NotImplementedError, TypeError, ValueError):   # random.SystemRandom keeps no state
+                pass
         self.alone = threading.active_count() == 1
         if not self.alone:
             return
@@ -35,9 +40,10 @@ class RandomStreams:
         """Put every stream back; the Python-side ones and the model's generators forward() moved, by name."""
         drawn = []
         for name, g, state in self.generators:
-            if not torch.equal(g.get_state(), state):
-                drawn.append(f"it draws from the torch.Generator {name}, which a graph would not draw from")
-                g.set_state(state)
+            if _moved(_state(g), state):
+                kind = "torch.Generator" if isinstance(g, torch.Generator) else type(g).__name__
+                drawn.append(f"it draws from the {kind} {name}, which a graph would not draw from")
+                _set_state(g, state)
         if not self.alone:
             return drawn
         torch.set_rng_state(self.torch)
@@ -54,19 +60,54 @@ class RandomStreams:
         return drawn + [f"it draws from {m}, whose value a traced graph would keep" for m in moved]
 
 
+def _generator_types() -> tuple:
+    numpy = sys.modules.get("numpy")
+    extra = (numpy.random.Generator, numpy.random.RandomState) if numpy is not None else ()
+    return (torch.Generator, random.Random, *extra)
+
+
+def _state(g):
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, random.Random):
+        return g.getstate()
+    return g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state()   # numpy's two kinds
+
+
+def _set_state(g, state) -> None:
+    if isinstance(g, torch.Generator):
+        g.set_state(state)
+    elif isinstance(g, random.Random):
+        g.setstate(state)
+    elif hasattr(g, "bit_generator"):
+        g.bit_generator.state = state
+    else:
+        g.set_state(state)
+
+
+def _moved(now, before) -> bool:
+    if isinstance(now, torch.Tensor):
+        return not torch.equal(now, before)
+    if isinstance(now, dict):   # numpy Generator: nested dicts of ints (and arrays for some bit generators)
+        return repr(now) != repr(before)
+    return _numpy_state_moved(now, before) if isinstance(now, tuple) and len(now) == 5 and \
+        isinstance(now[0], str) else now != before
+
+
 def _held_generators(model) -> list:
-    """(name, generator) for the torch.Generators on the model's modules and in the module-level
-    names its code reads."""
+    """(name, generator) for the random generators (torch's, Python's random.Random, numpy's) on the
+    model's modules and in the module-level names its code reads: a build's runs of forward() must
+    not move them (review39c: a random.Random was advanced)."""
     if not isinstance(model, torch.nn.Module):
         return []
-    found = {}
+    found, kinds = {}, _generator_types()
     for prefix, m in model.named_modules():
         for k, v in vars(m).items():
-            if isinstance(v, torch.Generator):
+            if isinstance(v, kinds):
                 found.setdefault(id(v), (f"{prefix}.{k}" if prefix else k, v))
     for cls in {type(m) for m in model.modules()}:
         for name, v in globals_read(cls):
-            if isinstance(v, torch.Generator):
+            if isinstance(v, kinds):
                 found.setdefault(id(v), (name, v))
     return list(found.values())
 

@@ -3,6 +3,7 @@ _modules, config objects read by the standard library, object defaults, inputs w
 storage, number subclasses, the model's own generators, miss messages, library switches."""
 import collections
 import dataclasses
+import random
 import types
 import warnings
 
@@ -258,3 +259,21 @@ def test_defaults_whose_attributes_raise_are_optimized():
         _calls_match(opt, model, 4, 8)
     finally:
         HOLDS_UNPRINTABLE.scale = 2.0
+
+
+class PythonNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rng, self.system = random.Random(0), random.SystemRandom()
+
+    def forward(self, x):
+        return torch.relu(x) + self.rng.random()
+
+
+def test_a_refused_build_leaves_the_models_random_random_as_it_was():
+    # only torch.Generators were put back: the build's runs of forward() advanced a random.Random (review39c)
+    model = PythonNoise().eval()
+    state = model.rng.getstate()
+    with pytest.warns(fxfuse.FxfuseWarning):
+        assert fxfuse.optimize(model, torch.randn(2, 2)) is model
+    assert model.rng.getstate() == state

@@ -1,5 +1,6 @@
 """Stop 39: tracing and the user's Python state (module-level values read through helper modules).
 Numerics and fusion: test_fuzz39.py."""
+import copy
 import types
 
 import pytest
@@ -262,3 +263,25 @@ def test_a_memo_made_from_the_first_calls_argument_stays_as_in_eager():
     with torch.no_grad():
         for scale in (1.0, 2.0):
             torch.testing.assert_close(opt(x, scale), reference(x, scale))
+
+
+class CopyOnConvert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+    def to(self, *args, **kwargs):   # converts a copy, leaves self as it is
+        return nn.Module.to(copy.deepcopy(self), *args, **kwargs)
+
+
+def test_a_to_override_returning_a_new_module_hands_that_module_back_with_a_warning():
+    # opt.to() threw the new module away and went on wrapping the fp32 model: the fp64 call raised (review39c)
+    model = CopyOnConvert().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    with pytest.warns(fxfuse.FxfuseWarning, match="returned a new module"):
+        converted = opt.to(torch.float64)
+    assert isinstance(converted, CopyOnConvert) and converted.lin.weight.dtype == torch.float64
+    assert model.lin.weight.dtype == torch.float32 and fxfuse.stats(opt)["specializations"] == 1
