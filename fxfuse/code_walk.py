@@ -47,13 +47,29 @@ def _library_module(module: types.ModuleType) -> bool:
     return name in sys.stdlib_module_names or name in ("torch", "fxfuse", "triton", "numpy", "builtins")
 
 
-def globals_read(cls, levels: int = 1) -> list:
+def _attributes_named(path: str, value, names: set, depth: int) -> list:
+    """(dotted path, value) for the attributes of a user's module or class that the code names, and
+    theirs, `depth` levels down (`pkg.sub.tables.TABLE`, `Consts.T`: review39c)."""
+    if depth == 0 or not (isinstance(value, types.ModuleType) and not _library_module(value)
+                          or isinstance(value, type) and (value.__module__ or "").partition(".")[0]
+                          not in ("torch", "builtins", "fxfuse")):
+        return []
+    found = []
+    for attr in names & set(vars(value)):
+        inner = vars(value)[attr]
+        inner = getattr(inner, "__func__", inner)   # a static or class method's function
+        found.append((f"{path}.{attr}", inner))
+        found += _attributes_named(f"{path}.{attr}", inner, names, depth - 1)
+    return found
+
+
+def globals_read(cls, levels: int = 2) -> list:
     """(name, value) for each module-level value the methods of cls (and its user base classes,
     their lambdas and inner functions) read, and what the module-level helpers they call read,
-    `levels` calls deep (review38d): global names (LOAD_GLOBAL), and the attributes of a user's
-    module the same code names (`helpers.TABLE`, `helpers.scale(x)`: review38e). A user's helper
-    module's attribute is looked up by the names the code uses, so a name used on another
-    object too may add a value the code never reads: callers use this to know more, never less."""
+    `levels` calls deep (review38d, review39c): global names (LOAD_GLOBAL), and the attributes of a
+    user's module or class the same code names (`helpers.TABLE`, `helpers.scale(x)`, `Consts.T`).
+    Such an attribute is looked up by the names the code uses, so a name used on another object
+    too may add a value the code never reads: callers use this to know more, never less."""
     queue = [(fn, 0) for klass in user_classes(cls) for attr in list(vars(klass).values())
              for fn in plain_functions(attr)]
     found, done = [], set()
@@ -67,9 +83,7 @@ def globals_read(cls, levels: int = 1) -> list:
             for name in global_names(code, "LOAD_GLOBAL"):
                 value = scope.get(name)
                 own.append((name, value))
-                if isinstance(value, types.ModuleType) and not _library_module(value):
-                    own += [(f"{name}.{attr}", vars(value)[attr]) for attr in code.co_names
-                            if attr != name and attr in vars(value)]
+                own += _attributes_named(name, value, set(code.co_names), 3)
         found += own
         if level < levels:
             queue += [(value, level + 1) for _, value in own if isinstance(value, types.FunctionType)

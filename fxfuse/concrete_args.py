@@ -374,13 +374,20 @@ def held_tensor_versions(model) -> dict:
     return held
 
 
+MAX_HELD_VISITS = 1 << 16
+
+
 def _held_tensors(model) -> list:
-    """The tensors the model holds: in its modules' plain attributes, two levels into lists,
-    tuples, dicts and plain objects (`self.cfg.scales[0]`), and in the module-level globals its
-    classes' code names (`S = torch.ones(3).mul_(2)` at import: review35b)."""
-    held = {}
+    """The tensors the model holds: in its modules' plain attributes, three levels into lists,
+    tuples, dicts and plain objects (`self.cfg.scales[0]`, `self.cfg["a"]["b"]["c"]`), and in the
+    module-level values its classes' code names, two levels in (`S = torch.ones(3).mul_(2)` at
+    import: review35b; `TABLES["a"]["b"]`: review39c); at most MAX_HELD_VISITS values looked at."""
+    held, visits = {}, [0]
 
     def visit(value, depth):
+        visits[0] += 1
+        if visits[0] > MAX_HELD_VISITS:
+            return
         try:
             walk(value, depth)
         except Exception:  # noqa: BLE001 -- a __getattr__ that raises, __slots__ (review35c): not walked
@@ -399,7 +406,7 @@ def _held_tensors(model) -> list:
 
     for m in model.modules() if isinstance(model, torch.nn.Module) else ():
         for value in vars(m).values():
-            visit(value, 2)
+            visit(value, 3)
         for klass in type(m).__mro__[:-1]:   # a tensor held as a class attribute (`T = torch.tensor(..)`)
             for value in vars(klass).values():
                 if isinstance(value, torch.Tensor):
@@ -409,7 +416,7 @@ def _held_tensors(model) -> list:
             for value in _bound_values(fn):   # a tensor default or a closure's tensor (fuzz37j)
                 visit(value, 1)
         for _, value in globals_read(type(m)):   # what its code and the module-level helpers it calls read
-            visit(value, 1)
+            visit(value, 2)
             for bound in _bound_values(value):   # a helper function's tensor default
                 visit(bound, 1)
     return list(held.values())
