@@ -144,8 +144,8 @@ class LazyTable(nn.Module):
 
     def forward(self, x):
         if self.pe is None or self.pe.shape[0] < x.shape[0]:
-            pos = torch.arange(x.shape[0], dtype=torch.float32)[:, None]
-            self.pe = torch.sin(pos * 0.1 + torch.arange(8.0))
+            pos = torch.arange(x.shape[0], dtype=torch.float32, device=x.device)[:, None]
+            self.pe = torch.sin(pos * 0.1 + torch.arange(8.0, device=x.device))
         return torch.relu(self.lin(x) + self.pe[: x.shape[0]])
 
 
@@ -163,7 +163,8 @@ class GridHead(nn.Module):
         bs, _, ny, nx = x.shape
         x = x.view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous()
         if self.grid[0].shape[2:4] != x.shape[2:4]:
-            yv, xv = torch.meshgrid(torch.arange(ny).float(), torch.arange(nx).float(), indexing="ij")
+            yv, xv = torch.meshgrid(torch.arange(ny, device=x.device).float(),
+                                    torch.arange(nx, device=x.device).float(), indexing="ij")
             self.grid[0] = torch.stack((xv, yv), 2).view(1, 1, ny, nx, 2)
         y = x.sigmoid()
         xy = (y[..., :2] * 2 - 0.5 + self.grid[0]) * 8.0
