@@ -57,7 +57,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, childr
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
-                             describe_mismatch, signature)
+                             describe_mismatch, signature, writes_an_input)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -220,7 +220,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                 m.training = self.original.training       # training mode back to eval)
         spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
-        self._writes_in_place |= bool(gm.meta.get("fxfuse_inplace_kept"))
+        # the aliasing guard's: a kept in-place op that may write an input or a model tensor (a write into a
+        # tensor forward() made cannot reach them: fuzz39e, `opt(x, x)` of a mask filled in place was refused)
+        self._writes_in_place |= writes_an_input(gm, ("placeholder", "get_attr"))
         if self._traced_inference_mode is None:
             self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec

@@ -331,10 +331,13 @@ def _constant_storages(gm, model_tensors: tuple) -> set:
     return found - own - {None}
 
 
-def writes_an_input(gm) -> bool:
+def writes_an_input(gm, kinds=("placeholder",)) -> bool:
     """Whether an in-place op normalize kept may write into an input (or a view of one): a CUDA
     graph writes its static copy, not the caller's tensor, so such a graph is not captured. A
     write into a tensor forward() made itself (`torch.zeros(...).index_add_`, `clone().clamp_`,
-    HF's position ids `masked_fill_` on a cumsum) turned capture off too (fuzz34b)."""
+    HF's position ids `masked_fill_` on a cumsum) turned capture off too (fuzz34b). With kinds
+    ("placeholder", "get_attr"): into an input or a tensor of the model (the aliasing guard's)."""
+    if not gm.meta.get("fxfuse_inplace_kept"):
+        return False
     from fxfuse.passes.fuse_pointwise import write_aliases   # passes import this module: import late
-    return any(n.op == "placeholder" for written in write_aliases(gm).values() for n in written)
+    return any(n.op in kinds for written in write_aliases(gm).values() for n in written)

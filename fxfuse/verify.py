@@ -12,7 +12,7 @@ import torch
 from .errors import FxfuseError, UnsupportedError
 from .graph_launch import draws_random_numbers
 from .log import logger
-from .module_state import same_value
+from .module_state import same_value, share_memory
 from .tracing import clone_args
 
 
@@ -70,6 +70,10 @@ def _verify(model, gm, args, rewind) -> list:
                         "the rewrite on it: optimize with an example input whose eager result is finite")
                 compiling = ("; here: torch.compiler.is_compiling(), which the graph was traced with True "
                              "(explain)") if gm.meta.get("fxfuse_traced_as_compiling") else ""
+                if share_memory(args):   # (x, x) as the example of a forward() writing one (fuzz39e)
+                    raise UnsupportedError(f"output {k}: {problem}; the example's inputs share memory and "
+                                           "forward() writes one in place (fusion assumes distinct inputs "
+                                           "there): optimize with distinct tensors")
                 raise FxfuseError(f"output {k}: {problem}. Either forward() depends on something its trace fixed "
                                   "(control flow on requires_grad, is_contiguous() or a global flag"
                                   f"{compiling}), or the output turns a last-bit rounding difference into a large "

@@ -277,3 +277,38 @@ def test_a_refused_build_leaves_the_models_random_random_as_it_was():
     with pytest.warns(fxfuse.FxfuseWarning):
         assert fxfuse.optimize(model, torch.randn(2, 2)) is model
     assert model.rng.getstate() == state
+
+
+class FillsAFreshTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        t = a - b
+        t.fill_(0.5)   # written in place: a tensor forward() made, never an input
+        return self.lin(t) + a
+
+
+def test_one_tensor_twice_for_a_forward_writing_only_fresh_tensors_runs_the_graph():
+    # the aliasing guard fired for any in-place op the graph keeps (fuzz39e: "the graph writes an input in
+    # place", and GuardError under strict=True)
+    model = FillsAFreshTensor().eval()
+    opt = fxfuse.optimize(model, (torch.randn(3, 4), torch.randn(3, 4)), strict=True)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, x), model(x, x))
+    assert not opt.original_calls
+
+
+class WritesItsSecond(nn.Module):
+    def forward(self, x0, x1):
+        x1.transpose(0, -1).add_(x0 * 1)
+        return x0 + 0.5
+
+
+def test_an_example_of_one_tensor_twice_for_a_forward_writing_it_names_the_aliasing():
+    # the warning blamed control flow, rounding or "a bug in fxfuse" (fuzz39e)
+    x = torch.randn(3, 3)
+    with pytest.warns(fxfuse.FxfuseWarning, match="share memory"):
+        fxfuse.optimize(WritesItsSecond().eval(), (x, x))
