@@ -22,9 +22,8 @@ import torch.fx
 from torch.nn.utils import parametrize
 
 from .call_context import quiet_export
-from .concrete_args import (check_exported, drop_value_checks, held_tensor_versions, inline_disabled_autocast,
-                            numpy_number, one_placeholder_per_parameter, refuse_written_constants,
-                            sizes_returned_as_sizes, split_concrete, written_constant)
+from .concrete_args import (check_exported, drop_value_checks, inline_disabled_autocast, numpy_number,
+                            one_placeholder_per_parameter, sizes_returned_as_sizes, split_concrete)
 from .errors import TraceError, UnsupportedError
 from .log import inside_packages, logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
@@ -36,6 +35,7 @@ from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_version
 from .shape_propagation import (ShapePropagation, ShapePropagationError, clone_args,  # noqa: F401 (re-exported)
                                 propagate_shapes, tensor_metadata)
 from .transformer_blocks import blocks_given_padding, opaque_blocks
+from .written_constants import held_tensor_versions, refuse_written_constants, written_constant
 
 
 def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:

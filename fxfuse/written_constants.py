@@ -1,0 +1,112 @@
+"""Tensors forward() makes from constants and then writes in place: symbolic_trace makes such a
+tensor a constant of the graph and runs the write on it once while tracing, so the graph would
+start from the written values (review34b). A tensor the model holds (its attributes, the
+module-level values its code reads) is told apart by its version before the trace: the user may
+have written it before optimize(), and the graph reads it, not a copy."""
+import types
+
+import torch
+import torch.fx
+
+from .code_walk import globals_read, plain_functions
+from .errors import UnsupportedError
+from .module_state import storage_address
+
+
+def refuse_written_constants(gm: torch.fx.GraphModule, held: dict) -> None:
+    """`t = torch.tensor([1., 2.]); ...; t.mul_(3)`: symbolic_trace makes t a constant of the graph
+    and runs the write on it once while tracing, so the graph would start from the written values
+    (review34b: with verify=False, silently). Such a constant's version counter has moved. A
+    tensor the model holds (`held`: held_tensor_versions before the trace) counts only where its
+    version moved during the trace: the user may have written it before (`cfg["scale"].mul_(2)`,
+    fuzz35d; a module-level table, review35b), and the graph reads it, not a copy."""
+    node = written_constant(gm, held)
+    if node is not None:
+        raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
+                               f"{node}): the trace ran that write once, so the graph would start from "
+                               "the written values. Write it out of place (t = t * 3) instead")
+
+
+def written_constant(gm: torch.fx.GraphModule, held: dict) -> str | None:
+    """The name of a constant of the graph written during the trace (refuse_written_constants)."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor) and not value.is_inference() and value._version \
+                    and held.get(id(value), held.get(("storage", storage_address(value)))) != value._version:
+                return node.name
+    return None
+
+
+def held_tensor_versions(model) -> dict:
+    """id -> version of each tensor the model holds (_held_tensors), before a trace; and the same
+    by storage: a view or detach() of one made at trace time (`self.pe[:6]` of a table filled by
+    slice assignments, `GT.chunk(2)[0]`) shares its version counter (fuzz37h: refused as written)."""
+    held = {}
+    for t in _held_tensors(model):
+        if not t.is_inference():
+            held[id(t)] = t._version
+            if storage_address(t) is not None:   # not an empty, meta or sparse tensor
+                held[("storage", storage_address(t))] = t._version
+    return held
+
+
+MAX_HELD_VISITS = 1 << 16
+
+
+def _held_tensors(model) -> list:
+    """The tensors the model holds: in its modules' plain attributes, three levels into lists,
+    tuples, dicts and plain objects (`self.cfg.scales[0]`, `self.cfg["a"]["b"]["c"]`), and in the
+    module-level values its classes' code names, two levels in (`S = torch.ones(3).mul_(2)` at
+    import: review35b; `TABLES["a"]["b"]`: review39c); at most MAX_HELD_VISITS values looked at."""
+    held, visits = {}, [0]
+
+    def visit(value, depth):
+        visits[0] += 1
+        if visits[0] > MAX_HELD_VISITS:
+            return
+        try:
+            walk(value, depth)
+        except Exception:  # noqa: BLE001 -- a __getattr__ that raises, __slots__ (review35c): not walked
+            pass
+
+    def walk(value, depth):
+        if isinstance(value, torch.Tensor):
+            held[id(value)] = value
+        elif depth and isinstance(value, (list, tuple, dict)) and len(value) <= 256:
+            for item in (value.values() if isinstance(value, dict) else value):
+                visit(item, depth - 1)
+        elif depth and type(getattr(value, "__dict__", None)) is dict and not isinstance(
+                value, (torch.nn.Module, type, types.ModuleType)) and not callable(value):
+            for item in list(vars(value).values())[:256]:
+                visit(item, depth - 1)
+
+    for m in model.modules() if isinstance(model, torch.nn.Module) else ():
+        for value in vars(m).values():
+            visit(value, 3)
+        for klass in type(m).__mro__[:-1]:   # a tensor held as a class attribute (`T = torch.tensor(..)`)
+            for value in vars(klass).values():
+                if isinstance(value, torch.Tensor):
+                    visit(value, 0)
+        # the class's functions, decorated (`@torch.no_grad()`), static and properties too (review38e)
+        for fn in [f for attr in list(vars(type(m)).values()) for f in plain_functions(attr)]:
+            for value in _bound_values(fn):   # a tensor default or a closure's tensor (fuzz37j)
+                visit(value, 1)
+        for _, value in globals_read(type(m)):   # what its code and the module-level helpers it calls read
+            visit(value, 2)
+            for bound in _bound_values(value):   # a helper function's tensor default
+                visit(bound, 1)
+    return list(held.values())
+
+
+def _bound_values(fn) -> list:
+    """The default values and closure contents of a function (nothing for anything else)."""
+    if not isinstance(fn, types.FunctionType):
+        return []
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:   # an empty cell
+            pass
+    return [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(), *cells]
