@@ -468,7 +468,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             out = getattr(node.meta.get("tensor_meta"), "dtype", None)   # maximum, then minimum: promoted a
             operands = {getattr(b.meta.get("tensor_meta"), "dtype", None)
                         for b in (x, lo, hi) if isinstance(b, torch.fx.Node)}
-            if out is None or operands != {out} or not out.is_floating_point and float in map(type, (lo, hi)):
+            if out is None or operands != {out} or not out.is_floating_point and any(isinstance(b, float)
+                                                                                      for b in (lo, hi)):
                 return None   # pair at a time; clamp all three at once (review39: 0-dim fp16 x, int16 and fp32 bounds)
             return "tensor_clamp", (x, lo, hi), {}
         return canon, (x,), {"min": lo, "max": hi}  # ints stay ints: clamp(int tensor, 0, 6) is an int tensor
