@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .node_meta import fxfuse_meta
+from .node_meta import fxfuse_meta, meta_tensor
 
 
 def cast(x, dtype):
@@ -107,6 +107,28 @@ def keep_eager_layout(gm, node, eager_meta, produced_stride):
     for user in users:
         user.replace_input_with(node, fixed)
     return fixed
+
+
+def masked_fill_layout(gm, where: torch.fx.Node) -> torch.fx.Node:
+    """x.masked_fill(mask, v) is row-major in eager (aten clones x contiguous, then fills; the
+    in-place form keeps x's layout), while torch.where lays its result out after its operands:
+    where the two differ (a transposed or channels_last x), the users read eager's strides
+    (as_layout). torch.where's strides come from meta tensors of the operands' recorded layouts,
+    so a row-major x with a broadcast mask keeps its one kernel. Returns the node users read."""
+    def fake(a):
+        meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
+        if isinstance(a, torch.fx.Node) and meta is None:
+            raise LookupError(a.name)
+        return a if meta is None else meta_tensor(meta)
+    try:
+        operands = [fake(a) for a in where.args]
+        # meta tensors lay the result of an expanded operand out otherwise than real ones (fuzz39e: row-major
+        # on meta, (1, 15, 1, 3) on the CPU for an x of strides (1, 5, 0, 1)): not trusted there
+        produced = None if any(0 in [st for n, st in zip(o.shape, o.stride()) if n > 1]
+                               for o in operands if isinstance(o, torch.Tensor)) else torch.where(*operands).stride()
+    except (LookupError, RuntimeError, TypeError):   # unknown: as_layout checks at run time
+        produced = None
+    return keep_eager_layout(gm, where, where.meta.get("tensor_meta"), produced)
 
 
 def row_major(shape) -> tuple:

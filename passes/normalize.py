@@ -20,7 +20,7 @@ import torch.fx
 
 from fxfuse.graph_launch import draws_random
 from fxfuse.node_meta import single_tensor_meta
-from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, row_major
+from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, masked_fill_layout, row_major
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
@@ -32,7 +32,7 @@ from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, g
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
-                        cast_target, masked_fill_layout, spelling_of)
+                        cast_target, spelling_of)
 
 aten = torch.ops.aten
 

@@ -14,8 +14,8 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fxfuse_meta, meta_tensor, single_tensor_meta
-from fxfuse.ops import HALF_DTYPES, POINTWISE, keep_eager_layout, lerp_scalar
+from fxfuse.node_meta import fxfuse_meta, single_tensor_meta
+from fxfuse.ops import HALF_DTYPES, POINTWISE, lerp_scalar
 
 aten = torch.ops.aten
 
@@ -299,24 +299,6 @@ def masked_fill_is_where(x, value) -> bool:
         return True
     vmeta = single_tensor_meta(value)
     return vmeta is not None and not vmeta.shape and vmeta.dtype == meta.dtype
-
-
-def masked_fill_layout(gm, where: torch.fx.Node) -> torch.fx.Node:
-    """x.masked_fill(mask, v) is row-major in eager (aten clones x contiguous, then fills; the
-    in-place form keeps x's layout), while torch.where lays its result out after its operands:
-    where the two differ (a transposed or channels_last x), the users read eager's strides
-    (as_layout). torch.where's strides come from meta tensors of the operands' recorded layouts,
-    so a row-major x with a broadcast mask keeps its one kernel. Returns the node users read."""
-    def fake(a):
-        meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
-        if isinstance(a, torch.fx.Node) and meta is None:
-            raise LookupError(a.name)
-        return a if meta is None else meta_tensor(meta)
-    try:
-        produced = torch.where(*(fake(a) for a in where.args)).stride()
-    except (LookupError, RuntimeError, TypeError):   # unknown: as_layout checks at run time
-        produced = None
-    return keep_eager_layout(gm, where, where.meta.get("tensor_meta"), produced)
 
 
 def cast_target(node):

@@ -158,3 +158,23 @@ def test_chains_on_slices_of_one_tensor_share_a_kernel():
     args = (torch.randn(2, 3, 5, 7, 9), args[1], args[2])
     for got, want in zip(opt(*args), model(*args)):
         torch.testing.assert_close(got, want)   # exp and sigmoid within 2 ulp of the CPU's
+
+
+class MaskedFill(nn.Module):
+    def forward(self, x, m):
+        return x.masked_fill(m < 0, -1.0)
+
+
+def test_masked_fill_of_a_permuted_broadcast_view_is_row_major_as_eager():
+    # meta tensors gave torch.where's result row-major, real ones (1, 15, 1, 3): no layout restored, and
+    # .view(-1) of the result raised (fuzz39e)
+    def inputs():
+        x = torch.randn(2, 5, 1).permute(2, 0, 1)[:, :, None, :].expand(1, 2, 3, 5)   # strides (1, 5, 0, 1)
+        return x, torch.randn(2, 1, 5)
+    model = MaskedFill().eval()
+    opt = fxfuse.optimize(model, inputs(), strict=True)
+    x, m = inputs()
+    got, want = opt(x, m), model(x, m)
+    assert got.stride() == want.stride() == (30, 15, 5, 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
