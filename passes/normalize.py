@@ -19,8 +19,9 @@ import torch
 import torch.fx
 
 from fxfuse.graph_launch import draws_random
-from fxfuse.node_meta import single_tensor_meta
-from fxfuse.ops import POINTWISE, add_scaled, cast, is_pointwise_target, masked_fill_layout, row_major
+from fxfuse.node_meta import meta_tensor, single_tensor_meta
+from fxfuse.ops import (POINTWISE, add_scaled, cast, is_pointwise_target, keep_eager_layout, masked_fill_layout,
+                        row_major)
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
@@ -489,4 +490,6 @@ def _replace(g, node, target, args, kwargs):
         fxfuse_meta(new)["device"] = device   # the same value on the same device (cast_target reads it)
     node.replace_all_uses_with(new)
     g.erase_node(node)
-    return new
+    if target == "tensor_clamp" and not all(meta_tensor(m).is_contiguous() for m in map(single_tensor_meta, args) if m):
+        new = keep_eager_layout(g.owning_module, new, new.meta.get("tensor_meta"), None)   # maximum's layout is
+    return new                                                                   # not clamp's (fuzz39e)

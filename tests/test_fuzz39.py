@@ -178,3 +178,20 @@ def test_masked_fill_of_a_permuted_broadcast_view_is_row_major_as_eager():
     assert got.stride() == want.stride() == (30, 15, 5, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+class ClampBetweenTensors(nn.Module):
+    def forward(self, a, lo, hi):
+        return torch.clamp(a, min=lo, max=hi)
+
+
+def test_clamp_with_tensor_bounds_keeps_eagers_layout():
+    # maximum(a, lo) fixed the layout before hi was seen: row-major where eager follows the transposed hi (fuzz39e)
+    def inputs():
+        return torch.randn(1, 4).expand(3, 4), torch.randn(1, 4).expand(3, 4), torch.randn(4, 3).t()
+    model = ClampBetweenTensors().eval()
+    opt = fxfuse.optimize(model, inputs(), strict=True)
+    args = inputs()
+    got, want = opt(*args), model(*args)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
