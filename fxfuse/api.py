@@ -20,7 +20,7 @@ from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
 from .log import logger
 from .mode_watch import probe_mode_dependence
-from .build_state import kept_state, shuffled
+from .build_state import kept_state
 from .module_state import forward_hook_owner, storage_address
 from .options import Options
 from .runtime import OptimizedModule
@@ -196,8 +196,7 @@ def build_graph(model, args: tuple, options: Options):
 
 def _build_graph(model, args: tuple, options: Options, warning):
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
-    with torch.no_grad(), kept_state(model, lambda other: model(*(shuffled(args) if other else clone_args(args)))) \
-            as snapshot:   # the model as before; forward() with state refused, a memo it fills taken (build_state)
+    with torch.no_grad(), kept_state(model) as snapshot:   # the model as before; forward() with state refused
         gm = trace(model, args)
         snapshot.drop_proxies()
         if gm.meta.get("fxfuse_proxy_attributes") and not options.verify:   # assigned during the trace:

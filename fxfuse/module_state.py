@@ -344,17 +344,14 @@ class _Snapshot:
                 target[:] = [v for v in target if not is_trace_value(v) or id(v) in kept]
 
     def restore(self) -> list:
-        """Put everything back; the names of what forward() had changed (in self.replaced too where
-        it assigned an attribute or a container's item: build_state's memo probe)."""
-        changed, self.replaced = [], set()
+        """Put everything back; the names of what forward() had changed."""
+        changed = []
         self.leftovers.clean()
         for name, c, saved in self.class_containers:
             _restore_container(name, c, saved, changed)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
                 _restore_container(f"{name}.{k}", c, saved, changed)
-        self.replaced.update(changed)
-        for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (t, saved) in tensors.items():
                 if not same_value(t, saved):
                     changed.append(f"{name}.{k}")
@@ -363,12 +360,10 @@ class _Snapshot:
             for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
                 if not k.startswith("_tensor_constant") and not _cached(m, k):   # torch.fx's own constants;
                     changed.append(f"{name}.{k}")                                 # a cached_property's cache
-                    self.replaced.add(f"{name}.{k}")
                 del m.__dict__[k]
             for k, v in attrs.items():
                 if k not in m.__dict__ or not same_attr(m.__dict__[k], v):
                     changed.append(f"{name}.{k}")
-                    self.replaced.add(f"{name}.{k}")
                     m.__dict__[k] = v
             for k, (b, saved) in buffers.items():
                 if m._buffers.get(k) is not b:

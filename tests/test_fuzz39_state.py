@@ -171,26 +171,15 @@ class GridHead(nn.Module):
         return torch.cat((xy, y[..., 2:]), -1).view(bs, -1, self.no)
 
 
-def test_an_attribute_filled_on_first_use_is_a_memo_not_state():
-    model = LazyTable().eval()
-    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
-    assert model.pe is not None and model.pe.shape == (4, 8)   # filled, as by one eager call on the example
-    assert fxfuse.stats(opt)["fused_kernels"] >= 1
-    with torch.no_grad():
-        for rows in (4, 4, 3):
-            x = torch.randn(rows, 8)
-            torch.testing.assert_close(opt(x), model(x))
-
-
-def test_a_grid_cache_is_a_memo_and_a_call_at_another_size_does_not_stop_the_optimization():
-    model = GridHead().eval()
-    opt = fxfuse.optimize(model, torch.randn(1, 8, 6, 5), strict=True)   # no warm-up call
-    with torch.no_grad():
-        for shape in ((1, 8, 6, 5), (1, 8, 4, 4), (1, 8, 6, 5), (1, 8, 6, 5)):
-            x = torch.randn(shape)
-            torch.testing.assert_close(opt(x), model(x))
-    assert not opt.original_calls   # every call ran a specialization (the 6 x 5 one rebuilt once)
-    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+@pytest.mark.parametrize("cls, shape", [(LazyTable, (4, 8)), (GridHead, (1, 8, 6, 5))], ids=["table", "grid"])
+def test_a_memo_filled_on_first_use_is_refused_and_left_as_it_was(cls, shape):
+    # taken after a probe during this stop, then taken back: calibrations and size-dependent tables passed the
+    # probe and gave wrong answers (review39d). Refused, the model as before, the original's answers
+    model = cls().eval()
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
+        opt = fxfuse.optimize(model, torch.randn(shape))
+    assert opt is model
+    assert (model.pe is None) if cls is LazyTable else (model.grid[0].numel() == 0)
 
 
 class Counts(nn.Module):
