@@ -103,16 +103,41 @@ def mutable_defaults(model) -> tuple:
 
 
 MAX_FINGERPRINT_ITEMS = 256   # a longer container or object is watched by its length only
+MAX_FINGERPRINT_BYTES = 1 << 16   # a numpy array up to this is watched by its bytes, a larger one by identity
 
 
-def fingerprint(value, depth: int = 3):
-    """What a default holds, by identity (`cfg.scale = 5.0` puts another float object there), three
-    levels down: an object's attributes, a container's items, an object in a list (review39c). A
-    tensor by identity and version. Attributes whose lookup raises count as absent."""
+class _Same:
+    """An object in a fingerprint: equal only to itself, and held (an id alone is reused once the
+    object is freed: review39d, a float field assigned twice between calls was missed)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+def fingerprint(value, depth: int = 4):
+    """What a default holds, four levels down (an object's attributes, a container's items, an
+    object in a list: review39c), compared with ==: plain values by value (a field assigned the
+    same value again rebuilds nothing), floats by repr (-0.0, nan), tensors by identity and
+    version, small numpy arrays by their bytes, anything else by identity. Attributes whose
+    lookup raises count as absent."""
     if isinstance(value, torch.Tensor):
-        return id(value), version(value)
-    if depth == 0 or isinstance(value, PLAIN_TYPES):
-        return id(value)
+        return "tensor", _Same(value), version(value)
+    if isinstance(value, float):
+        return "float", repr(value)
+    if isinstance(value, PLAIN_TYPES):
+        return value
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return "array", _Same(value), value.nbytes <= MAX_FINGERPRINT_BYTES and value.tobytes()
+    if depth == 0:
+        return _Same(value)
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
@@ -123,12 +148,12 @@ def fingerprint(value, depth: int = 3):
         except TypeError:   # __slots__
             items = [(name, getattr(value, name, None)) for name in getattr(type(value), "__slots__", ())]
         except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
-            return id(value)
+            return _Same(value)
     else:
-        return id(value)
+        return _Same(value)
     if len(items) > MAX_FINGERPRINT_ITEMS:
-        return id(value), len(items)
-    return id(value), tuple((k if isinstance(k, (str, int)) else id(k), fingerprint(v, depth - 1)) for k, v in items)
+        return _Same(value), len(items)
+    return _Same(value), tuple((fingerprint(k, 0), fingerprint(v, depth - 1)) for k, v in items)
 
 
 def _mutable(value) -> bool:

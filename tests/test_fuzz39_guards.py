@@ -7,6 +7,7 @@ import random
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -312,3 +313,37 @@ def test_an_example_of_one_tensor_twice_for_a_forward_writing_it_names_the_alias
     x = torch.randn(3, 3)
     with pytest.warns(fxfuse.FxfuseWarning, match="share memory"):
         fxfuse.optimize(WritesItsSecond().eval(), (x, x))
+
+
+class Gains:
+    def __init__(self):
+        self.scale = 1.5
+        self.gains = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+
+
+GAINS = Gains()
+
+
+class ReadsGains(nn.Module):
+    def forward(self, x, cfg=GAINS):
+        return torch.relu(x) * cfg.scale + float(cfg.gains.sum())
+
+
+def test_object_default_edits_are_seen_by_value_and_the_same_value_rebuilds_nothing():
+    # by id alone, a float assigned twice between calls reused the freed one's address and was missed, and an
+    # in-place edit of a numpy array was missed; a field assigned its own value again rebuilt (review39d)
+    model = ReadsGains().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8))
+    try:
+        for step in range(3):
+            GAINS.scale = float(step + 2) * 1.25
+            GAINS.scale = GAINS.scale + 0.5
+            _calls_match(opt, model, 4, 8)
+        GAINS.gains *= 10
+        _calls_match(opt, model, 4, 8)
+        built = next(iter(opt.specializations.values()))
+        GAINS.scale = float(GAINS.scale)   # the same value, another float object
+        _calls_match(opt, model, 4, 8)
+        assert next(iter(opt.specializations.values())) is built
+    finally:
+        GAINS.scale, GAINS.gains = 1.5, np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
