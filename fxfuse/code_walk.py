@@ -57,7 +57,8 @@ def _attributes_named(path: str, value, names: set, depth: int) -> list:
     found = []
     for attr in names & set(vars(value)):
         inner = vars(value)[attr]
-        inner = getattr(inner, "__func__", inner)   # a static or class method's function
+        if isinstance(inner, (staticmethod, classmethod)):   # its function (not getattr: a record's
+            inner = inner.__func__                           # __getattr__ may raise anything: review39d)
         found.append((f"{path}.{attr}", inner))
         found += _attributes_named(f"{path}.{attr}", inner, names, depth - 1)
     return found

@@ -13,6 +13,7 @@ from .errors import FxfuseError, UnsupportedError
 from .graph_launch import draws_random_numbers
 from .log import logger
 from .module_state import same_value, share_memory
+from .specialization import writes_an_input
 from .tracing import clone_args
 
 
@@ -70,7 +71,8 @@ def _verify(model, gm, args, rewind) -> list:
                         "the rewrite on it: optimize with an example input whose eager result is finite")
                 compiling = ("; here: torch.compiler.is_compiling(), which the graph was traced with True "
                              "(explain)") if gm.meta.get("fxfuse_traced_as_compiling") else ""
-                if share_memory(args):   # (x, x) as the example of a forward() writing one (fuzz39e)
+                if share_memory(args) and writes_an_input(gm):   # (x, x) as the example of a forward()
+                    #                                                   writing one of them (fuzz39e)
                     raise UnsupportedError(f"output {k}: {problem}; the example's inputs share memory and "
                                            "forward() writes one in place (fusion assumes distinct inputs "
                                            "there): optimize with distinct tensors")

@@ -59,9 +59,12 @@ def _held_tensors(model) -> list:
     tuples, dicts and plain objects (`self.cfg.scales[0]`, `self.cfg["a"]["b"]["c"]`), and in the
     module-level values its classes' code names, two levels in (`S = torch.ones(3).mul_(2)` at
     import: review35b; `TABLES["a"]["b"]`: review39c); at most MAX_HELD_VISITS values looked at."""
-    held, visits = {}, [0]
+    held, visits, walked = {}, [0], {}
 
     def visit(value, depth):
+        if walked.get(id(value), -1) >= depth:   # each object once at its deepest depth: 60 blocks reading
+            return                               # one 250-item global walked it 60 times (review39d)
+        walked[id(value)] = depth
         visits[0] += 1
         if visits[0] > MAX_HELD_VISITS:
             return

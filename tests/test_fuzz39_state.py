@@ -325,3 +325,60 @@ def test_a_tensor_written_before_optimize_and_read_deeper_is_no_written_constant
     opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
     x = torch.randn(4, 8)
     torch.testing.assert_close(opt(x), model(x))
+
+
+class DictRecord:
+    def __init__(self, **fields):
+        self.__dict__["_fields"] = dict(fields)
+
+    def __getattr__(self, name):
+        return self.__dict__["_fields"][name]   # KeyError for any other name
+
+
+class Settings:
+    cfg = DictRecord(scale=2.0)
+
+
+class ReadsARecordOnAClass(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * Settings.cfg.scale
+
+
+def test_a_record_whose_attribute_lookup_raises_on_a_user_class_is_optimized():
+    # the walk asked it for __func__: an internal error (review39d)
+    model = ReadsARecordOnAClass().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
+
+
+ANCHORS = [[float(i)] * 4 for i in range(250)]   # a global the blocks' code names
+WRITTEN_TABLE = torch.zeros(8)
+WRITTEN_TABLE.add_(1)   # written once, at import
+
+
+class BlockWithAnchors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def anchor(self, i):
+        return ANCHORS[i]
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class ReadsTheWrittenTable(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * WRITTEN_TABLE + 1
+
+
+def test_a_table_read_after_many_blocks_naming_a_large_global_is_no_written_constant():
+    # each of 60 blocks walked the 250-item global again, the walk stopped at its cap before the written table,
+    # and the table was refused as a written constant (review39d)
+    model = nn.Sequential(*[BlockWithAnchors() for _ in range(60)], ReadsTheWrittenTable()).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), model(x))
