@@ -70,7 +70,7 @@ def _namespace_of(value) -> dict | None:
 
 class TraceLeftovers:
     def __init__(self, model: torch.nn.Module):
-        self.namespaces, self.caches = {}, {}
+        self.namespaces, self.caches, self.defaults = {}, {}, {}
         for m in model.modules():
             if not _own_code(type(m)):
                 continue
@@ -82,9 +82,18 @@ class TraceLeftovers:
                 if _own_code(cls):
                     for value in list(vars(cls).values()):
                         self._note_cache(value)
+                        for fn in plain_functions(value):   # a memo default (`cache={}`: review39d's
+                            self._note_defaults(fn)          # FakeTensor stayed in it)
         for _, saved in list(self.namespaces.values()):
             for value in saved.values():
                 self._note_cache(value)
+                if isinstance(value, types.FunctionType) and _namespace_of(value) is not None:
+                    self._note_defaults(value)   # a helper's memo default
+
+    def _note_defaults(self, fn) -> None:
+        for value in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()):
+            if isinstance(value, (dict, list)) and id(value) not in self.defaults:
+                self.defaults[id(value)] = (value, dict(value) if isinstance(value, dict) else list(value))
 
     def _note_namespace(self, namespace) -> bool:
         if not isinstance(namespace, dict) or id(namespace) in self.namespaces:
@@ -115,3 +124,10 @@ class TraceLeftovers:
         for function, size in self.caches.values():
             if function.cache_info().currsize != size:
                 function.cache_clear()
+        for container, saved in self.defaults.values():   # trace values the build put into a default
+            if isinstance(container, dict):
+                for key in [k for k, v in container.items() if is_trace_value(v) and saved.get(k, _NEW) is not v]:
+                    del container[key]
+            elif any(is_trace_value(v) for v in container):
+                kept = {id(v) for v in saved}
+                container[:] = [v for v in container if not is_trace_value(v) or id(v) in kept]

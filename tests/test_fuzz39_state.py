@@ -382,3 +382,23 @@ def test_a_table_read_after_many_blocks_naming_a_large_global_is_no_written_cons
     with torch.no_grad():
         x = torch.randn(4, 8)
         torch.testing.assert_close(opt(x), model(x))
+
+
+class DefaultMemo(nn.Module):
+    def forward(self, x, cache={}):   # noqa: B006 -- the classic memo default
+        n = x.shape[0]
+        if n not in cache:
+            cache[n] = torch.sin(torch.arange(n, dtype=x.dtype)[:, None] * 0.1)
+        return torch.relu(x + cache[n])
+
+
+def test_a_memo_default_holds_no_trace_value_after_a_build():
+    # a FakeTensor of the trace stayed in the default dict: the model's own calls then returned one (review39d)
+    from torch._subclasses.fake_tensor import FakeTensor
+    model = DefaultMemo().eval()
+    fxfuse.optimize(model, torch.randn(4, 4))
+    memo = DefaultMemo.forward.__defaults__[0]
+    assert not any(isinstance(v, (FakeTensor, torch.fx.Proxy)) for v in memo.values())
+    out = model(torch.randn(4, 4))
+    assert type(out) is torch.Tensor
+    memo.clear()
