@@ -92,8 +92,6 @@ class PassesThroughToOriginal:
             return self
         return torch.nn.Module.eval(self)
 
-    locals().update({name: _conversion(name) for name in CONVERSIONS})
-
     def __getitem__(self, index):
         return self._modules["original"][index]
 
@@ -145,3 +143,7 @@ class PassesThroughToOriginal:
         raise TypeError("an fxfuse OptimizedModule cannot be pickled or copied: it holds compiled kernels and "
                         "CUDA graphs. Save opt.original (or its state_dict()) and call fxfuse.optimize "
                         "again after loading.")
+
+
+for _name in CONVERSIONS:   # to(), half(), cuda(), ...: the model's own where its class has one
+    setattr(PassesThroughToOriginal, _name, _conversion(_name))
