@@ -237,10 +237,11 @@ def _only_memoized(container, saved) -> bool:
     return len(now) > len(saved)
 
 
-def _restore_container(name: str, container, saved, changed: list) -> None:
-    """Put a container's items back; name it in `changed` unless forward() only memoized."""
-    if not _same_contents(container, saved):
-        if not _only_memoized(container, saved):
+def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False) -> None:
+    """Put a container's items back; name it in `changed` unless forward() only memoized (and the
+    trace did not fill it from the input's values: drop_proxies)."""
+    if data_filled or not _same_contents(container, saved):
+        if data_filled or not _only_memoized(container, saved):
             changed.append(name)
         _put_back(container, saved)
 
@@ -314,7 +315,7 @@ class _Snapshot:
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
         from .trace_leftovers import TraceLeftovers   # (it imports this module)
-        self.leftovers = TraceLeftovers(model)
+        self.leftovers, self.data_filled = TraceLeftovers(model), set()
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
         # stored there by the trace would reach every later eager call of the class
         self.class_containers = []
@@ -330,7 +331,7 @@ class _Snapshot:
         `_masks["causal"]`), the forward()s' globals and lru caches (trace_leftovers), which verify's
         eager run read: its output was a Proxy, the check empty. Plain values the trace left stay:
         they are how verify sees a container that grows per call (stop 36)."""
-        from .trace_leftovers import is_trace_value
+        from .trace_leftovers import is_trace_value, reads_input_values
         self.leftovers.clean()
         containers = [(c, saved) for _, c, saved in self.class_containers]
         containers += [held for module in self.modules for held in module[7].values()]
@@ -338,6 +339,8 @@ class _Snapshot:
             target = vars(c) if _is_record(c) else c
             if isinstance(target, dict):
                 for k in [k for k, v in target.items() if is_trace_value(v) and saved.get(k) is not v]:
+                    if reads_input_values(target[k]):   # filled from the input's values: state, not a memo
+                        self.data_filled.add(id(c))
                     del target[k]
             elif isinstance(target, list) and any(is_trace_value(v) for v in target):
                 kept = {id(v) for v in saved}
@@ -348,10 +351,10 @@ class _Snapshot:
         changed = []
         self.leftovers.clean()
         for name, c, saved in self.class_containers:
-            _restore_container(name, c, saved, changed)
+            _restore_container(name, c, saved, changed, id(c) in self.data_filled)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
-                _restore_container(f"{name}.{k}", c, saved, changed)
+                _restore_container(f"{name}.{k}", c, saved, changed, id(c) in self.data_filled)
             for k, (t, saved) in tensors.items():
                 if not same_value(t, saved):
                     changed.append(f"{name}.{k}")

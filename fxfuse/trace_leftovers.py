@@ -131,3 +131,32 @@ class TraceLeftovers:
             elif any(is_trace_value(v) for v in container):
                 kept = {id(v) for v in saved}
                 container[:] = [v for v in container if not is_trace_value(v) or id(v) in kept]
+
+
+METADATA_ATTRIBUTES = {"shape", "device", "dtype", "ndim", "is_cuda", "layout", "requires_grad"}
+METADATA_METHODS = {"size", "dim", "numel", "stride", "get_device", "is_contiguous", "type",
+                    "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}   # their self: metadata only
+METADATA_FUNCTIONS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+
+
+def reads_input_values(value) -> bool:
+    """Whether a Proxy the trace stored (a memo entry) was computed from an input's values, not only
+    from shapes, dtypes and devices: a dict memo filled from the first call's data (ActNorm's
+    init, `self.init["loc"] = -x.mean(0)`) is state, which the graph would recompute on every call
+    (review39d). A FakeTensor of torch.export's trace carries no graph: not known (False)."""
+    if not isinstance(value, torch.fx.Proxy):
+        return False
+    stack, seen = [value.node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        metadata_of_first = (n.op == "call_method" and n.target in METADATA_METHODS
+                             or n.op == "call_function" and n.target in METADATA_FUNCTIONS)
+        if n.op == "call_function" and n.target is getattr and n.args[1:2] and n.args[1] in METADATA_ATTRIBUTES:
+            continue
+        stack += [a for a in n.all_input_nodes if not (metadata_of_first and n.args and a is n.args[0])]
+    return False

@@ -402,3 +402,42 @@ def test_a_memo_default_holds_no_trace_value_after_a_build():
     out = model(torch.randn(4, 4))
     assert type(out) is torch.Tensor
     memo.clear()
+
+
+class DataInitInADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.init = {}
+
+    def forward(self, x):
+        if "loc" not in self.init:   # ActNorm's init, kept in a dict
+            self.init["loc"], self.init["scale"] = -x.mean(0), 1 / (x.std(0) + 1e-6)
+        return torch.tanh((x + self.init["loc"]) * self.init["scale"])
+
+
+class ShapeMemoInADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x):
+        t = x.shape[0]
+        if t not in self.cache:   # made from x's size, dtype and device only
+            pos = torch.arange(t, device=x.device, dtype=x.dtype)[:, None] + x.new_zeros(1, x.size(1))
+            self.cache[t] = torch.sin(pos * 0.1)
+        return torch.relu(x + self.cache[t])
+
+
+def test_a_dict_memo_filled_from_the_inputs_values_is_state():
+    # accepted as a memo: the graph recomputed it from every call's values, eager kept the first call's (review39d)
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
+        opt = fxfuse.optimize(DataInitInADict().eval(), torch.randn(16, 8))
+    assert isinstance(opt, DataInitInADict) and opt.init == {}
+
+
+def test_a_dict_memo_made_from_sizes_dtypes_and_devices_is_still_a_memo():
+    model = ShapeMemoInADict().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), model(x))
