@@ -42,17 +42,21 @@ def user_classes(cls) -> list:
     return [k for k in cls.__mro__ if not (k.__module__ or "").startswith(("torch.", "builtins"))]
 
 
-def _library_module(module: types.ModuleType) -> bool:
-    name = module.__name__.partition(".")[0]
-    return name in sys.stdlib_module_names or name in ("torch", "fxfuse", "triton", "numpy", "builtins")
+LIBRARIES = ("torch", "fxfuse", "triton", "numpy", "builtins")
+
+
+def user_module(name: str) -> bool:
+    """Whether a module of this name is the user's code: not the standard library's (nor a private
+    C module such as _operator), torch's, fxfuse's or the libraries torch brings."""
+    top = (name or "").partition(".")[0]
+    return not (top in sys.stdlib_module_names or top in LIBRARIES or top.startswith("_") and top != "__main__")
 
 
 def _attributes_named(path: str, value, names: set, depth: int) -> list:
     """(dotted path, value) for the attributes of a user's module or class that the code names, and
     theirs, `depth` levels down (`pkg.sub.tables.TABLE`, `Consts.T`: review39c)."""
-    if depth == 0 or not (isinstance(value, types.ModuleType) and not _library_module(value)
-                          or isinstance(value, type) and (value.__module__ or "").partition(".")[0]
-                          not in ("torch", "builtins", "fxfuse")):
+    if depth == 0 or not (isinstance(value, types.ModuleType) and user_module(value.__name__)
+                          or isinstance(value, type) and user_module(value.__module__)):
         return []
     found = []
     for attr in names & set(vars(value)):
@@ -87,6 +91,6 @@ def globals_read(cls, levels: int = 2) -> list:
                 own += _attributes_named(name, value, set(code.co_names), 3)
         found += own
         if level < levels:
-            queue += [(value, level + 1) for _, value in own if isinstance(value, types.FunctionType)
-                      and (value.__module__ or "").partition(".")[0] not in ("torch", "fxfuse")]
+            queue += [(value, level + 1) for _, value in own
+                      if isinstance(value, types.FunctionType) and user_module(value.__module__)]
     return found

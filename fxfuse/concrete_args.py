@@ -10,13 +10,12 @@ import enum
 import inspect
 import operator
 import sys
-import types
 
 import torch
 import torch.fx
 
 from .errors import TraceError, UnsupportedError
-from .module_state import version
+from .module_state import plain_object, version
 
 
 def split_concrete(model: torch.nn.Module, example_args: tuple):
@@ -142,7 +141,7 @@ def fingerprint(value, depth: int = 4):
         items = list(value.items())
     elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         items = list(enumerate(value))
-    elif _plain_object(value):
+    elif _attributed(value):
         try:
             items = list(vars(value).items())
         except TypeError:   # __slots__
@@ -159,20 +158,14 @@ def fingerprint(value, depth: int = 4):
 def _mutable(value) -> bool:
     if isinstance(value, tuple):
         return any(_mutable(v) for v in value)
-    return isinstance(value, (list, dict, set, collections.deque)) or _plain_object(value)
+    return isinstance(value, (list, dict, set, collections.deque)) or _attributed(value)
 
 
-def _plain_object(value) -> bool:
-    """An object of the user's with attributes that may change (not a class, function, module,
-    tensor, or a plain value such as a number or an enum member)."""
-    try:   # a __getattr__ may raise anything (a dict-backed record: review39c)
-        has_attributes = isinstance(getattr(value, "__dict__", None), dict) or bool(getattr(type(value), "__slots__", ()))
-    except Exception:  # noqa: BLE001
-        return False
-    return has_attributes and not isinstance(value, (*PLAIN_TYPES, type, types.ModuleType, types.FunctionType,
-                                                     types.MethodType, types.BuiltinFunctionType, torch.Tensor,
-                                                     torch.nn.Module)) \
-        and not (type(value).__module__ or "").startswith("torch")
+def _attributed(value) -> bool:
+    """An object of the user's whose attributes may change (module_state.plain_object), also one
+    with __slots__ and no __dict__."""
+    return plain_object(value) or bool(getattr(type(value), "__slots__", ())) and not isinstance(
+        value, (*PLAIN_TYPES, torch.Tensor)) and not (type(value).__module__ or "").startswith(("torch", "builtins"))
 
 
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,

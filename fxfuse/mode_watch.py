@@ -13,14 +13,13 @@ import contextlib
 import inspect
 import os
 import sys
-import types
 import warnings
 
 import torch
 
 from .code_walk import globals_read
 from .errors import FxfuseWarning
-from .module_state import forward_globals, mode_free, storage_address
+from .module_state import forward_globals, mode_free, plain_object, storage_address
 
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
@@ -269,7 +268,7 @@ def unregistered_parameters(model: torch.nn.Module) -> tuple:
             found.update((id(p), p) for p in value.parameters() if id(p) not in registered)
         elif depth < 4:
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
-                else vars(value).values() if _plain_object(value) else ()
+                else vars(value).values() if plain_object(value) else ()
             for item in list(items)[:64]:
                 walk(item, depth + 1)
     for m in model.modules():
@@ -289,16 +288,6 @@ def held_elsewhere(model: torch.nn.Module) -> tuple:
             if isinstance(value, torch.Tensor):
                 global_tensors[id(value)] = value
     return unregistered_parameters(model) + tuple(global_tensors.values())
-
-
-def _plain_object(value) -> bool:
-    """An object of the user's with attributes to look into (not a class, function, module or tensor)."""
-    try:   # a __getattr__ may raise anything (KeyError from a dict-backed record: review38d)
-        has_dict = isinstance(getattr(value, "__dict__", None), dict)
-    except Exception:  # noqa: BLE001
-        return False
-    return has_dict and not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
-                                               torch.Tensor)) and not (type(value).__module__ or "").startswith("torch")
 
 
 class GradRecording:

@@ -201,6 +201,19 @@ def _held(attrs: dict, globals_read: dict, seen: set):
         yield from walk(f"forward's global {k}", v, 0)
 
 
+def plain_object(value) -> bool:
+    """An object of the user's with attributes to look into (not a class, function, module, tensor
+    or nn.Module, nor torch's own objects): the walks of mode_watch and the fingerprints of
+    concrete_args ask it."""
+    try:   # a __getattr__ may raise anything (KeyError from a dict-backed record: review38d)
+        has_dict = isinstance(getattr(value, "__dict__", None), dict)
+    except Exception:  # noqa: BLE001
+        return False
+    return has_dict and not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                                               types.BuiltinFunctionType, torch.Tensor, torch.nn.Module)) \
+        and not (type(value).__module__ or "").startswith("torch")
+
+
 def _is_record(value) -> bool:
     """A SimpleNamespace or a dataclass instance (a decode state, a config): walked by its fields."""
     return isinstance(value, types.SimpleNamespace) or (

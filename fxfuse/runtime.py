@@ -109,7 +109,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._grad = GradRecording(model, self._plain_tensors)   # what the builds' probes found about autograd,
         #                                     and the rule; the list shared, not a closure: no cycle through self
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
-        self._mutable_defaults = mutable_defaults(model)
+        self._mutable_defaults = ()        # forward()'s changeable defaults, fingerprinted (_watch_state)
         self.add_specialization(example_args)
         hook = RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()

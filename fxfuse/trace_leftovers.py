@@ -12,12 +12,11 @@ after the trace (and after the build) a global holding a trace value gets its ol
 next call, which is all a cache promises.
 """
 import functools
-import sys
 import types
 
 import torch
 
-from .code_walk import global_names, nested_code, plain_functions
+from .code_walk import global_names, nested_code, plain_functions, user_module
 from .module_state import forward_function
 
 _NEW = object()   # a name the build added
@@ -51,21 +50,16 @@ def _own_code(owner) -> bool:
     return not (getattr(owner, "__module__", None) or "").startswith("torch.")
 
 
-NOT_USER_CODE = ("torch", "fxfuse", "triton", "numpy", "builtins")
-
-
 def _namespace_of(value) -> dict | None:
     """The module namespace of a module object or a plain function, where it is the user's code
-    (not the standard library's, torch's or fxfuse's)."""
+    (code_walk.user_module)."""
     if isinstance(value, types.ModuleType):
         name, namespace = value.__name__, vars(value)
     elif isinstance(value, types.FunctionType):
         name, namespace = value.__module__ or "", value.__globals__
     else:
         return None
-    top = name.split(".")[0]
-    private = top.startswith("_") and top != "__main__"   # _operator, _functools
-    return None if top in sys.stdlib_module_names or top in NOT_USER_CODE or private else namespace
+    return namespace if user_module(name) else None
 
 
 class TraceLeftovers:

@@ -84,18 +84,20 @@ def _held_tensors(model) -> list:
             for item in list(vars(value).values())[:256]:
                 visit(item, depth - 1)
 
-    for m in model.modules() if isinstance(model, torch.nn.Module) else ():
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    for m in modules:
         for value in vars(m).values():
             visit(value, 3)
-        for klass in type(m).__mro__[:-1]:   # a tensor held as a class attribute (`T = torch.tensor(..)`)
+    for cls in dict.fromkeys(type(m) for m in modules):   # each class once (60 blocks of one class: review39d)
+        for klass in cls.__mro__[:-1]:   # a tensor held as a class attribute (`T = torch.tensor(..)`)
             for value in vars(klass).values():
                 if isinstance(value, torch.Tensor):
                     visit(value, 0)
         # the class's functions, decorated (`@torch.no_grad()`), static and properties too (review38e)
-        for fn in [f for attr in list(vars(type(m)).values()) for f in plain_functions(attr)]:
+        for fn in [f for attr in list(vars(cls).values()) for f in plain_functions(attr)]:
             for value in _bound_values(fn):   # a tensor default or a closure's tensor (fuzz37j)
                 visit(value, 1)
-        for _, value in globals_read(type(m)):   # what its code and the module-level helpers it calls read
+        for _, value in globals_read(cls):   # what its code and the module-level helpers it calls read
             visit(value, 2)
             for bound in _bound_values(value):   # a helper function's tensor default
                 visit(bound, 1)
