@@ -196,7 +196,8 @@ def build_graph(model, args: tuple, options: Options):
 
 def _build_graph(model, args: tuple, options: Options, warning):
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
-    with torch.no_grad(), kept_state(model) as snapshot:   # the model as before; forward() with state refused
+    with torch.no_grad(), kept_state(model, options.verify) as snapshot:   # the model as before (but for the
+        #                                           memos verify's eager run filled); forward() with state refused
         gm = trace(model, args)
         snapshot.drop_proxies()
         if gm.meta.get("fxfuse_proxy_attributes") and not options.verify:   # assigned during the trace:

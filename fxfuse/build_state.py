@@ -7,6 +7,10 @@ run on the example's values shuffled, one fresh fill from those) was tried in th
 back: a calibration (`amax` survives a shuffle), an example of ones, a one-element argument, and
 a memo whose rows depend on the size it was filled for (dynamic-NTK rotary tables) all passed it
 and then gave wrong answers (review39d).
+
+A dict memo (items only added) is no state: since stop 40 the build leaves it as its check's
+eager run on the example filled it (kept_state's keep_memos), so the model is as after one eager
+call, and later builds read the memo as eager's later calls would.
 """
 import contextlib
 
@@ -18,9 +22,13 @@ from .random_streams import RandomStreams
 
 
 @contextlib.contextmanager
-def kept_state(model: torch.nn.Module):
+def kept_state(model: torch.nn.Module, keep_memos: bool = False):
     """Run a build; afterwards the model and the random number streams are as before, and a
-    forward() that changed the model or drew from Python's random module is refused."""
+    forward() that changed the model or drew from Python's random module is refused. With
+    keep_memos (the build ran the model eagerly on the example to check it), a dict memo that
+    run filled (`if "s" not in self.cache: self.cache["s"] = ...`) stays filled, as after one
+    eager call: a later specialization's trace then reads it, as eager's later calls would, and
+    does not fill it afresh from its own arguments (review39d)."""
     snapshot, streams = _Snapshot(model), RandomStreams(model)
     try:
         yield snapshot
@@ -33,8 +41,9 @@ def kept_state(model: torch.nn.Module):
         snapshot.restore()
         streams.restore()
         raise
-    changed = snapshot.restore() + streams.restore()
+    changed = snapshot.restore(keep_memos) + streams.restore()
     if changed:
+        snapshot.forget_memos()
         raise _refusal(changed)
 
 

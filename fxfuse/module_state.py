@@ -250,13 +250,25 @@ def _only_memoized(container, saved) -> bool:
     return len(now) > len(saved)
 
 
-def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False) -> None:
+def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False,
+                       kept: list | None = None) -> None:
     """Put a container's items back; name it in `changed` unless forward() only memoized (and the
-    trace did not fill it from the input's values: drop_proxies)."""
+    trace did not fill it from the input's values: drop_proxies). Given `kept` (a build whose
+    check ran the model eagerly on the example), a memo keeps what that eager run filled it with
+    and is listed there."""
     if data_filled or not _same_contents(container, saved):
-        if data_filled or not _only_memoized(container, saved):
+        memo = not data_filled and _only_memoized(container, saved)
+        if not memo:
             changed.append(name)
+        elif kept is not None and not _holds_trace_values(_contents(container)):
+            kept.append((container, saved))
+            return
         _put_back(container, saved)
+
+
+def _holds_trace_values(items: dict) -> bool:
+    from .trace_leftovers import is_trace_value   # (it imports this module)
+    return any(is_trace_value(v) for v in torch.utils._pytree.tree_leaves(list(items.values())))
 
 
 def _put_back(container, saved) -> None:
@@ -359,15 +371,17 @@ class _Snapshot:
                 kept = {id(v) for v in saved}
                 target[:] = [v for v in target if not is_trace_value(v) or id(v) in kept]
 
-    def restore(self) -> list:
-        """Put everything back; the names of what forward() had changed."""
-        changed = []
+    def restore(self, keep_memos: bool = False) -> list:
+        """Put everything back, with keep_memos all but the memos (build_state.kept_state; put
+        back by forget_memos); the names of what forward() had changed."""
+        changed, kept = [], [] if keep_memos else None
+        self.kept_memos = kept if kept is not None else []
         self.leftovers.clean()
         for name, c, saved in self.class_containers:
-            _restore_container(name, c, saved, changed, id(c) in self.data_filled)
+            _restore_container(name, c, saved, changed, id(c) in self.data_filled, kept)
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
-                _restore_container(f"{name}.{k}", c, saved, changed, id(c) in self.data_filled)
+                _restore_container(f"{name}.{k}", c, saved, changed, id(c) in self.data_filled, kept)
             for k, (t, saved) in tensors.items():
                 if not same_value(t, saved):
                     changed.append(f"{name}.{k}")
@@ -405,6 +419,11 @@ class _Snapshot:
                 m._modules.clear()
                 m._modules.update(modules)
         return list(dict.fromkeys(changed))
+
+    def forget_memos(self) -> None:
+        """The memos restore(keep_memos=True) kept, put back too (the build was refused)."""
+        for container, saved in self.kept_memos:
+            _put_back(container, saved)
 
 
 def _cached(m: torch.nn.Module, k: str) -> bool:

@@ -137,16 +137,20 @@ def reads_input_values(value) -> bool:
     """Whether a Proxy the trace stored (a memo entry) was computed from an input's values, not only
     from shapes, dtypes and devices: a dict memo filled from the first call's data (ActNorm's
     init, `self.init["loc"] = -x.mean(0)`) is state, which the graph would recompute on every call
-    (review39d). A FakeTensor of torch.export's trace carries no graph: not known (False)."""
+    (review39d). So is one drawn from a random number generator (`self.cache["noise"] =
+    torch.randn(...)`): eager keeps the first draw, the graph would draw again on every call. A
+    FakeTensor of torch.export's trace carries no graph: not known (False)."""
     if not isinstance(value, torch.fx.Proxy):
         return False
+    from .graph_launch import draws_random   # (torch-heavy imports: late)
+    root = getattr(value.tracer, "root", None)
     stack, seen = [value.node], set()
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "placeholder":
+        if n.op == "placeholder" or (root is not None or n.op != "call_module") and draws_random(root, n):
             return True
         metadata_of_first = (n.op == "call_method" and n.target in METADATA_METHODS
                              or n.op == "call_function" and n.target in METADATA_FUNCTIONS)

@@ -212,7 +212,8 @@ def test_verify_runs_eager_without_the_traces_proxies(monkeypatch):
     ClassMaskMemo._masks.clear()
     model = ClassMaskMemo().eval()
     opt = fxfuse.optimize(model, torch.randn(2, 6, 8), strict=True)
-    assert seen == [torch.Tensor] and ClassMaskMemo._masks == {}
+    assert seen == [torch.Tensor]   # the memo as verify's eager run left it (stop 40): no Proxy
+    assert ClassMaskMemo._masks and all(type(v) is torch.Tensor for v in ClassMaskMemo._masks.values())
     x = torch.randn(2, 6, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))

@@ -288,10 +288,12 @@ class Counts(nn.Module):
         return self.lin(x) * len(self.seen)
 
 
-def test_a_memo_cache_filled_at_trace_time_is_optimized_and_emptied_again():
+def test_a_memo_cache_filled_at_trace_time_is_optimized_and_left_as_eager_filled_it():
+    """Since stop 40 the memo keeps what verify's eager run on the example filled it with."""
     model = Memo().eval()
     opt, messages = optimize_warned(model, torch.randn(4, 8))
-    assert isinstance(opt, OptimizedModule) and not messages and model.cache == {}
+    assert isinstance(opt, OptimizedModule) and not messages and list(model.cache) == ["ramp"]
+    assert type(model.cache["ramp"]) is torch.Tensor
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     x = torch.randn(5, 8)
     with torch.no_grad():
@@ -413,7 +415,8 @@ def test_caches_filled_by_the_trace_are_optimized_and_left_clean(make, shape, wa
     opt, messages = optimize_warned(model, x)
     assert isinstance(opt, OptimizedModule) and not messages and fxfuse.stats(opt)["fused_kernels"] >= 1
     after = model._cache if make is RotaryCache else ClassMemo._masks
-    assert after.keys() == before.keys() and all(isinstance(v, torch.Tensor) for v in after.values())
+    assert before.keys() <= after.keys() and all(type(v) is torch.Tensor for v in after.values())
+    assert len(after) == 1   # the example's entry, filled by verify's eager run (stop 40) or before
     x2 = torch.randn(*shape)
     with torch.no_grad():
         torch.testing.assert_close(opt(x2), model(x2))
