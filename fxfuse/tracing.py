@@ -176,6 +176,9 @@ def _trace(model, example_args, concrete, held):
                 advice_first = ("packed sequences (pack_padded_sequence and the RNNs that read them) are no tensor "
                                 "graph either tracer records: optimize the layers around them "
                                 "(model.head = fxfuse.optimize(model.head, h)) and keep the packing outside")
+            elif "in output, which is not a known type" in str(export_error):   # a dataclass / own class (fuzz40b)
+                advice_first = ("torch.export takes only outputs of types torch's pytree knows: return a tuple, dict "
+                                "or NamedTuple, or register the output's class (torch.utils._pytree.register_dataclass)")
             else:
                 advice_first = None
             advice = advice_first or ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "
@@ -247,7 +250,9 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     inline_disabled_autocast(gm)
     sizes_returned_as_sizes(gm)
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SIZE_ASSERTIONS]:
-        gm.graph.erase_node(node)   # `u0 <= 24` on a masked index's size: its sym_size read is no size use (fuzz35g)
+        if _asserts_a_size(node):   # `u0 <= 24` on a masked index's size: its sym_size read is no size use
+            gm.graph.erase_node(node)   # (fuzz35g); a check of a number read from a value (the user's
+            #                             `torch._check(n.item() <= 6)`) stays and raises as eager (fuzz40e)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does
     # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
     for name in ("train", "eval"):
@@ -262,6 +267,21 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
 
 SIZE_ASSERTIONS = {getattr(torch.ops.aten, name).default for name in (
     "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range") if hasattr(torch.ops.aten, name)}
+
+
+def _asserts_a_size(node) -> bool:
+    """Whether an assertion of export's graph reads a size (through Python arithmetic on it)."""
+    from .data_dependent import SIZE_OPS
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.meta.get("tensor_meta") is not None or n.op == "placeholder":
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in SIZE_OPS:
+            return True
+        stack += n.all_input_nodes
+    return False
 
 
 def _specialize_values(gm, example_args) -> None:
@@ -309,9 +329,16 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         tracer = _AutocastWatchingTracer()
         tracer.proxy_buffer_attributes = proxy_buffers
+        swallowed = None
         try:
             graph = tracer.trace(model, concrete_args=concrete)
+            swallowed = tracer.swallowed()
+        except Exception as e:
+            if (swallowed := tracer.swallowed(e)) is not None:   # the other tracer would follow one way too
+                raise _swallowed_refusal(swallowed) from e
+            raise
         finally:
+            tracer.refusals.clear()   # their frames: a failed trace must not keep its callers alive (fuzz30)
             assigned = _undo_proxy_attributes(model, before)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
             one_placeholder_per_parameter(graph, model, concrete)
@@ -320,6 +347,8 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
         gm = torch.fx.GraphModule(tracer.root, graph, name)
         gm.meta["fxfuse_proxy_attributes"] = assigned
+    if swallowed is not None:   # the trace got past it: forward() caught the tracer's error
+        raise _swallowed_refusal(swallowed)
     if tracer.autocast_node is not None:
         raise AutocastInForward(
             f"forward() enters torch.autocast (around node {tracer.autocast_node}), which torch.fx does not "
@@ -400,6 +429,12 @@ def _negative_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.copysign(1.0, v) < 0
 
 
+def _swallowed_refusal(where: str) -> UnsupportedError:
+    return UnsupportedError(f"forward() catches the error symbolic_trace raised{where}, where it branches on or "
+                            "iterates over a tensor's value: a traced graph would follow the example's way for every "
+                            "input, so the original module runs")
+
+
 class _AutocastWatchingTracer(torch.fx.Tracer):
     """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
     the context manager runs at trace time and leaves no trace in the graph. Autocast state is
@@ -407,6 +442,35 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
     trip it. Its proxies record augmented assignments (_AugmentedAssignmentProxy)."""
 
     autocast_node = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refusals = []   # (error, where): each place the trace could not follow a value (a branch on it)
+
+    def to_bool(self, obj):
+        return self._refused(super().to_bool, obj)
+
+    def iter(self, obj):
+        return self._refused(super().iter, obj)
+
+    def _refused(self, method, *args):
+        """Note where the tracer raised: forward() may catch it (`try: if x.max() > 10: ... except
+        Exception: pass`) and go on, and the trace then follows one branch for every input
+        (fuzz40e: silently wrong)."""
+        try:
+            return method(*args)
+        except Exception as e:
+            self.refusals.append((e, _failing_line(None) or " (in forward())"))
+            raise
+
+    def swallowed(self, error: BaseException | None = None) -> str | None:
+        """Where forward() caught one of the tracer's errors and went on (the trace succeeded,
+        or failed with another error: `error`), else None."""
+        chain = []
+        while error is not None and error not in chain:
+            chain.append(error)
+            error = error.__cause__ or error.__context__
+        return next((where for e, where in self.refusals if e not in chain), None)
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
@@ -461,14 +525,16 @@ class AutocastInForward(UnsupportedError):
     """forward() enters torch.autocast: no tracer here records it faithfully."""
 
 
-def _failing_line(e: BaseException) -> str:
-    """' at file:line in function (`source`)': the innermost frame of the error outside torch.fx
-    and fxfuse, where forward() (or a library it calls: torch.distributions' argument checks)
-    did what the tracer cannot follow, such as branching on a tensor's value (fuzz37b)."""
+def _failing_line(e: BaseException | None) -> str:
+    """' at file:line in function (`source`)': the innermost frame of the error (None: of the
+    current stack) outside torch.fx and fxfuse, where forward() (or a library it calls:
+    torch.distributions' argument checks) did what the tracer cannot follow, such as branching
+    on a tensor's value (fuzz37b)."""
     def inside_the_tracers(filename):
         return inside_packages(filename, ("fxfuse",)) or inside_packages(
             filename, ("torch",), except_for=("torch.distributions", "torch.nn"))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not inside_the_tracers(f.filename)]
+    stack = traceback.extract_tb(e.__traceback__) if e is not None else traceback.extract_stack()
+    frames = [f for f in stack if not inside_the_tracers(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
