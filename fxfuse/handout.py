@@ -114,6 +114,30 @@ def copies_keeping_aliases(out, fill: bool):
     return map_tensors(copy, out)
 
 
+def fresh_constants(out, storages: set, address):
+    """out with each tensor in one of `storages` (the graph's constants: `return torch.zeros(3)`
+    folded into an attribute) copied, as eager makes them afresh each call: the same tensor twice
+    stays one tensor, and views of one constant (`c, c[1:]`, an expanded default mask of stride
+    0) are views of one new storage with eager's strides (fuzz40b: cloned one by one, they came
+    back unrelated and row-major)."""
+    new, copies = {}, {}
+
+    def copy(t):
+        if address(t) not in storages:
+            return t
+        if id(t) not in new:
+            key, size = t.untyped_storage()._cdata, t.untyped_storage().nbytes()
+            if t.is_conj() or t.is_neg() or t.numel() == 0 or size > 2 * t.numel() * t.element_size() + 4096:
+                new[id(t)] = t.clone()   # a small view of a big constant: its own copy
+            else:
+                if key not in copies:
+                    copies[key] = t.untyped_storage().clone()
+                new[id(t)] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    copies[key], t.storage_offset(), t.shape, t.stride())
+        return new[id(t)]
+    return map_tensors(copy, out)
+
+
 def _plain_view(t: torch.Tensor) -> bool:
     """A view set_ can rebuild: no conj/neg bit, not empty, no overlapping strides (2: too hard to
     tell, a strided view such as a diagonal, is fine; review38c, review38d)."""

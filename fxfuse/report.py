@@ -17,15 +17,19 @@ DTYPE_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16
                torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8"}
 
 
+def _is_tensor_meta(meta) -> bool:
+    return hasattr(meta, "shape") and hasattr(meta, "dtype")
+
+
 def shape_str(node) -> str:
     meta = node.meta.get("tensor_meta")
     if meta is None:
         return ""
-    if hasattr(meta, "shape"):
+    if _is_tensor_meta(meta):
         return f"{DTYPE_SHORT.get(meta.dtype, str(meta.dtype))}{list(meta.shape)}"
-    if isinstance(meta, (tuple, list)):
+    if isinstance(meta, (tuple, list)):   # a NamedTuple with a field named `shape` is no tensor's (fuzz40b)
         return "(" + ", ".join(f"{DTYPE_SHORT.get(m.dtype, m.dtype)}{list(m.shape)}"
-                               for m in meta if hasattr(m, "shape")) + ")"
+                               for m in meta if _is_tensor_meta(m)) + ")"
     return ""
 
 

@@ -10,8 +10,8 @@ import torch.fx
 from .errors import UnsupportedError
 from .graph_launch import (GraphLauncher, _current_stream, clear_cublas_workspaces, draws_random_numbers,
                            generator_offset)
-from .handout import (HANDOUT_SLOTS, SlotChoice, copies_keeping_aliases, inside, map_tensors, own_pool_fits,
-                      pool_segments)
+from .handout import (HANDOUT_SLOTS, SlotChoice, copies_keeping_aliases, fresh_constants, inside,
+                      own_pool_fits, pool_segments)
 from .input_copy import GraphInputs, can_bind, new_graph
 from .log import logger, quiet_this_thread
 from .module_state import storage_address
@@ -271,7 +271,7 @@ class Specialization(SlotChoice):
             self._constant_storages = _constant_storages(self.gm, self.model_tensors)
         if not self._constant_storages:
             return out
-        return map_tensors(lambda t: t.clone() if storage_address(t) in self._constant_storages else t, out)
+        return fresh_constants(out, self._constant_storages, storage_address)
 
     def __call__(self, args):
         self.calls += 1

@@ -34,6 +34,9 @@ def _verify(model, gm, args, rewind) -> list:
     graph_out = gm(*graph_args)
     expected, expected_spec = flatten_output(eager_out)
     got, got_spec = flatten_output(graph_out)
+    retyped = _retyped_container(eager_out, graph_out)
+    if retyped:   # a tuple / list subclass, a torch.Size inside a NamedTuple: flatten_output's plain
+        raise UnsupportedError(retyped)   # containers would not tell (fuzz40b)
     if expected_spec != got_spec:
         if type(eager_out) is not type(graph_out):   # a dict subclass torch.fx rebuilds as a dict
             raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, which the traced graph "
@@ -118,6 +121,27 @@ def _differs_at_all(e, g) -> bool:
 
 _SHORT = reprlib.Repr()   # a message names a value, it does not print a tensor (keywords: Python 3.12+)
 _SHORT.maxstring = _SHORT.maxother = 80
+
+
+def _retyped_container(eager, graph, where: str = "the output") -> str | None:
+    """What the traced graph returns in a container of another type than eager's (a tuple
+    subclass of the user's comes back a plain tuple, a torch.Size inside a NamedTuple a tuple),
+    else None."""
+    a, b = type(eager), type(graph)   # a NamedTuple class made in forward() is another class each call
+    if (a.__module__, a.__qualname__) != (b.__module__, b.__qualname__) \
+            and (isinstance(eager, (list, tuple, dict)) or dataclasses.is_dataclass(eager)):
+        return (f"{where} is a {type(eager).__name__}, which the traced graph rebuilds as a {type(graph).__name__}: "
+                "return a tuple, list, dict, NamedTuple or dataclass of tensors instead")
+    if isinstance(eager, dict) and isinstance(graph, dict):
+        pairs = [(f"{where}[{k!r}]", v, graph.get(k)) for k, v in eager.items()]
+    elif isinstance(eager, (list, tuple)) and isinstance(graph, (list, tuple)):
+        pairs = [(f"{where}[{k}]", v, g) for k, (v, g) in enumerate(zip(eager, graph))]
+    elif dataclasses.is_dataclass(eager) and not isinstance(eager, type):
+        pairs = [(f"{where}.{f.name}", getattr(eager, f.name), getattr(graph, f.name, None))
+                 for f in dataclasses.fields(eager)]
+    else:
+        return None
+    return next((r for r in (_retyped_container(*p[1:], p[0]) for p in pairs) if r), None)
 
 
 def flatten_output(out) -> tuple:

@@ -158,10 +158,18 @@ def _is_detach(node) -> bool:
         cut = node.target in ("detach", "detach_") and len(node.args) == 1 and not node.kwargs
     else:
         cut = node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
-    source = node.args[0] if cut else None   # `return x.detach()` of an input or parameter: eager's
-    in_place = node.target in ("detach_", aten.detach_.default)   # result requires no grad where x does
-    return cut and (in_place or not (isinstance(source, torch.fx.Node) and source.op in ("placeholder", "get_attr")
-                                     and any(u.op == "output" for u in node.users)))
+    in_place = node.target in ("detach_", aten.detach_.default)
+    # kept where the alias itself is seen: returned (eager gives a new tensor object sharing the
+    # memory, and a caller's `out[1].unsqueeze_(0)` must not reshape out[0]: fuzz40b), or changed
+    # in place (`d = h.detach(); d.unsqueeze_(0)` reshapes d only)
+    seen = any(u.op == "output" or _writes_in_place(u) for u in node.users)
+    return cut and (in_place or not seen)
+
+
+def _writes_in_place(node) -> bool:
+    name = node.target if node.op == "call_method" else \
+        getattr(getattr(node.target, "overloadpacket", node.target), "__name__", "")   # aten.unsqueeze_.default
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
 
 
 
