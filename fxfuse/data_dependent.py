@@ -21,9 +21,13 @@ DATA_DEPENDENT_METHODS = {"nonzero", "argwhere", "masked_select", "unique", "uni
 INDEXING = {operator.getitem, torch.ops.aten.index.Tensor}
 
 
-def _is_bool_tensor(a) -> bool:
+def _is_bool_tensor(a) -> bool:   # uint8 too: torch still indexes with it as a mask (deprecated; fuzz40e)
     meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
-    return getattr(meta, "dtype", None) == torch.bool
+    return getattr(meta, "dtype", None) in (torch.bool, torch.uint8)
+
+
+ONE_HOT = {torch.nn.functional.one_hot, torch.ops.aten.one_hot.default}
+REPEATS_ONLY = {torch.repeat_interleave, torch.ops.aten.repeat_interleave.Tensor}   # repeat_interleave(counts)
 
 
 def _makes_data_dependent_shape(n) -> bool:
@@ -33,6 +37,11 @@ def _makes_data_dependent_shape(n) -> bool:
         return any(_is_bool_tensor(a) for a in torch.utils._pytree.tree_leaves(list(n.args[1:])))
     if n.op == "call_function" and n.target is torch.where:
         return len(n.args) + len(n.kwargs) == 1
+    if n.op == "call_function" and n.target in ONE_HOT:   # labels.max() + 1 columns unless num_classes is given
+        return n.kwargs.get("num_classes", n.args[1] if len(n.args) > 1 else -1) == -1
+    if n.op == "call_function" and n.target in REPEATS_ONLY and len(n.args) == 1 \
+            and n.kwargs.get("output_size") is None and "repeats" not in n.kwargs:
+        return True
     dynamic = (n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS) or \
         (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
     if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only
@@ -50,7 +59,9 @@ NOT_SIZE_ARGUMENTS = {"full_like": ((1,), ("fill_value",)), "full": ((1,), ("fil
                       "new_full": ((2,), ("fill_value",)), "pad": ((3,), ("value",)),
                       "layer_norm": ((4,), ("eps",)), "group_norm": ((4,), ("eps",)), "rms_norm": ((3,), ("eps",)),
                       "batch_norm": ((5, 6, 7), ("training", "momentum", "eps")), "normalize": ((1, 3), ("p", "eps")),
-                      "masked_fill": ((2,), ("value",)), "index_fill": ((3,), ("value",)), "fill": ((1,), ("value",))}
+                      "masked_fill": ((2,), ("value",)), "index_fill": ((3,), ("value",)), "fill": ((1,), ("value",)),
+                      "narrow": ((1, 2), ("dim", "start")), "select": ((1, 2), ("dim", "index")),   # (fuzz40e)
+                      "roll": ((1, 2), ("shifts", "dims"))}
 
 
 def _reads_values(n) -> bool:
@@ -64,12 +75,16 @@ def _sized_by_values(n, values: set) -> bool:
     to the example's): any argument of an op that is not pointwise, but those NOT_SIZE_ARGUMENTS
     names (a fill value, an eps)."""
     index = n.args[1] if n.op == "call_function" and n.target in INDEXING and len(n.args) > 1 else None
-    bounds = [b for s in (index if isinstance(index, tuple) else (index,)) if isinstance(s, slice)
-              for b in (s.start, s.stop, s.step) if isinstance(b, torch.fx.Node)]
+    items = index if isinstance(index, tuple) else (index,)
+    bounds = [b for s in items if isinstance(s, slice) for b in (s.start, s.stop, s.step) if isinstance(b, torch.fx.Node)]
     if any(b in values or b.meta.get("tensor_meta") is not None for b in bounds):
         return True
+    if n.op == "call_function" and n.target is operator.getitem and index is not None and not bounds:
+        return False   # `x[i.item()]`: a number read from a value picks an element; no size follows (fuzz40e)
     if n.op == "call_function" and n.target in (torch.tensor_split, torch.ops.aten.tensor_split.tensor_indices_or_sections) \
             and len(n.args) > 1 and isinstance(n.args[1], torch.fx.Node):
+        return True
+    if _sized_by_a_tensor(n):
         return True
     if not any(a in values for a in n.all_input_nodes):
         return False
@@ -83,6 +98,27 @@ def _sized_by_values(n, values: set) -> bool:
     found = []
     torch.fx.node.map_arg(sizing, lambda a: found.append(a) or a)
     return any(a in values for a in found)
+
+
+# ops with a size argument a 0-dim tensor may give directly (`torch.arange(n)`, `x.narrow(0, 0, n)`,
+# `x.topk(n)`): torch reads its value (fuzz40e). Factories take one anywhere; the others after their input
+SIZE_FACTORIES = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "linspace",
+                  "logspace", "eye", "tril_indices", "triu_indices"}
+SIZE_TAKING = {"narrow", "narrow_copy", "topk", "pad", "split", "chunk", "expand", "repeat", "view", "reshape", "tile",
+               "unflatten", "unfold", "new_zeros", "new_ones", "new_empty", "new_full", "constant_pad_nd"}
+
+
+def _sized_by_a_tensor(n) -> bool:
+    if n.op not in ("call_function", "call_method"):
+        return False
+    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
+    if name not in SIZE_FACTORIES and name not in SIZE_TAKING:
+        return False
+    positions, keywords = NOT_SIZE_ARGUMENTS.get(name, ((), ()))
+    args = [a for k, a in enumerate(n.args) if k not in positions and (k > 0 or name in SIZE_FACTORIES)]
+    found = []
+    torch.fx.node.map_arg(args + [v for k, v in n.kwargs.items() if k not in keywords], lambda a: found.append(a) or a)
+    return any(getattr(a.meta.get("tensor_meta"), "shape", None) == torch.Size([]) for a in found)
 
 
 def _reads_size(n) -> bool:

@@ -62,10 +62,12 @@ def _transposed_weight(node):
     transposes = (
         (node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)))
         or (node.op == "call_method" and node.target == "t" and not rest)
-        or (node.op == "call_function" and node.target in (torch.t, aten.t.default) and not rest)
+        or (node.op == "call_function" and node.target in (torch.t, aten.t.default, aten.numpy_T.default,
+                                                           aten.mT.default) and not rest)   # export's W.T, W.mT
         or (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims") and swaps)
         or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes, torch.swapdims,
-                                                           aten.transpose.int) and swaps)
+                                                           aten.transpose.int, aten.swapaxes.default,
+                                                           aten.swapdims.default) and swaps)
         or (node.op == "call_method" and node.target == "permute" and _reverses(rest[0] if len(rest) == 1 else rest))
         or (node.op == "call_function" and node.target in (torch.permute, aten.permute.default)
             and len(rest) == 1 and _reverses(rest[0])))
@@ -343,7 +345,8 @@ def _selects_part(index) -> bool:
 
 # a weight kept flat and viewed in forward (`F.linear(x, self.w.view(out, in))`, fuzz37d): a view too
 RESHAPING_METHODS = {"view", "reshape", "unflatten"}
-RESHAPING_FUNCTIONS = {torch.reshape, torch.unflatten}
+RESHAPING_FUNCTIONS = {torch.reshape, torch.unflatten, aten.view.default, aten.reshape.default,
+                       aten._unsafe_view.default}   # export's spellings (fuzz40d)
 
 
 def _reshaped_weight(node) -> bool:

@@ -129,6 +129,9 @@ def _sink_one(gm, op, written: set) -> bool:
     if not _contiguous(_meta(source)) or source in written:
         return False    # the reshape copies: op(source) would keep source's layout, not the row-major one assumed
     plans = _plans(op, view, source, written)
+    if plans is not None and any(how == "reshape" and _joins_only(x, op) for how, x in plans):
+        return False    # `sigmoid(x) * softmax(o).view(b, t, d)`: the reshape of sigmoid's result would cut
+                        # it from the product it fuses with now, for a source no pointwise op joins (fuzz40a)
     if plans is None or not all(_plans(u, op, source, written) is not None for u in op.users
                                 if u.op == "call_function" and is_pointwise_target(u.target)):
         return False    # a pointwise user that cannot follow op below the view: moving op alone would
@@ -163,6 +166,21 @@ def _plans(op, view, source, written):
     return None if None in plans else plans
 
 
+def _joins_only(operand, op) -> bool:
+    """Whether a pointwise op's result is read by op alone (so fusion puts them in one kernel)."""
+    return operand.op == "call_function" and is_pointwise_target(operand.target) and set(operand.users) == {op}
+
+
+def _same_shape(node):
+    """z where node reshapes contiguous z to z's own shape (`y.view_as(h)` of a y shaped as h, a
+    no-op that split a kernel: fuzz40d), else None."""
+    z = reshape_source(node)
+    if z is None or tuple(_meta(z).shape) != tuple(_meta(node).shape) or not _contiguous(_meta(z)) \
+            or z.op in ("placeholder", "get_attr") or any(u.op == "output" for u in node.users):
+        return None
+    return z
+
+
 def _round_trip(node):
     """z where node reshapes a reshape of contiguous z back to z's shape (a no-op), else None."""
     inner = reshape_source(node)
@@ -188,6 +206,10 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 g.erase_node(node)
                 if not inner.users:
                     g.erase_node(inner)
+                changed = True
+            elif (z := _same_shape(node)) is not None:
+                node.replace_all_uses_with(z)
+                g.erase_node(node)
                 changed = True
     for node in list(g.nodes):   # constants read as their [n] views ("flat") now
         if node.op == "get_attr" and not node.users:
