@@ -131,6 +131,13 @@ SIZE_OPS = {getattr(torch.ops.aten, name).int if name == "sym_size" else getattr
             for name in ("sym_size", "sym_numel") if hasattr(torch.ops.aten, name)}
 
 
+def reads_to_the_host(gm: torch.fx.GraphModule):
+    """The first node that waits for a tensor's value on the host (`.item()`, `.tolist()`, a
+    value-sized result such as nonzero), else None: a CUDA graph cannot capture it, and a failed
+    capture leaves torch's CUDA generator unusable ("Offset increment outside graph capture")."""
+    return next((n for n in gm.graph.nodes if _reads_values(n) or _makes_data_dependent_shape(n)), None)
+
+
 def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
     """Every graph is specialized on shapes; a value whose shape depends on the input's values
     (h[h > 0], nonzero(x)) and everything computed from it may change shape between calls.

@@ -7,6 +7,7 @@ import itertools
 import torch
 import torch.fx
 
+from .data_dependent import reads_to_the_host
 from .errors import UnsupportedError
 from .graph_launch import (GraphLauncher, _current_stream, clear_cublas_workspaces, draws_random_numbers,
                            generator_offset)
@@ -164,6 +165,9 @@ class Specialization(SlotChoice):
     def _capture(self, example_args):
         if self.gm.meta.get("fxfuse_inplace_kept") and writes_an_input(self.gm):
             self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
+            return
+        if (sync := reads_to_the_host(self.gm)) is not None:
+            self.cuda_graph_note = f"off: {sync.name} reads a tensor's value on the host, which a CUDA graph cannot"
             return
         try:   # quietly: a failing capture's GraphModule prints its traceback to stderr, unasked (fuzz34b)
             with quiet_this_thread(stdout=False):

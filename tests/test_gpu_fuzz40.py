@@ -33,14 +33,18 @@ def test_constant_outputs_are_fresh_each_call_under_a_cuda_graph():
         again = opt(torch.randn(4, 8, device="cuda"))
     out[2].fill_(7)
     assert again[2].tolist() == [0.0, 0.0, 0.0] and out[1].tolist() == [[1.0] * 8] * 4
-    assert out[2] is out[3] and out[4].tolist() == [7.0, 7.0]   # c twice is one tensor; c[1:] a view of it
+    assert out[2].data_ptr() == out[3].data_ptr() and out[4].tolist() == [7.0, 7.0]   # c twice and c[1:]: one
+    #                                             memory (the CUDA graph's handout makes c twice two tensor objects)
 
 
 @pytest.mark.parametrize("make", [PickRow, Window])
 def test_an_index_read_from_a_value_fuses_on_cuda(make):
+    # the graph reads i on the host: no CUDA graph (a failed capture left torch's CUDA generator broken for
+    # every later test: "Offset increment outside graph capture encountered unexpectedly")
     model = make().eval()
     opt = fxfuse.optimize(model, (torch.randn(64, 33, device="cuda"), torch.tensor(2, device="cuda")), strict=True)
-    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and "reads a tensor's value on the host" in fxfuse.explain(opt)
+    torch.randn(3, device="cuda")   # the generator still works
     for i in (0, 5, 1):
         x, k = torch.randn(64, 33, device="cuda"), torch.tensor(i, device="cuda")
         with torch.no_grad():
