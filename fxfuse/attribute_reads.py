@@ -119,6 +119,7 @@ def recording_attribute_reads(model: torch.nn.Module):
     finally:
         remove()
         names = set().union(*map(_names_of, codes))
+        reads["code_names"] = names   # also where every attribute is watched (tracing._checks_tensor_type)
         if names & DYNAMIC:
             reads["all"] = True
         else:

@@ -21,7 +21,9 @@ from .code_walk import globals_read
 from .errors import FxfuseWarning
 from .module_state import forward_globals, mode_free, plain_object, storage_address
 
-LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+_PASSES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes", "")   # fxfuse.passes
+LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep) + (
+    (_PASSES,) if os.path.isfile(os.path.join(_PASSES, "fuse_pointwise.py")) else ())   # in a source tree (editable)
 # ^ with the separator: torchvision/ and fxfuse_models/ are the model's code, not torch's or fxfuse's
 
 

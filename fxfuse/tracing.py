@@ -8,11 +8,11 @@ that the normalize pass also understands. Shapes come only from ShapePropagation
 node.meta["tensor_meta"]; non-tensor values (sizes, dims) go to fxfuse's own meta so the
 normalize pass can fold them into constants.
 """
-import collections
 import contextlib
 import inspect
-import math
-import operator
+import re
+import sys
+import threading
 import time
 import traceback
 import warnings
@@ -22,15 +22,17 @@ import torch.fx
 from torch.nn.utils import parametrize
 
 from .call_context import quiet_export
-from .concrete_args import (check_exported, drop_value_checks, inline_disabled_autocast, numpy_number,
+from .concrete_args import (check_exported, drop_value_checks, inline_disabled_autocast,
                             one_placeholder_per_parameter, sizes_returned_as_sizes, split_concrete)
 from .errors import TraceError, UnsupportedError
-from .log import inside_packages, logger, quiet_this_thread
+from .fx_tracer import (AutocastInForward, _AutocastWatchingTracer, _failing_line, _swallowed_refusal,
+                        autocast_enabled)  # noqa: F401 (autocast_enabled re-exported: api, runtime)
+from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .module_state import version
 from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
-from .state_writes import (AUGMENTED_NAMES, assigns_parameter, parameter_versions, refuse_state_writes,
+from .state_writes import (assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
 from .shape_propagation import (ShapePropagation, ShapePropagationError, clone_args,  # noqa: F401 (re-exported)
                                 propagate_shapes, tensor_metadata)
@@ -80,9 +82,9 @@ def _checks_tensor_type(reads: dict) -> bool:
     under symbolic_trace `isinstance(mask, torch.Tensor)` is false for a Proxy, so the traced
     graph dropped the tensor branch, silently where the example input hid it (fuzz31h). Such a
     model is traced by torch.export instead (which runs fake tensors). From the names its code
-    reads (attribute_reads): a type test and `Tensor`, or torch.is_tensor; unknown (every name
-    watched) counts as no."""
-    names = reads.get("names") or set()
+    reads (attribute_reads): a type test and `Tensor`, or torch.is_tensor; also where the code
+    reads attributes by computed names (getattr), whose names are all watched."""
+    names = reads.get("code_names") or reads.get("names") or set()
     return "is_tensor" in names or bool(names & TENSOR_TYPE_CHECKS) and "Tensor" in names
 
 
@@ -242,7 +244,8 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
-    program, compiling = quiet_export(model, tuple(example_args))
+    with _users_checks() as checks:
+        program, compiling = quiet_export(model, tuple(example_args))
     gm = program.module()
     gm.meta["fxfuse_traced_as_compiling"] = compiling
     check_exported(gm)
@@ -250,9 +253,9 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     inline_disabled_autocast(gm)
     sizes_returned_as_sizes(gm)
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SIZE_ASSERTIONS]:
-        if _asserts_a_size(node):   # `u0 <= 24` on a masked index's size: its sym_size read is no size use
-            gm.graph.erase_node(node)   # (fuzz35g); a check of a number read from a value (the user's
-            #                             `torch._check(n.item() <= 6)`) stays and raises as eager (fuzz40e)
+        if _asserts_a_size(node) or _expression(node) not in checks:   # export's own range assumptions
+            gm.graph.erase_node(node)   # (`u0 >= -8` of a slice bound eager clamps: review40), and `u0 <= 24`
+            #     on a masked index's size (fuzz35g); the user's `torch._check(n.item() <= 6)` stays (fuzz40e)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does
     # fxfuse's, but opt.eval() must still reach it: the flag then only reports the mode
     for name in ("train", "eval"):
@@ -267,6 +270,33 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
 
 SIZE_ASSERTIONS = {getattr(torch.ops.aten, name).default for name in (
     "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range") if hasattr(torch.ops.aten, name)}
+
+
+_CHECKS = threading.local()
+
+
+@contextlib.contextmanager
+def _users_checks():
+    """The conditions forward() itself gives torch._check during the export (as export prints them,
+    `u0 <= 6`): those of its asserts are the user's; the others are export's own assumptions."""
+    check, found = torch._check, set()
+
+    def recording(cond, *args, **kwargs):
+        if getattr(_CHECKS, "on", False) and not isinstance(cond, bool) \
+                and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch"):
+            found.add(str(cond))
+        return check(cond, *args, **kwargs)
+    _CHECKS.on, torch._check = True, recording
+    try:
+        yield found
+    finally:
+        _CHECKS.on, torch._check = False, check
+
+
+def _expression(node) -> str | None:
+    message = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else ""
+    found = re.search(r"expression (.*) on node", message)
+    return found.group(1) if found else None
 
 
 def _asserts_a_size(node) -> bool:
@@ -334,8 +364,8 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
             graph = tracer.trace(model, concrete_args=concrete)
             swallowed = tracer.swallowed()
         except Exception as e:
-            if (swallowed := tracer.swallowed(e)) is not None:   # the other tracer would follow one way too
-                raise _swallowed_refusal(swallowed) from e
+            if (swallowed := tracer.swallowed(e)) is not None and swallowed[1]:   # the other tracer would
+                raise _swallowed_refusal(swallowed[0]) from e                        # follow one way too
             raise
         finally:
             tracer.refusals.clear()   # their frames: a failed trace must not keep its callers alive (fuzz30)
@@ -348,7 +378,9 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         gm = torch.fx.GraphModule(tracer.root, graph, name)
         gm.meta["fxfuse_proxy_attributes"] = assigned
     if swallowed is not None:   # the trace got past it: forward() caught the tracer's error
-        raise _swallowed_refusal(swallowed)
+        if not swallowed[1]:   # at a branch on a size: torch.export specializes on it (_trace)
+            raise TraceError(f"forward() catches the error symbolic_trace raised{swallowed[0]}, a branch on a size")
+        raise _swallowed_refusal(swallowed[0])
     if tracer.autocast_node is not None:
         raise AutocastInForward(
             f"forward() enters torch.autocast (around node {tracer.autocast_node}), which torch.fx does not "
@@ -383,163 +415,6 @@ def _holds_proxy(v) -> bool:
     if type(v) in (tuple, list):
         return any(map(_holds_proxy, v))
     return type(v) is dict and any(map(_holds_proxy, v.values()))
-
-
-class _AugmentedAssignmentProxy(torch.fx.Proxy):
-    """A torch.fx Proxy that records `v += y` as operator.iadd(v, y).
-
-    torch.fx's Proxy has no in-place operators, so Python runs `v += y` as `v = v + y`: the
-    write disappears. Eager writes into v's memory, and when v is a view (`v = h[:, :4]`), an
-    alias (`g = h`) or an input, others see the write (fuzzing: a silent wrong answer where
-    the example input did not show it). operator.iadd is what Python runs for `+=`: in-place
-    for a tensor, a rebinding for an int, and normalize turns it into the functional op where
-    nothing else sees the memory (`out += identity` on a fresh tensor still fuses)."""
-
-
-    def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
-        return _AugmentedAttribute(self, k)
-
-
-_AugmentedAssignmentProxy.__name__ = _AugmentedAssignmentProxy.__qualname__ = "Proxy"   # as torch.fx's, in
-#                                              the errors Python raises about one ("'Proxy' object cannot be ...")
-
-
-class _AugmentedAttribute(torch.fx.proxy.Attribute):
-    """torch.fx's proxy of an attribute (`v.T`, `v.mT`), recording augmented assignments too."""
-
-    def __getattr__(self, k):
-        return _AugmentedAttribute(self, k)
-
-
-for _name in AUGMENTED_NAMES:
-    def _augmented(self, other, _op=getattr(operator, f"i{_name}")):
-        return self.tracer.create_proxy("call_function", _op, (self, other), {})
-    for _cls in (_AugmentedAssignmentProxy, _AugmentedAttribute):
-        setattr(_cls, f"__i{_name}__", _augmented)
-
-
-def number_to_the_power(base, exponent):
-    """`base ** exponent` for a negative number base, which torch.fx would print as `-2 ** x`,
-    that is -(2 ** x). A function of its own, not torch.pow: the exponent may be a size
-    (`(-1) ** x.shape[-1]`, an int; review37), which torch.pow refuses."""
-    return base ** exponent
-
-
-def _negative_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.copysign(1.0, v) < 0
-
-
-def _swallowed_refusal(where: str) -> UnsupportedError:
-    return UnsupportedError(f"forward() catches the error symbolic_trace raised{where}, where it branches on or "
-                            "iterates over a tensor's value: a traced graph would follow the example's way for every "
-                            "input, so the original module runs")
-
-
-class _AutocastWatchingTracer(torch.fx.Tracer):
-    """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
-    the context manager runs at trace time and leaves no trace in the graph. Autocast state is
-    per thread (the build runs with it off: runtime._autocast_off), so other threads cannot
-    trip it. Its proxies record augmented assignments (_AugmentedAssignmentProxy)."""
-
-    autocast_node = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.refusals = []   # (error, where): each place the trace could not follow a value (a branch on it)
-
-    def to_bool(self, obj):
-        return self._refused(super().to_bool, obj)
-
-    def iter(self, obj):
-        return self._refused(super().iter, obj)
-
-    def _refused(self, method, *args):
-        """Note where the tracer raised: forward() may catch it (`try: if x.max() > 10: ... except
-        Exception: pass`) and go on, and the trace then follows one branch for every input
-        (fuzz40e: silently wrong)."""
-        try:
-            return method(*args)
-        except Exception as e:
-            self.refusals.append((e, _failing_line(None) or " (in forward())"))
-            raise
-
-    def swallowed(self, error: BaseException | None = None) -> str | None:
-        """Where forward() caught one of the tracer's errors and went on (the trace succeeded,
-        or failed with another error: `error`), else None."""
-        chain = []
-        while error is not None and error not in chain:
-            chain.append(error)
-            error = error.__cause__ or error.__context__
-        return next((where for e, where in self.refusals if e not in chain), None)
-
-    def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
-        if node.op == "call_function" and node.target is operator.pow and _negative_number(node.args[0]):
-            node.target = number_to_the_power   # torch.fx prints operator.pow(-2, x) as `-2 ** x` (fuzz37c)
-        if self.autocast_node is None and node.op not in ("placeholder", "output") and autocast_enabled():
-            self.autocast_node = node.name
-        return node
-
-    def proxy(self, node):
-        return _AugmentedAssignmentProxy(node, self)
-
-    def is_leaf_module(self, m, module_qualified_name) -> bool:
-        """torch.nn's modules stay call_module nodes, except a parametrized Linear or
-        convolution (weight_norm, spectral_norm, register_parametrization): traced through, it is
-        an F.linear / conv whose weight the parametrization computes in the graph, and its bias
-        and activation fuse like any layer's; kept whole, it was one opaque call that nothing
-        fused into. Other parametrized modules stay whole (a weight-normed MultiheadAttention
-        traced through was 26 library calls where it had been 2). A module whose forward was set
-        on the instance is traced through too (fuzz31d: a patched Linear was rewritten as a plain
-        one, silently)."""
-        if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)) and parametrize.is_parametrized(m):
-            return False
-        if "forward" in vars(m):   # a forward set on the instance (a monkeypatch, a LoRA-style wrapper):
-            return False           # a leaf would be rewritten by its type, so trace what the call runs
-        return super().is_leaf_module(m, module_qualified_name)
-
-    def create_arg(self, a):
-        """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
-        the optimized module returned another type than the model, which the verification
-        refused. Rebuilt as OrderedDict(dict) in the graph instead."""
-        if numpy_number(a):   # recorded as the number torch's ops read (np.float64's repr is no literal)
-            return a.item()
-        if type(a) is torch.Size:   # torch.fx stores a Size as a tuple: `return y, torch.Size([3, 4])`
-            return self.create_node("call_function", torch.Size, (super().create_arg(tuple(a)),), {})   # (review36)
-        if type(a) is collections.OrderedDict:
-            return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
-        if isinstance(a, dict) and type(a) not in (dict, torch.fx.immutable_collections.immutable_dict):
-            # fuzz33g: a Hugging Face ModelOutput, a defaultdict, a dataclass that is a dict came back
-            # as a plain dict (with verify=False silently; a dict dataclass as an empty one)
-            raise UnsupportedError(
-                f"forward() returns a {type(a).__name__} (or passes one on), a subclass of dict, which torch.fx "
-                "records as a plain dict: the optimized module would return another type. Return a plain dict, "
-                "an OrderedDict or a tuple (a Hugging Face model: return_dict=False)")
-        return super().create_arg(a)
-
-
-autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call
-
-
-class AutocastInForward(UnsupportedError):
-    """forward() enters torch.autocast: no tracer here records it faithfully."""
-
-
-def _failing_line(e: BaseException | None) -> str:
-    """' at file:line in function (`source`)': the innermost frame of the error (None: of the
-    current stack) outside torch.fx and fxfuse, where forward() (or a library it calls:
-    torch.distributions' argument checks) did what the tracer cannot follow, such as branching
-    on a tensor's value (fuzz37b)."""
-    def inside_the_tracers(filename):
-        return inside_packages(filename, ("fxfuse",)) or inside_packages(
-            filename, ("torch",), except_for=("torch.distributions", "torch.nn"))
-    stack = traceback.extract_tb(e.__traceback__) if e is not None else traceback.extract_stack()
-    frames = [f for f in stack if not inside_the_tracers(f.filename)]
-    if not frames:
-        return ""
-    f = frames[-1]
-    source = f" (`{f.line.strip()[:120]}`)" if f.line else ""
-    return f" at {f.filename}:{f.lineno} in {f.name}{source}"
 
 
 def _root_cause(e: BaseException) -> str:

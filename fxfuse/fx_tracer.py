@@ -1,0 +1,178 @@
+"""torch.fx's tracer as fxfuse runs it (tracing._quiet_symbolic_trace): augmented assignments
+recorded, autocast regions noticed, OrderedDict outputs kept, parametrized layers traced
+through, and the places where the trace could not follow a value noted, so a forward() that
+catches the tracer's error is refused (fuzz40e)."""
+import collections
+import math
+import operator
+import traceback
+
+import torch
+import torch.fx
+from torch.nn.utils import parametrize
+
+from .concrete_args import numpy_number
+from .errors import UnsupportedError
+from .log import inside_packages
+from .state_writes import AUGMENTED_NAMES
+
+
+class _AugmentedAssignmentProxy(torch.fx.Proxy):
+    """A torch.fx Proxy that records `v += y` as operator.iadd(v, y).
+
+    torch.fx's Proxy has no in-place operators, so Python runs `v += y` as `v = v + y`: the
+    write disappears. Eager writes into v's memory, and when v is a view (`v = h[:, :4]`), an
+    alias (`g = h`) or an input, others see the write (fuzzing: a silent wrong answer where
+    the example input did not show it). operator.iadd is what Python runs for `+=`: in-place
+    for a tensor, a rebinding for an int, and normalize turns it into the functional op where
+    nothing else sees the memory (`out += identity` on a fresh tensor still fuses)."""
+
+
+    def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
+        return _AugmentedAttribute(self, k)
+
+
+_AugmentedAssignmentProxy.__name__ = _AugmentedAssignmentProxy.__qualname__ = "Proxy"   # as torch.fx's, in
+#                                              the errors Python raises about one ("'Proxy' object cannot be ...")
+
+
+class _AugmentedAttribute(torch.fx.proxy.Attribute):
+    """torch.fx's proxy of an attribute (`v.T`, `v.mT`), recording augmented assignments too."""
+
+    def __getattr__(self, k):
+        return _AugmentedAttribute(self, k)
+
+
+for _name in AUGMENTED_NAMES:
+    def _augmented(self, other, _op=getattr(operator, f"i{_name}")):
+        return self.tracer.create_proxy("call_function", _op, (self, other), {})
+    for _cls in (_AugmentedAssignmentProxy, _AugmentedAttribute):
+        setattr(_cls, f"__i{_name}__", _augmented)
+
+
+def number_to_the_power(base, exponent):
+    """`base ** exponent` for a negative number base, which torch.fx would print as `-2 ** x`,
+    that is -(2 ** x). A function of its own, not torch.pow: the exponent may be a size
+    (`(-1) ** x.shape[-1]`, an int; review37), which torch.pow refuses."""
+    return base ** exponent
+
+
+def _negative_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.copysign(1.0, v) < 0
+
+
+def _swallowed_refusal(where: str) -> UnsupportedError:
+    return UnsupportedError(f"forward() catches the error symbolic_trace raised{where}, where it branches on or "
+                            "iterates over a tensor's value: a traced graph would follow the example's way for every "
+                            "input, so the original module runs")
+
+
+class _AutocastWatchingTracer(torch.fx.Tracer):
+    """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
+    the context manager runs at trace time and leaves no trace in the graph. Autocast state is
+    per thread (the build runs with it off: runtime._autocast_off), so other threads cannot
+    trip it. Its proxies record augmented assignments (_AugmentedAssignmentProxy)."""
+
+    autocast_node = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refusals = []   # (error, where): each place the trace could not follow a value (a branch on it)
+
+    def to_bool(self, obj):
+        return self._refused(super().to_bool, obj)
+
+    def iter(self, obj):
+        return self._refused(super().iter, obj)
+
+    def _refused(self, method, *args):
+        """Note where the tracer raised: forward() may catch it (`try: if x.max() > 10: ... except
+        Exception: pass`) and go on, and the trace then follows one branch for every input
+        (fuzz40e: silently wrong)."""
+        try:
+            return method(*args)
+        except Exception as e:
+            from .trace_leftovers import reads_input_values   # (it imports module_state, which is heavy)
+            self.refusals.append((e, _failing_line(None) or " (in forward())", reads_input_values(args[0])))
+            raise
+
+    def swallowed(self, error: BaseException | None = None) -> tuple | None:
+        """(where, whether on a value) of the first of the tracer's errors forward() caught and
+        went on (the trace succeeded, or failed with another error: `error`), else None. On a
+        size only (`try: if x.shape[0] > 2: ...`), torch.export follows the example's way and
+        specializes on sizes, as eager runs it (review40)."""
+        chain = []
+        while error is not None and error not in chain:
+            chain.append(error)
+            error = error.__cause__ or error.__context__
+        caught = [(where, on_value) for e, where, on_value in self.refusals if e not in chain]
+        return next((c for c in caught if c[1]), caught[0] if caught else None)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if node.op == "call_function" and node.target is operator.pow and _negative_number(node.args[0]):
+            node.target = number_to_the_power   # torch.fx prints operator.pow(-2, x) as `-2 ** x` (fuzz37c)
+        if self.autocast_node is None and node.op not in ("placeholder", "output") and autocast_enabled():
+            self.autocast_node = node.name
+        return node
+
+    def proxy(self, node):
+        return _AugmentedAssignmentProxy(node, self)
+
+    def is_leaf_module(self, m, module_qualified_name) -> bool:
+        """torch.nn's modules stay call_module nodes, except a parametrized Linear or
+        convolution (weight_norm, spectral_norm, register_parametrization): traced through, it is
+        an F.linear / conv whose weight the parametrization computes in the graph, and its bias
+        and activation fuse like any layer's; kept whole, it was one opaque call that nothing
+        fused into. Other parametrized modules stay whole (a weight-normed MultiheadAttention
+        traced through was 26 library calls where it had been 2). A module whose forward was set
+        on the instance is traced through too (fuzz31d: a patched Linear was rewritten as a plain
+        one, silently)."""
+        if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)) and parametrize.is_parametrized(m):
+            return False
+        if "forward" in vars(m):   # a forward set on the instance (a monkeypatch, a LoRA-style wrapper):
+            return False           # a leaf would be rewritten by its type, so trace what the call runs
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def create_arg(self, a):
+        """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:
+        the optimized module returned another type than the model, which the verification
+        refused. Rebuilt as OrderedDict(dict) in the graph instead."""
+        if numpy_number(a):   # recorded as the number torch's ops read (np.float64's repr is no literal)
+            return a.item()
+        if type(a) is torch.Size:   # torch.fx stores a Size as a tuple: `return y, torch.Size([3, 4])`
+            return self.create_node("call_function", torch.Size, (super().create_arg(tuple(a)),), {})   # (review36)
+        if type(a) is collections.OrderedDict:
+            return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
+        if isinstance(a, dict) and type(a) not in (dict, torch.fx.immutable_collections.immutable_dict):
+            # fuzz33g: a Hugging Face ModelOutput, a defaultdict, a dataclass that is a dict came back
+            # as a plain dict (with verify=False silently; a dict dataclass as an empty one)
+            raise UnsupportedError(
+                f"forward() returns a {type(a).__name__} (or passes one on), a subclass of dict, which torch.fx "
+                "records as a plain dict: the optimized module would return another type. Return a plain dict, "
+                "an OrderedDict or a tuple (a Hugging Face model: return_dict=False)")
+        return super().create_arg(a)
+
+
+autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)   # this thread's, one C call
+
+
+class AutocastInForward(UnsupportedError):
+    """forward() enters torch.autocast: no tracer here records it faithfully."""
+
+
+def _failing_line(e: BaseException | None) -> str:
+    """' at file:line in function (`source`)': the innermost frame of the error (None: of the
+    current stack) outside torch.fx and fxfuse, where forward() (or a library it calls:
+    torch.distributions' argument checks) did what the tracer cannot follow, such as branching
+    on a tensor's value (fuzz37b)."""
+    def inside_the_tracers(filename):
+        return inside_packages(filename, ("fxfuse",)) or inside_packages(
+            filename, ("torch",), except_for=("torch.distributions", "torch.nn"))
+    stack = traceback.extract_tb(e.__traceback__) if e is not None else traceback.extract_stack()
+    frames = [f for f in stack if not inside_the_tracers(f.filename)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    source = f" (`{f.line.strip()[:120]}`)" if f.line else ""
+    return f" at {f.filename}:{f.lineno} in {f.name}{source}"
