@@ -1,5 +1,6 @@
 """Values whose shape depends on the input's values (h[h > 0], nonzero(x)): every graph is
 specialized on shapes, so they are marked after shape propagation (tracing.propagate_shapes)."""
+import math
 import operator
 
 import torch
@@ -44,8 +45,9 @@ def _makes_data_dependent_shape(n) -> bool:
         return True
     dynamic = (n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS) or \
         (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
-    if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only
-        dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:]) + list(n.kwargs.values()))
+    if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only, and
+        dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:3]) + [n.kwargs.get("repeats")]) \
+            and n.kwargs.get("output_size", n.args[3] if len(n.args) > 3 else None) is None   # no output_size
     return dynamic
 
 
@@ -60,8 +62,15 @@ NOT_SIZE_ARGUMENTS = {"full_like": ((1,), ("fill_value",)), "full": ((1,), ("fil
                       "layer_norm": ((4,), ("eps",)), "group_norm": ((4,), ("eps",)), "rms_norm": ((3,), ("eps",)),
                       "batch_norm": ((5, 6, 7), ("training", "momentum", "eps")), "normalize": ((1, 3), ("p", "eps")),
                       "masked_fill": ((2,), ("value",)), "index_fill": ((3,), ("value",)), "fill": ((1,), ("value",)),
-                      "narrow": ((1, 2), ("dim", "start")), "select": ((1, 2), ("dim", "index")),   # (fuzz40e)
-                      "roll": ((1, 2), ("shifts", "dims"))}
+                      "narrow": ((2,), ("start",)), "select": ((2,), ("index",)),   # (fuzz40e; a dim sets sizes:
+                      "roll": ((1, 2), ("shifts", "dims"))}                          # fuzz40g)
+
+
+def _reads_a_number(n) -> bool:
+    """`t.item()` (or export's spelling) of a number that is no bool (`x[True]` adds a dim: fuzz40g)."""
+    source = n.args[0].meta.get("tensor_meta") if n.args and isinstance(n.args[0], torch.fx.Node) else None
+    return (n.op == "call_method" and n.target == "item" or n.op == "call_function" and n.target in VALUE_FUNCTIONS) \
+        and getattr(source, "dtype", torch.bool) != torch.bool
 
 
 def _reads_values(n) -> bool:
@@ -80,7 +89,13 @@ def _sized_by_values(n, values: set) -> bool:
     if any(b in values or b.meta.get("tensor_meta") is not None for b in bounds):
         return True
     if n.op == "call_function" and n.target is operator.getitem and index is not None and not bounds:
-        return False   # `x[i.item()]`: a number read from a value picks an element; no size follows (fuzz40e)
+        source = n.args[0].meta.get("tensor_meta") if isinstance(n.args[0], torch.fx.Node) else None
+        if not hasattr(source, "shape"):   # `x.split(3)[k]`: which piece, of its own size (fuzz40g)
+            return any(isinstance(i, torch.fx.Node) and (i in values or i.meta.get("tensor_meta") is not None)
+                       for i in items)
+        if all(not isinstance(i, torch.fx.Node) or i not in values or _reads_a_number(i) for i in items):
+            return False   # `x[i.item()]`: a number read from a value picks an element; no size follows (fuzz40e);
+            #                a list of them (`x[idx.tolist()]`) picks as many as it holds (review40)
     if n.op == "call_function" and n.target in (torch.tensor_split, torch.ops.aten.tensor_split.tensor_indices_or_sections) \
             and len(n.args) > 1 and isinstance(n.args[1], torch.fx.Node):
         return True
@@ -100,25 +115,75 @@ def _sized_by_values(n, values: set) -> bool:
     return any(a in values for a in found)
 
 
-# ops with a size argument a 0-dim tensor may give directly (`torch.arange(n)`, `x.narrow(0, 0, n)`,
-# `x.topk(n)`): torch reads its value (fuzz40e). Factories take one anywhere; the others after their input
+# ops with a size argument a one-element tensor may give directly (`torch.arange(n)`, `x.narrow(0, 0, n)`,
+# `x.topk(n)`, `F.one_hot(y, n)`, `F.adaptive_avg_pool1d(x, n)`): torch reads its value (fuzz40e, fuzz40g). Any
+# op but a pointwise one and those below, which read their tensor arguments as tensors; factories take one
+# anywhere, the others after their input
 SIZE_FACTORIES = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "linspace",
-                  "logspace", "eye", "tril_indices", "triu_indices"}
-SIZE_TAKING = {"narrow", "narrow_copy", "topk", "pad", "split", "chunk", "expand", "repeat", "view", "reshape", "tile",
-               "unflatten", "unfold", "new_zeros", "new_ones", "new_empty", "new_full", "constant_pad_nd"}
+                  "logspace", "eye", "tril_indices", "triu_indices", "hann_window", "hamming_window", "blackman_window",
+                  "bartlett_window", "kaiser_window"}
+TENSOR_ARGUMENTS = {"getitem", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_add",
+                    "index_copy", "index_fill", "index_put", "take", "take_along_dim", "embedding", "embedding_bag",
+                    "masked_fill", "masked_scatter", "masked_select", "where", "searchsorted", "bucketize", "quantile",
+                    "nanquantile", "dist", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d",
+                    "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "layer_norm",
+                    "group_norm", "batch_norm", "instance_norm", "rms_norm", "cat", "concat", "concatenate", "stack",
+                    "lerp", "clamp", "clip", "addcmul", "addcdiv", "scaled_dot_product_attention", "cross_entropy",
+                    "nll_loss", "mse_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                    "copy_", "copy", "type_as", "to", "expand_as", "view_as", "reshape_as", "broadcast_tensors",
+                    "prelu", "cdist", "cosine_similarity", "pairwise_distance", "bilinear", "dot", "vdot", "outer",
+                    "mv", "kron", "cross"}
+
+
+def _op_name(n) -> str:
+    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _number_tensors(n, sizes_only: bool = True) -> list:
+    """The one-element tensors computed from an input that n reads as numbers: all but its first
+    argument (a factory's too), not where TENSOR_ARGUMENTS or a pointwise op read tensors, and
+    with sizes_only not where NOT_SIZE_ARGUMENTS names a value (a fill value, a narrow start)."""
+    if n.op not in ("call_function", "call_method"):
+        return []
+    name = _op_name(n)
+    if name.rstrip("_") in TENSOR_ARGUMENTS or name in TENSOR_ARGUMENTS:
+        return []
+    positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ())) if sizes_only else ((), ())
+    args = [a for k, a in enumerate(n.args) if k not in positions and (k > 0 or name in SIZE_FACTORIES)]
+    kwargs = [v for k, v in n.kwargs.items() if k not in keywords]
+    if sizes_only and name in SIZE_AT:   # linspace(x.min(), x.max(), 8): only the steps set its size (review40)
+        k, keyword = SIZE_AT[name]
+        args, kwargs = n.args[k:k + 1], [n.kwargs[keyword]] if keyword in n.kwargs else []
+    found = []
+    torch.fx.node.map_arg(list(args) + kwargs, lambda a: found.append(a) or a)
+    found = [a for a in found if math.prod(getattr(a.meta.get("tensor_meta"), "shape", (0,))) == 1 and _from_inputs(a)]
+    from fxfuse.passes.spellings import spelling_of   # passes import fxfuse modules: import late
+    if found and n.graph.owning_module is not None and spelling_of(n.graph.owning_module, n) is not None:
+        return []   # pointwise: the kernel reads the tensor
+    return found
 
 
 def _sized_by_a_tensor(n) -> bool:
-    if n.op not in ("call_function", "call_method"):
-        return False
-    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
-    if name not in SIZE_FACTORIES and name not in SIZE_TAKING:
-        return False
-    positions, keywords = NOT_SIZE_ARGUMENTS.get(name, ((), ()))
-    args = [a for k, a in enumerate(n.args) if k not in positions and (k > 0 or name in SIZE_FACTORIES)]
-    found = []
-    torch.fx.node.map_arg(args + [v for k, v in n.kwargs.items() if k not in keywords], lambda a: found.append(a) or a)
-    return any(getattr(a.meta.get("tensor_meta"), "shape", None) == torch.Size([]) for a in found)
+    return bool(_number_tensors(n))
+
+
+SIZE_AT = {"linspace": (2, "steps"), "logspace": (2, "steps")}
+
+
+def _from_inputs(node) -> bool:
+    """Whether node is computed from an input (a 0-dim buffer of the model is no value of the
+    input's: `torch.arange(self.n)` is rebuilt when n is edited)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        stack += n.all_input_nodes
+    return False
 
 
 def _reads_size(n) -> bool:
@@ -133,9 +198,19 @@ SIZE_OPS = {getattr(torch.ops.aten, name).int if name == "sym_size" else getattr
 
 def reads_to_the_host(gm: torch.fx.GraphModule):
     """The first node that waits for a tensor's value on the host (`.item()`, `.tolist()`, a
-    value-sized result such as nonzero), else None: a CUDA graph cannot capture it, and a failed
-    capture leaves torch's CUDA generator unusable ("Offset increment outside graph capture")."""
-    return next((n for n in gm.graph.nodes if _reads_values(n) or _makes_data_dependent_shape(n)), None)
+    value-sized result such as nonzero, a tensor given as a number: `narrow(1, n, 2)`), else
+    None: a CUDA graph cannot capture it, and a failed capture leaves torch's CUDA generator
+    unusable ("Offset increment outside graph capture")."""
+    return next((n for n in gm.graph.nodes if _reads_values(n) or _makes_data_dependent_shape(n)
+                 or _number_tensors(n, sizes_only=False) or _picks_by_a_tensor(n)), None)
+
+
+def _picks_by_a_tensor(n) -> bool:
+    """`x.split(2)[k]` with k a tensor: Python indexes the list with its value."""
+    if not (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)):
+        return False
+    return not hasattr(n.args[0].meta.get("tensor_meta"), "shape") and isinstance(n.args[1], torch.fx.Node) \
+        and n.args[1].meta.get("tensor_meta") is not None
 
 
 def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:

@@ -171,12 +171,14 @@ def _joins_only(operand, op) -> bool:
     return operand.op == "call_function" and is_pointwise_target(operand.target) and set(operand.users) == {op}
 
 
-def _same_shape(node):
+def _same_shape(node, written: set):
     """z where node reshapes contiguous z to z's own shape (`y.view_as(h)` of a y shaped as h, a
-    no-op that split a kernel: fuzz40d), else None."""
+    no-op that split a kernel: fuzz40d), else None. Not where either is written in place: a
+    `v.t_()` or `h.unsqueeze_(0)` reshapes one of the two tensors only (review40)."""
     z = reshape_source(node)
     if z is None or tuple(_meta(z).shape) != tuple(_meta(node).shape) or not _contiguous(_meta(z)) \
-            or z.op in ("placeholder", "get_attr") or any(u.op == "output" for u in node.users):
+            or z.op in ("placeholder", "get_attr") or any(u.op == "output" for u in node.users) \
+            or node in written or z in written:
         return None
     return z
 
@@ -207,7 +209,7 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 if not inner.users:
                     g.erase_node(inner)
                 changed = True
-            elif (z := _same_shape(node)) is not None:
+            elif (z := _same_shape(node, written)) is not None:
                 node.replace_all_uses_with(z)
                 g.erase_node(node)
                 changed = True
