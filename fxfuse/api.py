@@ -187,7 +187,9 @@ def build_graph(model, args: tuple, options: Options):
         gm = _build_graph(model, args, options, warning)
     finally:
         written = restore_argument_containers(containers)   # the example's as given, also after a failure
-    if written:
+    forget_memos = gm.meta.pop("fxfuse_forget_memos")
+    if written:   # refused after kept_state kept the memos: the model as before, memos too (review40)
+        forget_memos()
         raise UnsupportedError("forward() writes into a list, dict or set it is given (an append, an item "
                                "assigned): eager changes the caller's object on every call, which fxfuse's graphs "
                                "do not repeat, so the original module runs")
@@ -226,8 +228,9 @@ def _build_graph(model, args: tuple, options: Options, warning):
                 classical = options.with_(strassen="off", tf32x3="off")
                 gm = build_graph(model, args, classical)
                 gm.meta["fxfuse_classical_because"] = str(e)
-                return gm
-            probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all, rewind)
+            else:
+                probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all, rewind)
+    gm.meta["fxfuse_forget_memos"] = snapshot.forget_memos   # (build_graph: a refusal after this)
     return gm
 
 

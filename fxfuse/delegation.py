@@ -129,9 +129,21 @@ class PassesThroughToOriginal:
             return delattr(self.original, name)
         super().__delattr__(name)
 
-    def add_module(self, name, module) -> None:
-        self._refuse_replacing(name)
+    def add_module(self, name, module) -> None:   # (register_module calls it) the original's, as a write
+        self._refuse_replacing(name)                # of the name (fuzz40f: a KeyError where eager replaced)
+        if self._passes_write(name):
+            return self.original.add_module(name, module)
         super().add_module(name, module)
+
+    def register_buffer(self, name, tensor, persistent: bool = True) -> None:   # the original's too (fuzz40f:
+        if self._passes_write(name):        # it landed on the wrapper, and the graphs kept the old tensor)
+            return self.original.register_buffer(name, tensor, persistent)
+        super().register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name, param) -> None:
+        if self._passes_write(name):
+            return self.original.register_parameter(name, param)
+        super().register_parameter(name, param)
 
     def _refuse_replacing(self, name) -> None:
         if name == "original" and "original" in self.__dict__.get("_modules", {}):

@@ -150,11 +150,26 @@ def reads_input_values(value) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "placeholder" or (root is not None or n.op != "call_module") and draws_random(root, n):
+        if n.op == "placeholder" or (root is not None or n.op != "call_module") and draws_random(root, n) \
+                and not _dropout_off(root, n):
             return True
         metadata_of_first = (n.op == "call_method" and n.target in METADATA_METHODS
                              or n.op == "call_function" and n.target in METADATA_FUNCTIONS)
         if n.op == "call_function" and n.target is getattr and n.args[1:2] and n.args[1] in METADATA_ATTRIBUTES:
             continue
         stack += [a for a in n.all_input_nodes if not (metadata_of_first and n.args and a is n.args[0])]
+    return False
+
+
+def _dropout_off(root, n) -> bool:
+    """A dropout that draws nothing: a module in eval mode, or F.dropout(training=False) or p=0
+    (a memo computed through one in eval is no random draw: review40)."""
+    from fxfuse.passes.spellings import DROPOUT_FUNCTIONS, DROPOUT_MODULES   # passes import fxfuse: late
+    if n.op == "call_module":
+        m = root.get_submodule(n.target) if root is not None else None
+        return isinstance(m, DROPOUT_MODULES) and not m.training
+    if n.op == "call_function" and n.target in DROPOUT_FUNCTIONS:
+        k = DROPOUT_FUNCTIONS[n.target]
+        training = n.kwargs.get("training", n.args[k] if len(n.args) > k else True)
+        return training is False or n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) == 0
     return False

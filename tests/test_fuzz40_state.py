@@ -89,3 +89,43 @@ def test_without_verify_the_memo_is_put_back():
     assert isinstance(opt, OptimizedModule) and model.cache == {}
     x = torch.randn(3, 5)
     torch.testing.assert_close(opt(x, 2.0), ArgumentMemo()(x, 2.0))
+
+
+class MemoAndWrittenArgument(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x, seen: list):
+        if "s" not in self.cache:
+            self.cache["s"] = torch.full((x.shape[-1],), 2.0)
+        seen.append(1)   # refused after the build's state check had kept the memo
+        return torch.relu(x * self.cache["s"])
+
+
+def test_a_build_refused_after_the_state_check_puts_the_memo_back():
+    model = MemoAndWrittenArgument().eval()
+    opt, messages = optimize_warned(model, (torch.randn(3, 5), []))
+    assert opt is model and len(messages) == 1 and "writes into a list" in messages[0]
+    assert model.cache == {}   # before (this stop): the example's memo stayed
+
+
+class MemoThroughEvalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache, self.drop = {}, nn.Dropout(0.1)
+
+    def forward(self, x):
+        if "scale" not in self.cache:
+            self.cache["scale"] = self.drop(torch.linspace(1.0, 2.0, x.shape[-1]))   # eval: no draw
+        return torch.relu(x) * self.cache["scale"]
+
+
+def test_a_memo_computed_through_dropout_in_eval_is_no_random_draw():
+    # before (this stop): refused as state ("dropout" by name)
+    model = MemoThroughEvalDropout().eval()
+    opt, messages = optimize_warned(model, torch.randn(3, 5))
+    assert isinstance(opt, OptimizedModule) and not messages
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
