@@ -25,6 +25,7 @@ from fxfuse.ops import (POINTWISE, add_scaled, cast, is_pointwise_target, keep_e
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
+from .detach import _detach_readers, _is_detach
 from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
@@ -145,53 +146,6 @@ def _is_no_op_conversion(node) -> bool:
         isinstance(v, torch.fx.Node) for v in node.kwargs.values())
     return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
         and len(devices) == 1 and None not in devices
-
-
-DETACH_FUNCTIONS = {torch.detach, aten.detach.default, aten.detach_.default, aten.alias.default}
-
-
-def _detach_source(node):
-    """x where node is x.detach() (torch.detach, export's detach/alias), else None."""
-    if node.op == "call_method":
-        cut = node.target in ("detach", "detach_") and len(node.args) == 1 and not node.kwargs
-    else:
-        cut = node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
-    return node.args[0] if cut else None
-
-
-def _is_detach(node) -> bool:
-    """detach() only cuts autograd, which fxfuse never records: the value is its input (an alias
-    of it, as in eager). torch.export wraps every tensor constant in detach_, which would
-    otherwise count as an in-place op and keep everything it touches out of fusion. Kept where
-    the alias itself is seen: returned (eager gives a new tensor object sharing the memory, and
-    a caller's `out[1].unsqueeze_(0)` must not reshape out[0]: fuzz40b; its other readers read
-    the source: _detach_readers), or where it or its source is reshaped in place (`d =
-    h.detach(); d.unsqueeze_(0)` reshapes d only; `h.unsqueeze_(0)` h only: review40)."""
-    source = _detach_source(node)
-    if source is None:
-        return False
-    if node.target in ("detach_", aten.detach_.default):
-        return True
-    return not _reshaped_in_place(node, source) and not any(u.op == "output" for u in node.users)
-
-
-def _reshaped_in_place(node, source) -> bool:
-    users = list(node.users) + [u for u in (source.users if isinstance(source, torch.fx.Node) else ()) if u is not node]
-    return any((u.target if u.op == "call_method" else getattr(getattr(u.target, "overloadpacket", u.target),
-                                                                 "__name__", "")) in RESHAPED_IN_PLACE for u in users)
-
-
-RESHAPED_IN_PLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
-                     "resize_", "resize_as_", "set_"}   # a value write through the alias is one through its source
-
-
-def _detach_readers(node) -> None:
-    """A detach kept because it is returned: its other readers read its source (the same values),
-    so a pointwise reader still joins the source's kernel."""
-    source = _detach_source(node)
-    if source is not None and isinstance(source, torch.fx.Node) and not _reshaped_in_place(node, source):
-        for user in [u for u in node.users if u.op != "output"]:
-            user.replace_input_with(node, source)
 
 
 def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
