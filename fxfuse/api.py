@@ -287,9 +287,13 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
     raise OptionError (an FxfuseError and a ValueError).
     """
     opts = Options.from_kwargs(**options)
+    given = model   # what a refusal returns
     if isinstance(model, OptimizedModule):   # optimize(optimize(m, x), x): build again from m
         logger.info("optimize() got an OptimizedModule: optimizing its original module again")
         model = model.original
+    elif _compiled(model):   # torch.compile(m): the build's runs would each recompile it, spending dynamo's
+        logger.info("optimize() got a torch.compile'd module: optimizing the module it compiled")   # recompile
+        model = model._orig_mod                                                   # budget (fuzz40f)
     args = _as_args(example_input, model)
     _check_model(model)
     try:
@@ -314,7 +318,13 @@ def optimize(model: torch.nn.Module, example_input, **options) -> torch.nn.Modul
         if opts.strict:
             raise e
         warn(f"fxfuse: {e} -- returning the original module unchanged")
-        return model
+        return given
+
+
+def _compiled(model) -> bool:
+    """A torch.compile'd module (torch._dynamo's OptimizedModule, holding the model as _orig_mod)."""
+    return type(model).__module__.startswith("torch._dynamo") and isinstance(
+        getattr(model, "_orig_mod", None), torch.nn.Module)
 
 
 def stats(optimized) -> dict:

@@ -296,3 +296,15 @@ def test_buffers_parameters_and_children_registered_on_the_optimized_module_reac
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
     assert fxfuse.stats(opt)["specializations"] == 1   # rebuilt from the new state
+
+
+def test_a_torch_compiled_module_is_optimized_from_the_module_it_compiled():
+    # before: each build ran the compiled module in several modes, each a recompile: after one rebuild
+    # dynamo's recompile limit was spent and the user's own compiled module silently ran eager
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    compiled = torch.compile(model, backend="eager")
+    opt, messages = optimize_warned(compiled, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and opt.original is model and not messages
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
