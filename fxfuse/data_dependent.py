@@ -196,6 +196,12 @@ SIZE_OPS = {getattr(torch.ops.aten, name).int if name == "sym_size" else getattr
             for name in ("sym_size", "sym_numel") if hasattr(torch.ops.aten, name)}
 
 
+def _source_line(n) -> str:
+    """' (`source line`)' of forward() where the tracer recorded one (torch.export does), else ''."""
+    lines = [line.strip() for line in (n.meta.get("stack_trace") or "").strip().splitlines()]
+    return f" (`{lines[-1][:120]}`)" if lines and not lines[-1].startswith("File ") else ""
+
+
 def reads_to_the_host(gm: torch.fx.GraphModule):
     """The first node that waits for a tensor's value on the host (`.item()`, `.tolist()`, a
     value-sized result such as nonzero, a tensor given as a number: `narrow(1, n, 2)`), else
@@ -229,7 +235,8 @@ def mark_data_dependent_shapes(gm: torch.fx.GraphModule) -> None:
             if _reads_size(n) and any(a in dynamic for a in n.all_input_nodes):
                 source = next(a for a in n.all_input_nodes if a in dynamic)
                 raise UnsupportedError(
-                    f"node {n.name} reads the size of {source.name}, whose shape depends on the input's values; "
+                    f"node {n.name}{_source_line(n)} reads the size of {source.name}, whose shape depends on the "
+                    "input's values; "
                     "fxfuse specializes every graph on shapes, so the size would be frozen at the example "
                     "input's. Run that part of the model outside fxfuse")
             dynamic.add(n)
