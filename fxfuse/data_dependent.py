@@ -34,7 +34,8 @@ REPEATS_ONLY = {torch.repeat_interleave, torch.ops.aten.repeat_interleave.Tensor
 def _makes_data_dependent_shape(n) -> bool:
     """Whether n's output shape depends on its input's values (nonzero, unique, masked_select,
     boolean-mask indexing, torch.where(cond) with one argument, tensor repeats)."""
-    if n.op == "call_function" and n.target in INDEXING:
+    if n.op == "call_function" and n.target in INDEXING or n.op == "call_method" and n.target == "__getitem__":
+        #                                               (a buffer's `self.table[mask]`: review40b)
         return any(_is_bool_tensor(a) for a in torch.utils._pytree.tree_leaves(list(n.args[1:])))
     if n.op == "call_function" and n.target is torch.where:
         return len(n.args) + len(n.kwargs) == 1
@@ -116,23 +117,23 @@ def _sized_by_values(n, values: set) -> bool:
 
 
 # ops with a size argument a one-element tensor may give directly (`torch.arange(n)`, `x.narrow(0, 0, n)`,
-# `x.topk(n)`, `F.one_hot(y, n)`, `F.adaptive_avg_pool1d(x, n)`): torch reads its value (fuzz40e, fuzz40g). Any
-# op but a pointwise one and those below, which read their tensor arguments as tensors; factories take one
-# anywhere, the others after their input
+# `x.topk(n)`, `F.one_hot(y, n)`, `F.adaptive_avg_pool1d(x, n)`, a dim: `x.unsqueeze(d)`): torch reads its
+# value (fuzz40e, fuzz40g). Factories take one anywhere, the others after their input. A list of the ops that
+# take sizes, not of those that do not: a one-element tensor given to any other op (a timestep indexing a
+# buffer, `x % period`, a loss at batch 1) is read as a tensor (review40b)
 SIZE_FACTORIES = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "linspace",
                   "logspace", "eye", "tril_indices", "triu_indices", "hann_window", "hamming_window", "blackman_window",
                   "bartlett_window", "kaiser_window"}
-TENSOR_ARGUMENTS = {"getitem", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_add",
-                    "index_copy", "index_fill", "index_put", "take", "take_along_dim", "embedding", "embedding_bag",
-                    "masked_fill", "masked_scatter", "masked_select", "where", "searchsorted", "bucketize", "quantile",
-                    "nanquantile", "dist", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d",
-                    "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "layer_norm",
-                    "group_norm", "batch_norm", "instance_norm", "rms_norm", "cat", "concat", "concatenate", "stack",
-                    "lerp", "clamp", "clip", "addcmul", "addcdiv", "scaled_dot_product_attention", "cross_entropy",
-                    "nll_loss", "mse_loss", "l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-                    "copy_", "copy", "type_as", "to", "expand_as", "view_as", "reshape_as", "broadcast_tensors",
-                    "prelu", "cdist", "cosine_similarity", "pairwise_distance", "bilinear", "dot", "vdot", "outer",
-                    "mv", "kron", "cross"}
+SIZE_TAKING = {"narrow", "narrow_copy", "select", "topk", "kthvalue", "pad", "constant_pad_nd", "split", "chunk",
+               "tensor_split", "vsplit", "hsplit", "dsplit", "expand", "broadcast_to", "repeat", "tile", "view",
+               "reshape", "unflatten", "flatten", "unsqueeze", "squeeze", "movedim", "moveaxis", "transpose",
+               "swapaxes", "swapdims", "permute", "diagonal", "diag", "diag_embed", "unfold", "new_zeros", "new_ones",
+               "new_empty", "new_full", "one_hot", "interpolate", "upsample", "pixel_shuffle", "pixel_unshuffle",
+               "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+               "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d",
+               "max_pool2d", "max_pool3d", "lp_pool1d", "lp_pool2d", "fold", "unfold", "sum_to_size", "resize_",
+               "full_like", "fill_", "fill", "roll"}   # (the last four: numbers that sync, never sizes)
+NUMBERS_ONLY = {"full_like", "fill_", "fill", "roll"}
 
 
 def _op_name(n) -> str:
@@ -141,13 +142,13 @@ def _op_name(n) -> str:
 
 
 def _number_tensors(n, sizes_only: bool = True) -> list:
-    """The one-element tensors computed from an input that n reads as numbers: all but its first
-    argument (a factory's too), not where TENSOR_ARGUMENTS or a pointwise op read tensors, and
-    with sizes_only not where NOT_SIZE_ARGUMENTS names a value (a fill value, a narrow start)."""
+    """The one-element tensors computed from an input that n (one of SIZE_TAKING or SIZE_FACTORIES)
+    reads as numbers: all but its first argument (a factory's too); with sizes_only not where
+    NOT_SIZE_ARGUMENTS names a value (a fill value, a narrow start) or the op takes no size."""
     if n.op not in ("call_function", "call_method"):
         return []
     name = _op_name(n)
-    if name.rstrip("_") in TENSOR_ARGUMENTS or name in TENSOR_ARGUMENTS:
+    if name not in SIZE_TAKING and name not in SIZE_FACTORIES or sizes_only and name in NUMBERS_ONLY:
         return []
     positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ())) if sizes_only else ((), ())
     args = [a for k, a in enumerate(n.args) if k not in positions and (k > 0 or name in SIZE_FACTORIES)]
@@ -157,11 +158,7 @@ def _number_tensors(n, sizes_only: bool = True) -> list:
         args, kwargs = n.args[k:k + 1], [n.kwargs[keyword]] if keyword in n.kwargs else []
     found = []
     torch.fx.node.map_arg(list(args) + kwargs, lambda a: found.append(a) or a)
-    found = [a for a in found if math.prod(getattr(a.meta.get("tensor_meta"), "shape", (0,))) == 1 and _from_inputs(a)]
-    from fxfuse.passes.spellings import spelling_of   # passes import fxfuse modules: import late
-    if found and n.graph.owning_module is not None and spelling_of(n.graph.owning_module, n) is not None:
-        return []   # pointwise: the kernel reads the tensor
-    return found
+    return [a for a in found if math.prod(getattr(a.meta.get("tensor_meta"), "shape", (0,))) == 1 and _from_inputs(a)]
 
 
 def _sized_by_a_tensor(n) -> bool:
@@ -173,17 +170,15 @@ SIZE_AT = {"linspace": (2, "steps"), "logspace": (2, "steps")}
 
 def _from_inputs(node) -> bool:
     """Whether node is computed from an input (a 0-dim buffer of the model is no value of the
-    input's: `torch.arange(self.n)` is rebuilt when n is edited)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        stack += n.all_input_nodes
-    return False
+    input's: `torch.arange(self.n)` is rebuilt when n is edited). One pass over the graph, kept in
+    each node's meta (review40b: a walk per node was quadratic in the graph's size)."""
+    if FROM_INPUTS not in node.meta:
+        for n in node.graph.nodes:
+            n.meta[FROM_INPUTS] = n.op == "placeholder" or any(a.meta.get(FROM_INPUTS) for a in n.all_input_nodes)
+    return node.meta[FROM_INPUTS]
+
+
+FROM_INPUTS = "fxfuse_from_inputs"
 
 
 def _reads_size(n) -> bool:

@@ -93,7 +93,8 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
             return method(*args)
         except Exception as e:
             from .trace_leftovers import reads_input_values   # (it imports module_state, which is heavy)
-            self.refusals.append((e, _failing_line(None) or " (in forward())", reads_input_values(args[0])))
+            on_value = reads_input_values(args[0]) or _size_of_a_value_sized(args[0])
+            self.refusals.append((e, _failing_line(None) or " (in forward())", on_value))
             raise
 
     def swallowed(self, error: BaseException | None = None) -> tuple | None:
@@ -176,3 +177,30 @@ def _failing_line(e: BaseException | None) -> str:
     f = frames[-1]
     source = f" (`{f.line.strip()[:120]}`)" if f.line else ""
     return f" at {f.filename}:{f.lineno} in {f.name}{source}"
+
+
+def _size_of_a_value_sized(proxy) -> bool:
+    """Whether a Proxy reads the size of a tensor whose shape depends on the input's values
+    (`x[:n.item()].shape[0]`, `nonzero(m).shape[0]`): torch.export raises there too, and a
+    forward() that catches it would take its except path for every input (review40b)."""
+    from .data_dependent import DATA_DEPENDENT_FUNCTIONS, DATA_DEPENDENT_METHODS, VALUE_METHODS
+    if not isinstance(proxy, torch.fx.Proxy):
+        return False
+    stack, seen = [proxy.node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_method" and n.target in VALUE_METHODS | DATA_DEPENDENT_METHODS \
+                or n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS \
+                or n.target in (operator.getitem, "__getitem__") and _indexes_by_a_node(n):   # (a mask, a bound)
+            return True
+        stack += n.all_input_nodes
+    return False
+
+
+def _indexes_by_a_node(n) -> bool:
+    found = []
+    torch.fx.node.map_arg(n.args[1:], lambda a: found.append(a) or a)
+    return bool(found)

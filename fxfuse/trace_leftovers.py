@@ -128,7 +128,8 @@ class TraceLeftovers:
 
 
 METADATA_ATTRIBUTES = {"shape", "device", "dtype", "ndim", "is_cuda", "layout", "requires_grad"}
-METADATA_METHODS = {"size", "dim", "numel", "stride", "get_device", "is_contiguous", "type",
+METADATA_METHODS = {"size", "dim", "numel", "stride", "get_device", "is_contiguous", "type", "is_floating_point",
+                    "is_complex", "is_signed", "element_size", "ndimension", "nelement", "storage_offset",
                     "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}   # their self: metadata only
 METADATA_FUNCTIONS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
 

@@ -10,9 +10,6 @@ normalize pass can fold them into constants.
 """
 import contextlib
 import inspect
-import re
-import sys
-import threading
 import time
 import traceback
 import warnings
@@ -25,6 +22,7 @@ from .call_context import quiet_export
 from .concrete_args import (check_exported, drop_value_checks, inline_disabled_autocast,
                             one_placeholder_per_parameter, sizes_returned_as_sizes, split_concrete)
 from .errors import TraceError, UnsupportedError
+from .export_asserts import users_checks
 from .fx_tracer import (AutocastInForward, _AutocastWatchingTracer, _failing_line, _swallowed_refusal,
                         autocast_enabled)  # noqa: F401 (autocast_enabled re-exported: api, runtime)
 from .log import logger, quiet_this_thread
@@ -244,7 +242,7 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
-    with _users_checks() as checks:
+    with users_checks() as checks:
         program, compiling = quiet_export(model, tuple(example_args))
     gm = program.module()
     gm.meta["fxfuse_traced_as_compiling"] = compiling
@@ -253,7 +251,7 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
     inline_disabled_autocast(gm)
     sizes_returned_as_sizes(gm)
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SIZE_ASSERTIONS]:
-        if _asserts_a_size(node) or _expression(node) not in checks:   # export's own range assumptions
+        if _asserts_a_size(node) or not checks.made(node):   # export's own range assumptions
             gm.graph.erase_node(node)   # (`u0 >= -8` of a slice bound eager clamps: review40), and `u0 <= 24`
             #     on a masked index's size (fuzz35g); the user's `torch._check(n.item() <= 6)` stays (fuzz40e)
     # export's module() refuses train()/eval() (its graph has the mode baked in); so does
@@ -270,33 +268,6 @@ def _exported(model, example_args) -> torch.fx.GraphModule:
 
 SIZE_ASSERTIONS = {getattr(torch.ops.aten, name).default for name in (
     "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range") if hasattr(torch.ops.aten, name)}
-
-
-_CHECKS = threading.local()
-
-
-@contextlib.contextmanager
-def _users_checks():
-    """The conditions forward() itself gives torch._check during the export (as export prints them,
-    `u0 <= 6`): those of its asserts are the user's; the others are export's own assumptions."""
-    check, found = torch._check, set()
-
-    def recording(cond, *args, **kwargs):
-        if getattr(_CHECKS, "on", False) and not isinstance(cond, bool) \
-                and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch"):
-            found.add(str(cond))
-        return check(cond, *args, **kwargs)
-    _CHECKS.on, torch._check = True, recording
-    try:
-        yield found
-    finally:
-        _CHECKS.on, torch._check = False, check
-
-
-def _expression(node) -> str | None:
-    message = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else ""
-    found = re.search(r"expression (.*) on node", message)
-    return found.group(1) if found else None
 
 
 def _asserts_a_size(node) -> bool:

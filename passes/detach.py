@@ -42,7 +42,9 @@ def _reshaped_in_place(node, source) -> bool:
 
 
 RESHAPED_IN_PLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
-                     "resize_", "resize_as_", "set_"}   # a value write through the alias is one through its source
+                     "resize_", "resize_as_", "set_", "requires_grad_"}   # the tensor object's own state
+#                    (review40b: `d.requires_grad_()` set it on the source); a value write through the alias
+#                    is one through its source
 
 
 def _detach_readers(node) -> None:

@@ -183,12 +183,14 @@ def _same_shape(node, written: set):
     return z
 
 
-def _round_trip(node):
-    """z where node reshapes a reshape of contiguous z back to z's shape (a no-op), else None."""
+def _round_trip(node, written: set):
+    """z where node reshapes a reshape of contiguous z back to z's shape (a no-op), else None;
+    not where one of the three is written in place (review40b: `v.t_()` reshapes v only)."""
     inner = reshape_source(node)
     z = reshape_source(inner) if inner is not None else None
     if z is None or tuple(_meta(z).shape) != tuple(_meta(node).shape) or not _contiguous(_meta(z)) \
-            or z.op in ("placeholder", "get_attr") or any(u.op == "output" for u in node.users):
+            or z.op in ("placeholder", "get_attr") or any(u.op == "output" for u in node.users) \
+            or {node, inner, z} & written:
         return None   # eager returns a view (of an input, a parameter, or next to its source), not the tensor
     return z
 
@@ -202,7 +204,7 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         for node in list(g.nodes):
             if node.op == "call_function" and is_pointwise_target(node.target) and _sink_one(gm, node, written):
                 changed = True
-            elif (z := _round_trip(node)) is not None:
+            elif (z := _round_trip(node, written)) is not None:
                 inner = node.args[0]
                 node.replace_all_uses_with(z)
                 g.erase_node(node)
