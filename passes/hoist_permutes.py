@@ -223,7 +223,9 @@ def _drop_contiguous_before_pointwise(gm, written, options) -> None:
         contiguous = node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1 and (
             node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format) or (
             node.op == "call_function" and node.target is aten.clone.default and len(node.args) == 1
-            and node.kwargs.get("memory_format") is torch.contiguous_format)
+            and node.kwargs.get("memory_format") is torch.contiguous_format) or (
+            node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1   # export's
+            and node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format)   # (fuzz40h)
         if contiguous and node.users and node not in written and node.args[0] not in written and all(
                 u.op == "call_function" and why_not_fusible(u, written) is None for u in node.users) \
                 and (options is None or options.fuse):   # each reader in a kernel, which writes eager's strides

@@ -154,3 +154,21 @@ def test_review40b_wrong_values_are_gone(make, example, later):
     if isinstance(want, tuple):
         assert [t.shape for t in got] == [t.shape for t in want]
     torch.testing.assert_close(got, want)
+
+
+class PermutedContiguous(nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 0:   # torch.export traces: it spells .contiguous() aten.contiguous
+            pass
+        return (torch.relu(x).permute(1, 0).contiguous() + 1) * 2
+
+
+def test_exports_contiguous_between_pointwise_ops_splits_no_chain():
+    # before: 2 kernels and a copy on the export path (1 kernel under symbolic_trace)
+    model = PermutedContiguous().eval()
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages and "torch.export" in fxfuse.explain(opt)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
