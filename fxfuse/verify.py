@@ -132,12 +132,13 @@ def _retyped_container(eager, graph, where: str = "the output") -> str | None:
             and (isinstance(eager, (list, tuple, dict)) or dataclasses.is_dataclass(eager)):
         advice = ("return it at the top level or in a plain tuple, list or dict, or as tuple(x.shape)"
                   if isinstance(eager, torch.Size) else "return a tuple, list, dict, NamedTuple or dataclass instead")
-        return f"{where} is a {type(eager).__name__}, which the traced graph rebuilds as a {type(graph).__name__}: {advice}"
+        return f"{where} is a {a.__name__}, which the traced graph rebuilds as a {b.__name__}: {advice}"
     if isinstance(eager, dict) and isinstance(graph, dict):
         pairs = [(f"{where}[{k!r}]", v, graph.get(k)) for k, v in eager.items()]
     elif isinstance(eager, (list, tuple)) and isinstance(graph, (list, tuple)):
         names = eager._fields if hasattr(eager, "_fields") else None   # a NamedTuple's fields by name
-        pairs = [(f"{where}.{names[k]}" if names else f"{where}[{k}]", v, g) for k, (v, g) in enumerate(zip(eager, graph))]
+        pairs = [(f"{where}.{names[k]}" if names else f"{where}[{k}]", v, g)
+                 for k, (v, g) in enumerate(zip(eager, graph))]
     elif dataclasses.is_dataclass(eager) and not isinstance(eager, type):
         pairs = [(f"{where}.{f.name}", getattr(eager, f.name), getattr(graph, f.name, None))
                  for f in dataclasses.fields(eager)]
