@@ -63,8 +63,10 @@ NOT_SIZE_ARGUMENTS = {"full_like": ((1,), ("fill_value",)), "full": ((1,), ("fil
                       "layer_norm": ((4,), ("eps",)), "group_norm": ((4,), ("eps",)), "rms_norm": ((3,), ("eps",)),
                       "batch_norm": ((5, 6, 7), ("training", "momentum", "eps")), "normalize": ((1, 3), ("p", "eps")),
                       "masked_fill": ((2,), ("value",)), "index_fill": ((3,), ("value",)), "fill": ((1,), ("value",)),
-                      "narrow": ((2,), ("start",)), "select": ((2,), ("index",)),   # (fuzz40e; a dim sets sizes:
-                      "roll": ((1, 2), ("shifts", "dims"))}                          # fuzz40g)
+                      # (fuzz40e; a dim sets sizes: fuzz40g; review40c)
+                      "narrow": ((2,), ("start",)), "select": ((2,), ("index",)), "roll": ((1, 2), ("shifts", "dims")),
+                      "index_select": ((2,), ("index",)), "norm": ((1,), ("p",)), "histc": ((2, 3), ("min", "max")),
+                      "diff": ((3, 4), ("prepend", "append"))}
 
 
 def _reads_a_number(n) -> bool:
@@ -84,12 +86,13 @@ def _sized_by_values(n, values: set) -> bool:
     (`x[:, :lengths.max()]`), goes into n where it may set a size (review35: `h.shape[1]` was folded
     to the example's): any argument of an op that is not pointwise, but those NOT_SIZE_ARGUMENTS
     names (a fill value, an eps)."""
-    index = n.args[1] if n.op == "call_function" and n.target in INDEXING and len(n.args) > 1 else None
+    indexing = n.op == "call_function" and n.target in INDEXING or n.op == "call_method" and n.target == "__getitem__"
+    index = n.args[1] if indexing and len(n.args) > 1 else None   # (a buffer's `self.table[t.item()]`: review40c)
     items = index if isinstance(index, tuple) else (index,)
     bounds = [b for s in items if isinstance(s, slice) for b in (s.start, s.stop, s.step) if isinstance(b, torch.fx.Node)]
     if any(b in values or b.meta.get("tensor_meta") is not None for b in bounds):
         return True
-    if n.op == "call_function" and n.target is operator.getitem and index is not None and not bounds:
+    if n.target in (operator.getitem, "__getitem__") and index is not None and not bounds:
         source = n.args[0].meta.get("tensor_meta") if isinstance(n.args[0], torch.fx.Node) else None
         if not hasattr(source, "shape"):   # `x.split(3)[k]`: which piece, of its own size (fuzz40g)
             return any(isinstance(i, torch.fx.Node) and (i in values or i.meta.get("tensor_meta") is not None)
@@ -132,7 +135,15 @@ SIZE_TAKING = {"narrow", "narrow_copy", "select", "topk", "kthvalue", "pad", "co
                "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
                "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d",
                "max_pool2d", "max_pool3d", "lp_pool1d", "lp_pool2d", "fold", "unfold", "sum_to_size", "resize_",
-               "full_like", "fill_", "fill", "roll"}   # (the last four: numbers that sync, never sizes)
+               "as_strided", "diff", "histc", "rot90", "diagflat", "vander", "combinations", "unbind", "index_select",
+               "sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "std", "var", "logsumexp",
+               "norm", "argmax", "argmin", "all", "any", "count_nonzero", "median", "nanmedian", "mode", "sort",
+               "argsort", "cumsum", "cumprod", "cummax", "cummin", "softmax", "log_softmax", "flip", "trace",
+               "fft", "ifft", "rfft", "irfft", "hfft", "ihfft", "fftn", "ifftn", "rfftn", "irfftn", "fft2", "ifft2",
+               "rfft2", "irfft2", "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft",
+               "fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn", "fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2",
+               "full_like", "fill_", "fill", "roll"}   # (the last four: numbers that sync, never sizes; review40c:
+#                                                          irfft's n, diff's n, histc's bins, a reduction's dim)
 NUMBERS_ONLY = {"full_like", "fill_", "fill", "roll"}
 
 

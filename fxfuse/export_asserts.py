@@ -32,13 +32,24 @@ class Checks:
 
 
 def _same(a, b) -> bool:
+    return a == b or _canonical(a) == _canonical(b)
+
+
+def _canonical(e):
+    """A relation as (kind, lhs - rhs expanded), `>`/`>=` turned around: `k + 1 <= 7` and `6 >= k`
+    both become (<=, k - 6). No sympy.simplify: one per pair of assert and check took a build to
+    80 s (review40c)."""
     import sympy
-    if a == b:
-        return True
-    try:
-        return bool(sympy.simplify(sympy.Equivalent(a, b)) is sympy.true)
-    except Exception:  # noqa: BLE001 -- not comparable: not the same
-        return False
+    flipped = {sympy.StrictGreaterThan: sympy.StrictLessThan, sympy.GreaterThan: sympy.LessThan}
+    if isinstance(e, sympy.core.relational.Relational):
+        kind, lhs, rhs = type(e), e.lhs, e.rhs
+        if kind in flipped:
+            kind, lhs, rhs = flipped[kind], rhs, lhs
+        try:
+            return kind, sympy.expand(lhs - rhs)
+        except Exception:  # noqa: BLE001 -- as it is
+            return e
+    return e
 
 
 def _users_frame() -> bool:
@@ -49,22 +60,33 @@ def _users_frame() -> bool:
 @contextlib.contextmanager
 def users_checks():
     """Records, while export runs in this thread, the conditions forward()'s own code gives
-    torch._check and torch._check_is_size (not torch's code)."""
-    check, is_size, found = torch._check, torch._check_is_size, Checks()
+    torch._check and its kin (not torch's code; a `from torch import _check` bound before is not seen)."""
+    found, originals = Checks(), {name: getattr(torch, name) for name in CHECKS if hasattr(torch, name)}
 
-    def recording_check(cond, *args, **kwargs):
-        expr = getattr(getattr(cond, "node", None), "expr", None)
-        if getattr(_RECORDING, "on", False) and expr is not None and _users_frame():
-            found.conditions.append(expr)
-        return check(cond, *args, **kwargs)
-
-    def recording_is_size(i, *args, **kwargs):
-        expr = getattr(getattr(i, "node", None), "expr", None)
-        if getattr(_RECORDING, "on", False) and expr is not None and _users_frame():
-            found.sizes.add(expr)
-        return is_size(i, *args, **kwargs)
-    _RECORDING.on, torch._check, torch._check_is_size = True, recording_check, recording_is_size
+    def recording(name, check):
+        def wrapper(*args, **kwargs):
+            if getattr(_RECORDING, "on", False) and _users_frame():
+                cond = args[1] if name == "_check_with" and len(args) > 1 else args[0] if args else None
+                expr = getattr(getattr(cond, "node", None), "expr", None)
+                if expr is not None and name == "_check_is_size":
+                    found.sizes.add(expr)
+                    bound = kwargs.get("max", args[1] if len(args) > 1 else None)
+                    if bound is not None:   # _check_is_size(k, max=6): k <= 6 too
+                        found.conditions.append(expr <= bound)
+                elif expr is not None:
+                    found.conditions.append(expr)
+            return check(*args, **kwargs)
+        return wrapper
+    _RECORDING.on = True
+    for name, check in originals.items():
+        setattr(torch, name, recording(name, check))
     try:
         yield found
     finally:
-        _RECORDING.on, torch._check, torch._check_is_size = False, check, is_size
+        _RECORDING.on = False
+        for name, check in originals.items():
+            setattr(torch, name, check)
+
+
+CHECKS = ("_check", "_check_is_size", "_check_with", "_check_index", "_check_value", "_check_type",
+          "_check_not_implemented")

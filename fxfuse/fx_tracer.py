@@ -181,9 +181,12 @@ def _failing_line(e: BaseException | None) -> str:
 
 def _size_of_a_value_sized(proxy) -> bool:
     """Whether a Proxy reads the size of a tensor whose shape depends on the input's values
-    (`x[:n.item()].shape[0]`, `nonzero(m).shape[0]`): torch.export raises there too, and a
-    forward() that catches it would take its except path for every input (review40b)."""
-    from .data_dependent import DATA_DEPENDENT_FUNCTIONS, DATA_DEPENDENT_METHODS, VALUE_METHODS
+    (`x[:n.item()].shape[0]`, `nonzero(m).shape[0]`, `torch.where(c)[0].shape[0]`, `x[mask]`):
+    torch.export raises there too, and a forward() that catches it would take its except path
+    for every input (review40b). Not for sizes a `.item()` only scales (`(x * s.item()).shape`),
+    slices by sizes (`x[..., :x.shape[-1] // 2]`) or int repeats (review40c)."""
+    from .data_dependent import (DATA_DEPENDENT_FUNCTIONS, DATA_DEPENDENT_METHODS, SIZE_FACTORIES, SIZE_TAKING,
+                                 _op_name)
     if not isinstance(proxy, torch.fx.Proxy):
         return False
     stack, seen = [proxy.node], set()
@@ -192,15 +195,56 @@ def _size_of_a_value_sized(proxy) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "call_method" and n.target in VALUE_METHODS | DATA_DEPENDENT_METHODS \
-                or n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS \
-                or n.target in (operator.getitem, "__getitem__") and _indexes_by_a_node(n):   # (a mask, a bound)
+        name = _op_name(n) if n.op in ("call_function", "call_method") else ""
+        repeats = n.args[1:2] + tuple(v for k, v in n.kwargs.items() if k == "repeats")
+        if (name in DATA_DEPENDENT_METHODS or n.target in DATA_DEPENDENT_FUNCTIONS) and (
+                name != "repeat_interleave" or len(n.args) == 1 or any(isinstance(r, torch.fx.Node) for r in repeats)) \
+                or n.target is torch.where and len(n.args) + len(n.kwargs) == 1 \
+                or n.target in (operator.getitem, "__getitem__") and _picks_by_values(n) \
+                or (name in SIZE_TAKING or name in SIZE_FACTORIES) and any(_from_numbers(a) for a in n.all_input_nodes
+                                                                          if a is not (n.args[:1] or [None])[0]):
             return True
         stack += n.all_input_nodes
     return False
 
 
-def _indexes_by_a_node(n) -> bool:
-    found = []
-    torch.fx.node.map_arg(n.args[1:], lambda a: found.append(a) or a)
-    return bool(found)
+def _picks_by_values(n) -> bool:
+    """A getitem whose index holds a value read from an input (a mask, ids, a bound from .item())."""
+    index = n.args[1] if len(n.args) > 1 else None
+    items = index if isinstance(index, tuple) else (index,)
+    bounds = [b for i in items if isinstance(i, slice) for b in (i.start, i.stop, i.step)]
+    direct = [i for i in items if isinstance(i, torch.fx.Node)]
+    return any(isinstance(b, torch.fx.Node) and _from_numbers(b) for b in bounds) or any(map(_carries_values, direct))
+
+
+def _from_numbers(node) -> bool:
+    """Whether node is (arithmetic on) a number read from a tensor's values: .item() / .tolist()."""
+    from .data_dependent import VALUE_METHODS
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_method" and n.target in VALUE_METHODS:
+            return True
+        stack += n.all_input_nodes
+    return False
+
+
+def _carries_values(node) -> bool:
+    """Whether node reads an input's values, not only its sizes (trace_leftovers' metadata rules)."""
+    from .trace_leftovers import METADATA_ATTRIBUTES, METADATA_METHODS
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        if n.op == "call_function" and n.target is getattr and n.args[1:2] and n.args[1] in METADATA_ATTRIBUTES \
+                or n.op == "call_method" and n.target in METADATA_METHODS:
+            continue
+        stack += n.all_input_nodes
+    return False

@@ -172,3 +172,103 @@ def test_exports_contiguous_between_pointwise_ops_splits_no_chain():
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+class InverseFFTOfN(nn.Module):
+    def forward(self, x, n):
+        h = torch.fft.irfft(x, n=n)   # n: a 0-dim tensor
+        return h.sum(-1) / h.shape[-1]
+
+
+class SummedAlongADim(nn.Module):
+    def forward(self, x, d):
+        h = x.sum(d)                  # the dim given as a tensor
+        return h.sum() / h.shape[0]
+
+
+@pytest.mark.parametrize("make,example,later", [
+    (InverseFFTOfN, lambda: (torch.randn(3, 5, dtype=torch.complex64), torch.tensor(6)),
+     lambda: (torch.randn(3, 5, dtype=torch.complex64), torch.tensor(8))),
+    (SummedAlongADim, lambda: (torch.randn(4, 8), torch.tensor(0)), lambda: (torch.randn(4, 8), torch.tensor(1))),
+])
+def test_sizes_and_dims_given_as_tensors_to_more_ops_are_refused_where_read(make, example, later):
+    # before (review40c): the allow-list lacked irfft's n and a reduction's dim: the size read stayed the example's
+    model = make().eval()
+    opt, messages = optimize_warned(model, example())
+    assert opt is model and len(messages) == 1
+    args = later()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
+
+
+class CaughtWhereSize(nn.Module):
+    def forward(self, x, c):
+        try:
+            if torch.where(c)[0].shape[0] > 2:   # value-sized: export raises here too
+                x = x * 2
+        except Exception:  # noqa: BLE001
+            pass
+        return torch.relu(x) + 1
+
+
+class RotatedHalfInTry(nn.Module):
+    def forward(self, x):
+        h = torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)   # sizes, not values
+        try:
+            if h.shape[0] > 2:
+                h = h * 2
+        except Exception:  # noqa: BLE001
+            pass
+        return torch.relu(h) + 1
+
+
+def test_caught_size_branches_refused_only_for_value_sized_tensors():
+    model = CaughtWhereSize().eval()
+    opt, messages = optimize_warned(model, (torch.randn(4), torch.tensor([True, False, True, False])))
+    assert opt is model and len(messages) == 1 and "catches the error" in messages[0]
+    model = RotatedHalfInTry().eval()   # before (review40c): refused as a value branch
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, OptimizedModule) and not messages
+    for rows in (4, 2):
+        x = torch.randn(rows, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+
+
+class IndexChecked(nn.Module):
+    def forward(self, x, n):
+        if x.shape[0] > 0:   # torch.export traces
+            pass
+        k = n.item()
+        torch._check_index(k <= 6, lambda: "k must be at most 6")
+        return torch.relu(x[:, :k]) * 2
+
+
+def test_check_index_stays_in_the_exported_graph():
+    model = IndexChecked().eval()
+    opt, _ = optimize_warned(model, (torch.randn(4, 8), torch.tensor(3)))
+    with pytest.raises(IndexError):
+        model(torch.randn(4, 8), torch.tensor(7))
+    with pytest.raises(RuntimeError):
+        opt(torch.randn(4, 8), torch.tensor(7))
+
+
+class ScheduleLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("schedule", torch.linspace(0.1, 1.0, 10))
+
+    def forward(self, x, t):
+        h = x * self.schedule[t.item()]   # a buffer indexed by a number: one element, no size
+        return torch.relu(h).sum(0) / h.shape[0]
+
+
+def test_a_buffer_indexed_by_a_number_read_from_a_value_is_optimized():
+    # before: refused at the size read (call_method __getitem__ was not indexing)
+    model = ScheduleLookup().eval()
+    opt, messages = optimize_warned(model, (torch.randn(4, 8), torch.tensor(3)))
+    assert isinstance(opt, OptimizedModule) and not messages
+    for t in (0, 9):
+        args = (torch.randn(4, 8), torch.tensor(t))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*args), model(*args))
