@@ -66,7 +66,9 @@ NOT_SIZE_ARGUMENTS = {"full_like": ((1,), ("fill_value",)), "full": ((1,), ("fil
                       # (fuzz40e; a dim sets sizes: fuzz40g; review40c)
                       "narrow": ((2,), ("start",)), "select": ((2,), ("index",)), "roll": ((1, 2), ("shifts", "dims")),
                       "index_select": ((2,), ("index",)), "norm": ((1,), ("p",)), "histc": ((2, 3), ("min", "max")),
-                      "diff": ((3, 4), ("prepend", "append"))}
+                      "diff": ((3, 4), ("prepend", "append")), "var": ((), ("correction",)),
+                      "std": ((), ("correction",))}
+TENSORS_READ = {"index_select": ((2,), ("index",)), "diff": ((3, 4), ("prepend", "append"))}   # on the device
 
 
 def _reads_a_number(n) -> bool:
@@ -74,6 +76,24 @@ def _reads_a_number(n) -> bool:
     source = n.args[0].meta.get("tensor_meta") if n.args and isinstance(n.args[0], torch.fx.Node) else None
     return (n.op == "call_method" and n.target == "item" or n.op == "call_function" and n.target in VALUE_FUNCTIONS) \
         and getattr(source, "dtype", torch.bool) != torch.bool
+
+
+def _a_number(node, values: set) -> bool:
+    """Whether node is one number: `t.item()`, or Python arithmetic on such numbers (`t.item() - 1`,
+    review40d), not a list from `.tolist()`."""
+    stack, seen, found = [node], set(), False
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _reads_a_number(n):
+            found = True
+        elif n.op == "call_method" and n.target == "tolist" or n not in values:
+            return False
+        else:
+            stack += n.all_input_nodes
+    return found
 
 
 def _reads_values(n) -> bool:
@@ -97,7 +117,7 @@ def _sized_by_values(n, values: set) -> bool:
         if not hasattr(source, "shape"):   # `x.split(3)[k]`: which piece, of its own size (fuzz40g)
             return any(isinstance(i, torch.fx.Node) and (i in values or i.meta.get("tensor_meta") is not None)
                        for i in items)
-        if all(not isinstance(i, torch.fx.Node) or i not in values or _reads_a_number(i) for i in items):
+        if all(not isinstance(i, torch.fx.Node) or i not in values or _a_number(i, values) for i in items):
             return False   # `x[i.item()]`: a number read from a value picks an element; no size follows (fuzz40e);
             #                a list of them (`x[idx.tolist()]`) picks as many as it holds (review40)
     if n.op == "call_function" and n.target in (torch.tensor_split, torch.ops.aten.tensor_split.tensor_indices_or_sections) \
@@ -161,9 +181,10 @@ def _number_tensors(n, sizes_only: bool = True) -> list:
     name = _op_name(n)
     if name not in SIZE_TAKING and name not in SIZE_FACTORIES or sizes_only and name in NUMBERS_ONLY:
         return []
-    positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ())) if sizes_only else ((), ())
+    positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ())) if sizes_only else \
+        TENSORS_READ.get(name, ((), ()))
     args = [a for k, a in enumerate(n.args) if k not in positions and (k > 0 or name in SIZE_FACTORIES)]
-    kwargs = [v for k, v in n.kwargs.items() if k not in keywords]
+    kwargs = [v for k, v in n.kwargs.items() if k not in keywords and k != "input"]   # input=: the data (review40d)
     if sizes_only and name in SIZE_AT:   # linspace(x.min(), x.max(), 8): only the steps set its size (review40)
         k, keyword = SIZE_AT[name]
         args, kwargs = n.args[k:k + 1], [n.kwargs[keyword]] if keyword in n.kwargs else []

@@ -201,8 +201,9 @@ def _size_of_a_value_sized(proxy) -> bool:
                 name != "repeat_interleave" or len(n.args) == 1 or any(isinstance(r, torch.fx.Node) for r in repeats)) \
                 or n.target is torch.where and len(n.args) + len(n.kwargs) == 1 \
                 or n.target in (operator.getitem, "__getitem__") and _picks_by_values(n) \
-                or (name in SIZE_TAKING or name in SIZE_FACTORIES) and any(_from_numbers(a) for a in n.all_input_nodes
-                                                                          if a is not (n.args[:1] or [None])[0]):
+                or (name in SIZE_TAKING or name in SIZE_FACTORIES) and any(   # a size from a value: `.item()` or
+                    _from_numbers(a) or _carries_values(a) for a in n.all_input_nodes   # a tensor (`narrow(0, 0, n)`)
+                    if name in SIZE_FACTORIES or a is not (n.args[:1] or [None])[0]):
             return True
         stack += n.all_input_nodes
     return False
@@ -214,7 +215,8 @@ def _picks_by_values(n) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     bounds = [b for i in items if isinstance(i, slice) for b in (i.start, i.stop, i.step)]
     direct = [i for i in items if isinstance(i, torch.fx.Node)]
-    return any(isinstance(b, torch.fx.Node) and _from_numbers(b) for b in bounds) or any(map(_carries_values, direct))
+    return any(isinstance(b, torch.fx.Node) and (_from_numbers(b) or _carries_values(b)) for b in bounds) \
+        or any(map(_carries_values, direct))   # (a bound that is a tensor: `x[:n]`, review40d)
 
 
 def _from_numbers(node) -> bool:

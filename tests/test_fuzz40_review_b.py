@@ -272,3 +272,68 @@ def test_a_buffer_indexed_by_a_number_read_from_a_value_is_optimized():
         args = (torch.randn(4, 8), torch.tensor(t))
         with torch.no_grad():
             torch.testing.assert_close(opt(*args), model(*args))
+
+
+class ScaledCheck(nn.Module):
+    def forward(self, x, n):
+        if x.shape[0] > 0:   # torch.export traces
+            pass
+        k = n.item()
+        torch._check(2 * k <= 12)   # export prints it as u0 <= 6
+        torch._check_is_size(k, "k is a size")   # the message positional: no bound (review40d: a TypeError)
+        return torch.relu(x[:, :k]) * 2
+
+
+def test_a_scaled_check_and_a_size_check_with_a_message_stay():
+    model = ScaledCheck().eval()
+    opt, messages = optimize_warned(model, (torch.randn(4, 8), torch.tensor(3)))
+    assert isinstance(opt, OptimizedModule) and not messages
+    with pytest.raises(RuntimeError):
+        opt(torch.randn(4, 8), torch.tensor(7))
+
+
+class CaughtNarrowByATensor(nn.Module):
+    def forward(self, x, n):
+        try:
+            if x.narrow(0, 0, n).shape[0] > 2:   # sized by a one-element tensor: export raises here too
+                x = x * 2
+        except Exception:  # noqa: BLE001
+            pass
+        return torch.relu(x) + 1
+
+
+class VarianceWithATensorCorrection(nn.Module):
+    def forward(self, x, c):
+        h = x - x.var(-1, keepdim=True, correction=c)   # correction is no size
+        return torch.relu(h) * 2 + h.shape[0]
+
+
+def test_review40d_cases():
+    model = CaughtNarrowByATensor().eval()   # before: handed to export, whose error forward() caught too
+    opt, messages = optimize_warned(model, (torch.randn(6, 4), torch.tensor(2)))
+    assert opt is model and len(messages) == 1
+    model = VarianceWithATensorCorrection().eval()   # before (5654602): refused
+    opt, messages = optimize_warned(model, (torch.randn(4, 8), torch.tensor(1)))
+    assert isinstance(opt, OptimizedModule) and not messages
+    args = (torch.randn(4, 8), torch.tensor(0))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
+
+
+class PreviousTimestep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("schedule", torch.linspace(0.1, 1.0, 10))
+
+    def forward(self, x, t):
+        h = x * self.schedule[t.item() - 1]   # arithmetic on the number: still one element
+        return torch.relu(h).sum(0) / h.shape[0]
+
+
+def test_a_buffer_indexed_by_arithmetic_on_a_number_is_optimized():
+    model = PreviousTimestep().eval()   # before: refused at the size read
+    opt, messages = optimize_warned(model, (torch.randn(4, 8), torch.tensor(3)))
+    assert isinstance(opt, OptimizedModule) and not messages
+    args = (torch.randn(4, 8), torch.tensor(8))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
