@@ -14,6 +14,7 @@ from torch.nn.utils import parametrize
 from .concrete_args import numpy_number
 from .errors import UnsupportedError
 from .log import inside_packages
+from .node_meta import ancestors
 from .state_writes import AUGMENTED_NAMES
 
 
@@ -189,12 +190,7 @@ def _size_of_a_value_sized(proxy) -> bool:
                                  _op_name)
     if not isinstance(proxy, torch.fx.Proxy):
         return False
-    stack, seen = [proxy.node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in ancestors([proxy.node]):
         name = _op_name(n) if n.op in ("call_function", "call_method") else ""
         repeats = n.args[1:2] + tuple(v for k, v in n.kwargs.items() if k == "repeats")
         if (name in DATA_DEPENDENT_METHODS or n.target in DATA_DEPENDENT_FUNCTIONS) and (
@@ -205,7 +201,6 @@ def _size_of_a_value_sized(proxy) -> bool:
                     _from_numbers(a) or _carries_values(a) for a in n.all_input_nodes   # a tensor (`narrow(0, 0, n)`)
                     if name in SIZE_FACTORIES or a is not (n.args[:1] or [None])[0]):
             return True
-        stack += n.all_input_nodes
     return False
 
 
@@ -222,31 +217,14 @@ def _picks_by_values(n) -> bool:
 def _from_numbers(node) -> bool:
     """Whether node is (arithmetic on) a number read from a tensor's values: .item() / .tolist()."""
     from .data_dependent import VALUE_METHODS
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_method" and n.target in VALUE_METHODS:
-            return True
-        stack += n.all_input_nodes
-    return False
+    return any(n.op == "call_method" and n.target in VALUE_METHODS for n in ancestors([node]))
 
 
 def _carries_values(node) -> bool:
     """Whether node reads an input's values, not only its sizes (trace_leftovers' metadata rules)."""
     from .trace_leftovers import METADATA_ATTRIBUTES, METADATA_METHODS
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        if n.op == "call_function" and n.target is getattr and n.args[1:2] and n.args[1] in METADATA_ATTRIBUTES \
-                or n.op == "call_method" and n.target in METADATA_METHODS:
-            continue
-        stack += n.all_input_nodes
-    return False
+
+    def metadata(n):
+        return n.op == "call_function" and n.target is getattr and n.args[1:2] and n.args[1] in METADATA_ATTRIBUTES \
+            or n.op == "call_method" and n.target in METADATA_METHODS
+    return any(n.op == "placeholder" for n in ancestors([node], stop=metadata) if not metadata(n))

@@ -46,3 +46,17 @@ def get_attr_quietly(graph: torch.fx.Graph, target: str) -> torch.fx.Node:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying")
         return graph.get_attr(target)
+
+
+def ancestors(nodes, stop=lambda n: False):
+    """Each node of `nodes` and of their inputs, once, depth first; the inputs of a node where
+    stop(node) holds are not followed (a metadata read, a tensor)."""
+    stack, seen = list(nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        yield n
+        if not stop(n):
+            stack += n.all_input_nodes

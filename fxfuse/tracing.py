@@ -29,7 +29,7 @@ from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .module_state import version
-from .node_meta import fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
+from .node_meta import ancestors, fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
 from .shape_propagation import (ShapePropagation, ShapePropagationError, clone_args,  # noqa: F401 (re-exported)
@@ -273,16 +273,11 @@ SIZE_ASSERTIONS = {getattr(torch.ops.aten, name).default for name in (
 def _asserts_a_size(node) -> bool:
     """Whether an assertion of export's graph reads a size (through Python arithmetic on it)."""
     from .data_dependent import SIZE_OPS
-    stack, seen = list(node.all_input_nodes), set()
-    while stack:
-        n = stack.pop()
-        if n in seen or n.meta.get("tensor_meta") is not None or n.op == "placeholder":
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target in SIZE_OPS:
-            return True
-        stack += n.all_input_nodes
-    return False
+
+    def tensor(n):
+        return n.meta.get("tensor_meta") is not None or n.op == "placeholder"
+    return any(n.op == "call_function" and n.target in SIZE_OPS
+               for n in ancestors(node.all_input_nodes, stop=tensor) if not tensor(n))
 
 
 def _specialize_values(gm, example_args) -> None:
