@@ -1,4 +1,4 @@
-"""A build leaves the model and the random streams as it found them (module_state._Snapshot,
+"""A build leaves the model and the random streams as it found them (snapshot._Snapshot,
 random_streams.RandomStreams), and refuses a forward() that keeps state in the module.
 
 A memo that forward() fills on a miss (`if self.pe is None: self.pe = table(...)`, YOLOv5's grid
@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from .errors import UnsupportedError
-from .module_state import _Snapshot
+from .snapshot import _Snapshot
 from .random_streams import RandomStreams
 
 

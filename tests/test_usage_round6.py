@@ -245,7 +245,7 @@ def test_a_call_that_only_forwards_is_optimized(make):
 
 
 def test_snapshot_copies_a_shared_global_once():
-    from fxfuse.module_state import _Snapshot
+    from fxfuse.snapshot import _Snapshot
 
     class ReadsGlobal(nn.Module):
         def __init__(self):

@@ -1,0 +1,201 @@
+"""What a build changed in the model, and putting it back (build_state.kept_state): each
+submodule's attributes, buffers (by value), parameters (by identity and version), submodules,
+the tensors and containers its forward() holds or reads (module_state._held), and containers
+on the model's own classes. A memo forward() fills on a miss (a dict that only gained keys) is
+no change; with keep_memos it stays as the check's eager run filled it (stop 40).
+"""
+import functools
+import inspect
+
+import torch
+import torch.fx
+
+from .module_state import _forward_state, _held, _is_record, same_attr, same_value, version
+from .trace_leftovers import TraceLeftovers, is_trace_value, reads_input_values
+
+
+def _contents(container):
+    return list(container) if isinstance(container, list) else dict(vars(container) if _is_record(
+        container) else container)
+
+
+def _same_contents(container, saved) -> bool:
+    now = _contents(container)
+    if isinstance(now, list):
+        return len(now) == len(saved) and all(same_attr(a, b) for a, b in zip(now, saved))
+    return now.keys() == saved.keys() and all(same_attr(now[k], saved[k]) for k in saved)
+
+
+def _only_memoized(container, saved) -> bool:
+    """Whether forward() only added keys to a dict: a cache filled on a miss (`if T not in
+    self.cache: self.cache[T] = rotary(T, x.device)`). The graph computes or holds what it read
+    from it, and eager fills it again after it is put back (entries made of torch.fx Proxies
+    or fake tensors never stay in the model). A replaced entry, or anything appended to a list
+    (a history, a call counter), is state. A dict used as a counter (`self.d[len(self.d)] = 1`
+    read by the output) passes here and is refused by the check against eager."""
+    now = _contents(container)
+    if isinstance(now, list) or not all(k in now and now[k] is v for k, v in saved.items()):
+        return False
+    return len(now) > len(saved)
+
+
+def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False,
+                       kept: list | None = None) -> None:
+    """Put a container's items back; name it in `changed` unless forward() only memoized (and the
+    trace did not fill it from the input's values: drop_proxies). Given `kept` (a build whose
+    check ran the model eagerly on the example), a memo keeps what that eager run filled it with
+    and is listed there."""
+    if data_filled or not _same_contents(container, saved):
+        memo = not data_filled and _only_memoized(container, saved)
+        if not memo:
+            changed.append(name)
+        elif kept is not None and not _holds_trace_values(_contents(container)):
+            kept.append((container, saved))
+            return
+        _put_back(container, saved)
+
+
+def _holds_trace_values(items: dict) -> bool:
+    return any(is_trace_value(v) for v in torch.utils._pytree.tree_leaves(list(items.values())))
+
+
+def _put_back(container, saved) -> None:
+    if isinstance(container, list):
+        container[:] = saved
+    else:
+        target = vars(container) if _is_record(container) else container
+        target.clear()
+        target.update(saved)
+
+
+# torch's registries of state_dict hooks: fxfuse's own OptimizedModules add to and remove from
+# them (runtime: rebuild on load_state_dict), also when the garbage collector finalizes an old
+# one while another build runs; what forward() computes with is not in them
+STATE_DICT_HOOKS = frozenset({"_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                              "_load_state_dict_post_hooks"})
+
+
+class _Snapshot:
+    def __init__(self, model: torch.nn.Module):
+        self.modules, seen = [], set()
+        runtimes = [name for name, m in model.named_modules() if getattr(type(m), "fxfuse_runtime", False)]
+        for name, m in model.named_modules():
+            if name in runtimes or isinstance(m, torch.jit.ScriptModule):
+                continue   # an fxfuse OptimizedModule inside the model: its counters are not model state;
+                #            a TorchScript child runs as one opaque call (its state is not Python's)
+            attrs = {k: v for k, v in m.__dict__.items() if k not in ("_buffers", "_parameters", "_modules")}
+            # a plain tensor attribute (not a buffer) written in place: torch.fx runs `t += 1` on it
+            # at trace time, and the graph holds the changed tensor as a constant
+            held = list(_held({k: v for k, v in attrs.items() if k not in STATE_DICT_HOOKS}, _forward_state(m), seen))
+            tensors = {k: (v, v.detach().clone()) for kind, k, v in held if kind == "tensor"}
+            containers = {k: (v, _contents(v)) for kind, k, v in held if kind == "container"}
+            buffers = {k: (b, b.detach().clone() if b is not None else None) for k, b in m._buffers.items()}
+            # by value only where torch's own forward writes them (max_norm rescales looked-up rows)
+            renorms = isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
+            params = {k: (p, version(p) if p is not None else None,
+                          p.detach().clone() if renorms and p is not None else None) for k, p in m._parameters.items()}
+            self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
+                                 containers))
+        self.leftovers, self.data_filled = TraceLeftovers(model), set()
+        # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
+        # stored there by the trace would reach every later eager call of the class
+        self.class_containers = []
+        for cls in dict.fromkeys(type(m) for m in model.modules()):
+            if (cls.__module__ or "").startswith("torch."):
+                continue
+            shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
+            self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))
+                                      for kind, k, v in _held(shared, {}, seen) if kind == "container"]
+
+    def drop_proxies(self) -> None:
+        """The trace's Proxies and FakeTensors out of the snapshotted containers (a class's
+        `_masks["causal"]`), the forward()s' globals and lru caches (trace_leftovers), which verify's
+        eager run read: its output was a Proxy, the check empty. Plain values the trace left stay:
+        they are how verify sees a container that grows per call (stop 36)."""
+        self.leftovers.clean()
+        containers = [(c, saved) for _, c, saved in self.class_containers]
+        containers += [held for module in self.modules for held in module[7].values()]
+        for c, saved in containers:   # what the trace put there: not the user's own fake tensors (review38b)
+            target = vars(c) if _is_record(c) else c
+            if isinstance(target, dict):
+                for k in [k for k, v in target.items() if is_trace_value(v) and saved.get(k) is not v]:
+                    if reads_input_values(target[k]):   # filled from the input's values: state, not a memo
+                        self.data_filled.add(id(c))
+                    del target[k]
+            elif isinstance(target, list) and any(is_trace_value(v) for v in target):
+                kept = {id(v) for v in saved}
+                target[:] = [v for v in target if not is_trace_value(v) or id(v) in kept]
+
+    def restore(self, keep_memos: bool = False) -> list:
+        """Put everything back, with keep_memos all but the memos (build_state.kept_state; put
+        back by forget_memos); the names of what forward() had changed."""
+        changed, kept = [], [] if keep_memos else None
+        self.kept_memos = kept if kept is not None else []
+        self.leftovers.clean()
+        for name, c, saved in self.class_containers:
+            _restore_container(name, c, saved, changed, id(c) in self.data_filled, kept)
+        for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
+            for k, (c, saved) in containers.items():
+                _restore_container(f"{name}.{k}", c, saved, changed, id(c) in self.data_filled, kept)
+            for k, (t, saved) in tensors.items():
+                if not same_value(t, saved):
+                    changed.append(f"{name}.{k}")
+                    with torch.inference_mode(t.is_inference()), torch.no_grad():
+                        t.copy_(saved)
+            for k in [k for k in m.__dict__ if k not in attrs and k not in ("_buffers", "_parameters", "_modules")]:
+                if not k.startswith("_tensor_constant") and not _cached(m, k):   # torch.fx's own constants;
+                    changed.append(f"{name}.{k}")                                 # a cached_property's cache
+                del m.__dict__[k]
+            for k, v in attrs.items():
+                if k not in m.__dict__ or not same_attr(m.__dict__[k], v):
+                    changed.append(f"{name}.{k}")
+                    m.__dict__[k] = v
+            for k, (b, saved) in buffers.items():
+                if m._buffers.get(k) is not b:
+                    changed.append(f"{name}.{k}")
+                    m._buffers[k] = b
+                if b is not None and not same_value(b, saved):
+                    changed.append(f"{name}.{k}")
+                    with torch.inference_mode(b.is_inference()), torch.no_grad():
+                        b.copy_(saved)
+            for k in [k for k in m._buffers if k not in buffers]:
+                changed.append(f"{name}.{k}")
+                del m._buffers[k]
+            for k, (p, v, saved) in params.items():
+                if m._parameters.get(k) is not p or (p is not None and v is not None and version(p) != v):
+                    changed.append(f"{name}.{k}")
+                    m._parameters[k] = p
+                if saved is not None and not same_value(p, saved):
+                    changed.append(f"{name}.{k}")
+                    with torch.inference_mode(p.is_inference()), torch.no_grad():   # inference_mode(False)
+                        p.copy_(saved)                                              # turns grad on again
+            if dict(m._modules) != modules or any(m._modules[k] is not v for k, v in modules.items()):
+                changed.append(f"{name} (submodules)")
+                m._modules.clear()
+                m._modules.update(modules)
+        return list(dict.fromkeys(changed))
+
+    def forget_memos(self) -> None:
+        """The memos restore(keep_memos=True) kept, put back too (the build was refused)."""
+        for container, saved in self.kept_memos:
+            _put_back(container, saved)
+
+
+def _cached(m: torch.nn.Module, k: str) -> bool:
+    """A functools.cached_property filled by the trace with a real value (not a Proxy) that its
+    function gives again (not a random draw, a clock, a counter): a memo, emptied again like a
+    memo dict; eager fills it anew, with the same value, on its next call."""
+    prop = inspect.getattr_static(type(m), k, None)
+    if not isinstance(prop, functools.cached_property):
+        return False
+    value = torch.utils._pytree.tree_leaves(m.__dict__[k])
+    if any(isinstance(v, torch.fx.Proxy) for v in value):
+        return False
+    try:
+        with torch.no_grad():
+            again = torch.utils._pytree.tree_leaves(prop.func(m))
+    except Exception:  # noqa: BLE001 -- it cannot be recomputed here: not known to be a memo
+        return False
+    return len(again) == len(value) and all(
+        same_value(a, v) if isinstance(a, torch.Tensor) and isinstance(v, torch.Tensor) else same_attr(a, v)
+        for a, v in zip(again, value))
