@@ -130,7 +130,7 @@ def _sized_by_values(n, values: set) -> bool:
     from fxfuse.passes.spellings import spelling_of   # passes import fxfuse modules: import late
     if spelling_of(n.graph.owning_module, n) is not None:   # pointwise (`x * scale.item()`): x's shape
         return False
-    name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
+    name = op_name(n)
     positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ()))
     sizing = [a for k, a in enumerate(n.args) if k not in positions] + \
         [v for k, v in n.kwargs.items() if k not in keywords]
@@ -167,7 +167,8 @@ SIZE_TAKING = {"narrow", "narrow_copy", "select", "topk", "kthvalue", "pad", "co
 NUMBERS_ONLY = {"full_like", "fill_", "fill", "roll"}
 
 
-def _op_name(n) -> str:
+def op_name(n) -> str:
+    """A call's name: the method's, or the function's (aten overloads by their packet: `unsqueeze_`)."""
     name = n.target if n.op == "call_method" else getattr(getattr(n.target, "overloadpacket", n.target), "__name__", "")
     return name if isinstance(name, str) else ""
 
@@ -178,7 +179,7 @@ def _number_tensors(n, sizes_only: bool = True) -> list:
     NOT_SIZE_ARGUMENTS names a value (a fill value, a narrow start) or the op takes no size."""
     if n.op not in ("call_function", "call_method"):
         return []
-    name = _op_name(n)
+    name = op_name(n)
     if name not in SIZE_TAKING and name not in SIZE_FACTORIES or sizes_only and name in NUMBERS_ONLY:
         return []
     positions, keywords = NOT_SIZE_ARGUMENTS.get(name.rstrip("_"), ((), ())) if sizes_only else \

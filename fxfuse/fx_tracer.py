@@ -187,18 +187,20 @@ def _size_of_a_value_sized(proxy) -> bool:
     for every input (review40b). Not for sizes a `.item()` only scales (`(x * s.item()).shape`),
     slices by sizes (`x[..., :x.shape[-1] // 2]`) or int repeats (review40c)."""
     from .data_dependent import (DATA_DEPENDENT_FUNCTIONS, DATA_DEPENDENT_METHODS, SIZE_FACTORIES, SIZE_TAKING,
-                                 _op_name)
+                                 op_name)
+    from .trace_leftovers import node_reads_input_values   # (it imports module_state, which is heavy)
     if not isinstance(proxy, torch.fx.Proxy):
         return False
     for n in ancestors([proxy.node]):
-        name = _op_name(n) if n.op in ("call_function", "call_method") else ""
+        name = op_name(n) if n.op in ("call_function", "call_method") else ""
         repeats = n.args[1:2] + tuple(v for k, v in n.kwargs.items() if k == "repeats")
         if (name in DATA_DEPENDENT_METHODS or n.target in DATA_DEPENDENT_FUNCTIONS) and (
                 name != "repeat_interleave" or len(n.args) == 1 or any(isinstance(r, torch.fx.Node) for r in repeats)) \
                 or n.target is torch.where and len(n.args) + len(n.kwargs) == 1 \
                 or n.target in (operator.getitem, "__getitem__") and _picks_by_values(n) \
                 or (name in SIZE_TAKING or name in SIZE_FACTORIES) and any(   # a size from a value: `.item()` or
-                    _from_numbers(a) or _carries_values(a) for a in n.all_input_nodes   # a tensor (`narrow(0, 0, n)`)
+                    _from_numbers(a) or node_reads_input_values(a)   # a tensor (`narrow(0, 0, n)`)
+                    for a in n.all_input_nodes
                     if name in SIZE_FACTORIES or a is not (n.args[:1] or [None])[0]):
             return True
     return False
@@ -206,25 +208,16 @@ def _size_of_a_value_sized(proxy) -> bool:
 
 def _picks_by_values(n) -> bool:
     """A getitem whose index holds a value read from an input (a mask, ids, a bound from .item())."""
+    from .trace_leftovers import node_reads_input_values
     index = n.args[1] if len(n.args) > 1 else None
     items = index if isinstance(index, tuple) else (index,)
     bounds = [b for i in items if isinstance(i, slice) for b in (i.start, i.stop, i.step)]
     direct = [i for i in items if isinstance(i, torch.fx.Node)]
-    return any(isinstance(b, torch.fx.Node) and (_from_numbers(b) or _carries_values(b)) for b in bounds) \
-        or any(map(_carries_values, direct))   # (a bound that is a tensor: `x[:n]`, review40d)
+    return any(isinstance(b, torch.fx.Node) and (_from_numbers(b) or node_reads_input_values(b)) for b in bounds) \
+        or any(map(node_reads_input_values, direct))   # (a bound that is a tensor: `x[:n]`, review40d)
 
 
 def _from_numbers(node) -> bool:
     """Whether node is (arithmetic on) a number read from a tensor's values: .item() / .tolist()."""
     from .data_dependent import VALUE_METHODS
     return any(n.op == "call_method" and n.target in VALUE_METHODS for n in ancestors([node]))
-
-
-def _carries_values(node) -> bool:
-    """Whether node reads an input's values, not only its sizes (trace_leftovers' metadata rules)."""
-    from .trace_leftovers import METADATA_ATTRIBUTES, METADATA_METHODS
-
-    def metadata(n):
-        return n.op == "call_function" and n.target is getattr and n.args[1:2] and n.args[1] in METADATA_ATTRIBUTES \
-            or n.op == "call_method" and n.target in METADATA_METHODS
-    return any(n.op == "placeholder" for n in ancestors([node], stop=metadata) if not metadata(n))

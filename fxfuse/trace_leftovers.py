@@ -143,9 +143,13 @@ def reads_input_values(value) -> bool:
     FakeTensor of torch.export's trace carries no graph: not known (False)."""
     if not isinstance(value, torch.fx.Proxy):
         return False
+    return node_reads_input_values(value.node, getattr(value.tracer, "root", None))
+
+
+def node_reads_input_values(node: torch.fx.Node, root=None) -> bool:
+    """reads_input_values of a node (root: the traced module, for its submodules' kinds)."""
     from .graph_launch import draws_random   # (torch-heavy imports: late)
-    root = getattr(value.tracer, "root", None)
-    stack, seen = [value.node], set()
+    stack, seen = [node], set()
     while stack:
         n = stack.pop()
         if n in seen:

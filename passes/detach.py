@@ -4,6 +4,8 @@ input's tensor object: returned, or reshaped in place (fuzz40b, review40)."""
 import torch
 import torch.fx
 
+from fxfuse.data_dependent import op_name
+
 aten = torch.ops.aten
 
 
@@ -37,8 +39,7 @@ def _is_detach(node) -> bool:
 
 def _reshaped_in_place(node, source) -> bool:
     users = list(node.users) + [u for u in (source.users if isinstance(source, torch.fx.Node) else ()) if u is not node]
-    return any((u.target if u.op == "call_method" else getattr(getattr(u.target, "overloadpacket", u.target),
-                                                                 "__name__", "")) in RESHAPED_IN_PLACE for u in users)
+    return any(op_name(u) in RESHAPED_IN_PLACE for u in users)
 
 
 RESHAPED_IN_PLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",

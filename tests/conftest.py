@@ -145,6 +145,18 @@ def kernel_backend(request):
         pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
 
 
+def assert_refused_and_eager(make, example, later, reason: str = "") -> None:
+    """make()'s model is refused with one warning (naming `reason`), and the returned original
+    gives eager's values on the later input."""
+    import torch
+    model = make().eval()
+    opt, messages = optimize_warned(model, example())
+    assert opt is model and len(messages) == 1 and reason in messages[0]
+    args = later()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args), model(*args))
+
+
 def optimize_warned(model, x, **options):
     """(fxfuse.optimize's result, the fxfuse warnings it gave)."""
     import warnings

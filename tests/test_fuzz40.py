@@ -10,7 +10,7 @@ from torch import nn
 import fxfuse
 from fxfuse.runtime import OptimizedModule
 
-from conftest import optimize_warned
+from conftest import assert_refused_and_eager, optimize_warned
 
 
 class ClipInTry(nn.Module):
@@ -264,12 +264,7 @@ class TopkMean(nn.Module):
 ])
 def test_a_size_read_of_a_value_sized_result_is_refused_not_frozen(make, example, later):
     # before: the size was frozen at the example's (silent wrong answers on other values)
-    model = make().eval()
-    opt, messages = optimize_warned(model, example())
-    assert opt is model and len(messages) == 1 and "depends on the input's values" in messages[0]
-    args = later()
-    with torch.no_grad():
-        torch.testing.assert_close(opt(*args), model(*args))
+    assert_refused_and_eager(make, example, later, "depends on the input's values")
 
 
 class ExportedWeightSpellings(nn.Module):

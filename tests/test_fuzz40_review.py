@@ -9,7 +9,7 @@ from torch import nn
 import fxfuse
 from fxfuse.runtime import OptimizedModule
 
-from conftest import optimize_warned
+from conftest import assert_refused_and_eager, optimize_warned
 
 
 class ViewThenTransposed(nn.Module):
@@ -122,12 +122,7 @@ class NarrowedAlongAValue(nn.Module):
 ])
 def test_more_value_sized_results_are_refused_where_a_size_is_read(make, example, later):
     # before: the size read was frozen at the example's (silently wrong on the later values)
-    model = make().eval()
-    opt, messages = optimize_warned(model, example())
-    assert opt is model and len(messages) == 1
-    args = later()
-    with torch.no_grad():
-        torch.testing.assert_close(opt(*args), model(*args))
+    assert_refused_and_eager(make, example, later)
 
 
 class UnsqueezedAtATensorDim(nn.Module):

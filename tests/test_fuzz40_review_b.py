@@ -7,7 +7,7 @@ from torch import nn
 import fxfuse
 from fxfuse.runtime import OptimizedModule
 
-from conftest import optimize_warned
+from conftest import assert_refused_and_eager, optimize_warned
 
 
 class NoisedAtATimestep(nn.Module):   # DDPM's q_sample at one timestep (batch 1)
@@ -193,12 +193,7 @@ class SummedAlongADim(nn.Module):
 ])
 def test_sizes_and_dims_given_as_tensors_to_more_ops_are_refused_where_read(make, example, later):
     # before (review40c): the allow-list lacked irfft's n and a reduction's dim: the size read stayed the example's
-    model = make().eval()
-    opt, messages = optimize_warned(model, example())
-    assert opt is model and len(messages) == 1
-    args = later()
-    with torch.no_grad():
-        torch.testing.assert_close(opt(*args), model(*args))
+    assert_refused_and_eager(make, example, later)
 
 
 class CaughtWhereSize(nn.Module):
