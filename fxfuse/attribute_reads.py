@@ -19,15 +19,18 @@ subclasses running torch's forward, all are. Under a profiler the hook is a trac
 that fires on calls only; with both a profiler and a tracer on, every attribute is watched.
 """
 import contextlib
+import functools
 import importlib.util
 import inspect
 import operator
 import os
 import sys
+import types
 
 import torch
 
 from .code_walk import plain_functions
+from .concrete_args import DESCRIPTORS, _mutable, _Same, fingerprint, held_items
 from .mode_watch import LIBRARY_DIRS
 from .module_state import same_attr
 
@@ -66,6 +69,7 @@ def _other_code(filename: str) -> bool:
     return filename.startswith(OTHER_CODE) or (filename.startswith(STDLIB) and "-packages" not in filename)
 
 
+PROBES = {"getattr", "hasattr", "vars", "__dict__"}   # code that may look a name up while it is absent
 DYNAMIC = {"getattr", "vars", "__dict__", "attrgetter", "getattr_static", "__getattribute__", "asdict", "astuple"}
 # ^ a model's code using one of these may read attributes by computed names: watch them all (dataclasses'
 # asdict / astuple read every field in the standard library's code, which does not count: review39b)
@@ -99,6 +103,8 @@ def recording_attribute_reads(model: torch.nn.Module):
         if event == "call":
             code = frame.f_code
             name = code.co_filename
+            if code in RNG_SETTERS and _called_by_the_model(frame):
+                reads["rng"] = code.co_name
             # code compiled from a string counts, except what libraries generate that way: the
             # exec'd wrappers (`<module>`, dataclasses' `__create_fn__`) and the dunder methods
             # they make (a dataclass's __init__/__eq__), unless a method of the model's classes
@@ -127,6 +133,38 @@ def recording_attribute_reads(model: torch.nn.Module):
         reads["probed"] = _probed(codes)
 
 
+def _rng_setters() -> set:
+    """The code of torch's functions that set the random state (and fork_rng's, which restores
+    it): the graph draws from the generator as it runs and sets nothing, so a forward() calling
+    them is refused (fuzz41a: fork_rng's noise left the caller's generator advanced, silently)."""
+    found = set()
+    for owner, names in ((torch, ("manual_seed", "seed", "set_rng_state")),
+                         (torch.random, ("manual_seed", "seed", "set_rng_state", "fork_rng")),
+                         (torch.cuda, ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state",
+                                       "set_rng_state_all"))):
+        for name in names:
+            fn = inspect.unwrap(getattr(owner, name, None) or (lambda: None))
+            if getattr(fn, "__code__", None) is not None and name in fn.__code__.co_name:
+                found.add(fn.__code__)
+    return found
+
+
+RNG_SETTERS = _rng_setters()
+_WRAPPERS = tuple(os.path.join(os.path.dirname(torch.__file__), *p) for p in (("_compile.py",), ("_dynamo", "")))
+
+
+def _called_by_the_model(frame) -> bool:
+    """Whether the model's code (or fork_rng) called frame's function: through torch's own
+    wrappers (once torch._dynamo is imported, torch.manual_seed is a disable wrapper of it), not
+    by torch itself (torch.export's tracing)."""
+    caller = frame.f_back
+    for _ in range(4):
+        if caller is None or not caller.f_code.co_filename.startswith(_WRAPPERS):
+            break
+        caller = caller.f_back
+    return caller is not None and (caller.f_code in RNG_SETTERS or not _other_code(caller.f_code.co_filename))
+
+
 def _probed(codes) -> dict:
     """Class qualname ("" for a plain function) -> (the names its code may look up while they are
     absent, the names it reads): string constants of code that calls getattr or hasattr
@@ -136,9 +174,11 @@ def _probed(codes) -> dict:
         return getattr(c, "co_qualname", "").split(".<locals>")[0].rpartition(".")[0]
     probed = {}
     for c in codes:
-        if "getattr" in c.co_names or "hasattr" in c.co_names:
+        if PROBES & set(c.co_names):
             probed.setdefault(owner(c), (set(), set()))[0].update(
                 s for k in c.co_consts for s in _strings(k) if s.isidentifier())
+        if "AttributeError" in c.co_names:   # `try: t = self.temperature / except AttributeError:` (fuzz41f)
+            probed.setdefault(owner(c), (set(), set()))[0].update(c.co_names)
     for c in codes:   # what the owner's code names, the probing part or not (`for b in self.blocks`)
         if owner(c) in probed:
             probed[owner(c)][1].update(c.co_names)
@@ -152,7 +192,7 @@ def _generated(name: str) -> bool:
 def class_code(model: torch.nn.Module) -> set:
     """The code objects of the functions and properties defined on the model's own classes."""
     found = set()
-    for cls in {c for m in model.modules() for c in type(m).__mro__[:-2] if not _torch_class(c)}:
+    for cls in {c for m in model.modules() for c in _classes(m) if not _torch_class(c)}:
         for value in list(vars(cls).values()):
             found.update(fn.__code__ for fn in plain_functions(value))
     return found
@@ -207,10 +247,20 @@ def _torch_class(cls) -> bool:
     return (cls.__module__ or "").startswith("torch.")
 
 
+def _classes(m) -> tuple:
+    """m's classes but nn.Module and object, wherever a mixin puts them (`class Net(nn.Module,
+    HubMixin)`: the MRO does not end in (Module, object), fuzz41f)."""
+    return tuple(c for c in type(m).__mro__ if c is not torch.nn.Module and c is not object)
+
+
 def _own_class(m) -> bool:
     """The model's own class, all the way down: a subclass of a torch module (`class
     MyLeaky(nn.LeakyReLU)`) runs torch's forward, which reads attributes no hook sees."""
-    return not any(map(_torch_class, type(m).__mro__[:-2]))
+    return not any(map(_torch_class, _classes(m)))
+
+
+def _user_classes(m) -> tuple:
+    return tuple(c for c in _classes(m) if not _torch_class(c))
 
 
 def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
@@ -229,13 +279,15 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         # optimize() on the instance or a class (fuzz33e): on the modules of the classes whose
         # code looks it up and on the children that code names (`hasattr(self.block, "scale")`,
         # review33), each class once (review33b: 245 dicts a call for a 123-module model otherwise)
-        for owner in ("", *(c.__qualname__ for c in type(m).__mro__[:-2])) if probed and _own_class(m) else ():
+        # (a subclass of a torch module: what its own methods look up, fuzz41f)
+        own = _own_class(m)
+        for owner in ("",) * own + tuple(c.__qualname__ for c in _user_classes(m)) if probed else ():
             looked_up, refs = probed.get(owner, ((), ()))
             targets = [m] + _named_children(m, refs)
             for t in targets:
                 missing = [k for k in looked_up if k not in t.__dict__ and not _defined(t, k)]
-                absent += [(t, k) for k in missing] + [(c, k) for k in missing for c in type(t).__mro__[:-2]]
-        narrowed = names is not None and (_own_class(m) or type(m) in ATTRIBUTE_FREE)
+                absent += [(t, k) for k in missing] + [(c, k) for k in missing for c in _classes(t)]
+        narrowed = names is not None and (own or type(m) in ATTRIBUTE_FREE)
         # a plain tensor on an ATTRIBUTE_FREE module is its input all the same: a Linear whose
         # weight is `del lin.weight; lin.weight = t` (fast weights: MAML, test-time adaptation;
         # folded or copied into kernels, it went stale: fuzz35d)
@@ -246,18 +298,21 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         if keys:
             out.append(_entry(m.__dict__, keys))
             contents += [(k, m.__dict__[k]) for k in keys]
-        if _own_class(m):   # its class attributes too (`Net.temperature = 0.5`)
-            mro = type(m).__mro__[:-2]
-            for i, cls in enumerate(mro):
-                if cls in classes:
-                    continue
-                classes.add(cls)
-                class_keys = tuple(k for k in vars(cls) if (names is None or k in names) and not k.startswith("__"))
-                if class_keys:
-                    out.append(_entry(vars(cls), class_keys))
-                    absent += [(m, k) for k in class_keys if k not in m.__dict__]
-                    # and on the subclasses before it: `Sub.scale = 5.0` shadows `A.scale` (fuzz34h)
-                    absent += [(c, k) for c in mro[:i] for k in class_keys if k not in vars(c)]
+        # its class attributes too (`Net.temperature = 0.5`); a torch module's subclass: all those
+        # of the user's classes (`class ScaledLinear(nn.Linear): scale = 2.0`, fuzz41f)
+        mro = _classes(m) if own else _user_classes(m)
+        for i, cls in enumerate(mro):
+            if cls in classes:
+                continue
+            classes.add(cls)
+            class_keys = tuple(k for k in vars(cls) if (names is None or not own or k in names)
+                               and not k.startswith("__"))
+            if class_keys:
+                out.append(_entry(vars(cls), class_keys))
+                contents += [(k, v) for k in class_keys if not isinstance(v := vars(cls)[k], DESCRIPTORS)]
+                absent += [(m, k) for k in class_keys if k not in m.__dict__]
+                # and on the subclasses before it: `Sub.scale = 5.0` shadows `A.scale` (fuzz34h)
+                absent += [(c, k) for c in mro[:i] for k in class_keys if k not in vars(c)]
     if absent:   # grouped by owner (a module or a class)
         grouped = {}
         for owner, k in absent:
@@ -275,38 +330,75 @@ MAX_WATCHED_ITEMS = 256
 
 
 def _contents(value, names=None):
-    """A shallow snapshot of a list, dict or set the model's code reads, or of a plain object's
-    attributes (a config namespace or dataclass), else None: an item appended or an attribute
-    set in place (peft's LoRA merge appends to `merged_adapters`, which forward() branches on:
-    fuzz34g; `self.config.scale = 2`) rebuilds. Shallow: a container inside one is compared by
-    identity."""
+    """A snapshot of a container, a plain object or a function the model's code reads, else None:
+    an item appended or an attribute set in place (peft's LoRA merge appends to
+    `merged_adapters`, which forward() branches on: fuzz34g; `self.config.scale = 2`), a callable
+    helper's attribute, a closure's cell, a numpy array's values (fuzz41f) rebuilds. Of objects
+    only the attributes of `names` (review34: `state.step += 1` each call, never read by forward,
+    rebuilt the graph per call). Its items are compared by identity or plain value, and those
+    that hold more, one level further (concrete_args.fingerprint: a dict-backed config's fields,
+    fuzz41f); checked per call, so no deeper (a full fingerprint cost 13x the shallow check)."""
     if isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
         return None   # compared per call: a 10^5-entry dict cost 12-27 ms a call (fuzz34i); not watched
     if isinstance(value, set):
         return frozenset(value)
-    if isinstance(value, (list, dict)):
-        return _items(value)
-    if isinstance(value, (torch.nn.Module, torch.Tensor, type)) or callable(value) or inspect.ismodule(value):
+    if isinstance(value, types.MethodType):   # `self.fn = helper.apply`: the helper's attributes
+        value = value.__self__
+    if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType)) \
+            or isinstance(value, tuple) and not _mutable(value):   # a tuple of plain values: same_attr
         return None
-    return _items(value, names) if type(getattr(value, "__dict__", None)) is dict else None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return fingerprint(value)
+    items = held_items(value, names)
+    if items is None or len(items) > MAX_WATCHED_ITEMS:
+        return None
+    keys, shallow = tuple(k for k, _ in items), tuple(v for _, v in items)
+    return keys, shallow, tuple((i, _identities(v, names), fingerprint(v, 1, names, versions=False))
+                                for i, v in enumerate(shallow) if _holds_more(v))
 
 
-def _items(value, names=None) -> tuple:
-    """A list's items, a dict's keys and values (interleaved), an object's attribute names and
-    values: those the model's code may read (`names`; review34: `state.step += 1` each call, never
-    read by forward, rebuilt the graph per call)."""
-    if isinstance(value, list):
-        return tuple(value)
-    if isinstance(value, dict):
-        return tuple(x for item in value.items() for x in item)
-    return tuple(x for k, v in vars(value).items() if names is None or k in names for x in (k, v))
+def _identities(value, names) -> list | None:
+    """What an item holds, as objects: the same objects again need no fingerprint (the usual case)."""
+    items = held_items(value, names)
+    return None if items is None else [x for item in items for x in item]
+
+
+def _holds_more(value) -> bool:
+    return type(value) not in (int, float, bool, str, type(None)) and not isinstance(value, torch.Tensor) and (
+        _mutable(value) or isinstance(value, (types.FunctionType, functools.partial)))
 
 
 def _contents_changed(value, snap, names=None) -> bool:
     if isinstance(value, set):
         return frozenset(value) != snap
-    now = _items(value, names)
-    return len(now) != len(snap) or not all(a is b or same_attr(a, b) for a, b in zip(now, snap))
+    if isinstance(value, types.MethodType):
+        value = value.__self__
+    if snap[0] == "array":   # a numpy array
+        return fingerprint(value) != snap
+    keys, shallow, deep = snap
+    items = held_items(value, names)
+    if items is None or len(items) != len(keys) or any(k != j for (k, _), j in zip(items, keys)) \
+            or not all(a is b or same_attr(a, b) for (_, a), b in zip(items, shallow)):
+        return True
+    for i, objects, saved in deep:
+        now = _identities(items[i][1], names)
+        if (now is None or len(now) != len(objects) or not all(map(operator.is_, now, objects))) \
+                and fingerprint(items[i][1], 1, names, versions=False) != saved:
+            return True
+    return False
+
+
+def _tensors_in(snap) -> list:
+    if isinstance(snap, frozenset):
+        return [t for t in snap if isinstance(t, torch.Tensor)]
+    if isinstance(snap, list):   # _identities: the same objects as the fingerprint beside it
+        return []
+    if isinstance(snap, _Same):
+        return [snap.obj] if isinstance(snap.obj, torch.Tensor) else []
+    if isinstance(snap, tuple):
+        return [t for part in snap for t in (_tensors_in(part) if not isinstance(part, torch.Tensor) else [part])]
+    return []
 
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
@@ -351,8 +443,7 @@ def contained_tensors(watched: tuple) -> list:
     missing). All of them: the graph may read one through a view or a copy made at optimize time
     (review35c: matching the graph's constants by identity missed `cfg["W"].t()`). Not watched by
     version: the graph reads them live, or a copy the version watch of copies covers."""
-    return [item for d, get, _, _ in watched if d is CONTENTS for _, snap, _, _ in get for item in snap
-            if isinstance(item, torch.Tensor)]
+    return [t for d, get, _, _ in watched if d is CONTENTS for _, snap, _, _ in get for t in _tensors_in(snap)]
 
 
 def reassigned(watched: tuple) -> str | None:

@@ -7,9 +7,11 @@ defaults of the parameters the example leaves out (as the call binds them).
 """
 import collections
 import enum
+import functools
 import inspect
 import operator
 import sys
+import types
 
 import torch
 import torch.fx
@@ -85,7 +87,13 @@ def same_default(value, default) -> bool:
     """A keyword-only argument the traced graph assumed: its default itself, or an equal number,
     string, bool or None (z=1.0 where the default is 1.0)."""
     return value is default or (type(value) is type(default) and isinstance(value, (int, float, str, type(None)))
-                                and repr(value) == repr(default))   # repr: -0.0 is not 0.0
+                                and _value_text(value) == _value_text(default))   # repr: -0.0 is not 0.0
+
+
+def _value_text(value) -> str:
+    """repr, by the base type's for a subclass of a number or str (its own may hide the value)."""
+    base = next((b for b in (bool, float, int, str) if isinstance(value, b)), None)
+    return repr(value) if base is None or type(value) is base else f"{type(value).__name__}={base.__repr__(value)}"
 
 
 def mutable_defaults(model) -> tuple:
@@ -93,12 +101,16 @@ def mutable_defaults(model) -> tuple:
     dict or set (or a tuple holding one), or an object with attributes (`cfg=DEFAULT_CFG`, a
     dataclass or namespace: review39b). Python passes the same object on every call, so a change
     to it between calls changes what eager computes, while the traced graph holds the contents it
-    saw. The runtime compares the fingerprints on each call (runtime.forward); a change rebuilds.""" 
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return ()
-    return tuple((p.default, fingerprint(p.default)) for p in params if _mutable(p.default))
+    saw. The runtime compares the fingerprints on each call (runtime.forward); a change rebuilds.
+    The submodules' forward()s too: a child called as `self.child(x)` takes its defaults (fuzz41f)."""
+    found = {}
+    for forward in dict.fromkeys(getattr(type(m), "forward", None) for m in model.modules()):
+        try:
+            params = inspect.signature(forward).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        found.update((id(p.default), p.default) for p in params if _mutable(p.default))
+    return tuple((d, fingerprint(d)) for d in found.values())
 
 
 MAX_FINGERPRINT_ITEMS = 256   # a longer container or object is watched by its length only
@@ -120,39 +132,89 @@ class _Same:
         return id(self.obj)
 
 
-def fingerprint(value, depth: int = 4):
+def fingerprint(value, depth: int = 4, names=None, versions: bool = True):
     """What a default holds, four levels down (an object's attributes, a container's items, an
-    object in a list: review39c), compared with ==: plain values by value (a field assigned the
-    same value again rebuilds nothing), floats by repr (-0.0, nan), tensors by identity and
-    version, small numpy arrays by their bytes, anything else by identity. Attributes whose
-    lookup raises count as absent."""
+    object in a list: review39c), compared with ==: plain values by type and value (a field
+    assigned the same value again rebuilds nothing; 2 is not 2.0 nor True: fuzz41f), floats by
+    repr (-0.0, nan), tensors by identity and version (`versions`), small numpy arrays by their
+    bytes, a function by its closure cells and defaults, anything else by identity. Attributes
+    whose lookup raises count as absent. `names`: only the attributes of these names, on objects
+    (attribute_reads: those the model's code may read), also where the object's class holds them."""
+    kind = type(value)
+    if kind in _SIMPLE:   # the usual leaf first: this runs per call on watched attributes
+        return kind, value
     if isinstance(value, torch.Tensor):
-        return "tensor", _Same(value), version(value)
+        return ("tensor", _Same(value), version(value)) if versions else _Same(value)
     if isinstance(value, float):
-        return "float", repr(value)
+        return "float", _value_text(value)
     if isinstance(value, PLAIN_TYPES):
-        return value
+        return type(value), value
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(value, numpy.ndarray):
         return "array", _Same(value), value.nbytes <= MAX_FINGERPRINT_BYTES and value.tobytes()
     if depth == 0:
         return _Same(value)
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-        items = list(enumerate(value))
-    elif _attributed(value):
-        try:
-            items = list(vars(value).items())
-        except TypeError:   # __slots__
-            items = [(name, getattr(value, name, None)) for name in getattr(type(value), "__slots__", ())]
-        except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
-            return _Same(value)
-    else:
+    items = held_items(value, names)
+    if items is None:
         return _Same(value)
     if len(items) > MAX_FINGERPRINT_ITEMS:
         return _Same(value), len(items)
-    return _Same(value), tuple((fingerprint(k, 0), fingerprint(v, depth - 1)) for k, v in items)
+    return _Same(value), tuple((fingerprint(k, 0), fingerprint(v, depth - 1, names, versions)) for k, v in items)
+
+
+def held_items(value, names=None) -> list | None:
+    """(key, item) for what a container, an object, a partial or a function holds (a closure's
+    cells: `nonlocal c` rebound), else None. `names`: of an object, only those attributes."""
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        return list(enumerate(value))
+    if isinstance(value, functools.partial):
+        return [("func", value.func), ("args", value.args), ("keywords", value.keywords)]
+    if isinstance(value, types.FunctionType):
+        return [("defaults", value.__defaults__), ("kwdefaults", value.__kwdefaults__),
+                *enumerate(_cell_contents(value))]
+    if not _attributed(value):
+        return None
+    try:
+        items = list(vars(value).items())
+    except TypeError:   # __slots__
+        items = [(name, getattr(value, name, None)) for name in _slots(type(value))]
+    except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
+        return None
+    return [(k, v) for k, v in items if names is None or k in names] + _class_attributes(value, names)
+
+
+def _slots(cls) -> list:
+    names = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return names
+
+
+def _cell_contents(fn) -> list:
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:   # an empty cell
+            cells.append(None)
+    return cells
+
+
+def _class_attributes(value, names) -> list:
+    """The named attributes an object reads from its class (`Cfg.scale = 3.0` after optimize:
+    fuzz41f), on the user's classes, where the instance does not shadow them."""
+    own = vars(value) if isinstance(getattr(value, "__dict__", None), dict) else {}
+    found = []
+    for cls in type(value).__mro__:
+        if cls is object or (cls.__module__ or "").startswith(("torch", "builtins")):
+            continue
+        found += [(k, v) for k, v in vars(cls).items() if (names is None or k in names) and k not in own
+                  and not k.startswith("__")
+                  and not isinstance(v, DESCRIPTORS)]
+    return found
 
 
 def _mutable(value) -> bool:
@@ -168,6 +230,8 @@ def _attributed(value) -> bool:
         value, (*PLAIN_TYPES, torch.Tensor)) and not (type(value).__module__ or "").startswith(("torch", "builtins"))
 
 
+DESCRIPTORS = (types.FunctionType, property, classmethod, staticmethod)   # a class's methods: not its values
+_SIMPLE = {int, bool, str, type(None)}
 PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
                torch.layout, type(Ellipsis), slice, enum.Enum)
 
@@ -391,19 +455,29 @@ def _children(spec) -> list:
     return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
 
 
+TRANSFORM_MARKERS = {"_vmap_increment_nesting": "torch.vmap", "_jvp_increment_nesting": "torch.func.jvp",
+                     "_grad_increment_nesting": "torch.func.grad", "_enter_dual_level": "forward-mode AD (dual_level)",
+                     "_make_dual": "forward-mode AD (make_dual)"}
+# ^ torch.export's nodes for them; running such a graph outside the transform failed inside it and
+# left functorch's level pushed for the process (fuzz41a: every later backward() raised)
+
+
 def check_exported(gm: torch.fx.GraphModule) -> None:
     """What torch.export's graph may hold that the passes cannot take.
 
-    torch.vmap is recorded as batching-level nodes whose results nothing reads: dead code
-    elimination dropped them and shape propagation then failed with a message about the
-    example's shapes (fuzz36c); keeping them, vmap's own checks failed inside the passes.
+    torch.vmap (and jvp, forward-mode AD: TRANSFORM_MARKERS) is recorded as batching-level nodes
+    whose results nothing reads: dead code elimination dropped them and shape propagation then
+    failed with a message about the example's shapes (fuzz36c); keeping them, vmap's own checks
+    failed inside the passes.
     A numpy float (np.float64 is a float) is written into the generated code by its repr,
     `np.float64(0.5)`, a NameError there (review36d): an op's becomes the Python number, as
     torch reads it; a returned one is refused (it would come back as a float)."""
-    vmapped = [n for n in gm.graph.nodes if "_vmap_increment_nesting" in getattr(n.target, "__name__", "")]
-    if vmapped:
-        raise UnsupportedError(f"forward() calls torch.vmap (node {vmapped[0].name}): fxfuse does not rewrite "
-                               "vmapped code")
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        transform = next((t for marker, t in TRANSFORM_MARKERS.items() if marker in name), None)
+        if transform:
+            raise UnsupportedError(f"forward() calls {transform} (node {node.name}): fxfuse does not rewrite "
+                                   "code under a function transform or forward-mode AD")
     for node in gm.graph.nodes:
         numpy = [v for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs)) if _numpy_scalar(v)]
         if numpy and (node.op == "output" or not all(map(numpy_number, numpy))):

@@ -270,6 +270,7 @@ _TABLE = [
     # in fp64, rounded once (as _exp2_log2): the GPU's fp32 forms are approximate and may flush subnormals
     _op("exp2", torch.exp2, 1, lambda a: f"tl.exp2({a}.to(tl.float64)).to(tl.float32)"),
     _op("log2", torch.log2, 1, lambda a: f"tl.log2({a}.to(tl.float64)).to(tl.float32)"),
+    _op("log10", torch.log10, 1, lambda a: f"(tl.log({a}.to(tl.float64)) * 0.4342944819032518).to(tl.float32)"),
     _op("isnan", torch.isnan, 1, lambda a: f"({a} != {a})", returns_bool=True),
     _op("isinf", torch.isinf, 1, lambda a: f"(tl.abs({a}) == 1e999)", returns_bool=True),
     _op("isfinite", torch.isfinite, 1, lambda a: f"(tl.abs({a}) < 1e999)", returns_bool=True),

@@ -51,7 +51,19 @@ def baked_settings() -> tuple:
     switches after them."""
     return (torch.get_default_dtype(), _matmul(),
             _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()),   # cuDNN's: torch.backends.cudnn.conv
-            _HALF_REDUCTION(), _BF16_REDUCTION(), _HALF_ACCUMULATION())
+            _HALF_REDUCTION(), _BF16_REDUCTION(), _HALF_ACCUMULATION(), _FUNCTION_MODES() and _default_device())
+
+
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+
+
+def _default_device():
+    """The device of `with torch.device(...)` / torch.set_default_device (a TorchFunctionMode that
+    places factories without device=, which a build folds: fuzz41c), or None."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    return next((str(m.device) for m in reversed(_get_current_function_mode_stack()) if isinstance(m, DeviceContext)),
+                None)
 
 
 if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple per setting
@@ -59,7 +71,8 @@ if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple p
         """Whether baked_settings() differs from `saved` (runtime: every call)."""
         return (torch.get_default_dtype() is not saved[0] or _NEW_GETTER("cuda", "matmul") != saved[1]
                 or _NEW_GETTER("cuda", "conv") != saved[2] or _HALF_REDUCTION() != saved[3]
-                or _BF16_REDUCTION() != saved[4] or _HALF_ACCUMULATION() != saved[5])
+                or _BF16_REDUCTION() != saved[4] or _HALF_ACCUMULATION() != saved[5]
+                or (_FUNCTION_MODES() and _default_device()) != saved[6])
 else:
     def settings_changed(saved: tuple) -> bool:
         return baked_settings() != saved

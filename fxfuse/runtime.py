@@ -110,7 +110,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         #                                     and the rule; the list shared, not a closure: no cycle through self
         self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = ()        # forward()'s changeable defaults, fingerprinted (_watch_state)
-        self.add_specialization(example_args)
+        # the example's trailing defaults left out, as a call's (`optimize(m, (x, 1.0))` for alpha=1.0,
+        # then `opt(x)`: a second build of the same graph otherwise, or the original: fuzz41c)
+        self.add_specialization(without_trailing_defaults(model.forward, example_args))
         hook = RebuildOnLoad(self)
         handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()
                    if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: its parent's hook sees its load
@@ -169,8 +171,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             reason = "a list, dict, set or object default of forward() changed since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and
             # the fp32 precision is baked into the kernels and the CUDA graph's library calls
-            reason = ("torch's default dtype, fp32 precision (TF32) or reduced-precision fp16/bf16 reduction "
-                      "setting changed since the build")
+            reason = ("torch's default dtype or device, fp32 precision (TF32) or reduced-precision fp16/bf16 "
+                      "reduction setting changed since the build")
         else:
             return
         served = sum(spec.calls for spec in self.specializations.values())

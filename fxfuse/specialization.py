@@ -50,6 +50,11 @@ def signature(args) -> tuple:
 def const_text(a) -> str:
     """A constant argument's repr, and its value where its type subclasses a number or str: such a
     subclass's repr may not show the value (`class Scale(float): __repr__ = ...`: review39b)."""
+    kind = type(a)
+    if kind is tuple or kind is list:   # their repr shows the items' reprs (fuzz41c: a Scale inside a tuple)
+        return f"{kind.__name__}({', '.join(map(const_text, a))})"
+    if kind is dict:
+        return f"dict({', '.join(f'{const_text(k)}: {const_text(v)}' for k, v in a.items())})"
     text = repr(a)
     for base in (bool, float, int, str, complex):
         if isinstance(a, base):
@@ -275,7 +280,7 @@ class Specialization(SlotChoice):
             self._constant_storages = _constant_storages(self.gm, self.model_tensors)
         if not self._constant_storages:
             return out
-        return fresh_constants(out, self._constant_storages, storage_address)
+        return fresh_constants(out, self._constant_storages, constant_address)
 
     def __call__(self, args):
         self.calls += 1
@@ -323,7 +328,7 @@ def _constant_storages(gm, model_tensors: tuple) -> set:
     """Storage addresses of the graph's tensor constants that are not the model's own
     parameters or buffers (returning one of those, or a view of it, is what eager does too):
     fx's `_tensor_constant`s and what fxfuse folded or packed."""
-    own = {storage_address(t) for t in model_tensors}
+    own = {constant_address(t) for t in model_tensors}
     found = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -331,8 +336,17 @@ def _constant_storages(gm, model_tensors: tuple) -> set:
             for part in node.target.split("."):
                 value = getattr(value, part, None)
             if isinstance(value, torch.Tensor):
-                found.add(storage_address(value))
+                found.add(constant_address(value))
     return found - own - {None}
+
+
+def constant_address(t: torch.Tensor):
+    """storage_address, or for an empty tensor its storage object (`return torch.zeros(0)`: a
+    constant like any other, returned as one object every call otherwise; fuzz41c)."""
+    address = storage_address(t)
+    if address is None and t.layout == torch.strided and t.device.type != "meta":
+        return "empty", t.untyped_storage()._cdata
+    return address
 
 
 def writes_an_input(gm, kinds=("placeholder",)) -> bool:

@@ -31,7 +31,7 @@ VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "p
 VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
                   torch.narrow, torch.select, torch.t, torch.permute, torch.diagonal, torch.split, torch.chunk,
                   torch.unbind, torch.detach, torch.movedim, torch.swapaxes, torch.swapdims, torch.tensor_split,
-                  torch.hsplit, torch.vsplit, torch.dsplit}
+                  torch.hsplit, torch.vsplit, torch.dsplit, torch.view_as_real, torch.view_as_complex}
 
 
 # named with a trailing underscore only because `and`, `or`, `not` and `is` are Python keywords:

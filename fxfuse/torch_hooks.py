@@ -1,6 +1,6 @@
 """What fxfuse hooks into torch to see changes that no version counter or module registration
-reports: torch.func.functional_call's tensor swaps, fused optimizer steps, training flags set by
-train()/eval(), and parameters set to None.
+reports: torch.func.functional_call's and torch.utils.swap_tensors' tensor swaps, fused optimizer
+steps, training flags set by train()/eval(), and parameters set to None.
 
 Both are process-wide and installed once, on import. runtime.OptimizedModule reads the counts per
 call (one integer compare each while nothing happens).
@@ -13,6 +13,7 @@ import torch
 from .module_state import REGISTRATIONS
 
 REPARAMETRIZING = [0, []]   # functional_call swaps in progress (any thread), and a [module] entry for each
+REPARAMETRIZED = [0]        # functional_call swaps begun, in this process (tracing: one inside forward())
 
 
 def _counting_swaps(reparametrize):
@@ -27,6 +28,7 @@ def _counting_swaps(reparametrize):
         entry = [args[0] if args else kwargs.get("module")]   # a list: removed by identity, not ==
         REPARAMETRIZING[1].append(entry)   # O(1) here: the modules are walked only when an optimized
         REPARAMETRIZING[0] += 1            # module is called meanwhile (fuzz33n: 12-96 us per call otherwise)
+        REPARAMETRIZED[0] += 1
         try:
             with reparametrize(*args, **kwargs):
                 yield
@@ -53,6 +55,26 @@ _stateless = getattr(getattr(torch.nn, "utils", None), "stateless", None)
 if _stateless is not None and hasattr(_stateless, "_reparametrize_module") \
         and not getattr(_stateless._reparametrize_module, "fxfuse_counts_swaps", False):   # once per process
     _stateless._reparametrize_module = _counting_swaps(_stateless._reparametrize_module)
+
+
+def _counting_tensor_swaps(swap):
+    """torch.utils.swap_tensors (nn.Module's conversions and load_state_dict under
+    torch.__future__.set_swap_module_params_on_conversion(True), or the user's own call) gives a
+    parameter another storage under the same Python object: no registration, no version move.
+    The next call of every optimized module compares what its model holds (the storages too), so
+    a generated GEMM's alias of the old weight, or a copy folded from it, is rebuilt (fuzz41c)."""
+    @functools.wraps(swap)
+    def swapped(t1, t2):
+        try:
+            return swap(t1, t2)
+        finally:
+            REGISTRATIONS[0] += 1
+    swapped.fxfuse_counts_swaps = True
+    return swapped
+
+
+if hasattr(torch.utils, "swap_tensors") and not getattr(torch.utils.swap_tensors, "fxfuse_counts_swaps", False):
+    torch.utils.swap_tensors = _counting_tensor_swaps(torch.utils.swap_tensors)
 
 
 MODE_CHANGES = [0]   # train()/eval() calls that changed a module's training flag, in this process

@@ -28,6 +28,7 @@ from .fx_tracer import (AutocastInForward, _AutocastWatchingTracer, _failing_lin
 from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .mode_watch import mode_functions_imported, watching_mode_reads
+from .torch_hooks import REPARAMETRIZED
 from .module_state import version
 from .node_meta import ancestors, fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (assigns_parameter, parameter_versions, refuse_state_writes,
@@ -46,11 +47,18 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     concrete = split_concrete(model, example_args)[0]
     held = held_tensor_versions(model)   # before the trace: a write during it moves a version
     inference_mode = torch.is_inference_mode_enabled()
+    swaps = REPARAMETRIZED[0]
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
             _parametrization_cache_off():
         gm, how = _trace(model, example_args, concrete, held)
+    if REPARAMETRIZED[0] != swaps:   # the trace read the module's own tensors, not the swapped ones (fuzz41a)
+        raise UnsupportedError("forward() calls torch.func.functional_call (or torch.nn.utils.stateless): the "
+                               "optimized graph would read the module's own parameters, not the ones it passes")
     if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
         gm, how = _exported(model, example_args), "torch.export(strict=False)"
+    if attribute_reads.get("rng"):
+        raise UnsupportedError(f"forward() calls torch's {attribute_reads['rng']} (or fork_rng): the optimized graph "
+                               "draws random numbers without setting or restoring the generator's state")
     mode_reads |= mode_functions_imported(model)
     note_inplace_flags(gm, attribute_reads)
     entered = [n for n in gm.graph.nodes if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "")]

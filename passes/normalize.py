@@ -316,6 +316,9 @@ INPLACE_OPERATORS_UNKNOWN = {operator.iand, operator.ior, operator.ixor, operato
                              operator.ilshift, operator.irshift}   # imatmul: always a rebinding (AUGMENTED_TWINS)
 
 
+INPLACE_ARITHMETIC = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow}
+
+
 # in-place methods whose out-of-place twin returns the same dtype and shape as self
 FUNCTIONAL_TWINS = {"masked_fill_", "masked_scatter_", "index_fill_", "index_add_", "index_copy_", "scatter_",
                     "scatter_add_", "scatter_reduce_", "tril_", "triu_", "nan_to_num_"}
@@ -376,8 +379,8 @@ def _mutates(gm, node) -> bool:
     name = getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.startswith("_") and node.target not in KEYWORD_OPERATORS:
         return True   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x); not `a & b`
-    if node.target in INPLACE_OPERATORS_UNKNOWN:
-        return bool(node.args) and _is_tensor_node(node.args[0])
+    if node.target in INPLACE_OPERATORS_UNKNOWN or node.target in INPLACE_ARITHMETIC:   # the latter: a complex
+        return bool(node.args) and _is_tensor_node(node.args[0])   # `z *= 2j` (no spelling row: fuzz41a)
     schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export; custom ops
     return bool(schema is not None and schema.is_mutable) or bool(schema_writes(node))   # through torch.ops
 

@@ -41,7 +41,7 @@ UNARY = {  # canonical target: function spellings (each also has methods `name` 
     F.hardswish: [F.hardswish], operator.neg: [operator.neg, torch.neg, torch.negative],
     torch.logical_not: [torch.logical_not], torch.trunc: [torch.trunc, torch.fix], torch.round: [torch.round],
     torch.frac: [torch.frac], torch.sign: [torch.sign, torch.sgn], torch.exp2: [torch.exp2, torch.special.exp2],
-    torch.log2: [torch.log2], torch.isnan: [torch.isnan], torch.isinf: [torch.isinf], torch.isfinite: [torch.isfinite],
+    torch.log2: [torch.log2], torch.log10: [torch.log10], torch.isnan: [torch.isnan], torch.isinf: [torch.isinf], torch.isfinite: [torch.isfinite],
 }
 METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
                 torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
@@ -49,7 +49,7 @@ METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rs
                 torch.log1p: "log1p", torch.reciprocal: "reciprocal", torch.relu: "relu",
                 torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg", torch.logical_not: "logical_not",
                 torch.trunc: "trunc", torch.round: "round", torch.frac: "frac", torch.sign: "sign", torch.exp2: "exp2",
-                torch.log2: "log2", torch.isnan: "isnan", torch.isinf: "isinf", torch.isfinite: "isfinite"}
+                torch.log2: "log2", torch.log10: "log10", torch.isnan: "isnan", torch.isinf: "isinf", torch.isfinite: "isfinite"}
 # `~mask`, torch.bitwise_not(mask): logical_not where the operand is bool (on integers a bitwise not)
 BOOL_NOTS = {operator.invert, torch.bitwise_not, aten.bitwise_not.default, "bitwise_not", "__invert__"}
 BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, torch.subtract]),
@@ -208,7 +208,8 @@ def _build_aten_spellings() -> dict:
     for canon, (name, _) in BINARY.items():
         for suffix, inplace in (("", False), ("_", True)):
             packet = getattr(aten, name + suffix, None)
-            for overload in ("Tensor", "Scalar", "default"):
+            for overload in ("Tensor", "Scalar", "default", "Tensor_mode", "Scalar_mode"):   # div's: fused
+                # where its rounding_mode is None (canonical_call), export's `div(a, b, rounding_mode=None)`
                 if packet is not None and hasattr(packet, overload):
                     table[getattr(packet, overload)] = Spelling(
                         canon, ("input", "other", "alpha", "rounding_mode"), inplace=inplace)
@@ -476,9 +477,9 @@ def _ternary_call(canon, params, node):
             return None
         if isinstance(second, torch.fx.Node):
             return canon, (x, first, second), {}
-        if isinstance(second, (int, float)) and not isinstance(second, bool):
-            return lerp_scalar, (x, first), {"weight": second}
-        return None
+        if isinstance(second, (int, float)):   # True: 1.0, as torch reads a bool Scalar (fuzz41e: fused with
+            return lerp_scalar, (x, first), {"weight": float(second) if isinstance(second, bool) else second}
+        return None                            # the bool, the kernel failed)
     value = params.pop("value", 1)
     if params or not isinstance(second, torch.fx.Node) or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
