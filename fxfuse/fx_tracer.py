@@ -3,6 +3,8 @@ recorded, autocast regions noticed, OrderedDict outputs kept, parametrized layer
 through, and the places where the trace could not follow a value noted, so a forward() that
 catches the tracer's error is refused (fuzz40e)."""
 import collections
+import contextlib
+import functools
 import math
 import operator
 import traceback
@@ -68,6 +70,34 @@ def _swallowed_refusal(where: str) -> UnsupportedError:
                             "input, so the original module runs")
 
 
+SIZE_VARARG_FACTORIES = ("ones", "zeros", "empty", "rand", "randn")
+
+
+@contextlib.contextmanager
+def _sizes_packed():
+    """torch.ones(T, T) with T = x.shape[1] fails under symbolic_trace (torch's argument parser
+    takes no Proxy among separate sizes; `torch.ones((T, T))` works), and the model then went to
+    torch.export, which refuses more (a causal mask beside nn.MultiheadAttention: fuzz41b). During
+    the trace those factories take such sizes as one tuple; any other call is passed on as it is."""
+    def packing(factory):
+        @functools.wraps(factory)
+        def call(*size, **kwargs):
+            if len(size) > 1 and any(isinstance(s, torch.fx.Proxy) for s in size):
+                return factory(size, **kwargs)
+            return factory(*size, **kwargs)
+        call.fxfuse_packs_sizes = True
+        return call
+    patched = {name: f for name in SIZE_VARARG_FACTORIES
+               if not getattr(f := getattr(torch, name), "fxfuse_packs_sizes", False)}   # (another thread's trace)
+    for name, factory in patched.items():
+        setattr(torch, name, packing(factory))
+    try:
+        yield
+    finally:
+        for name, factory in patched.items():
+            setattr(torch, name, factory)
+
+
 class _AutocastWatchingTracer(torch.fx.Tracer):
     """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
     the context manager runs at trace time and leaves no trace in the graph. Autocast state is
@@ -79,6 +109,10 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.refusals = []   # (error, where): each place the trace could not follow a value (a branch on it)
+
+    def trace(self, root, concrete_args=None):
+        with _sizes_packed():
+            return super().trace(root, concrete_args)
 
     def to_bool(self, obj):
         return self._refused(super().to_bool, obj)

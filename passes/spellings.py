@@ -39,9 +39,11 @@ UNARY = {  # canonical target: function spellings (each also has methods `name` 
     torch.sigmoid: [torch.sigmoid, F.sigmoid, torch.special.expit], torch.tanh: [torch.tanh, F.tanh],
     F.silu: [F.silu], F.mish: [F.mish], F.selu: [F.selu], F.hardsigmoid: [F.hardsigmoid],
     F.hardswish: [F.hardswish], operator.neg: [operator.neg, torch.neg, torch.negative],
-    torch.logical_not: [torch.logical_not], torch.trunc: [torch.trunc, torch.fix], torch.round: [torch.round],
+    torch.logical_not: [torch.logical_not], torch.trunc: [torch.trunc, torch.fix],
+    torch.round: [torch.round, torch.special.round],
     torch.frac: [torch.frac], torch.sign: [torch.sign, torch.sgn], torch.exp2: [torch.exp2, torch.special.exp2],
-    torch.log2: [torch.log2], torch.log10: [torch.log10], torch.isnan: [torch.isnan], torch.isinf: [torch.isinf], torch.isfinite: [torch.isfinite],
+    torch.log2: [torch.log2], torch.log10: [torch.log10], torch.isnan: [torch.isnan], torch.isinf: [torch.isinf],
+    torch.isfinite: [torch.isfinite],
 }
 METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
                 torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
@@ -119,6 +121,9 @@ def _build_function_spellings() -> dict:
             table[canon] = Spelling(canon, ("input",) + params + ("inplace",))
         elif canon in (F.softsign, F.logsigmoid, F.tanhshrink, F.hardshrink, F.softshrink):
             table[canon] = Spelling(canon, ("input",) + params)
+    table[torch.selu] = Spelling(F.selu, ("input",))   # torch's own names of F's activations (fuzz41e)
+    table[torch.celu] = Spelling(F.celu, ("input", "alpha"))
+    table[torch.threshold] = Spelling(F.threshold, ("input", "threshold", "value"))
     table[F.threshold_] = Spelling(F.threshold, ("input", "threshold", "value"), inplace=True)
     table[torch.celu_] = Spelling(F.celu, ("input", "alpha"), inplace=True)
     table[F.relu_] = Spelling(torch.relu, ("input",), inplace=True)

@@ -146,3 +146,50 @@ def test_lerp_with_a_bool_weight_fuses():
     opt = fxfuse.optimize(copy.deepcopy(model), args, strict=True)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, *args)
+
+
+class LoopedThenPointwise(nn.Module):
+    """symbolic_trace fails on the loop over a size: torch.export traces it (and swaps the
+    module's tensors itself, which must not read as a functional_call in forward())."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for _ in range(x.shape[0]):
+            pass
+        return torch.relu(self.lin(x)) * 2 + 1
+
+
+def test_a_model_only_torch_export_traces_is_still_optimized():
+    # the first form of the functional_call refusal counted export's own swaps: every such model was refused
+    model = LoopedThenPointwise().eval()
+    opt, messages = optimize_warned(model, torch.randn(4, 8))
+    assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+    assert fxfuse.explain(opt).count("torch.export") >= 1 and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert_matches_eager(opt, model, torch.randn(4, 8))
+
+
+class CausalMaskAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, g):
+        t = g.shape[1]
+        g = torch.relu(self.lin(g))
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)   # sizes as separate arguments
+        a, _ = self.att(g, g, g, attn_mask=mask, need_weights=False)
+        return a + g
+
+
+def test_factory_sizes_given_as_separate_arguments_trace():
+    # before: symbolic_trace failed on torch.ones(T, T); torch.export then refused the masked attention
+    model = CausalMaskAttention().eval()
+    opt, messages = optimize_warned(model, torch.randn(2, 7, 16))
+    assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+    assert "symbolic_trace" in fxfuse.explain(opt)
+    assert not getattr(torch.ones, "fxfuse_packs_sizes", False)
+    assert_matches_eager(opt, model, torch.randn(2, 7, 16))
