@@ -57,7 +57,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, childr
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
-                             describe_mismatch, signature, writes_an_input)
+                             describe_mismatch, signature, unit_strides_alike, writes_an_input)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -408,6 +408,11 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                 return self._run(self.specializations[sig], args)
             if sig in self._failed_builds:
                 return self._run_original(*self._failed_builds[sig], args)
+        alike = unit_strides_alike(sig, self.specializations)
+        if alike is not None:   # a batch-1 row made as `col.T`: strides (1, 1) where the build had (8, 1)
+            if len(self._trimmed) < MAX_MISSES_KEPT:   # (fuzz41c: a second build of the same graph, or the
+                self._trimmed[full] = (alike, len(args))   # original once the slots were used up)
+            return self._run(self.specializations[alike], args)
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
             return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
                                       "ones run the original module without trying", args)

@@ -47,6 +47,17 @@ def signature(args) -> tuple:
         raise UnsupportedInput(why) from e
 
 
+def unit_strides_alike(sig: tuple, built) -> tuple | None:
+    """The signature among `built` that differs from sig only in the strides of size-1 dims, which
+    torch ignores (is_contiguous, contiguous(), the kernels' own checks: FusedKernel._matches, and
+    a CUDA graph's input copy of the same dense bytes), else None. On a miss only: no hot-path cost."""
+    def canonical(s):
+        return tuple((e[0], e[1], e[2], tuple(None if n == 1 else d for n, d in zip(e[0], e[3])), *e[4:])
+                     if isinstance(e[0], torch.Size) else e for e in s)
+    wanted = canonical(sig)
+    return next((s for s in built if len(s) == len(sig) and canonical(s) == wanted), None)
+
+
 def const_text(a) -> str:
     """A constant argument's repr, and its value where its type subclasses a number or str: such a
     subclass's repr may not show the value (`class Scale(float): __repr__ = ...`: review39b)."""

@@ -92,3 +92,18 @@ def test_a_number_whose_repr_hides_its_value_inside_a_tuple_is_keyed_by_value():
     with torch.no_grad():
         y = torch.randn(4, 8)
         torch.testing.assert_close(opt(y, (Scale(5.0),)), model(y, (Scale(5.0),)))
+
+
+def test_strides_of_size_one_dims_do_not_make_a_new_specialization():
+    # before: a batch-1 row made as col.T (stride (1, 1)) missed the (8, 1) build: a second build, or
+    # with one slot the original and a warning (and .contiguous() could not help)
+    model = Scaled().eval()
+    opt = fxfuse.optimize(model, torch.randn(1, 8), max_specializations=1, strict=True)
+    row = torch.randn(8, 1).T
+    assert row.stride() == (1, 1) and row.is_contiguous()
+    launches = fxfuse.stats(opt)["kernel_launches"]
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(opt(row), model(row))
+    assert len(opt.specializations) == 1 and not opt.misses
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["kernel_launches"] == launches + 2
