@@ -173,9 +173,10 @@ def _trace(model, example_args, concrete, held):
             # either graph traced, but failed on the input: the input's problem, not control flow
             ran = isinstance(fx_error, ShapePropagationError) or isinstance(export_error, ShapePropagationError)
             if "torch/distributions/" in export_where.replace("\\", "/"):
-                advice_first = ("torch.distributions checks its arguments' values (validate_args): build the "
-                                "distributions with validate_args=False, or call torch.distributions.Distribution."
-                                "set_default_validate_args(False), to optimize the model")
+                advice_first = ("torch.distributions checks its arguments' values (validate_args): call "
+                                "torch.distributions.Distribution.set_default_validate_args(False), or build the "
+                                "distributions with validate_args=False (some, such as StudentT, build inner ones "
+                                "that check anyway), to optimize the model")   # (fuzz41b: StudentT)
             elif "torch/nn/utils/rnn" in (where + export_where).replace("\\", "/"):
                 advice_first = ("packed sequences (pack_padded_sequence and the RNNs that read them) are no tensor "
                                 "graph either tracer records: optimize the layers around them "
