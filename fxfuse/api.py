@@ -201,6 +201,7 @@ def _build_graph(model, args: tuple, options: Options, warning):
     with torch.no_grad(), kept_state(model, options.verify) as snapshot:   # the model as before (but for the
         #                                           memos verify's eager run filled); forward() with state refused
         gm = trace(model, args)
+        snapshot.written_back = {label for _, _, label in gm.meta.get("fxfuse_attribute_writes", ())}
         snapshot.drop_proxies()
         if gm.meta.get("fxfuse_proxy_attributes") and not options.verify:   # assigned during the trace:
             rewind = _torch_random_state(gm)                                 # eager shows whether that

@@ -263,12 +263,13 @@ def _user_classes(m) -> tuple:
     return tuple(c for c in _classes(m) if not _torch_class(c))
 
 
-def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
+def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozenset = frozenset()) -> tuple:
     """Per dict with any to watch: (the dict, an itemgetter of the names, their values now,
     the names) for the plain attributes a rebuild must follow (module docstring), on each
     module's instance dict and, for the model's own classes, on their class dicts; where a
     class attribute is watched, the instance's own entry of that name is watched to stay
-    absent. An OptimizedModule inside the model keeps its own watch."""
+    absent. An OptimizedModule inside the model keeps its own watch. `written`: (id(module), name)
+    of the attributes the graph itself assigns each call (attribute_writes): not watched."""
     names = None if reads is None or reads.get("all") else reads.get("names")
     probed = {} if reads is None else reads.get("probed", {})
     out, absent, classes, contents = [], [], set(), []
@@ -293,7 +294,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None) -> tuple:
         # folded or copied into kernels, it went stale: fuzz35d)
         free = type(m) in ATTRIBUTE_FREE
         keys = tuple(k for k, v in m.__dict__.items()
-                     if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant")
+                     if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant") and (id(m), k) not in written
                      and (free and isinstance(v, torch.Tensor) or (k in names if narrowed else not free)))
         if keys:
             out.append(_entry(m.__dict__, keys))

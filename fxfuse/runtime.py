@@ -98,6 +98,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
+        self._written_attributes = frozenset()   # (id(module), name) the graphs write back (attribute_writes)
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._modes, self._modes_seen = (), MODE_CHANGES[0]   # every module's training flag at the build
         self._children, self._child_list = (), []   # submodule dicts: a deletion fires no hook (_watch_state)
@@ -234,7 +235,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # written in place) they rebuild, and so do the model tensors only copies of are read
         self._attribute_reads = merge_reads(self._attribute_reads,
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
-        self._attributes = plain_attributes(self.original, self._attribute_reads)
+        self._written_attributes |= {(id(m), k) for m, k, _ in gm.meta.get("fxfuse_attribute_writes", ())}
+        self._attributes = plain_attributes(self.original, self._attribute_reads, self._written_attributes)
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
         spec.model_tensors += tuple(self._plain_tensors)   # returned as themselves, as eager does (fuzz38f)

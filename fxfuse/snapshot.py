@@ -97,6 +97,7 @@ class _Snapshot:
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
         self.leftovers, self.data_filled = TraceLeftovers(model), set()
+        self.written_back = set()   # labels of the attributes the graph writes back (attribute_writes)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
         # stored there by the trace would reach every later eager call of the class
         self.class_containers = []
@@ -173,7 +174,7 @@ class _Snapshot:
                 changed.append(f"{name} (submodules)")
                 m._modules.clear()
                 m._modules.update(modules)
-        return list(dict.fromkeys(changed))
+        return [c for c in dict.fromkeys(changed) if c not in self.written_back]   # put back all the same
 
     def forget_memos(self) -> None:
         """The memos restore(keep_memos=True) kept, put back too (the build was refused)."""

@@ -7,6 +7,7 @@ import itertools
 import torch
 import torch.fx
 
+from .attribute_writes import writes_attributes
 from .data_dependent import reads_to_the_host
 from .errors import UnsupportedError
 from .graph_launch import (GraphLauncher, _current_stream, clear_cublas_workspaces, draws_random_numbers,
@@ -181,6 +182,9 @@ class Specialization(SlotChoice):
     def _capture(self, example_args):
         if self.gm.meta.get("fxfuse_inplace_kept") and writes_an_input(self.gm):
             self.cuda_graph_note = "off: the model mutates a tensor in place that may be an input"
+            return
+        if writes_attributes(self.gm):
+            self.cuda_graph_note = "off: forward() assigns a module attribute on each call, which a replay would not"
             return
         if (sync := reads_to_the_host(self.gm)) is not None:
             self.cuda_graph_note = f"off: {sync.name} reads a tensor's value on the host, which a CUDA graph cannot"

@@ -27,6 +27,7 @@ from .fx_tracer import (AutocastInForward, _AutocastWatchingTracer, _failing_lin
                         autocast_enabled)  # noqa: F401 (autocast_enabled re-exported: api, runtime)
 from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
+from .attribute_writes import assigned_first, plan_attribute_writes
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .torch_hooks import REPARAMETRIZED
 from .module_state import version
@@ -345,14 +346,27 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
             raise
         finally:
             tracer.refusals.clear()   # their frames: a failed trace must not keep its callers alive (fuzz30)
-            assigned = _undo_proxy_attributes(model, before)
+            assigned, proxies = _undo_proxy_attributes(model, before)
+        if proxies:   # tensor attributes forward() assigned: written back where assigned before any read
+            def retrace():
+                again = _AutocastWatchingTracer()
+                again.proxy_buffer_attributes = proxy_buffers
+                try:
+                    return again.trace(model, concrete_args=concrete)
+                finally:
+                    again.refusals.clear()
+                    _undo_proxy_attributes(model, before)
+            proxies = assigned_first(model, proxies, retrace, graph)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
             one_placeholder_per_parameter(graph, model, concrete)
         if concrete:
             drop_value_checks(graph)
         name = type(model).__name__ if isinstance(model, torch.nn.Module) else model.__name__
         gm = torch.fx.GraphModule(tracer.root, graph, name)
-        gm.meta["fxfuse_proxy_attributes"] = assigned
+        written = plan_attribute_writes(gm, model, proxies)   # scratch attributes, written back per call
+        gm.meta["fxfuse_attribute_writes"] = written
+        gm.meta["fxfuse_proxy_attributes"] = [a for a in assigned if a not in {
+            f"{type(m).__name__}.{k}" for m, k, _ in written}]
     if swallowed is not None:   # the trace got past it: forward() caught the tracer's error
         if not swallowed[1]:   # at a branch on a size: torch.export specializes on it (_trace)
             raise TraceError(f"forward() catches the error symbolic_trace raised{swallowed[0]}, a branch on a size")
@@ -372,16 +386,18 @@ def _undo_proxy_attributes(model, before: dict) -> list:
     which torch.export and verify's eager run then read: the model was refused; fuzz37f).
     Returns their names: whether eager's assignment changes anything, an eager run shows
     (api.build_graph), and kept_state refuses a forward() whose assignment does."""
-    assigned = []
-    for m in model.modules() if before else ():
+    assigned, proxies = [], []
+    for path, m in model.named_modules() if before else ():
         for now, then in zip((vars(m), m._buffers), before.get(id(m), ({}, {}))):   # a buffer too (`self.fc =
             for k in [k for k, v in now.items() if _holds_proxy(v)]:                # self.fc.to(x.device)`)
                 assigned.append(f"{type(m).__name__}.{k}")
+                if now is not m._buffers and isinstance(now[k], torch.fx.Proxy):   # (attribute_writes)
+                    proxies.append((path, k, now[k]))
                 if k in then:
                     now[k] = then[k]
                 else:
                     del now[k]
-    return assigned
+    return assigned, proxies
 
 
 def _holds_proxy(v) -> bool:
