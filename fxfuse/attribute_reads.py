@@ -19,18 +19,17 @@ subclasses running torch's forward, all are. Under a profiler the hook is a trac
 that fires on calls only; with both a profiler and a tracer on, every attribute is watched.
 """
 import contextlib
-import functools
+import dis
 import importlib.util
 import inspect
 import operator
 import os
 import sys
-import types
 
 import torch
 
 from .code_walk import plain_functions
-from .concrete_args import DESCRIPTORS, _mutable, _Same, fingerprint, held_items
+from .fingerprint import DESCRIPTORS, _contents, _contents_changed, _tensors_in
 from .mode_watch import LIBRARY_DIRS
 from .module_state import same_attr
 
@@ -178,11 +177,25 @@ def _probed(codes) -> dict:
             probed.setdefault(owner(c), (set(), set()))[0].update(
                 s for k in c.co_consts for s in _strings(k) if s.isidentifier())
         if "AttributeError" in c.co_names:   # `try: t = self.temperature / except AttributeError:` (fuzz41f)
-            probed.setdefault(owner(c), (set(), set()))[0].update(c.co_names)
+            probed.setdefault(owner(c), (set(), set()))[0].update(_self_attributes(c))
     for c in codes:   # what the owner's code names, the probing part or not (`for b in self.blocks`)
         if owner(c) in probed:
             probed[owner(c)][1].update(c.co_names)
     return probed
+
+
+def _self_attributes(code) -> set:
+    """The attributes code reads off its first argument (`self.temperature`): what a `try/except
+    AttributeError` may look up while absent (all its names were 345 watches for 12 blocks: review41)."""
+    if not code.co_argcount:
+        return set()
+    first, found, previous = code.co_varnames[0], set(), None
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None and previous.opname in (
+                "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF") and previous.argval == first:
+            found.add(ins.argval)
+        previous = ins
+    return found
 
 
 def _generated(name: str) -> bool:
@@ -238,9 +251,10 @@ def merge_reads(into: dict, new: dict) -> dict:
             have = probed.setdefault(owner, (set(), set()))
             have[0].update(names)
             have[1].update(refs)
+    code_names = into.get("code_names", set()) | new.get("code_names", set())   # (the deeper watch's filter)
     if into.get("all") or new.get("all") or "names" not in new:
-        return {"all": True, "probed": probed}
-    return {"names": into.get("names", set()) | new["names"], "probed": probed}
+        return {"all": True, "probed": probed, "code_names": code_names}
+    return {"names": into.get("names", set()) | new["names"], "probed": probed, "code_names": code_names}
 
 
 def _torch_class(cls) -> bool:
@@ -271,6 +285,10 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
     absent. An OptimizedModule inside the model keeps its own watch. `written`: (id(module), name)
     of the attributes the graph itself assigns each call (attribute_writes): not watched."""
     names = None if reads is None or reads.get("all") else reads.get("names")
+    # what the model's code names, also where it reads by computed names: the items one level down
+    # that the per-call contents watch compares by value (review41: a tokenizer's vocabulary, a
+    # stats dict the training loop bumps, rebuilt the graph on every call)
+    deeper = (reads or {}).get("code_names") if names is None else names
     probed = {} if reads is None else reads.get("probed", {})
     out, absent, classes, contents = [], [], set(), []
     for m in dict.fromkeys(model.modules()):
@@ -306,8 +324,8 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
             if cls in classes:
                 continue
             classes.add(cls)
-            class_keys = tuple(k for k in vars(cls) if (names is None or not own or k in names)
-                               and not k.startswith("__"))
+            class_keys = tuple(k for k in vars(cls) if (k in names if names is not None else deeper is None
+                                                        or own or k in deeper) and not k.startswith("__"))
             if class_keys:
                 out.append(_entry(vars(cls), class_keys))
                 contents += [(k, v) for k in class_keys if not isinstance(v := vars(cls)[k], DESCRIPTORS)]
@@ -320,88 +338,14 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
             grouped.setdefault(id(owner), (owner.__dict__, set()))[1].add(k)
         out.append((None, tuple((d, tuple(keys)) for d, keys in grouped.values()), None, ()))
     unique = {id(value): (k, value) for k, value in contents}.values()   # a config shared by 48 layers: once
-    snapshots = tuple((value, snap, k, names) for k, value in unique if (snap := _contents(value, names)) is not None)
+    snapshots = tuple((value, snap, k, (names, deeper)) for k, value in unique
+                      if (snap := _contents(value, names, deeper)) is not None)
     if snapshots:
         out.append((CONTENTS, snapshots, None, ()))
     return tuple(out)
 
 
 CONTENTS = "contents"   # marks the entry of plain_attributes whose containers are watched item by item
-MAX_WATCHED_ITEMS = 256
-
-
-def _contents(value, names=None):
-    """A snapshot of a container, a plain object or a function the model's code reads, else None:
-    an item appended or an attribute set in place (peft's LoRA merge appends to
-    `merged_adapters`, which forward() branches on: fuzz34g; `self.config.scale = 2`), a callable
-    helper's attribute, a closure's cell, a numpy array's values (fuzz41f) rebuilds. Of objects
-    only the attributes of `names` (review34: `state.step += 1` each call, never read by forward,
-    rebuilt the graph per call). Its items are compared by identity or plain value, and those
-    that hold more, one level further (concrete_args.fingerprint: a dict-backed config's fields,
-    fuzz41f); checked per call, so no deeper (a full fingerprint cost 13x the shallow check)."""
-    if isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
-        return None   # compared per call: a 10^5-entry dict cost 12-27 ms a call (fuzz34i); not watched
-    if isinstance(value, set):
-        return frozenset(value)
-    if isinstance(value, types.MethodType):   # `self.fn = helper.apply`: the helper's attributes
-        value = value.__self__
-    if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType)) \
-            or isinstance(value, tuple) and not _mutable(value):   # a tuple of plain values: same_attr
-        return None
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.ndarray):
-        return fingerprint(value)
-    items = held_items(value, names)
-    if items is None or len(items) > MAX_WATCHED_ITEMS:
-        return None
-    keys, shallow = tuple(k for k, _ in items), tuple(v for _, v in items)
-    return keys, shallow, tuple((i, _identities(v, names), fingerprint(v, 1, names, versions=False))
-                                for i, v in enumerate(shallow) if _holds_more(v))
-
-
-def _identities(value, names) -> list | None:
-    """What an item holds, as objects: the same objects again need no fingerprint (the usual case)."""
-    items = held_items(value, names)
-    return None if items is None else [x for item in items for x in item]
-
-
-def _holds_more(value) -> bool:
-    return type(value) not in (int, float, bool, str, type(None)) and not isinstance(value, torch.Tensor) and (
-        _mutable(value) or isinstance(value, (types.FunctionType, functools.partial)))
-
-
-def _contents_changed(value, snap, names=None) -> bool:
-    if isinstance(value, set):
-        return frozenset(value) != snap
-    if isinstance(value, types.MethodType):
-        value = value.__self__
-    if snap[0] == "array":   # a numpy array
-        return fingerprint(value) != snap
-    keys, shallow, deep = snap
-    items = held_items(value, names)
-    if items is None or len(items) != len(keys) or any(k != j for (k, _), j in zip(items, keys)) \
-            or not all(a is b or same_attr(a, b) for (_, a), b in zip(items, shallow)):
-        return True
-    for i, objects, saved in deep:
-        now = _identities(items[i][1], names)
-        if (now is None or len(now) != len(objects) or not all(map(operator.is_, now, objects))) \
-                and fingerprint(items[i][1], 1, names, versions=False) != saved:
-            return True
-    return False
-
-
-def _tensors_in(snap) -> list:
-    if isinstance(snap, frozenset):
-        return [t for t in snap if isinstance(t, torch.Tensor)]
-    if isinstance(snap, list):   # _identities: the same objects as the fingerprint beside it
-        return []
-    if isinstance(snap, _Same):
-        return [snap.obj] if isinstance(snap.obj, torch.Tensor) else []
-    if isinstance(snap, tuple):
-        return [t for part in snap for t in (_tensors_in(part) if not isinstance(part, torch.Tensor) else [part])]
-    return []
-
-
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 

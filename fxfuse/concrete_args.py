@@ -5,19 +5,15 @@ A call's non-tensor arguments are checked by value on every call (runtime.Optimi
 signature), so the traced graph may treat them as constants: the example's values, and the
 defaults of the parameters the example leaves out (as the call binds them).
 """
-import collections
-import enum
-import functools
 import inspect
 import operator
 import sys
-import types
 
 import torch
 import torch.fx
 
 from .errors import TraceError, UnsupportedError
-from .module_state import plain_object, version
+from .fingerprint import PLAIN_TYPES, _mutable, _value_text, fingerprint
 
 
 def split_concrete(model: torch.nn.Module, example_args: tuple):
@@ -90,12 +86,6 @@ def same_default(value, default) -> bool:
                                 and _value_text(value) == _value_text(default))   # repr: -0.0 is not 0.0
 
 
-def _value_text(value) -> str:
-    """repr, by the base type's for a subclass of a number or str (its own may hide the value)."""
-    base = next((b for b in (bool, float, int, str) if isinstance(value, b)), None)
-    return repr(value) if base is None or type(value) is base else f"{type(value).__name__}={base.__repr__(value)}"
-
-
 def mutable_defaults(model) -> tuple:
     """(default, its fingerprint) for each default of forward() that can change in place: a list,
     dict or set (or a tuple holding one), or an object with attributes (`cfg=DEFAULT_CFG`, a
@@ -111,129 +101,6 @@ def mutable_defaults(model) -> tuple:
             continue
         found.update((id(p.default), p.default) for p in params if _mutable(p.default))
     return tuple((d, fingerprint(d)) for d in found.values())
-
-
-MAX_FINGERPRINT_ITEMS = 256   # a longer container or object is watched by its length only
-MAX_FINGERPRINT_BYTES = 1 << 16   # a numpy array up to this is watched by its bytes, a larger one by identity
-
-
-class _Same:
-    """An object in a fingerprint: equal only to itself, and held (an id alone is reused once the
-    object is freed: review39d, a float field assigned twice between calls was missed)."""
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other):
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    def __hash__(self):
-        return id(self.obj)
-
-
-def fingerprint(value, depth: int = 4, names=None, versions: bool = True):
-    """What a default holds, four levels down (an object's attributes, a container's items, an
-    object in a list: review39c), compared with ==: plain values by type and value (a field
-    assigned the same value again rebuilds nothing; 2 is not 2.0 nor True: fuzz41f), floats by
-    repr (-0.0, nan), tensors by identity and version (`versions`), small numpy arrays by their
-    bytes, a function by its closure cells and defaults, anything else by identity. Attributes
-    whose lookup raises count as absent. `names`: only the attributes of these names, on objects
-    (attribute_reads: those the model's code may read), also where the object's class holds them."""
-    kind = type(value)
-    if kind in _SIMPLE:   # the usual leaf first: this runs per call on watched attributes
-        return kind, value
-    if isinstance(value, torch.Tensor):
-        return ("tensor", _Same(value), version(value)) if versions else _Same(value)
-    if isinstance(value, float):
-        return "float", _value_text(value)
-    if isinstance(value, PLAIN_TYPES):
-        return type(value), value
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.ndarray):
-        return "array", _Same(value), value.nbytes <= MAX_FINGERPRINT_BYTES and value.tobytes()
-    if depth == 0:
-        return _Same(value)
-    items = held_items(value, names)
-    if items is None:
-        return _Same(value)
-    if len(items) > MAX_FINGERPRINT_ITEMS:
-        return _Same(value), len(items)
-    return _Same(value), tuple((fingerprint(k, 0), fingerprint(v, depth - 1, names, versions)) for k, v in items)
-
-
-def held_items(value, names=None) -> list | None:
-    """(key, item) for what a container, an object, a partial or a function holds (a closure's
-    cells: `nonlocal c` rebound), else None. `names`: of an object, only those attributes."""
-    if isinstance(value, dict):
-        return list(value.items())
-    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-        return list(enumerate(value))
-    if isinstance(value, functools.partial):
-        return [("func", value.func), ("args", value.args), ("keywords", value.keywords)]
-    if isinstance(value, types.FunctionType):
-        return [("defaults", value.__defaults__), ("kwdefaults", value.__kwdefaults__),
-                *enumerate(_cell_contents(value))]
-    if not _attributed(value):
-        return None
-    try:
-        items = list(vars(value).items())
-    except TypeError:   # __slots__
-        items = [(name, getattr(value, name, None)) for name in _slots(type(value))]
-    except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
-        return None
-    return [(k, v) for k, v in items if names is None or k in names] + _class_attributes(value, names)
-
-
-def _slots(cls) -> list:
-    names = []
-    for c in cls.__mro__:
-        slots = vars(c).get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
-    return names
-
-
-def _cell_contents(fn) -> list:
-    cells = []
-    for cell in fn.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:   # an empty cell
-            cells.append(None)
-    return cells
-
-
-def _class_attributes(value, names) -> list:
-    """The named attributes an object reads from its class (`Cfg.scale = 3.0` after optimize:
-    fuzz41f), on the user's classes, where the instance does not shadow them."""
-    own = vars(value) if isinstance(getattr(value, "__dict__", None), dict) else {}
-    found = []
-    for cls in type(value).__mro__:
-        if cls is object or (cls.__module__ or "").startswith(("torch", "builtins")):
-            continue
-        found += [(k, v) for k, v in vars(cls).items() if (names is None or k in names) and k not in own
-                  and not k.startswith("__")
-                  and not isinstance(v, DESCRIPTORS)]
-    return found
-
-
-def _mutable(value) -> bool:
-    if isinstance(value, tuple):
-        return any(_mutable(v) for v in value)
-    return isinstance(value, (list, dict, set, collections.deque)) or _attributed(value)
-
-
-def _attributed(value) -> bool:
-    """An object of the user's whose attributes may change (module_state.plain_object), also one
-    with __slots__ and no __dict__."""
-    return plain_object(value) or bool(getattr(type(value), "__slots__", ())) and not isinstance(
-        value, (*PLAIN_TYPES, torch.Tensor)) and not (type(value).__module__ or "").startswith(("torch", "builtins"))
-
-
-DESCRIPTORS = (types.FunctionType, property, classmethod, staticmethod)   # a class's methods: not its values
-_SIMPLE = {int, bool, str, type(None)}
-PLAIN_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
-               torch.layout, type(Ellipsis), slice, enum.Enum)
 
 
 def _type_name(value) -> str:

@@ -159,8 +159,14 @@ def same_attr(a, b) -> bool:
         return False
     if type(a) is float and type(b) is float:
         return repr(a) == repr(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
-    if type(a) is tuple and type(b) is tuple:   # (2, 3) is not (2.0, 3), nor (0.0,) (-0.0,) (fuzz41f)
-        return len(a) == len(b) and all(map(same_attr, a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):   # (2, 3) is not (2.0, 3), nor (0.0,) (-0.0,) (fuzz41f), in a list,
+        return len(a) == len(b) and all(map(same_attr, a, b))   # a NamedTuple, a dict, a dataclass too
+    if isinstance(a, dict):                                      # (review41)
+        return a.keys() == b.keys() and all(same_attr(a[k], b[k]) for k in a)
+    if dataclasses.is_dataclass(a) and isinstance(getattr(a, "__dict__", None), dict):
+        return same_attr(vars(a), vars(b))
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 -- values that cannot be compared count as changed

@@ -51,7 +51,7 @@ def baked_settings() -> tuple:
     switches after them."""
     return (torch.get_default_dtype(), _matmul(),
             _setting("cuda", "conv", lambda: torch._C._get_cudnn_allow_tf32()),   # cuDNN's: torch.backends.cudnn.conv
-            _HALF_REDUCTION(), _BF16_REDUCTION(), _HALF_ACCUMULATION(), _FUNCTION_MODES() and _default_device())
+            _HALF_REDUCTION(), _BF16_REDUCTION(), _HALF_ACCUMULATION(), _default_device() if _FUNCTION_MODES() else None)
 
 
 _FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
@@ -62,8 +62,9 @@ def _default_device():
     places factories without device=, which a build folds: fuzz41c), or None."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._device import DeviceContext
-    return next((str(m.device) for m in reversed(_get_current_function_mode_stack()) if isinstance(m, DeviceContext)),
-                None)
+    device = next((m.device for m in reversed(_get_current_function_mode_stack()) if isinstance(m, DeviceContext)),
+                  None)   # None: as without a context; the CPU's context is no change either (review41)
+    return None if device is None or torch.device(device).type == "cpu" else str(torch.device(device))
 
 
 if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple per setting
@@ -72,7 +73,7 @@ if _NEW_GETTER is not None:   # the per-call check without a frame and a tuple p
         return (torch.get_default_dtype() is not saved[0] or _NEW_GETTER("cuda", "matmul") != saved[1]
                 or _NEW_GETTER("cuda", "conv") != saved[2] or _HALF_REDUCTION() != saved[3]
                 or _BF16_REDUCTION() != saved[4] or _HALF_ACCUMULATION() != saved[5]
-                or (_FUNCTION_MODES() and _default_device()) != saved[6])
+                or (_default_device() if _FUNCTION_MODES() else None) != saved[6])
 else:
     def settings_changed(saved: tuple) -> bool:
         return baked_settings() != saved

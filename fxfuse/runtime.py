@@ -42,10 +42,11 @@ from torch.utils.hooks import RemovableHandle
 from .attribute_reads import contained_tensors, merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, autocast_off, dynamo_traces, functorch_active,
                            holds_proxy, traced_in_this_thread, user_mode_active)
-from .concrete_args import (UNBINDABLE, bind_positional, fingerprint, mutable_defaults, positional_names,
+from .concrete_args import (UNBINDABLE, bind_positional, mutable_defaults, positional_names,
                             without_trailing_defaults)
 from .delegation import PassesThroughToOriginal
 from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
+from .fingerprint import fingerprint
 from .kernel import FusedKernel
 from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
                          state_dict_as_original)

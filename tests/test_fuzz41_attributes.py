@@ -250,3 +250,95 @@ def test_unchanged_nested_state_does_not_rebuild():
         cfg.table["a"] = 1.0
         assert_matches_eager(opt, model, x)
     assert len(opt.specializations) == builds
+
+
+ScaleTuple = collections.namedtuple("ScaleTuple", "s")
+
+
+@dataclasses.dataclass
+class ScaleRecord:
+    s: float
+
+
+@pytest.mark.parametrize("before, after", [([2], [2.0]), ({"s": 0.0}, {"s": -0.0}), (ScaleTuple(2), ScaleTuple(2.0)),
+                                           (ScaleRecord(0.0), ScaleRecord(-0.0))],
+                         ids=["list int->float", "dict sign of zero", "namedtuple", "dataclass"])
+def test_an_equal_but_other_value_replacing_an_attribute_rebuilds(before, after):
+    # review41: compared with ==, [2] and [2.0] (and 0.0, -0.0 inside) were the same: int64 results, lost signs
+    def read(s):
+        held = s.held
+        value = held[0] if isinstance(held, list) else held["s"] if isinstance(held, dict) else held.s
+        return torch.copysign(torch.tensor(1.0), torch.tensor(float(value))) * value if isinstance(value, float) \
+            else value
+    model = Holder(before, read).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    model.held = after
+    with torch.no_grad():
+        got, expected = opt(x), model(x)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_numpy_array_inside_a_dict_edited_in_place_rebuilds():
+    # review41: the identity shortcut skipped the array's bytes (an observation normalizer's `mean += 1`)
+    stats = {"mean": np.array([0.5, 1.5])}
+    model = Holder(stats, lambda s: float(s.held["mean"][1])).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    stats["mean"] += 1
+    assert_matches_eager(opt, model, x)
+
+
+class CountedLinear(nn.Linear):
+    created = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        CountedLinear.created += 1
+
+
+class TokenizerLike:
+    def __init__(self):
+        self.vocab = {"a": 0}
+
+
+class NestedState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = {"scale": 2.0, "stats": {"step": 0}}
+        self.tok = TokenizerLike()
+        self.lin = CountedLinear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * getattr(self, "cfg")["scale"] + 1   # getattr: every attribute watched
+
+
+def test_state_the_model_does_not_read_changing_between_calls_does_not_rebuild():
+    # review41: a stats dict the loop bumps, a vocabulary that grows, a class counter of a torch
+    # subclass: each rebuilt the graph on every call (and warned after 8)
+    model = NestedState().eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(10):
+            model.cfg["stats"]["step"] = step
+            model.tok.vocab[f"w{step}"] = step
+            CountedLinear(2, 2)
+            assert_matches_eager(opt, model, x)
+    assert opt._state_rebuilds == 0
+    model.cfg["scale"] = 3.0   # what it reads still rebuilds
+    assert_matches_eager(opt, model, x)
+
+
+def test_calls_under_a_cpu_device_context_or_another_mode_keep_the_specializations():
+    # review41: the default-device entry compared 0 with None: every such call dropped them
+    model = Holder(2.0, lambda s: s.held).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    for _ in range(4):
+        with torch.device("cpu"):
+            assert_matches_eager(opt, model, x)
+        assert_matches_eager(opt, model, x)
+    assert opt._state_rebuilds == 0
