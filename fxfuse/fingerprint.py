@@ -5,6 +5,7 @@ tensors by identity (and version), small numpy arrays by their bytes, containers
 partials and closures by what they hold, a few levels down.
 """
 import collections
+import collections.abc
 import enum
 import functools
 import operator
@@ -77,6 +78,15 @@ def held_items(value, names=None) -> list | None:
         return list(value.items())
     if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         return list(enumerate(value))
+    if isinstance(value, collections.abc.Mapping):   # UserDict, ChainMap, MappingProxyType (fuzz41h)
+        return list(value.items())
+    if isinstance(value, collections.UserList):
+        return list(enumerate(value))
+    if isinstance(value, type):   # a class used as a config (`self.cfg = Config`): its own values
+        if (value.__module__ or "").startswith(("torch", "builtins")):
+            return None
+        return [(k, v) for k, v in vars(value).items() if (names is None or k in names) and not k.startswith("__")
+                and not isinstance(v, DESCRIPTORS)]
     if isinstance(value, functools.partial):
         return [("func", value.func), ("args", value.args), ("keywords", value.keywords)]
     if isinstance(value, types.FunctionType):
@@ -165,7 +175,7 @@ def _contents(value, names=None, deeper=None):
         return frozenset(value)
     if isinstance(value, types.MethodType):   # `self.fn = helper.apply`: the helper's attributes
         value = value.__self__
-    if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType)) \
+    if isinstance(value, (torch.nn.Module, torch.Tensor, types.ModuleType, types.BuiltinFunctionType)) \
             or isinstance(value, tuple) and not _mutable(value):   # a tuple of plain values: same_attr
         return None
     if _is_array(value):
@@ -202,7 +212,8 @@ def _identities(value, names) -> list | None:
 
 def _holds_more(value) -> bool:
     return type(value) not in (int, float, bool, str, type(None)) and not isinstance(value, torch.Tensor) and (
-        _mutable(value) or isinstance(value, (types.FunctionType, functools.partial)) or _is_array(value))
+        _mutable(value) or isinstance(value, (types.FunctionType, functools.partial)) or _is_array(value)
+        or isinstance(value, type) and not (value.__module__ or "").startswith(("torch", "builtins")))
 
 
 def _contents_changed(value, snap, names=(None, None)) -> bool:

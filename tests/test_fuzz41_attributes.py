@@ -6,6 +6,7 @@ it silently (a rebuild, no warning) with its pointwise work still fused.
 """
 import collections
 import dataclasses
+import types
 import warnings
 
 import numpy as np
@@ -342,3 +343,41 @@ def test_calls_under_a_cpu_device_context_or_another_mode_keep_the_specializatio
             assert_matches_eager(opt, model, x)
         assert_matches_eager(opt, model, x)
     assert opt._state_rebuilds == 0
+
+
+class EqualsAlways:
+    def __init__(self, s):
+        self.s = s
+
+    def __eq__(self, other):   # ignores the field forward() reads
+        return isinstance(other, EqualsAlways)
+
+    __hash__ = None
+
+
+class ConfigClass:
+    scale = 2.0
+
+
+@pytest.mark.parametrize("make, edit", [
+    (lambda: types.SimpleNamespace(s=0.0), lambda m: setattr(m, "held", types.SimpleNamespace(s=-0.0))),
+    (lambda: EqualsAlways(2.0), lambda m: setattr(m, "held", EqualsAlways(3.0))),
+    (lambda: collections.UserDict(s=2.0), lambda m: m.held.__setitem__("s", 3.0)),
+    (lambda: collections.ChainMap({}, {"s": 2.0}), lambda m: m.held.maps[1].__setitem__("s", 3.0)),
+    (lambda: ConfigClass, lambda m: setattr(ConfigClass, "scale", 3.0)),
+], ids=["SimpleNamespace sign", "own __eq__", "UserDict", "ChainMap", "a class as config"])
+def test_more_holders_are_watched(make, edit):
+    # fuzz41h: each edit kept the traced value, silently
+    def read(s):
+        held = s.held
+        value = held.scale if isinstance(held, type) else held["s"] if hasattr(held, "keys") else held.s
+        return torch.copysign(torch.tensor(1.0), torch.tensor(value)) * (abs(value) + 1)
+    saved = ConfigClass.scale
+    try:
+        model = Holder(make(), read).eval()
+        x = torch.randn(4, 8)
+        opt = fxfuse.optimize(model, x, strict=True)
+        edit(model)
+        assert_matches_eager(opt, model, x)
+    finally:
+        ConfigClass.scale = saved
