@@ -185,16 +185,16 @@ def _probed(codes) -> dict:
 
 
 def _self_attributes(code) -> set:
-    """The attributes code reads off its first argument (`self.temperature`): what a `try/except
-    AttributeError` may look up while absent (all its names were 345 watches for 12 blocks: review41)."""
-    if not code.co_argcount:
-        return set()
-    first, found, previous = code.co_varnames[0], set(), None
+    """The attributes code reads off its local variables and chains of them (`self.temperature`,
+    `self.block.temperature`, `blk.temperature` in a loop): what a `try/except AttributeError` may
+    look up while absent (all its names were 345 watches for 12 blocks: review41; not its globals'
+    attributes, `torch.relu`)."""
+    found, rooted = set(), False
     for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None and previous.opname in (
-                "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF") and previous.argval == first:
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and rooted:
             found.add(ins.argval)
-        previous = ins
+            continue
+        rooted = ins.opname in ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_FAST_LOAD_FAST")
     return found
 
 

@@ -20,12 +20,15 @@ _WRITERS: dict = {}   # writer id -> (the module, weakly, the attribute's name)
 _IDS = itertools.count()
 
 
-def write_attribute(value, writer: int):
-    """The graph's write-back of one attribute (nn.Module.__setattr__, as forward()'s own)."""
+def write_attribute(value, writer: int, label: str = ""):
+    """The graph's write-back of one attribute (nn.Module.__setattr__, as forward()'s own).
+    `label` names it in the graph's code and explain(). A Parameter arrives where the passes
+    dropped the detach() forward() applied (`self.a = self.w.detach()`): eager stores a plain
+    tensor, which setattr must not register as a parameter (review41b)."""
     module, name = _WRITERS[writer]
     module = module()
     if module is not None:
-        setattr(module, name, value)
+        setattr(module, name, value.detach() if isinstance(value, torch.nn.Parameter) else value)
 
 
 torch.fx.node._side_effectful_functions.add(write_attribute)   # dead code elimination keeps it
@@ -43,7 +46,7 @@ class _Unreadable:
         raise TypeError("fxfuse: an attribute forward() assigns was read before the assignment")
 
     for _name in ("__bool__", "__float__", "__int__", "__index__", "__len__", "__iter__", "__getitem__",
-                  "__call__", "__torch_function__", "__array__"):
+                  "__call__", "__array__"):   # (no __torch_function__: torch warns of one not a classmethod)
         locals()[_name] = _refuse
     for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
                 "lshift", "rshift"):
@@ -80,8 +83,8 @@ def assigned_first(model, assigned: list, retrace, graph) -> list:
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = value
-    def shape(g):
-        return [(n.op, str(n.target), len(n.args)) for n in g.nodes]
+    def shape(g):   # with the arguments: a branch may differ in a constant only (review41b)
+        return [n.format_node() for n in g.nodes]
     return assigned if again is not None and shape(again) == shape(graph) else []
 
 
@@ -92,8 +95,8 @@ def plan_attribute_writes(gm: torch.fx.GraphModule, model: torch.nn.Module, assi
     output = next(n for n in gm.graph.nodes if n.op == "output")
     written = []
     for path, name, proxy in assigned:
-        if not isinstance(proxy, torch.fx.Proxy) or proxy.node.graph is not gm.graph:
-            continue
+        if not isinstance(proxy, torch.fx.Proxy) or proxy.node.graph is not gm.graph or proxy.node.op == "get_attr":
+            continue   # (a parameter or buffer itself assigned: eager registers it, which is state)
         module = model.get_submodule(path)
         if name in module._parameters or name in module._buffers or name in module._modules:
             continue
@@ -101,8 +104,9 @@ def plan_attribute_writes(gm: torch.fx.GraphModule, model: torch.nn.Module, assi
         _WRITERS[writer] = (weakref.ref(module), name)
         weakref.finalize(gm, _forget, writer)
         with gm.graph.inserting_before(output):
-            gm.graph.call_function(write_attribute, (proxy.node, writer))
-        written.append((module, name, f"{path or type(model).__name__}.{name}"))
+            label = f"{path or type(model).__name__}.{name}"
+            gm.graph.call_function(write_attribute, (proxy.node, writer, label))
+        written.append((module, name, label))
     if written:
         gm.recompile()
     return written

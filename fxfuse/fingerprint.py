@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from .module_state import plain_object, same_attr, version
+from .module_state import plain_object, same_attr, slot_names, version
 
 def _value_text(value) -> str:
     """repr, by the base type's for a subclass of a number or str (its own may hide the value)."""
@@ -97,18 +97,10 @@ def held_items(value, names=None) -> list | None:
     try:
         items = list(vars(value).items())
     except TypeError:   # __slots__
-        items = [(name, getattr(value, name, None)) for name in _slots(type(value))]
+        items = [(name, getattr(value, name, None)) for name in slot_names(type(value))]
     except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
         return None
     return [(k, v) for k, v in items if names is None or k in names] + _class_attributes(value, names)
-
-
-def _slots(cls) -> list:
-    names = []
-    for c in cls.__mro__:
-        slots = vars(c).get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
-    return names
 
 
 def _cell_contents(fn) -> list:

@@ -150,9 +150,20 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def same_attr(a, b) -> bool:
+def slot_names(cls) -> list:
+    names = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return names
+
+
+def same_attr(a, b, depth: int = 0) -> bool:
     """The same object, or an equal plain value (torch.export rebuilds some modules' bookkeeping
-    lists, e.g. LSTM's _flat_weights_names, with the same contents)."""
+    lists, e.g. LSTM's _flat_weights_names, with the same contents). Containers and the user's
+    objects by what they hold, typed (fuzz41f, review41, fuzz41h: (2, 3) is not (2.0, 3), nor 0.0
+    -0.0, also in a list, dict, NamedTuple, dataclass or namespace, whatever its __eq__ says),
+    four levels down: a back-reference (a tree node's `parent`) counts as changed beyond that."""
     if a is b:
         return True
     if isinstance(a, (torch.Tensor, torch.fx.Proxy)) or isinstance(b, (torch.Tensor, torch.fx.Proxy)):
@@ -161,17 +172,20 @@ def same_attr(a, b) -> bool:
         return repr(a) == repr(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
     if type(a) is not type(b):
         return False
-    if isinstance(a, (tuple, list)):   # (2, 3) is not (2.0, 3), nor (0.0,) (-0.0,) (fuzz41f), in a list,
-        return len(a) == len(b) and all(map(same_attr, a, b))   # a NamedTuple, a dict, a dataclass too
-    if isinstance(a, dict):                                      # (review41)
-        return a.keys() == b.keys() and all(same_attr(a[k], b[k]) for k in a)
-    if dataclasses.is_dataclass(a) or plain_object(a):   # by what they hold, not their __eq__ (a field
-        try:                                             # compare=False, a SimpleNamespace's 0.0 and -0.0:
-            return same_attr(vars(a), vars(b))           # fuzz41h)
-        except TypeError:   # __slots__
-            pass
+    if depth > 4 and isinstance(a, (tuple, list, dict)) or depth > 4 and plain_object(a):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_attr(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_attr(a[k], b[k], depth + 1) for k in a)
+    slots = slot_names(type(a))
+    if dataclasses.is_dataclass(a) or plain_object(a) or slots and not (type(a).__module__ or "").startswith(
+            ("torch", "builtins")):
+        held = (lambda o: vars(o)) if isinstance(getattr(a, "__dict__", None), dict) else (
+            lambda o: {n: getattr(o, n, None) for n in slots})
+        return same_attr(held(a), held(b), depth + 1)
     try:
-        return type(a) is type(b) and bool(a == b)
+        return bool(a == b)
     except Exception:  # noqa: BLE001 -- values that cannot be compared count as changed
         return False
 

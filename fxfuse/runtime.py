@@ -45,7 +45,7 @@ from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, autocast_off, d
 from .concrete_args import (UNBINDABLE, bind_positional, mutable_defaults, positional_names,
                             without_trailing_defaults)
 from .delegation import PassesThroughToOriginal
-from .errors import FxfuseWarning, GuardError, as_fxfuse_error, warn  # noqa: F401  (FxfuseWarning re-exported)
+from .errors import FxfuseWarning, GuardError, UnsupportedError, as_fxfuse_error, warn  # noqa: F401 (re-export)
 from .fingerprint import fingerprint
 from .kernel import FusedKernel
 from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
@@ -99,7 +99,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
-        self._written_attributes = frozenset()   # (id(module), name) the graphs write back (attribute_writes)
+        self._written_attributes = {}      # (id(module), name) -> label: what the graphs write back (attribute_writes)
         self._structure, self._registrations_seen = [], REGISTRATIONS[0]
         self._modes, self._modes_seen = (), MODE_CHANGES[0]   # every module's training flag at the build
         self._children, self._child_list = (), []   # submodule dicts: a deletion fires no hook (_watch_state)
@@ -218,6 +218,13 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                 gm = self._build(self.original, args, self.options)
             finally:
                 BUILDING[0] -= 1
+        written = {(id(m), k): label for m, k, label in gm.meta.get("fxfuse_attribute_writes", ())}
+        if not first and set(written) != set(self._written_attributes):   # (review41b: RevIN called with
+            names = ", ".join(sorted({*written.values(), *self._written_attributes.values()}))   # 'denorm' folded
+            raise UnsupportedError(                                          # the 'norm' call's mean)
+                f"forward() assigns module attributes ({names}) for some inputs and not for others: a graph "
+                "that reads one would keep the value it saw, so the original module runs")
+        self._written_attributes = written
         own = {id(m) for m in self.original.modules()}   # a fresh GraphModule (and its kernels) says training;
         for m in gm.modules():                            # the model's own submodules keep theirs (fuzz34i:
             if id(m) not in own:                          # gm.train() switched a child the user had put in
@@ -236,8 +243,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # written in place) they rebuild, and so do the model tensors only copies of are read
         self._attribute_reads = merge_reads(self._attribute_reads,
                                             gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {"all": True}))
-        self._written_attributes |= {(id(m), k) for m, k, _ in gm.meta.get("fxfuse_attribute_writes", ())}
-        self._attributes = plain_attributes(self.original, self._attribute_reads, self._written_attributes)
+        self._attributes = plain_attributes(self.original, self._attribute_reads, frozenset(self._written_attributes))
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
         spec.model_tensors += tuple(self._plain_tensors)   # returned as themselves, as eager does (fuzz38f)

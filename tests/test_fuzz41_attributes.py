@@ -381,3 +381,56 @@ def test_more_holders_are_watched(make, edit):
         assert_matches_eager(opt, model, x)
     finally:
         ConfigClass.scale = saved
+
+
+class Block(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class ChildProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for blk in self.blocks:
+            try:
+                x = blk(x) * blk.temperature
+            except AttributeError:
+                x = blk(x)
+        return torch.relu(x)
+
+
+def test_a_child_attribute_probed_by_try_except_is_watched():
+    # review41b: only self's own attributes counted as probed
+    model = ChildProbe().eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    model.blocks[0].temperature = 3.0
+    assert_matches_eager(opt, model, x)
+
+
+@dataclasses.dataclass(slots=True)
+class SlotsScale:
+    s: float
+
+
+class TreeNode:
+    def __init__(self, s, parent=None):
+        self.s, self.parent, self.children = s, parent, []
+
+
+def test_slots_and_back_referencing_configs_replaced_by_equal_ones():
+    # review41b: a slots dataclass compared by ==, and a tree with back-references hit RecursionError
+    def read(s):
+        return torch.copysign(torch.tensor(1.0), torch.tensor(s.held.s)) * (abs(s.held.s) + 1)
+    for old, new in ((SlotsScale(0.0), SlotsScale(-0.0)), (TreeNode(2.0), TreeNode(2.0))):
+        if isinstance(old, TreeNode):
+            for node in (old, new):
+                node.children.append(TreeNode(1.0, node))
+        model = Holder(old, read).eval()
+        x = torch.randn(4, 8)
+        opt = fxfuse.optimize(model, x, strict=True)
+        model.held = new
+        assert_matches_eager(opt, model, x)

@@ -128,3 +128,68 @@ def test_a_lazily_created_state_attribute_stays_refused():
         model = LazyState(declared).eval()
         opt, messages = optimize_warned(model, torch.randn(4, 8))
         assert opt is model and len(messages) == 1 and "state" in messages[0], messages
+
+
+class RevINByMode(nn.Module):
+    """RevIN optimized on its own: the mode is an argument, so each mode is its own specialization."""
+
+    def forward(self, x, mode):
+        if mode == "norm":
+            self.mean = x.mean(1, keepdim=True).detach()
+            return x - self.mean
+        return x + self.mean
+
+
+def test_a_specialization_reading_what_another_writes_runs_the_original():
+    # review41b: the 'denorm' specialization folded the mean of the call before it (off by 10-20)
+    model = RevINByMode().eval()
+    eager = copy.deepcopy(model)
+    opt = fxfuse.optimize(model, (torch.randn(2, 8, 3), "norm"))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for shift in (0.0, 10.0, 20.0):
+            x = torch.randn(2, 8, 3) + shift
+            torch.testing.assert_close(opt(x, "norm"), eager(x, "norm"))
+            y = torch.randn(2, 8, 3)
+            torch.testing.assert_close(opt(y, "denorm"), eager(y, "denorm"))
+    assert sum("for some inputs and not for others" in str(w.message) for w in caught) == 1
+
+
+class DetachedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        self.a = self.w.detach()
+        return torch.relu(x) * self.a
+
+
+def test_a_detached_parameter_written_back_is_no_new_parameter():
+    # review41b: the passes dropped the detach, and setattr registered w a second time as parameter a
+    model = DetachedWeight().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(opt(x), torch.relu(x) * model.w)
+    assert [n for n, _ in model.named_parameters()] == ["w"] and not isinstance(model.a, nn.Parameter)
+    model(x)   # the original still runs
+
+
+class Smoother(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.prev = None
+
+    def forward(self, x):
+        first = self.prev is None   # reads whether it exists: state
+        self.prev = x.detach() * 1
+        return torch.relu(x) * (0.5 if first else 2.0)
+
+
+def test_a_branch_on_the_written_attribute_is_state_also_without_verify():
+    # review41b: the second trace's graph differed only in a constant (0.5 / 2.0) and passed
+    for verify in (True, False):
+        model = Smoother().eval()
+        opt, messages = optimize_warned(model, torch.randn(4, 8), verify=verify)
+        assert opt is model and len(messages) == 1 and "state" in messages[0]
