@@ -11,6 +11,7 @@ read the attribute's value from before the call (a get_attr of it), it is state,
 as before. Such a graph is not captured in a CUDA graph: its replay would run no Python.
 """
 import itertools
+import re
 import weakref
 
 import torch
@@ -83,8 +84,9 @@ def assigned_first(model, assigned: list, retrace, graph) -> list:
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = value
-    def shape(g):   # with the arguments: a branch may differ in a constant only (review41b)
-        return [n.format_node() for n in g.nodes]
+    def shape(g):   # with the arguments: a branch may differ in a constant only (review41b); torch.fx
+        #             numbers its tensor constants on, trace by trace (review41c)
+        return [re.sub(r"_tensor_constant\d+", "_tensor_constant", n.format_node()) for n in g.nodes]
     return assigned if again is not None and shape(again) == shape(graph) else []
 
 

@@ -94,10 +94,13 @@ def held_items(value, names=None) -> list | None:
                 *enumerate(_cell_contents(value))]
     if not _attributed(value):
         return None
-    try:
-        items = list(vars(value).items())
-    except TypeError:   # __slots__
-        items = [(name, getattr(value, name, None)) for name in slot_names(type(value))]
+    try:   # its __dict__, and its slots (both where it has both: review41c)
+        try:
+            items = list(vars(value).items())
+        except TypeError:   # slots only
+            items = []
+        items += [(name, getattr(value, name, None)) for name in slot_names(type(value))
+                  if name not in ("__dict__", "__weakref__")]
     except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
         return None
     return [(k, v) for k, v in items if names is None or k in names] + _class_attributes(value, names)

@@ -150,6 +150,12 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _held_fields(obj, slots) -> dict:
+    fields = dict(vars(obj)) if isinstance(obj.__dict__ if hasattr(type(obj), "__dict__") else None, dict) else {}
+    fields.update((n, getattr(obj, n, None)) for n in slots if n not in ("__dict__", "__weakref__"))
+    return fields
+
+
 def slot_names(cls) -> list:
     names = []
     for c in cls.__mro__:
@@ -163,7 +169,7 @@ def same_attr(a, b, depth: int = 0) -> bool:
     lists, e.g. LSTM's _flat_weights_names, with the same contents). Containers and the user's
     objects by what they hold, typed (fuzz41f, review41, fuzz41h: (2, 3) is not (2.0, 3), nor 0.0
     -0.0, also in a list, dict, NamedTuple, dataclass or namespace, whatever its __eq__ says),
-    four levels down: a back-reference (a tree node's `parent`) counts as changed beyond that."""
+    six containers down: a back-reference (a tree node's `parent`) counts as changed beyond that."""
     if a is b:
         return True
     if isinstance(a, (torch.Tensor, torch.fx.Proxy)) or isinstance(b, (torch.Tensor, torch.fx.Proxy)):
@@ -172,7 +178,7 @@ def same_attr(a, b, depth: int = 0) -> bool:
         return repr(a) == repr(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
     if type(a) is not type(b):
         return False
-    if depth > 4 and isinstance(a, (tuple, list, dict)) or depth > 4 and plain_object(a):
+    if depth > 6 and (isinstance(a, (tuple, list, dict)) or plain_object(a)):
         return False
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(same_attr(x, y, depth + 1) for x, y in zip(a, b))
@@ -181,9 +187,10 @@ def same_attr(a, b, depth: int = 0) -> bool:
     slots = slot_names(type(a))
     if dataclasses.is_dataclass(a) or plain_object(a) or slots and not (type(a).__module__ or "").startswith(
             ("torch", "builtins")):
-        held = (lambda o: vars(o)) if isinstance(getattr(a, "__dict__", None), dict) else (
-            lambda o: {n: getattr(o, n, None) for n in slots})
-        return same_attr(held(a), held(b), depth + 1)
+        try:   # its __dict__ and its slots, both where it has both (review41c); one level, as its items
+            return same_attr(_held_fields(a, slots), _held_fields(b, slots), depth)
+        except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review41c: KeyError)
+            return False
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 -- values that cannot be compared count as changed

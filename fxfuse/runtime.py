@@ -223,7 +223,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             names = ", ".join(sorted({*written.values(), *self._written_attributes.values()}))   # 'denorm' folded
             raise UnsupportedError(                                          # the 'norm' call's mean)
                 f"forward() assigns module attributes ({names}) for some inputs and not for others: a graph "
-                "that reads one would keep the value it saw, so the original module runs")
+                "that reads one would keep the value it saw")
         self._written_attributes = written
         own = {id(m) for m in self.original.modules()}   # a fresh GraphModule (and its kernels) says training;
         for m in gm.modules():                            # the model's own submodules keep theirs (fuzz34i:

@@ -34,7 +34,14 @@ def _is_detach(node) -> bool:
         return False
     if node.target in ("detach_", aten.detach_.default):
         return True
-    return not _reshaped_in_place(node, source) and not any(u.op == "output" for u in node.users)
+    return not _reshaped_in_place(node, source) and not any(_keeps_the_alias(u) for u in node.users)
+
+
+def _keeps_the_alias(user) -> bool:
+    """Returned, or stored on the module by the graph's write-back (`self.last = x.detach()`:
+    eager's attribute is no input that requires grad: review41c)."""
+    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
+    return user.op == "output" or user.op == "call_function" and user.target is write_attribute
 
 
 def _reshaped_in_place(node, source) -> bool:
@@ -53,5 +60,5 @@ def _detach_readers(node) -> None:
     so a pointwise reader still joins the source's kernel."""
     source = _detach_source(node)
     if source is not None and isinstance(source, torch.fx.Node) and not _reshaped_in_place(node, source):
-        for user in [u for u in node.users if u.op != "output"]:
+        for user in [u for u in node.users if not _keeps_the_alias(u)]:
             user.replace_input_with(node, source)

@@ -434,3 +434,51 @@ def test_slots_and_back_referencing_configs_replaced_by_equal_ones():
         opt = fxfuse.optimize(model, x, strict=True)
         model.held = new
         assert_matches_eager(opt, model, x)
+
+
+class SlottedBase:
+    __slots__ = ("s",)
+
+    def __init__(self, s):
+        self.s = s
+
+
+class MixedCfg(SlottedBase):   # a __dict__ beside its base's slots
+    pass
+
+
+class KeyErrorRecord:
+    __slots__ = ("_data",)
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_data", dict(fields))
+
+    def __getattr__(self, name):
+        return self._data[name]   # a KeyError, not an AttributeError
+
+
+def test_slots_beside_a_dict_and_records_raising_key_errors():
+    # review41c: a subclass's __dict__ hid its base's slots (edits missed), and a record whose lookup
+    # raises KeyError made every call raise once it was replaced
+    for make, edit in ((lambda: MixedCfg(2.0), lambda m: setattr(m.held, "s", 5.0)),
+                       (lambda: KeyErrorRecord(s=2.0), lambda m: setattr(m, "held", KeyErrorRecord(s=5.0)))):
+        model = Holder(make(), lambda s: s.held.s).eval()
+        x = torch.randn(4, 8)
+        opt = fxfuse.optimize(model, x, strict=True)
+        edit(model)
+        assert_matches_eager(opt, model, x)
+        assert_matches_eager(opt, model, x)
+
+
+def test_an_equal_deep_config_recreated_each_call_does_not_rebuild():
+    # review41c: the depth limit counted each object twice: an HF-like config compared unequal each call
+    def make():
+        return types.SimpleNamespace(text_config=types.SimpleNamespace(
+            rope_scaling={"short_factor": [1.0, 2.0], "type": "longrope"}, scale=2.0))
+    model = Holder(make(), lambda s: s.held.text_config.scale).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    for _ in range(4):
+        model.held = make()
+        assert_matches_eager(opt, model, x)
+    assert opt._state_rebuilds == 0

@@ -193,3 +193,36 @@ def test_a_branch_on_the_written_attribute_is_state_also_without_verify():
         model = Smoother().eval()
         opt, messages = optimize_warned(model, torch.randn(4, 8), verify=verify)
         assert opt is model and len(messages) == 1 and "state" in messages[0]
+
+
+class KeepInput(nn.Module):
+    def forward(self, x):
+        self.last_input = x.detach()
+        return torch.relu(x) * 2
+
+
+def test_a_detached_input_written_back_is_detached():
+    # review41c: the passes dropped the detach, and the attribute was the caller's autograd leaf
+    model = KeepInput().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.no_grad():
+        opt(x)
+    assert model.last_input is not x and not model.last_input.requires_grad
+    torch.testing.assert_close(model.last_input, x.detach())
+
+
+class WithConstant(nn.Module):
+    def forward(self, x):
+        self.mean = x.mean(0, keepdim=True).detach()
+        return (x - self.mean) * torch.tensor([1.0, 2.0, 3.0])
+
+
+def test_a_write_back_beside_a_tensor_constant():
+    # review41c: torch.fx numbered the constant anew in the second trace, which then differed: refused
+    model = WithConstant().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 3), strict=True)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), (x - x.mean(0, keepdim=True)) * torch.tensor([1.0, 2.0, 3.0]))
+    torch.testing.assert_close(model.mean, x.mean(0, keepdim=True))
