@@ -81,6 +81,14 @@ REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change
 #                            between calls, as when tuning a model interactively, are no reason to warn)
 
 
+def _reads_strides(trace: dict) -> bool:
+    """Whether a specialization may depend on the strides of size-1 dims: torch.export specializes
+    on a stride forward() reads without leaving a node (review41b: `if x.stride(0) == 1`), and
+    symbolic_trace's `x.stride(0)` folds to the example's number."""
+    names = trace.get("attribute_reads", {}).get("code_names", {"stride"})
+    return trace.get("tracer") != "torch.fx.symbolic_trace" or bool({"stride", "is_contiguous"} & names)
+
+
 class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
 
@@ -417,7 +425,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                 return self._run(self.specializations[sig], args)
             if sig in self._failed_builds:
                 return self._run_original(*self._failed_builds[sig], args)
-        alike = unit_strides_alike(sig, self.specializations)
+        alike = unit_strides_alike(sig, {s: spec for s, spec in self.specializations.items()
+                                         if not _reads_strides(spec.gm.meta.get("fxfuse_trace", {}))})
         if alike is not None:   # a batch-1 row made as `col.T`: strides (1, 1) where the build had (8, 1)
             if len(self._trimmed) < MAX_MISSES_KEPT:   # (fuzz41c: a second build of the same graph, or the
                 self._trimmed[full] = (alike, len(args))   # original once the slots were used up)

@@ -107,3 +107,19 @@ def test_strides_of_size_one_dims_do_not_make_a_new_specialization():
             torch.testing.assert_close(opt(row), model(row))
     assert len(opt.specializations) == 1 and not opt.misses
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["kernel_launches"] == launches + 2
+
+
+class BranchOnStride(nn.Module):
+    def forward(self, x):
+        if x.stride(0) == 1:
+            return x * 2 + 1
+        return x * 3 + 1
+
+
+def test_a_forward_reading_strides_gets_its_own_specialization_for_size_one_strides():
+    # review41b: the (8, 1) build served a (1, 1) row, and forward() branches on that stride
+    model = BranchOnStride().eval()
+    opt = fxfuse.optimize(model, torch.randn(1, 8), strict=True)
+    row = torch.randn(8, 1).T
+    with torch.no_grad():
+        torch.testing.assert_close(opt(row), model(row))
