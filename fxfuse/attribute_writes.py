@@ -85,9 +85,18 @@ def assigned_first(model, assigned: list, retrace, graph) -> list:
             else:
                 module.__dict__[name] = value
     def shape(g):   # with the arguments: a branch may differ in a constant only (review41b); torch.fx
-        #             numbers its tensor constants on, trace by trace (review41c)
-        return [re.sub(r"_tensor_constant\d+", "_tensor_constant", n.format_node()) for n in g.nodes]
+        #             numbers its tensor constants on, trace by trace (review41c): named by their values
+        return [re.sub(r"_tensor_constant\d+", lambda m: _constant_text(getattr(model, m.group(0), None)),
+                       n.format_node()) for n in g.nodes]
     return assigned if again is not None and shape(again) == shape(graph) else []
+
+
+def _constant_text(t) -> str:
+    """A tensor constant by its values (review41d: `torch.tensor(0.5 if self.prev is None else 2.0)`)."""
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    flat = t.detach().reshape(-1)
+    return f"tensor{tuple(t.shape)}{t.dtype}{flat[:64].tolist()}{flat.double().sum().item() if flat.numel() else 0}"
 
 
 def plan_attribute_writes(gm: torch.fx.GraphModule, model: torch.nn.Module, assigned: list) -> list:

@@ -99,8 +99,7 @@ def held_items(value, names=None) -> list | None:
             items = list(vars(value).items())
         except TypeError:   # slots only
             items = []
-        items += [(name, getattr(value, name, None)) for name in slot_names(type(value))
-                  if name not in ("__dict__", "__weakref__")]
+        items += [(name, getattr(value, name, None)) for name in slot_names(type(value))]
     except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
         return None
     return [(k, v) for k, v in items if names is None or k in names] + _class_attributes(value, names)

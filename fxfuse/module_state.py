@@ -18,8 +18,10 @@ by identity (and buffers by value).
 """
 import dataclasses
 import dis
+import functools
 import inspect
 import types
+import weakref
 
 import torch
 import torch.fx
@@ -151,17 +153,25 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _held_fields(obj, slots) -> dict:
-    fields = dict(vars(obj)) if isinstance(obj.__dict__ if hasattr(type(obj), "__dict__") else None, dict) else {}
-    fields.update((n, getattr(obj, n, None)) for n in slots if n not in ("__dict__", "__weakref__"))
+    try:
+        fields = dict(vars(obj))
+    except TypeError:   # slots only (review41d: every slots object compared unequal to its copy)
+        fields = {}
+    fields.update((n, getattr(obj, n, None)) for n in slots)
     return fields
 
 
-def slot_names(cls) -> list:
+@functools.lru_cache(maxsize=1024)
+def slot_names(cls) -> tuple:
+    """The attribute names of cls's slots, private ones mangled (`__scale` is `_Cfg__scale`:
+    review41d), without __dict__ and __weakref__; cached: the per-call watch asks (review41d)."""
     names = []
     for c in cls.__mro__:
         slots = vars(c).get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
-    return names
+        for n in [slots] if isinstance(slots, str) else slots:
+            if n not in ("__dict__", "__weakref__"):
+                names.append(f"_{c.__name__.lstrip('_')}{n}" if n.startswith("__") and not n.endswith("__") else n)
+    return tuple(names)
 
 
 def same_attr(a, b, depth: int = 0) -> bool:
@@ -174,8 +184,8 @@ def same_attr(a, b, depth: int = 0) -> bool:
         return True
     if isinstance(a, (torch.Tensor, torch.fx.Proxy)) or isinstance(b, (torch.Tensor, torch.fx.Proxy)):
         return False
-    if type(a) is float and type(b) is float:
-        return repr(a) == repr(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
+    if isinstance(a, float) and type(a) is type(b):   # (np.float64 too: review41d)
+        return float.__repr__(a) == float.__repr__(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
     if type(a) is not type(b):
         return False
     if depth > 6 and (isinstance(a, (tuple, list, dict)) or plain_object(a)):
@@ -197,6 +207,9 @@ def same_attr(a, b, depth: int = 0) -> bool:
         return False
 
 
+WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
 def _held(attrs: dict, globals_read: dict, seen: set):
     """("tensor" | "container", name, object) for the plain state a module holds besides its
     parameters and buffers: tensor attributes, the lists, dicts and namespaces among its
@@ -206,7 +219,7 @@ def _held(attrs: dict, globals_read: dict, seen: set):
     (`self.hist[0] = y`) receives a Proxy; neither reaches the graph. `seen` (ids) skips what an
     earlier submodule already holds (48 blocks reading one global are one snapshot)."""
     def walk(label, value, depth):
-        if id(value) in seen:
+        if id(value) in seen or type(value) in WEAK_PROXIES:   # a dead one raises on any use (review41d)
             return
         if isinstance(value, torch.Tensor):
             if not isinstance(value, torch.nn.Parameter) and _comparable(value):
@@ -215,9 +228,12 @@ def _held(attrs: dict, globals_read: dict, seen: set):
             return
         if depth >= MAX_CONTAINER_DEPTH:
             return
-        items = (list(enumerate(value)) if isinstance(value, (list, tuple)) else list(value.items())
-                 if isinstance(value, dict) else list(vars(value).items())
-                 if _is_record(value) else None)
+        try:   # a dead weakref.proxy raises ReferenceError on any use (review41d)
+            items = (list(enumerate(value)) if isinstance(value, (list, tuple)) else list(value.items())
+                     if isinstance(value, dict) else list(vars(value).items())
+                     if _is_record(value) else None)
+        except ReferenceError:
+            return
         if items is None or len(items) > MAX_CONTAINER_ITEMS:
             return
         seen.add(id(value))

@@ -5,6 +5,7 @@ import torch
 import torch.fx
 
 from fxfuse.data_dependent import op_name
+from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
 
 aten = torch.ops.aten
 
@@ -37,11 +38,19 @@ def _is_detach(node) -> bool:
     return not _reshaped_in_place(node, source) and not any(_keeps_the_alias(u) for u in node.users)
 
 
-def _keeps_the_alias(user) -> bool:
+def _keeps_the_alias(user, depth: int = 0) -> bool:
     """Returned, or stored on the module by the graph's write-back (`self.last = x.detach()`:
-    eager's attribute is no input that requires grad: review41c)."""
+    eager's attribute is no input that requires grad: review41c), also through views and casts
+    that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d)."""
     from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
-    return user.op == "output" or user.op == "call_function" and user.target is write_attribute
+    if user.op == "output" or user.op == "call_function" and user.target is write_attribute:
+        return True
+    aliasing = user.op == "call_method" and user.target in ALIASING_METHODS or \
+        user.op == "call_function" and user.target in VIEW_FUNCTIONS
+    return aliasing and depth < 8 and any(_keeps_the_alias(u, depth + 1) for u in user.users)
+
+
+ALIASING_METHODS = VIEW_METHODS | {"float", "double", "half", "to", "type", "type_as", "contiguous"}
 
 
 def _reshaped_in_place(node, source) -> bool:

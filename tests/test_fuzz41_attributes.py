@@ -482,3 +482,42 @@ def test_an_equal_deep_config_recreated_each_call_does_not_rebuild():
         model.held = make()
         assert_matches_eager(opt, model, x)
     assert opt._state_rebuilds == 0
+
+
+@dataclasses.dataclass(slots=True)
+class RunOpts:
+    s: float
+
+
+class PrivateSlots:
+    __slots__ = ("__scale",)
+
+    def __init__(self, s):
+        self.__scale = s
+
+    @property
+    def s(self):
+        return self.__scale
+
+    def set(self, s):
+        self.__scale = s
+
+
+def test_slots_objects_compare_by_their_fields():
+    # review41d: every slots object compared unequal to an equal copy (a rebuild per call), private slots
+    # were never read, and np.float64(-0.0) replacing 0.0 was the same
+    model = Holder(RunOpts(2.0), lambda s: s.held.s).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, strict=True)
+    for _ in range(3):
+        model.held = RunOpts(2.0)
+        assert_matches_eager(opt, model, x)
+    assert opt._state_rebuilds == 0
+    model = Holder(PrivateSlots(2.0), lambda s: s.held.s).eval()
+    opt = fxfuse.optimize(model, x, strict=True)
+    model.held.set(5.0)
+    assert_matches_eager(opt, model, x)
+    model = Holder(np.float64(0.0), lambda s: torch.copysign(torch.tensor(1.0), torch.tensor(float(s.held)))).eval()
+    opt = fxfuse.optimize(model, x, strict=True)
+    model.held = np.float64(-0.0)
+    assert_matches_eager(opt, model, x)

@@ -226,3 +226,37 @@ def test_a_write_back_beside_a_tensor_constant():
     with torch.no_grad():
         torch.testing.assert_close(opt(x), (x - x.mean(0, keepdim=True)) * torch.tensor([1.0, 2.0, 3.0]))
     torch.testing.assert_close(model.mean, x.mean(0, keepdim=True))
+
+
+class KeepInputCast(nn.Module):
+    def forward(self, x):
+        self.last_input = x.detach().float()
+        return torch.relu(x) * 2, x.detach()[0]
+
+
+def test_a_detach_followed_by_a_no_op_cast_or_view_stays_detached():
+    # review41d: `.float()` / `[0]` after the detach kept the caller's autograd leaf
+    model = KeepInputCast().eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.no_grad():
+        _, row = opt(x)
+    assert not model.last_input.requires_grad and not row.requires_grad
+
+
+class Warmup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.prev = None
+
+    def forward(self, x):
+        scale = torch.tensor(0.5 if self.prev is None else 2.0)   # a branch between tensor constants
+        self.prev = x.detach() * 1
+        return torch.relu(x) * scale
+
+
+def test_a_branch_between_tensor_constants_on_the_written_attribute_is_state():
+    # review41d: renaming torch.fx's constants hid the branch (verify=False: every later call off by 2-4)
+    model = Warmup().eval()
+    opt, messages = optimize_warned(model, torch.randn(4, 8), verify=False)
+    assert opt is model and len(messages) == 1 and "state" in messages[0]
