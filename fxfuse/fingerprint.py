@@ -220,7 +220,9 @@ def _contents_changed(value, snap, names=(None, None)) -> bool:
         return fingerprint(value) != snap
     keys, shallow, deep = snap
     items = held_items(value, names)
-    if items is None or len(items) != len(keys) or any(k != j for (k, _), j in zip(items, keys)) \
+    # keys by identity first: a Proxy key left in a memo raises on != (fuzz41i)
+    if items is None or len(items) != len(keys) or any(k is not j and not same_attr(k, j)
+                                                       for (k, _), j in zip(items, keys)) \
             or not all(a is b or same_attr(a, b) for (_, a), b in zip(items, shallow)):
         return True
     for i, objects, saved in deep:

@@ -52,9 +52,10 @@ def unit_strides_alike(sig: tuple, built) -> tuple | None:
     """The signature among `built` that differs from sig only in the strides of size-1 dims, which
     torch ignores (is_contiguous, contiguous(), the kernels' own checks: FusedKernel._matches, and
     a CUDA graph's input copy of the same dense bytes), else None. On a miss only: no hot-path cost."""
-    def canonical(s):
+    def canonical(s):   # not for 4-D and 5-D inputs: a conv or pooling picks its output's memory format
+        #                 from the channel's stride even where the channel has size 1 (fuzz41i)
         return tuple((e[0], e[1], e[2], tuple(None if n == 1 else d for n, d in zip(e[0], e[3])), *e[4:])
-                     if isinstance(e[0], torch.Size) else e for e in s)
+                     if isinstance(e[0], torch.Size) and len(e[0]) < 4 else e for e in s)
     wanted = canonical(sig)
     return next((s for s in built if len(s) == len(sig) and canonical(s) == wanted), None)
 

@@ -123,3 +123,18 @@ def test_a_forward_reading_strides_gets_its_own_specialization_for_size_one_stri
     row = torch.randn(8, 1).T
     with torch.no_grad():
         torch.testing.assert_close(opt(row), model(row))
+
+
+def test_a_channels_last_input_differing_in_a_size_one_channel_stride_keeps_eagers_layout():
+    # fuzz41i: the size-1 aliasing served a (25, 1, 5, 1) input with the (25, 25, 5, 1) build, and the
+    # conv's output came back in the other memory format (a later .view() failed where eager's worked)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU()).eval()
+    plain = torch.randn(2, 1, 5, 5)
+    opt = fxfuse.optimize(model, plain, strict=True)
+    last = torch.randn(2, 1, 5, 5).to(memory_format=torch.channels_last)
+    assert last.stride() != plain.stride()
+    with torch.no_grad():
+        for x in (last, plain):
+            got, expected = opt(x), model(x)
+            assert got.stride() == expected.stride()
+            torch.testing.assert_close(got, expected)
