@@ -317,8 +317,8 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
         if keys:
             out.append(_entry(m.__dict__, keys))
             contents += [(k, m.__dict__[k]) for k in keys]
-        # its class attributes too (`Net.temperature = 0.5`); a torch module's subclass: all those
-        # of the user's classes (`class ScaledLinear(nn.Linear): scale = 2.0`, fuzz41f)
+        # its class attributes too (`Net.temperature = 0.5`); a torch module's subclass: those of the
+        # user's classes its code names (`class ScaledLinear(nn.Linear): scale = 2.0`, fuzz41f, review41)
         mro = _classes(m) if own else _user_classes(m)
         for i, cls in enumerate(mro):
             if cls in classes:

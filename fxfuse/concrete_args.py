@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from .errors import TraceError, UnsupportedError
-from .fingerprint import PLAIN_TYPES, _mutable, _value_text, fingerprint
+from .fingerprint import PLAIN_TYPES, _mutable, fingerprint, value_text
 
 
 def split_concrete(model: torch.nn.Module, example_args: tuple):
@@ -83,7 +83,7 @@ def same_default(value, default) -> bool:
     """A keyword-only argument the traced graph assumed: its default itself, or an equal number,
     string, bool or None (z=1.0 where the default is 1.0)."""
     return value is default or (type(value) is type(default) and isinstance(value, (int, float, str, type(None)))
-                                and _value_text(value) == _value_text(default))   # repr: -0.0 is not 0.0
+                                and value_text(value) == value_text(default))   # repr: -0.0 is not 0.0
 
 
 def mutable_defaults(model) -> tuple:

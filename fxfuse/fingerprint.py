@@ -14,11 +14,13 @@ import types
 
 import torch
 
-from .module_state import plain_object, same_attr, slot_names, version
+from .module_state import held_fields, library_class, plain_object, same_attr, version
 
-def _value_text(value) -> str:
-    """repr, by the base type's for a subclass of a number or str (its own may hide the value)."""
-    base = next((b for b in (bool, float, int, str) if isinstance(value, b)), None)
+
+def value_text(value) -> str:
+    """repr, by the base type's for a subclass of a number or str (its own may hide the value:
+    `class Scale(float): __repr__ = ...`, review39b, fuzz41c)."""
+    base = next((b for b in (bool, float, int, str, complex) if isinstance(value, b)), None)
     return repr(value) if base is None or type(value) is base else f"{type(value).__name__}={base.__repr__(value)}"
 
 
@@ -55,7 +57,7 @@ def fingerprint(value, depth: int = 4, names=None, versions: bool = True):
     if isinstance(value, torch.Tensor):
         return ("tensor", _Same(value), version(value)) if versions else _Same(value)
     if isinstance(value, float):
-        return "float", _value_text(value)
+        return "float", value_text(value)
     if isinstance(value, PLAIN_TYPES):
         return type(value), value
     numpy = sys.modules.get("numpy")
@@ -83,10 +85,7 @@ def held_items(value, names=None) -> list | None:
     if isinstance(value, collections.UserList):
         return list(enumerate(value))
     if isinstance(value, type):   # a class used as a config (`self.cfg = Config`): its own values
-        if (value.__module__ or "").startswith(("torch", "builtins")):
-            return None
-        return [(k, v) for k, v in vars(value).items() if (names is None or k in names) and not k.startswith("__")
-                and not isinstance(v, DESCRIPTORS)]
+        return None if library_class(value) else _class_values(value, names)
     if isinstance(value, functools.partial):
         return [("func", value.func), ("args", value.args), ("keywords", value.keywords)]
     if isinstance(value, types.FunctionType):
@@ -94,12 +93,8 @@ def held_items(value, names=None) -> list | None:
                 *enumerate(_cell_contents(value))]
     if not _attributed(value):
         return None
-    try:   # its __dict__, and its slots (both where it has both: review41c)
-        try:
-            items = list(vars(value).items())
-        except TypeError:   # slots only
-            items = []
-        items += [(name, getattr(value, name, None)) for name in slot_names(type(value))]
+    try:
+        items = list(held_fields(value).items())
     except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review39c)
         return None
     return [(k, v) for k, v in items if names is None or k in names] + _class_attributes(value, names)
@@ -119,14 +114,14 @@ def _class_attributes(value, names) -> list:
     """The named attributes an object reads from its class (`Cfg.scale = 3.0` after optimize:
     fuzz41f), on the user's classes, where the instance does not shadow them."""
     own = vars(value) if isinstance(getattr(value, "__dict__", None), dict) else {}
-    found = []
-    for cls in type(value).__mro__:
-        if cls is object or (cls.__module__ or "").startswith(("torch", "builtins")):
-            continue
-        found += [(k, v) for k, v in vars(cls).items() if (names is None or k in names) and k not in own
-                  and not k.startswith("__")
-                  and not isinstance(v, DESCRIPTORS)]
-    return found
+    return [item for cls in type(value).__mro__ if cls is not object and not library_class(cls)
+            for item in _class_values(cls, names, own)]
+
+
+def _class_values(cls, names, shadowed=()) -> list:
+    """A class's own values of `names` (all with None), not its methods and dunders."""
+    return [(k, v) for k, v in vars(cls).items() if (names is None or k in names) and k not in shadowed
+            and not k.startswith("__") and not isinstance(v, DESCRIPTORS)]
 
 
 def _mutable(value) -> bool:
@@ -139,7 +134,7 @@ def _attributed(value) -> bool:
     """An object of the user's whose attributes may change (module_state.plain_object), also one
     with __slots__ and no __dict__."""
     return plain_object(value) or bool(getattr(type(value), "__slots__", ())) and not isinstance(
-        value, (*PLAIN_TYPES, torch.Tensor)) and not (type(value).__module__ or "").startswith(("torch", "builtins"))
+        value, (*PLAIN_TYPES, torch.Tensor)) and not library_class(type(value))
 
 
 DESCRIPTORS = (types.FunctionType, property, classmethod, staticmethod)   # a class's methods: not its values
@@ -207,7 +202,7 @@ def _identities(value, names) -> list | None:
 def _holds_more(value) -> bool:
     return type(value) not in (int, float, bool, str, type(None)) and not isinstance(value, torch.Tensor) and (
         _mutable(value) or isinstance(value, (types.FunctionType, functools.partial)) or _is_array(value)
-        or isinstance(value, type) and not (value.__module__ or "").startswith(("torch", "builtins")))
+        or isinstance(value, type) and not library_class(value))
 
 
 def _contents_changed(value, snap, names=(None, None)) -> bool:

@@ -152,13 +152,20 @@ def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _held_fields(obj, slots) -> dict:
+def held_fields(obj) -> dict:
+    """An object's attributes: its __dict__ and its slots, both where it has both (review41c).
+    Raises what a record's own attribute lookup raises."""
     try:
         fields = dict(vars(obj))
     except TypeError:   # slots only (review41d: every slots object compared unequal to its copy)
         fields = {}
-    fields.update((n, getattr(obj, n, None)) for n in slots)
+    fields.update((n, getattr(obj, n, None)) for n in slot_names(type(obj)))
     return fields
+
+
+def library_class(cls) -> bool:
+    """torch's or a builtin type: not the user's, whose instances' fields are compared."""
+    return (cls.__module__ or "").startswith(("torch", "builtins"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -194,11 +201,9 @@ def same_attr(a, b, depth: int = 0) -> bool:
         return len(a) == len(b) and all(same_attr(x, y, depth + 1) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same_attr(a[k], b[k], depth + 1) for k in a)
-    slots = slot_names(type(a))
-    if dataclasses.is_dataclass(a) or plain_object(a) or slots and not (type(a).__module__ or "").startswith(
-            ("torch", "builtins")):
-        try:   # its __dict__ and its slots, both where it has both (review41c); one level, as its items
-            return same_attr(_held_fields(a, slots), _held_fields(b, slots), depth)
+    if dataclasses.is_dataclass(a) or plain_object(a) or slot_names(type(a)) and not library_class(type(a)):
+        try:   # one level, as its items
+            return same_attr(held_fields(a), held_fields(b), depth)
         except Exception:  # noqa: BLE001 -- a record whose attribute lookup raises (review41c: KeyError)
             return False
     try:

@@ -10,6 +10,7 @@ import torch.fx
 from .attribute_writes import writes_attributes
 from .data_dependent import reads_to_the_host
 from .errors import UnsupportedError
+from .fingerprint import value_text
 from .graph_launch import (GraphLauncher, _current_stream, clear_cublas_workspaces, draws_random_numbers,
                            generator_offset)
 from .handout import (HANDOUT_SLOTS, SlotChoice, copies_keeping_aliases, fresh_constants, inside,
@@ -68,11 +69,7 @@ def const_text(a) -> str:
         return f"{kind.__name__}({', '.join(map(const_text, a))})"
     if kind is dict:
         return f"dict({', '.join(f'{const_text(k)}: {const_text(v)}' for k, v in a.items())})"
-    text = repr(a)
-    for base in (bool, float, int, str, complex):
-        if isinstance(a, base):
-            return text if type(a) is base else f"{text}={base.__repr__(a)}"
-    return text
+    return value_text(a)
 
 
 class UnsupportedInput(UnsupportedError, RuntimeError):
