@@ -31,7 +31,7 @@ import torch
 from .code_walk import plain_functions
 from .fingerprint import DESCRIPTORS, _contents, _contents_changed, _tensors_in
 from .mode_watch import LIBRARY_DIRS
-from .module_state import same_attr
+from .module_state import WEAK_PROXIES, same_attr
 
 ATTRIBUTE_FREE = {torch.nn.Linear, torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Identity,
                   torch.nn.ReLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Mish, torch.nn.Hardswish,
@@ -313,7 +313,8 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
         free = type(m) in ATTRIBUTE_FREE
         keys = tuple(k for k, v in m.__dict__.items()
                      if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant") and (id(m), k) not in written
-                     and (free and isinstance(v, torch.Tensor) or (k in names if narrowed else not free)))
+                     and (free and type(v) not in WEAK_PROXIES and isinstance(v, torch.Tensor)
+                          or (k in names if narrowed else not free)))
         if keys:
             out.append(_entry(m.__dict__, keys))
             contents += [(k, m.__dict__[k]) for k in keys]

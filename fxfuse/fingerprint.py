@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from .module_state import held_fields, library_class, plain_object, same_attr, version
+from .module_state import WEAK_PROXIES, held_fields, library_class, plain_object, same_attr, version
 
 
 def value_text(value) -> str:
@@ -200,6 +200,8 @@ def _identities(value, names) -> list | None:
 
 
 def _holds_more(value) -> bool:
+    if type(value) in WEAK_PROXIES:   # isinstance() of a dead one raises
+        return False
     return type(value) not in (int, float, bool, str, type(None)) and not isinstance(value, torch.Tensor) and (
         _mutable(value) or isinstance(value, (types.FunctionType, functools.partial)) or _is_array(value)
         or isinstance(value, type) and not library_class(value))
@@ -236,5 +238,6 @@ def _tensors_in(snap) -> list:
     if isinstance(snap, _Same):
         return [snap.obj] if isinstance(snap.obj, torch.Tensor) else []
     if isinstance(snap, tuple):
-        return [t for part in snap for t in (_tensors_in(part) if not isinstance(part, torch.Tensor) else [part])]
+        return [t for part in snap if type(part) not in WEAK_PROXIES   # isinstance() of a dead one raises
+                for t in (_tensors_in(part) if not isinstance(part, torch.Tensor) else [part])]
     return []

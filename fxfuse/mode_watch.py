@@ -19,7 +19,7 @@ import torch
 
 from .code_walk import globals_read
 from .errors import FxfuseWarning
-from .module_state import forward_globals, mode_free, plain_object, storage_address
+from .module_state import WEAK_PROXIES, forward_globals, mode_free, plain_object, storage_address
 
 _PASSES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes", "")   # fxfuse.passes
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep) + (
@@ -263,7 +263,7 @@ def unregistered_parameters(model: torch.nn.Module) -> tuple:
     registered, found, seen = {id(p) for p in model.parameters()}, {}, set()
 
     def walk(value, depth):
-        if id(value) in seen or len(seen) > 4096:
+        if id(value) in seen or len(seen) > 4096 or type(value) in WEAK_PROXIES:   # a dead one raises
             return
         seen.add(id(value))
         if isinstance(value, torch.nn.Module):

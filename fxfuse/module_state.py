@@ -16,6 +16,7 @@ version counter only (copying them would double the model's memory). Inference t
 (a model created under torch.inference_mode) have no version counter: they are compared
 by identity (and buffers by value).
 """
+import contextlib
 import dataclasses
 import dis
 import functools
@@ -213,6 +214,30 @@ def same_attr(a, b, depth: int = 0) -> bool:
 
 
 WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
+def _dead(value) -> bool:
+    try:
+        value.__class__
+    except ReferenceError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def dead_proxies_hidden(model):
+    """Dead weakref.proxy attributes taken off the model's modules while torch traces it: both
+    torch.fx and torch.export test every module attribute with isinstance(), which raises on a
+    dead proxy (a module kept after the trainer it pointed to). forward() cannot use them either."""
+    hidden = [(m, k, v) for m in model.modules() for k, v in list(vars(m).items())
+              if type(v) in WEAK_PROXIES and _dead(v)]
+    for m, k, _ in hidden:
+        del m.__dict__[k]
+    try:
+        yield
+    finally:
+        for m, k, v in hidden:
+            m.__dict__.setdefault(k, v)
 
 
 def _held(attrs: dict, globals_read: dict, seen: set):

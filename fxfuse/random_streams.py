@@ -6,6 +6,7 @@ import threading
 import torch
 
 from .code_walk import globals_read
+from .module_state import WEAK_PROXIES
 
 
 class RandomStreams:
@@ -103,7 +104,7 @@ def _held_generators(model) -> list:
     found, kinds = {}, _generator_types()
     for prefix, m in model.named_modules():
         for k, v in vars(m).items():
-            if isinstance(v, kinds):
+            if type(v) not in WEAK_PROXIES and isinstance(v, kinds):   # isinstance() of a dead proxy raises
                 found.setdefault(id(v), (f"{prefix}.{k}" if prefix else k, v))
     for cls in {type(m) for m in model.modules()}:
         for name, v in globals_read(cls):

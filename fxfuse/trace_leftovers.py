@@ -17,7 +17,7 @@ import types
 import torch
 
 from .code_walk import global_names, nested_code, plain_functions, user_module
-from .module_state import forward_function
+from .module_state import WEAK_PROXIES, forward_function
 
 _NEW = object()   # a name the build added
 
@@ -43,6 +43,8 @@ def _stored_with(namespace: dict, names: set) -> set:
 def is_trace_value(value) -> bool:
     """A torch.fx Proxy or a FakeTensor of torch.export's trace."""
     from torch._subclasses.fake_tensor import FakeTensor   # torch-internal: imported where used
+    if type(value) in WEAK_PROXIES:   # isinstance() on a dead weakref.proxy raises (review41d)
+        return False
     return isinstance(value, (torch.fx.Proxy, FakeTensor))
 
 

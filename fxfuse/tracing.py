@@ -30,7 +30,7 @@ from .attribute_reads import class_code, note_inplace_flags, recording_attribute
 from .attribute_writes import assigned_first, plan_attribute_writes
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .torch_hooks import REPARAMETRIZED
-from .module_state import version
+from .module_state import dead_proxies_hidden, version
 from .node_meta import ancestors, fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
@@ -49,7 +49,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     held = held_tensor_versions(model)   # before the trace: a write during it moves a version
     inference_mode = torch.is_inference_mode_enabled()
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
-            _parametrization_cache_off():
+            _parametrization_cache_off(), dead_proxies_hidden(model):
         gm, how = _trace(model, example_args, concrete, held)
     if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
         gm, how = _exported(model, example_args), "torch.export(strict=False)"
