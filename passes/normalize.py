@@ -33,8 +33,8 @@ from .implicit_args import explicit_softmax_dim
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
-                        FUNCTION_SPELLINGS, METHOD_SPELLINGS, SHAPE_ATTRS, SHAPE_METHODS, Spelling, canonical_call,
-                        cast_target, spelling_of)
+                        FUNCTION_SPELLINGS, METHOD_SPELLINGS, POSITIVE, SHAPE_ATTRS, SHAPE_METHODS, Spelling,
+                        canonical_call, cast_target, spelling_of)
 
 aten = torch.ops.aten
 
@@ -118,6 +118,9 @@ def _is_identity(gm, node) -> bool:
         return training is False or p == 0
     if node.op == "call_function" and node.target in (aten.dropout.default,):
         return node.args[2] is False
+    if node.op in ("call_function", "call_method") and node.target in POSITIVE and len(node.args) == 1:
+        meta = single_tensor_meta(node.args[0])   # +x returns x itself (a bool x raises: kept)
+        return not node.kwargs and meta is not None and meta.dtype != torch.bool
     return _is_detach(node) or _is_no_op_conversion(node)
 
 

@@ -444,7 +444,7 @@ def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
     Both were library calls between two kernels (fuzz35f)."""
     g, mod = gm.graph, gm.get_submodule(node.target) if node.op == "call_module" else None
     if type(mod) is nn.RReLU and len(node.args) == 1 and not node.kwargs or \
-            node.op == "call_function" and node.target in (F.rrelu, torch.ops.aten.rrelu.default):
+            node.op == "call_function" and node.target in (F.rrelu, torch.rrelu, torch.ops.aten.rrelu.default):
         names = ("input", "lower", "upper", "training", "inplace" if node.target is F.rrelu else "generator")
         bound = dict(zip(names, node.args), **node.kwargs)   # aten's: torch.export's spelling (fuzz39a)
         lower, upper = (mod.lower, mod.upper) if mod is not None else (bound.get("lower", 1 / 8), bound.get("upper", 1 / 3))
@@ -454,8 +454,8 @@ def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
         with g.inserting_before(node):
             out = g.call_function(F.leaky_relu, (bound["input"],), {"negative_slope": (lower + upper) / 2})
     elif type(mod) is nn.PReLU and len(node.args) == 1 and not node.kwargs or \
-            node.op == "call_function" and node.target in (F.prelu, torch.prelu, torch.ops.aten.prelu.default) \
-            and len(node.args) == 2 and not node.kwargs:
+            (node.op == "call_function" and node.target in (F.prelu, torch.prelu, torch.ops.aten.prelu.default)
+             or node.op == "call_method" and node.target == "prelu") and len(node.args) == 2 and not node.kwargs:
         x = node.args[0]
         meta = tensor_meta(x) if isinstance(x, torch.fx.Node) else None
         weight = mod.weight if mod is not None else None

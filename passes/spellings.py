@@ -153,6 +153,12 @@ def _build_function_spellings() -> dict:
     table[torch.rsub] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
     for canon, names in TERNARY.items():
         table[canon] = Spelling(canon, ("input",) + names)
+    table[torch.round] = Spelling(torch.round, ("input", "decimals"))   # decimals=0: round (canonical_call)
+    for name in ("silu", "mish", "hardsigmoid", "hardswish", "leaky_relu", "elu", "hardtanh", "relu6", "gelu"):
+        row = table[getattr(F, name)]   # torch._C._nn's own names, which F's functions call (no inplace=;
+        row = replace(row, names=tuple(n for n in row.names if n != "inplace"))   # elu's scale= not fused)
+        for suffix in [s for s in ("", "_") if hasattr(torch._C._nn, name + s)]:
+            table.setdefault(getattr(torch._C._nn, name + suffix), replace(row, inplace=suffix == "_"))
     return table
 
 
@@ -189,6 +195,9 @@ def _build_method_spellings() -> dict:
     table["clamp_max"] = Spelling(torch.clamp, ("input", "max"))
     table["clamp_min_"] = Spelling(torch.clamp, ("input", "min"), inplace=True)
     table["clamp_max_"] = Spelling(torch.clamp, ("input", "max"), inplace=True)
+    table["hardshrink"] = Spelling(F.hardshrink, ("input", "lambd"))
+    for suffix in ("", "_"):   # x.round(decimals=0) too (canonical_call)
+        table["round" + suffix] = Spelling(torch.round, ("input", "decimals"), inplace=suffix == "_")
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
     table["masked_fill"], table["masked_fill_"] = MASKED_FILL, MASKED_FILL_
     for canon, names in TERNARY.items():   # x.lerp(y, 0.5), x.addcmul_(a, b, value=2)
@@ -197,8 +206,6 @@ def _build_method_spellings() -> dict:
     for op, canon in INPLACE_OPERATORS.items():   # h.__iadd__(b): torch.fx records the dunder as a method
         table[f"__{op.__name__}__"] = Spelling(canon, _OPERANDS.get(canon, ("input", "other")), inplace=True)
     return table
-
-
 
 
 def _build_aten_spellings() -> dict:
@@ -282,6 +289,7 @@ METHOD_SPELLINGS = _build_method_spellings()
 ATEN_SPELLINGS = _build_aten_spellings()
 CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
                 "double": torch.float64}
+POSITIVE = {torch.positive, "positive", aten.positive.default}   # +x: x itself
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                    nn.FeatureAlphaDropout, nn.Identity)
 DROPOUT_FUNCTIONS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2,
@@ -461,6 +469,8 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
                 return None   # pair at a time; clamp all three at once (review39: 0-dim fp16 x, int16 and fp32 bounds)
             return "tensor_clamp", (x, lo, hi), {}
         return canon, (x,), {"min": lo, "max": hi}  # ints stay ints: clamp(int tensor, 0, 6) is an int tensor
+    if canon is torch.round and type(params.get("decimals", 0)) is int and params.get("decimals", 0) == 0:
+        params.pop("decimals", None)
     allowed = set(op.params)
     if set(params) - allowed:
         return None

@@ -64,3 +64,52 @@ def test_a_dead_weak_proxy_attribute_is_no_reason_to_fall_back(where, dies):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     proxies = [m for m in model.modules() if any(type(v) is weakref.ProxyType for v in vars(m).values())]
     assert proxies or where in ("list", "dataclass", "child dict")   # put back after the trace
+
+
+class Chain(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        return self.op(x * 2) + 1
+
+
+SPELLINGS = {   # stop 41's left-alone list: each was a library call between two kernels
+    "Tensor.hardshrink": lambda h: h.hardshrink(0.3),
+    "_C._nn.silu_": torch._C._nn.silu_,
+    "_C._nn.mish": torch._C._nn.mish,
+    "_C._nn.hardswish": torch._C._nn.hardswish,
+    "_C._nn.leaky_relu": lambda h: torch._C._nn.leaky_relu(h, 0.2),
+    "_C._nn.elu": lambda h: torch._C._nn.elu(h, 0.7),
+    "_C._nn.hardtanh_": lambda h: torch._C._nn.hardtanh_(h, -0.5, 0.5),
+    "_C._nn.relu6": torch._C._nn.relu6,
+    "_C._nn.gelu_": lambda h: torch._C._nn.gelu_(h, approximate="tanh"),
+    "torch.positive": torch.positive,
+    "Tensor.positive": lambda h: h.positive().exp(),
+    "round(decimals=0)": lambda h: torch.round(h * 3, decimals=0),
+    "Tensor.round(decimals=0)": lambda h: (h * 3).round(decimals=0),
+    "torch.rrelu": lambda h: torch.rrelu(h, 0.1, 0.3),
+    "Tensor.prelu": lambda h: h.prelu(torch.tensor([0.25])),
+}
+
+
+@pytest.mark.parametrize("name", SPELLINGS)
+def test_other_spellings_of_fused_ops_join_the_kernel(name):
+    model = Chain(SPELLINGS[name]).eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(4, 9))
+        assert not messages
+        for rows in (4, 5):
+            assert_matches_eager(opt, model, torch.randn(rows, 9))
+    stats = fxfuse.stats(opt)
+    assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0)
+
+
+@pytest.mark.parametrize("op", [lambda h: torch._C._nn.elu(h, 0.7, 1.5, 2.0), lambda h: torch.round(h, decimals=1)])
+def test_spellings_with_other_parameters_stay_library_calls(op):
+    model = Chain(op).eval()
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, torch.randn(4, 9))
+        assert_matches_eager(opt, model, torch.randn(4, 9))
+    assert fxfuse.stats(opt)["library_calls"] == 1
