@@ -173,6 +173,15 @@ class IRBuilder:
         self.stores.append(Store(out, index, value))
         return out
 
+    def joined_output(self, shape, dtype) -> int:
+        """A new contiguous output that several stores fill, each through its own map (the pieces
+        of a stack or cat: passes/join_outputs.py)."""
+        self.outputs.append(OutputSpec(tuple(shape), dtype, None))
+        return len(self.outputs) - 1
+
+    def store_into(self, out: int, value: int, index: IndexMap) -> None:
+        self.stores.append(Store(out, index, value))
+
     def build(self) -> KernelIR:
         return KernelIR(self.shape, tuple(self.inputs), tuple(self.outputs),
                         tuple(self.instrs), tuple(self.stores))

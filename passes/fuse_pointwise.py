@@ -21,6 +21,7 @@ from fxfuse.tracing import fetch_attr, fxfuse_meta
 from fxfuse.state_writes import schema_writes
 
 from .eager_rounding import HALF_COMPOSITES, comparison_dtype, number_literal, round_operands
+from .join_outputs import join_of, kernel_joins, piece_index
 from .normalize import _reads_without_alias
 
 SCALAR_TYPES = (int, float, bool)
@@ -231,6 +232,7 @@ class Grouping:
                 self.succ[src].add(node)
                 self.pred[node].add(src)
         self.fusible = fusible
+        self.mutated = frozenset()   # set by fuse_pointwise
 
     def _reaches(self, a, b) -> bool:
         """A path a -> ... -> b other than the direct edge."""
@@ -325,6 +327,7 @@ def fuse_pointwise(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
         elif node.op == "call_function" and _op_of(node.target) is not None:
             fxfuse_meta(node)["decision"] = f"not fused: {reason}"
     grouping = Grouping(g, fusible)
+    grouping.mutated = mutated
     for before, after in write_order_edges(gm, writes):
         grouping.succ[before].add(after)
         grouping.pred[after].add(before)
@@ -374,7 +377,8 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
     for head in units:
         members = sorted(grouping.members[head], key=order.get)
         if head not in grouping.fusible:
-            env[head] = new.node_copy(head, lambda n: env[n])
+            if head not in env:   # a stack / cat a kernel wrote is in env already
+                env[head] = new.node_copy(head, lambda n: env[n])
             continue
         if all(m.target is as_layout for m in members):   # only layouts: the library op copies only where
             for m in members:                              # the strides differ at run time
@@ -385,7 +389,7 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
             count += 1
             name = f"fused_{count}"
         count += 1
-        inputs, outputs, module = build_fused_kernel(gm, members, use_kernels)
+        inputs, outputs, module = build_fused_kernel(gm, members, use_kernels, grouping.mutated)
         gm.add_submodule(name, module)
         call = new.call_module(name, tuple(env[i] for i in inputs))
         call.meta["fxfuse"] = {"kind": "fused kernel", "members": [m.name for m in members]}
@@ -407,7 +411,7 @@ def _rebuild(gm, grouping: Grouping, order: dict, use_kernels: bool) -> torch.fx
     return gm
 
 
-def build_fused_kernel(gm, members, use_kernels: bool):
+def build_fused_kernel(gm, members, use_kernels: bool, mutated=frozenset()):
     """Lower a group of canonical pointwise nodes to the IR; return (inputs, outputs, module)."""
     inside = set(members)
     shape = Grouping.iteration_shape(members)
@@ -416,7 +420,8 @@ def build_fused_kernel(gm, members, use_kernels: bool):
         for a in m.all_input_nodes:
             if a not in inside and a not in inputs:
                 inputs.append(a)
-    outputs = [m for m in members if any(u not in inside for u in m.users)]
+    joins = kernel_joins(members, inputs, shape, UNSUPPORTED_INPUT_DTYPES, mutated)
+    outputs = [m for m in members if any(u not in inside and u not in joins for u in m.users)]
     b = IRBuilder(shape)
     for a in inputs:
         b.add_input(_meta(a).dtype)
@@ -447,9 +452,18 @@ def build_fused_kernel(gm, members, use_kernels: bool):
     for out in outputs:  # in eager's layout: a channels_last result stays channels_last
         meta = _meta(out)
         b.store(value[out], meta.dtype, strides=meta.stride if _is_dense(meta.shape, meta.stride) else None)
+    for join in joins:   # pieces stored where they lie in the stacked / concatenated tensor
+        out = b.joined_output(_meta(join).shape, _meta(join).dtype)
+        for k, piece in enumerate(join_of(join)[1]):
+            meta = _meta(piece)
+            loaded = piece not in inside and b.load(inputs.index(piece), IndexMap.broadcast(meta.shape, meta.stride,
+                                                                                            shape))
+            b.store_into(out, value[piece] if piece in inside else loaded, piece_index(join, k, shape))
+    outputs += joins
+    members = list(members) + joins
     reference = _reference_module(members, inputs, outputs)
     input_meta = tuple((tuple(_meta(a).shape), tuple(_meta(a).stride), _meta(a).dtype) for a in inputs)
-    described = tuple(f"{m.name}={_op_of(m.target).name}" for m in members)
+    described = tuple(f"{m.name}={join_of(m)[0] if m in joins else _op_of(m.target).name}" for m in members)
     return inputs, outputs, FusedKernel(b.build(), reference, input_meta, described, use_kernels)
 
 
