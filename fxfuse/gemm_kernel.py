@@ -41,15 +41,16 @@ import torch
 import torch.fx
 
 from .codegen import HEADER, IndentedBuffer
-from .kernel import (BF16_INTERPRETED, PRODUCT_FP_FUSION, FusedKernel, interpreting, kernels_available,
-                     launch_context, pdl_available, resolved, triton_cdiv)
+from .kernel import (BF16_INTERPRETED, GRID_YZ_MAX, INT32_INDEX_MAX, PRODUCT_FP_FUSION, FusedKernel, interpreting,
+                     kernels_available, launch_context, pdl_available, resolved, triton_cdiv)
 from .mlp_spec import SMS, Pointwise  # noqa: F401  (epilogue steps; re-exported for callers)
 from .ops import BY_NAME, PRELUDE, TRITON_DTYPE, literal
 from .gemm_config import (GEMM_DTYPES, MAX_SPLIT_K, ROWWISE_FP32_MAX_BATCH, ROWWISE_MAX_BATCH,  # noqa: F401
                           GemmConfig, GemmSpec, _rowwise_stages, _split_k, choose_gemm_config)  # (re-exported)
 from .tf32x3 import stored_parts
 
-def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | None:
+def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig(), rows: int = 0) -> str | None:
+    """None if the kernel can be generated and launched for spec and config over `rows` rows of x."""
     if spec.dtype not in GEMM_DTYPES:
         return f"dtype {spec.dtype} has no fused GEMM kernel"
     if spec.dtype == torch.bfloat16 and interpreting():
@@ -63,6 +64,11 @@ def why_not_gemm(spec: GemmSpec, config: GemmConfig = GemmConfig()) -> str | Non
         return "tl.dot takes blocks of at least 16"
     if config.split_k < 1 or config.split_k & (config.split_k - 1):
         return "split_k must be a power of two"
+    if config.block_n >= 1 and triton_cdiv(spec.n, config.block_n) > GRID_YZ_MAX:   # an LM head of 262144 words
+        return (f"{triton_cdiv(spec.n, config.block_n)} column blocks of {config.block_n} are more than CUDA's grid "
+                f"takes ({GRID_YZ_MAX}; review42a)")
+    if rows + config.block_m > INT32_INDEX_MAX:
+        return f"{rows} rows: the kernel's row indices are int32"
     for j, s in enumerate(spec.epilogue):
         if s.op not in BY_NAME or any(kind == "value" and not 0 <= ref <= j for kind, ref in s.operands):
             return f"epilogue step {j} ({s.op}) reads a value it cannot see"

@@ -27,6 +27,9 @@ def interpreting() -> bool:
 BF16_INTERPRETED = ("bf16 products come out wrong in Triton's interpreter (TRITON_INTERPRET=1, "
                     "triton-lang/triton#11584): the library computes this one")   # why_not_gemm, why_not_kernel
 
+GRID_YZ_MAX = 65535   # CUDA's gridDim.y and gridDim.z (x goes to 2**31 - 1): why_not_gemm
+INT32_INDEX_MAX = 2 ** 31 - 1   # row indices the GEMM and MLP kernels compute in int32 (pid * BLOCK_M + arange)
+
 PDL_ENABLED = env_flag("FXFUSE_PDL", True)   # escape hatch; the benchmarks' A/B switch
 _pdl_devices: dict = {}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernel import BF16_INTERPRETED, interpreting, triton_cdiv
+from .kernel import BF16_INTERPRETED, INT32_INDEX_MAX, interpreting, triton_cdiv
 
 MAX_WIDTH = 1024             # widest value a kernel may hold
 MAX_TILE = 64                # lanes per column tile (128 past 512 lanes: at most 8 x 8 products)
@@ -213,8 +213,8 @@ def fma_per_thread(spec: MLPSpec, config: KernelConfig) -> int:
     return config.block_m * sum(k * n for k, n, _ in kn) // (32 * config.num_warps)
 
 
-def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str | None:
-    """None if the kernel can be generated for spec and config, else why not (legality)."""
+def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig(), rows: int = 0) -> str | None:
+    """None if the kernel can be generated for spec and config over `rows` rows, else why not (legality)."""
     if spec.dtype not in KERNEL_DTYPES:
         return f"dtype {spec.dtype} has no fused MLP kernel"
     if spec.dtype == torch.bfloat16 and interpreting():
@@ -231,6 +231,8 @@ def why_not_kernel(spec: MLPSpec, config: KernelConfig = KernelConfig()) -> str 
         return "the row-wise form takes 1 row per program"
     if not config.rowwise and config.block_m < 16:
         return "tl.dot takes at least 16 rows per program"
+    if not config.rowwise and rows + config.block_m > INT32_INDEX_MAX:
+        return f"{rows} rows: the tl.dot form's row indices are int32"
     fma_form = config.rowwise or (spec.dtype == torch.float32 and config.precision == "ieee")
     if fma_form and fma_per_thread(spec, config) > MAX_FMA_PER_THREAD:
         return (f"{fma_per_thread(spec, config)} unrolled FMAs per thread > {MAX_FMA_PER_THREAD} "

@@ -137,7 +137,7 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         choice = planned_choice(start)
         x3 = start in guard and guard[start]["ok"]
         config = choose_gemm_config(region.batch, gspec, allow_tf32, tf32x3=x3)
-        problem = why_not_gemm(gspec, config)
+        problem = why_not_gemm(gspec, config, rows=region.batch)
         if problem:
             _note(start, f"no fused GEMM: {problem}")
             continue

@@ -353,7 +353,7 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 break
             spec, weights, vectors, members = _lower(gm, region)
             config = choose_config(spec, region.batch, allow_tf32, numels=tuple(v.numel() for v in vectors))
-            problem = why_not_kernel(spec, config)
+            problem = why_not_kernel(spec, config, rows=region.batch)
             ok, reason = (False, problem) if problem else _auto_choice(region, spec)
             if ok and (slow := why_slow(spec, config)):
                 ok, reason = False, slow

@@ -113,3 +113,28 @@ def test_spellings_with_other_parameters_stay_library_calls(op):
         opt = fxfuse.optimize(model, torch.randn(4, 9))
         assert_matches_eager(opt, model, torch.randn(4, 9))
     assert fxfuse.stats(opt)["library_calls"] == 1
+
+
+def test_a_layer_wider_than_the_launch_grid_runs_in_the_library():
+    # review42a: the row-wise GEMM puts N / BLOCK_N column blocks in CUDA's grid y (at most 65535);
+    # an LM head of Gemma's 262208 words at batch 1 (4 columns a program) failed to launch
+    model = nn.Sequential(nn.Linear(8, 262208), nn.ReLU()).eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(1, 8), gemm="force")
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        assert_matches_eager(opt, model, torch.randn(1, 8))
+    assert "column blocks of 4 are more than CUDA's grid takes" in fxfuse.explain(opt)
+    assert not any(type(m).__name__ == "EpilogueGemm" for m in opt.modules())
+
+
+def test_kernels_refuse_row_counts_past_int32_indices():
+    from fxfuse.gemm_kernel import GemmSpec, choose_gemm_config, why_not_gemm
+    from fxfuse.mlp_kernel import Linear, MLPSpec, choose_config, why_not_kernel
+    spec = GemmSpec(k=8, n=8, dtype=torch.float32)
+    config = choose_gemm_config(4096, spec)
+    assert why_not_gemm(spec, config, rows=4096) is None
+    assert "int32" in why_not_gemm(spec, config, rows=2 ** 31)
+    mlp = MLPSpec(widths=(16, 16), steps=(Linear(out=1, src=0, weight=0),), output=1, dtype=torch.float16)
+    tiles = choose_config(mlp, 4096, False)
+    assert not tiles.rowwise and why_not_kernel(mlp, tiles, rows=4096) is None
+    assert "int32" in why_not_kernel(mlp, tiles, rows=2 ** 31)
