@@ -152,6 +152,34 @@ class AdaLNBlock(nn.Module):
         return x + gate.unsqueeze(1) * self.fc(h)
 
 
+class RotaryEveryTwo(nn.Module):
+    """GPT-J's rotary embedding: pairs (x1, x2) of each head rotated by position, stacked back
+    (passes/join_outputs.py: the kernel writes the stack)."""
+
+    def __init__(self, seq, heads, dim):
+        super().__init__()
+        self.heads = heads
+        angle = torch.arange(seq)[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+        self.register_buffer("cos", angle.cos()[:, None, :])   # [T, 1, D/2]
+        self.register_buffer("sin", angle.sin()[:, None, :])
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        x1, x2 = x.view(b, t, self.heads, -1, 2).unbind(-1)
+        return torch.stack([x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin], -1).flatten(-2)
+
+
+class PositionalEncoding(nn.Module):
+    """NeRF's encoding: x and sin / cos of 2^k x for k < frequencies, concatenated."""
+
+    def __init__(self, frequencies):
+        super().__init__()
+        self.frequencies = frequencies
+
+    def forward(self, x):
+        return torch.cat([x] + [f(x * 2.0 ** k) for k in range(self.frequencies) for f in (torch.sin, torch.cos)], -1)
+
+
 CASES = {   # name -> (factory, input shape, note)
     "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
     "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
@@ -168,6 +196,8 @@ CASES = {   # name -> (factory, input shape, note)
     "wavenet": (lambda: WaveNetStack(64, 4), (1, 64, 1024), "4 gated dilated conv layers, 64 channels, 1024 steps"),
     "dit-adaln": (lambda: AdaLNBlock(384), (4, 256, 384), "DiT-S adaLN-Zero modulation + MLP, 4 x 256 tokens"),
     "dit-adaln-small": (lambda: AdaLNBlock(128), (2, 16, 128), "width 128, 2 x 16 tokens"),
+    "rotary-gptj": (lambda: RotaryEveryTwo(512, 12, 64), (4, 512, 768), "rotary every two, 4 x 512 tokens, 12 x 64"),
+    "posenc": (lambda: PositionalEncoding(10), (65536, 3), "NeRF encoding, 65536 points, 10 frequencies"),
 }
 
 
@@ -239,6 +269,15 @@ def build_no_lone(model, example):
         return toolmod.build_fxfuse(model, example)
 
 
+def build_no_joins(model, example):
+    """fxfuse before stop 42: a stack or cat of a kernel's results copied by the library."""
+    import fxfuse.passes.fuse_pointwise as fp
+    with _patched(fp, "kernel_joins", lambda *args: []):
+        return toolmod.build_fxfuse(model, example)
+
+
+NO_JOINS = toolmod.Tool("fxfuse-no-joins", "fxfuse no joins", build_no_joins, default=False, fxfuse=True,
+                        private_copy=True)
 NO_LONE = toolmod.Tool("fxfuse-no-lone", "fxfuse no lone", build_no_lone, default=False, fxfuse=True,
                        private_copy=True)
 NO_SKIPS = toolmod.Tool("fxfuse-no-skips", "fxfuse no skips", build_no_skips, default=False, fxfuse=True,
@@ -247,7 +286,7 @@ NO_HOIST = toolmod.Tool("fxfuse-no-hoist", "fxfuse no hoist", build_no_hoist, de
                         private_copy=True)
 NO_SLICES = toolmod.Tool("fxfuse-no-slices", "fxfuse no slices", build_no_slices, default=False, fxfuse=True,
                          private_copy=True)
-for _tool in (BEFORE, NO_SKIPS, NO_HOIST, NO_SLICES, NO_LONE):
+for _tool in (BEFORE, NO_SKIPS, NO_HOIST, NO_SLICES, NO_LONE, NO_JOINS):
     toolmod.TOOLS.append(_tool)
     toolmod.TOOLS_BY_KEY[_tool.key] = _tool
 

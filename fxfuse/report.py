@@ -99,7 +99,9 @@ def node_table(gm: torch.fx.GraphModule) -> str:
             mod = gm.get_submodule(node.target)
             members = ", ".join(mod.members)
             kernel = mod.kernel_name
-            decision = decision or (f"fused {len(mod.members)} pointwise ops" + (
+            joined = [m.split("=")[0] for m in mod.members if m.endswith(("=stack", "=cat"))]   # join_outputs
+            decision = decision or (f"fused {len(mod.members) - len(joined)} pointwise ops" + (
+                f"; writes {', '.join(joined)} itself" if joined else "") + (
                 "" if mod.use_kernel else "; runs the torch reference (no CUDA / interpreter)"))
         elif meta.get("note"):
             decision = meta["note"]
