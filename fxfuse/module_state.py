@@ -16,6 +16,7 @@ version counter only (copying them would double the model's memory). Inference t
 (a model created under torch.inference_mode) have no version counter: they are compared
 by identity (and buffers by value).
 """
+import collections
 import contextlib
 import dataclasses
 import dis
@@ -258,9 +259,14 @@ def _held(attrs: dict, globals_read: dict, seen: set):
             return
         if depth >= MAX_CONTAINER_DEPTH:
             return
+        if isinstance(value, set) or is_ndarray(value) and value.nbytes <= MAX_ARRAY_BYTES:
+            if len(value) <= MAX_CONTAINER_ITEMS or is_ndarray(value):   # `self.seen.add(n)`, a numpy
+                seen.add(id(value))                                      # counter (review42e): compared
+                yield "container", label, value                         # and put back whole
+            return
         try:   # a dead weakref.proxy raises ReferenceError on any use (review41d)
-            items = (list(enumerate(value)) if isinstance(value, (list, tuple)) else list(value.items())
-                     if isinstance(value, dict) else list(vars(value).items())
+            items = (list(enumerate(value)) if isinstance(value, (list, tuple, collections.deque))
+                     else list(value.items()) if isinstance(value, dict) else list(vars(value).items())
                      if _is_record(value) else None)
         except ReferenceError:
             return
@@ -276,6 +282,11 @@ def _held(attrs: dict, globals_read: dict, seen: set):
         yield from walk(k, v, 0)
     for k, v in globals_read.items():
         yield from walk(f"forward's global {k}", v, 0)
+
+
+def is_ndarray(value) -> bool:
+    """A numpy array (numpy itself is imported only where one exists)."""
+    return type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"
 
 
 def plain_object(value) -> bool:
@@ -304,6 +315,7 @@ def _comparable(t: torch.Tensor) -> bool:
 
 MAX_CONTAINER_DEPTH = 3     # nesting of lists/dicts searched for tensors
 MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not snapshotted
+MAX_ARRAY_BYTES = 1 << 16   # numpy arrays snapshotted by value (a counter, a running statistic)
 
 
 def forward_function(m: torch.nn.Module):

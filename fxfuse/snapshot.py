@@ -4,23 +4,34 @@ the tensors and containers its forward() holds or reads (module_state._held), an
 on the model's own classes. A memo forward() fills on a miss (a dict that only gained keys) is
 no change; with keep_memos it stays as the check's eager run filled it (stop 40).
 """
+import collections
 import functools
 import inspect
 
 import torch
 import torch.fx
 
-from .module_state import _forward_state, _held, _is_record, same_attr, same_value, version
+from .module_state import _forward_state, _held, _is_record, is_ndarray, same_attr, same_value, version
 from .trace_leftovers import TraceLeftovers, is_trace_value, reads_input_values
 
 
 def _contents(container):
-    return list(container) if isinstance(container, list) else dict(vars(container) if _is_record(
-        container) else container)
+    if is_ndarray(container):
+        return container.copy()
+    if isinstance(container, set):
+        return set(container)
+    return list(container) if isinstance(container, (list, collections.deque)) else dict(
+        vars(container) if _is_record(container) else container)
 
 
 def _same_contents(container, saved) -> bool:
     now = _contents(container)
+    if is_ndarray(now):
+        import numpy
+        return now.shape == saved.shape and now.dtype == saved.dtype and bool(numpy.array_equal(
+            now, saved, equal_nan=now.dtype.kind in "fc"))
+    if isinstance(now, set):   # by identity: a Proxy the trace added compares equal to nothing
+        return {id(v) for v in now} == {id(v) for v in saved}
     if isinstance(now, list):
         return len(now) == len(saved) and all(same_attr(a, b) for a, b in zip(now, saved))
     return now.keys() == saved.keys() and all(same_attr(now[k], saved[k]) for k in saved)
@@ -34,9 +45,15 @@ def _only_memoized(container, saved) -> bool:
     (a history, a call counter), is state. A dict used as a counter (`self.d[len(self.d)] = 1`
     read by the output) passes here and is refused by the check against eager."""
     now = _contents(container)
-    if isinstance(now, list) or not all(k in now and now[k] is v for k, v in saved.items()):
+    if not isinstance(now, dict) or not all(k in now and now[k] is v for k, v in saved.items()):
         return False
-    return len(now) > len(saved)
+    added = [now[k] for k in now if k not in saved]   # a memo holds tensors (tables, masks); numbers,
+    return bool(added) and all(map(_holds_tensor, added))   # strings and lists are counters and logs
+    #                                                         (`d["n"] = d.get("n", 0) + 1`: review42e)
+
+
+def _holds_tensor(value) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value))
 
 
 def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False,
@@ -60,7 +77,12 @@ def _holds_trace_values(items: dict) -> bool:
 
 
 def _put_back(container, saved) -> None:
-    if isinstance(container, list):
+    if is_ndarray(container):
+        container[...] = saved
+    elif isinstance(container, (set, collections.deque)):
+        container.clear()
+        container.update(saved) if isinstance(container, set) else container.extend(saved)
+    elif isinstance(container, list):
         container[:] = saved
     else:
         target = vars(container) if _is_record(container) else container
@@ -123,9 +145,9 @@ class _Snapshot:
                     if reads_input_values(target[k]):   # filled from the input's values: state, not a memo
                         self.data_filled.add(id(c))
                     del target[k]
-            elif isinstance(target, list) and any(is_trace_value(v) for v in target):
+            elif isinstance(target, (list, set, collections.deque)) and any(is_trace_value(v) for v in target):
                 kept = {id(v) for v in saved}
-                target[:] = [v for v in target if not is_trace_value(v) or id(v) in kept]
+                _put_back(target, [v for v in target if not is_trace_value(v) or id(v) in kept])
 
     def restore(self, keep_memos: bool = False) -> list:
         """Put everything back, with keep_memos all but the memos (build_state.kept_state; put

@@ -1,0 +1,132 @@
+"""Stop 42 (review42e): state forward() keeps in a set, a deque, a numpy array, or a dict that starts
+empty and counts or logs (not a memo of tensors), was neither refused nor put back: the trace's
+Proxies stayed in the user's set, and counters read the build's runs."""
+import collections
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_warned
+
+GLOBAL_LOG = {}
+
+
+class SeenRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def forward(self, x):
+        self.seen.add(x.shape[0])
+        return x.relu() * 2
+
+
+class RecentRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.recent = collections.deque(maxlen=4)
+
+    def forward(self, x):
+        self.recent.append(x.shape[0])
+        return x.relu() * 2
+
+
+class NumpyCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.counts = np.zeros(2)
+
+    def forward(self, x):
+        self.counts[0] += 1
+        return x.relu() * 2
+
+
+class DictCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stats = {}
+
+    def forward(self, x):
+        self.stats["calls"] = self.stats.get("calls", 0) + 1
+        return x.relu() * 2
+
+
+class DictLog(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stats = {}
+
+    def forward(self, x):
+        self.stats.setdefault("rows", []).append(x.shape[0])
+        return x.relu() * 2
+
+
+class GlobalLog(nn.Module):
+    def forward(self, x):
+        GLOBAL_LOG[len(GLOBAL_LOG)] = x.shape[0]
+        return x.relu() * 2
+
+
+class CounterCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def forward(self, x):
+        self.calls["forward"] += 1
+        return x.relu() * 2
+
+
+def _state(model):
+    if isinstance(model, GlobalLog):
+        return dict(GLOBAL_LOG)
+    value = next(v for k, v in vars(model).items() if not k.startswith("_") and k != "training")
+    return value.copy() if isinstance(value, np.ndarray) else collections.deque(value) \
+        if isinstance(value, collections.deque) else type(value)(value) if not isinstance(value, dict) \
+        else {k: list(v) if isinstance(v, list) else v for k, v in value.items()}
+
+
+@pytest.mark.parametrize("make", [SeenRows, RecentRows, NumpyCounter, DictCounter, DictLog, GlobalLog, CounterCalls])
+def test_state_in_sets_deques_arrays_and_counting_dicts_is_refused_and_put_back(make):
+    GLOBAL_LOG.clear()
+    model = make().eval()
+    before = _state(model)
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+    assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
+    after = _state(model)
+    if isinstance(before, np.ndarray):
+        assert np.array_equal(after, before)
+    else:
+        assert after == before   # no Proxy left, no count of the build's runs
+    with torch.no_grad():
+        opt(torch.randn(5, 8))
+    now = _state(model)   # the original ran: eager's state
+    assert now[0] == 1 if isinstance(model, NumpyCounter) else now != before
+
+
+class TensorMemo(nn.Module):
+    """A dict memo of tensors filled on a miss (rotary tables): no state, optimized."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if n not in self.cache:
+            self.cache[n] = torch.arange(n, dtype=x.dtype) / n
+        return (x + self.cache[n]).relu()
+
+
+def test_a_dict_memo_of_tensors_is_still_optimized():
+    model = TensorMemo().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        assert_matches_eager(opt, model, torch.randn(3, 8))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
