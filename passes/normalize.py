@@ -20,7 +20,7 @@ import torch.fx
 
 from fxfuse.graph_launch import draws_random
 from fxfuse.node_meta import meta_tensor, single_tensor_meta
-from fxfuse.ops import (POINTWISE, add_scaled, cast, is_pointwise_target, keep_eager_layout, masked_fill_layout,
+from fxfuse.ops import (POINTWISE, add_number_scaled, add_scaled, cast, is_pointwise_target, keep_eager_layout, masked_fill_layout,
                         row_major)
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
@@ -457,8 +457,11 @@ def _replace(g, node, target, args, kwargs):
             x, other, alpha = args
             if isinstance(other, torch.fx.Node):
                 new = g.call_function(add_scaled, (x, other), {"alpha": alpha if target[1] is operator.add else -alpha})
-            else:  # x.sub(1, alpha=2): fold the number, a node of two numbers would not fuse
+            elif isinstance(other, int) and isinstance(alpha, int):   # x.sub(1, alpha=2) of an integer x: exact
                 new = g.call_function(target[1], (x, other * alpha))
+            else:   # fp32: alpha * other + x rounded once, as eager's multiply-add (canonical_call)
+                new = g.call_function(add_number_scaled, (x,), {
+                    "other": other, "alpha": alpha if target[1] is operator.add else -alpha})
         elif target == "rtruediv":      # c / x -> x.reciprocal() * c, two roundings as eager's
             x, c = args
             inverse = g.call_function(torch.reciprocal, (x,))

@@ -1,6 +1,6 @@
 """The spelling tables of the normalize pass: every way PyTorch code can write an op, mapped to
 fxfuse's canonical form (functions, methods, in-place variants, nn modules, aten overloads),
-and the two spellings that need a node's metadata to decide (casts, masked_fill).
+and where a node's metadata decides (casts, masked_fill: passes/metadata_spellings.py).
 
 Kept apart from the pass so that adding an op's spellings is an edit to tables, not to the
 rewriting logic in passes/normalize.py.
@@ -14,8 +14,10 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxfuse.node_meta import fxfuse_meta, single_tensor_meta
+from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import HALF_DTYPES, POINTWISE, lerp_scalar
+
+from .metadata_spellings import cast_target, masked_fill_is_where  # noqa: F401 (cast_target: re-exported)
 
 aten = torch.ops.aten
 
@@ -287,8 +289,6 @@ def _build_aten_spellings() -> dict:
 FUNCTION_SPELLINGS = _build_function_spellings()
 METHOD_SPELLINGS = _build_method_spellings()
 ATEN_SPELLINGS = _build_aten_spellings()
-CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
-                "double": torch.float64}
 POSITIVE = {torch.positive, "positive", aten.positive.default}   # +x: x itself
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                    nn.FeatureAlphaDropout, nn.Identity)
@@ -300,47 +300,6 @@ ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.t
          operator.mod, operator.getitem, operator.neg, operator.pow, operator.abs}
 CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 EXPORT_ASSERTS = {p.default for p in (getattr(aten, "_assert_tensor_metadata", None),) if p is not None}
-
-
-def masked_fill_is_where(x, value) -> bool:
-    """x.masked_fill(mask, value) is torch.where(mask, value, x) where both give x's dtype: a
-    floating x with a number, or with a 0-d tensor of its own dtype (masked_fill never promotes;
-    where would make an int x float for 1.5)."""
-    meta = single_tensor_meta(x)
-    if meta is None or not meta.dtype.is_floating_point:
-        return False
-    if isinstance(value, (bool, int, float)):
-        return True
-    vmeta = single_tensor_meta(value)
-    return vmeta is not None and not vmeta.shape and vmeta.dtype == meta.dtype
-
-
-def cast_target(node):
-    """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), y.type_as(x)
-    on one device, and torch.export's aten.to.dtype and aten.type_as), else None."""
-    if node.op == "call_function" and node.target is aten.to.dtype:
-        # to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)
-        extra = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]), **node.kwargs)
-        if isinstance(node.args[1], torch.dtype) and not any(extra.values()):
-            return node.args[1]
-        return None
-    type_as = node.target == "type_as" if node.op == "call_method" else node.target is aten.type_as.default
-    if type_as and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
-        src, other = node.args
-        meta = single_tensor_meta(other)
-        devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
-        if meta is not None and len(devices) == 1 and None not in devices:
-            return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
-    if node.op != "call_method":
-        return None
-    if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
-        return CAST_METHODS[node.target]
-    if node.target in ("to", "type") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) \
-            and not node.kwargs:
-        return node.args[1]
-    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
-        return node.kwargs["dtype"]
-    return None
 
 
 def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
@@ -437,6 +396,10 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
                     and getattr(other.meta.get("tensor_meta"), "dtype", None) \
                     != getattr(node.meta.get("tensor_meta"), "dtype", False):
                 return None
+            out = getattr(node.meta.get("tensor_meta"), "dtype", None)   # number * number: exact for integers,
+            if not isinstance(other, torch.fx.Node) and not (out == torch.float32 or out is not None and not (
+                    out.is_floating_point or out.is_complex) and isinstance(other, int) and isinstance(alpha, int)):
+                return None   # one fp32 multiply-add (add_number_scaled); fp64 and the rest as written
             return ("alpha", canon), (x, other, alpha), {}
         return canon, (x, other), {}
     dtype = getattr(x.meta.get("tensor_meta"), "dtype", None) if isinstance(x, torch.fx.Node) else None

@@ -39,3 +39,14 @@ def test_an_lm_head_wider_than_the_grid_runs(words):
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
         assert not any(type(m).__name__ == "EpilogueGemm" for m in opt.modules())
+
+
+@pytest.mark.parametrize("op", [lambda h: h.sub(0.1, alpha=3), lambda h: torch.add(h, 1e-3, alpha=-7.5)])
+def test_a_number_scaled_by_alpha_matches_cuda_eager_bitwise(op):
+    model = Wrap(op).eval()
+    x = torch.cat([torch.full((1, 33), 0.3, device="cuda"), torch.randn(300, 33, device="cuda")])
+    opt = fxfuse.optimize(model, x, strict=True)
+    for sample in (x, torch.randn(301, 33, device="cuda")):
+        with torch.no_grad():
+            assert torch.equal(opt(sample), model(sample))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
