@@ -380,8 +380,9 @@ def _mutates(gm, node) -> bool:
     if node.target is operator.setitem or node.kwargs.get("out") is not None or _passes_inplace(node):
         return True
     name = getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.startswith("_") and node.target not in KEYWORD_OPERATORS:
-        return True   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x); not `a & b`
+    if name.endswith("_") and (not name.startswith("_") or name.startswith("_foreach_")) \
+            and node.target not in KEYWORD_OPERATORS:   # torch.neg_(x), F.threshold_(x, ...), torch.zero_(x),
+        return True   # torch._foreach_add_([a, b], 1) (fuzz42c: dropped as dead code); not `a & b`
     if node.target in INPLACE_OPERATORS_UNKNOWN or node.target in INPLACE_ARITHMETIC:   # the latter: a complex
         return bool(node.args) and _is_tensor_node(node.args[0])   # `z *= 2j` (no spelling row: fuzz41a)
     schema = getattr(node.target, "_schema", None)   # aten overloads from torch.export; custom ops

@@ -168,3 +168,40 @@ def test_a_number_scaled_by_alpha_is_one_multiply_add(op, alpha, other, dtype):
                 else model(sample)
             assert torch.equal(opt(sample), expected)
     assert fxfuse.stats(opt)["fused_kernels"] == (1 if dtype == torch.float32 else 0)
+
+
+class ForeachOnResults(nn.Module):
+    def forward(self, x):
+        a, b = x * 3, x + 1
+        c = a * 2
+        torch._foreach_add_([a, b], 1.0)
+        return c + a * b
+
+
+class ForeachChain(nn.Module):
+    def forward(self, x):
+        a, b = x * 1.5, x - 1
+        torch._foreach_addcmul_([a], [b], [b], value=0.5)
+        torch._foreach_zero_([b])
+        return a + b + 1
+
+
+class ForeachOnInput(nn.Module):
+    def forward(self, x):
+        torch._foreach_mul_(list(x.unbind(0)), 2.0)   # writes the caller's x through its rows
+        return x + 1
+
+
+@pytest.mark.parametrize("make", [ForeachOnResults, ForeachChain, ForeachOnInput])
+def test_in_place_foreach_ops_are_kept(make):
+    # fuzz42c: torch._foreach_add_ & co. (names with a leading underscore) were taken for pure calls
+    # and dropped as dead code: with verify=False wrong values and the input's write lost
+    model = make().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(4, 5), verify=False)
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        for _ in range(2):
+            x = torch.randn(4, 5)
+            x_opt, x_eager = x.clone(), x.clone()
+            torch.testing.assert_close(opt(x_opt), model(x_eager))
+            assert torch.equal(x_opt, x_eager)
