@@ -200,7 +200,7 @@ def _pow(x, exponent) -> str:
     if e.is_integer():
         # sign of an odd power follows the base, -0 included (1 / x < 0 sees its sign bit)
         mag = _exp2_log2(e, f"tl.abs({x})")
-        return f"tl.where(({x} < 0) | (_div(1.0, {x}) < 0), -{mag}, {mag})" if int(e) % 2 else mag
+        return f"tl.where(({x} < 0) | (_div(1.0, {x}) < 0), ({mag}) * -1.0, {mag})" if int(e) % 2 else mag
     # negative finite base -> nan, as in torch; (-inf) ** e is inf (e > 0) or 0 (e < 0), as C pow
     return (f"tl.where({x} == {literal(-math.inf)}, {literal(math.inf if e > 0 else 0.0)}, "
             f"{_exp2_log2(e, x)})")
