@@ -34,6 +34,14 @@ functorch_active = torch._C._are_functorch_transforms_active   # vmap, jvp, jacf
 FORWARD_AD = torch.autograd.forward_ad   # _current_level >= 0 inside a dual_level(): inputs may carry tangents
 
 
+def trace_tensors(args, kwargs) -> bool:
+    """Whether a call made while torch.compiler's flag is on gets a trace's tensors (non-strict
+    torch.export passes FakeTensors). The flag is process-wide, and torch 2.13 sets it for every
+    torch.compile of any thread too (review42d): a call with plain tensors runs the graph."""
+    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter)
+               for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
 def traced_in_this_thread() -> bool:
     """Whether a torch.fx Tracer.trace is on this thread's stack: a traced forward() may call opt
     with concrete tensors only (`self.inner(self.prompt)`); the specialization's own submodule

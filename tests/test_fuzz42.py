@@ -205,3 +205,30 @@ def test_in_place_foreach_ops_are_kept(make):
             x_opt, x_eager = x.clone(), x.clone()
             torch.testing.assert_close(opt(x_opt), model(x_eager))
             assert torch.equal(x_opt, x_eager)
+
+
+def test_another_threads_compile_does_not_turn_the_graph_off():
+    # review42d: torch 2.13 sets torch.compiler's process-wide flag for every torch.compile, in any
+    # thread; the flag alone sent every optimized call to the original while one compiled
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+        before = fxfuse.stats(opt)["kernel_launches"]
+        flag = torch.compiler._is_compiling_flag
+        torch.compiler._is_compiling_flag = True
+        try:
+            assert_matches_eager(opt, model, torch.randn(4, 8))
+        finally:
+            torch.compiler._is_compiling_flag = flag
+    assert fxfuse.stats(opt)["kernel_launches"] > before
+
+
+def test_a_parent_holding_an_optimized_module_still_exports():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+    parent = Direct(lambda h: opt(h) * 2).eval()
+    exported = torch.export.export(parent, (torch.randn(4, 8),), strict=False)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), model(x) * 2)
