@@ -29,6 +29,7 @@ from .detach import _detach_readers, _is_detach
 from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
+from .identity_ops import is_no_op_conversion, whole_slice
 from .implicit_args import explicit_softmax_dim
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
@@ -118,37 +119,12 @@ def _is_identity(gm, node) -> bool:
         return training is False or p == 0
     if node.op == "call_function" and node.target in (aten.dropout.default,):
         return node.args[2] is False
+    if whole_slice(node):
+        return True
     if node.op in ("call_function", "call_method") and node.target in POSITIVE and len(node.args) == 1:
         meta = single_tensor_meta(node.args[0])   # +x returns x itself (a bool x raises: kept)
         return not node.kwargs and meta is not None and meta.dtype != torch.bool
-    return _is_detach(node) or _is_no_op_conversion(node)
-
-
-def _is_no_op_conversion(node) -> bool:
-    """`h.contiguous()` of a contiguous h, `h.to(x.device)`, `h.to("cpu")`, `h.to(x)` where
-    nothing changes: eager returns h itself, and the node split a pointwise group (fuzz34a)."""
-    aten_to = node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to
-    if not (aten_to or node.op == "call_method" and node.target in ("contiguous", "to")) or not node.args:
-        return False
-    src, out = node.args[0], single_tensor_meta(node)
-    before = single_tensor_meta(src) if isinstance(src, torch.fx.Node) else None
-    if before is None or out is None or tuple(out.stride) != tuple(before.stride) or out.dtype != before.dtype:
-        return False
-    if node.target == "contiguous":
-        return len(node.args) == 1 and node.kwargs.get("memory_format", torch.contiguous_format) \
-            is torch.contiguous_format and set(node.kwargs) <= {"memory_format"} \
-            and tuple(before.stride) == row_major(before.shape)
-    devices = {fxfuse_meta(n).get("device") for n in (src, node)}
-    if aten_to:   # export's spelling of them: aten.to.dtype_layout(h, dtype=, layout=, device=), aten.to.device ...
-        return len(devices) == 1 and None not in devices and node.kwargs.get("copy") is not True \
-            and node.kwargs.get("memory_format") in (None, torch.preserve_format) and node.kwargs.get(
-                "layout", torch.strided) is torch.strided and not any(a is True for a in node.args[2:])
-    plain = all(isinstance(a, (str, torch.device, torch.dtype)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
-                is not None for a in node.args[1:])   # .to(x.device, x.dtype), .to(device=.., dtype=..) (review37b)
-    keywords = set(node.kwargs) <= {"device", "dtype", "non_blocking"} and not any(
-        isinstance(v, torch.fx.Node) for v in node.kwargs.values())
-    return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
-        and len(devices) == 1 and None not in devices
+    return _is_detach(node) or is_no_op_conversion(node)
 
 
 def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:

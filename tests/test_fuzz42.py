@@ -232,3 +232,16 @@ def test_a_parent_holding_an_optimized_module_still_exports():
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), model(x) * 2)
+
+
+@pytest.mark.parametrize("view", [lambda h: h[:, :], lambda h: h[...], lambda h: h[:], lambda h: h.narrow(1, 0, 9),
+                                  lambda h: torch.narrow(h, 0, 0, h.shape[0])])
+def test_a_slice_of_the_whole_tensor_does_not_split_the_kernel(view):
+    model = Direct(lambda x: view(torch.sin(x) * 2) + 1).eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(4, 9))
+        assert not messages
+        for rows in (4, 6):
+            assert_matches_eager(opt, model, torch.randn(rows, 9))
+    stats = fxfuse.stats(opt)
+    assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0)

@@ -1,0 +1,61 @@
+"""Ops that return their input itself (normalize drops them, their readers read the input):
+whole-tensor slices and conversions where nothing changes."""
+import operator
+
+import torch
+import torch.fx
+
+from fxfuse.node_meta import single_tensor_meta
+from fxfuse.ops import row_major
+from fxfuse.tracing import fxfuse_meta
+
+aten = torch.ops.aten
+
+
+def _is_tensor_node(node) -> bool:
+    return isinstance(node, torch.fx.Node) and "tensor_meta" in node.meta
+
+
+def whole_slice(node) -> bool:
+    """`h[:, :]`, `h[...]`, `h[:]`, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim:
+    h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
+    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs:
+        return False
+    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)
+    if src is None or out is None or tuple(src.shape) != tuple(out.shape) or tuple(src.stride) != tuple(out.stride):
+        return False
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(i is Ellipsis or isinstance(i, slice) and (i.start, i.stop, i.step) == (None, None, None)
+                   for i in index)
+    narrow = node.op == "call_method" and node.target == "narrow" or node.target in (torch.narrow, aten.narrow.default)
+    if narrow or node.target is aten.slice.Tensor:   # the same shape and strides: all of the dim, step 1
+        return all(type(a) is int for a in node.args[1:]) and (narrow or len(node.args) < 5 or node.args[4] == 1)
+    return False
+
+
+def is_no_op_conversion(node) -> bool:
+    """`h.contiguous()` of a contiguous h, `h.to(x.device)`, `h.to("cpu")`, `h.to(x)` where
+    nothing changes: eager returns h itself, and the node split a pointwise group (fuzz34a)."""
+    aten_to = node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to
+    if not (aten_to or node.op == "call_method" and node.target in ("contiguous", "to")) or not node.args:
+        return False
+    src, out = node.args[0], single_tensor_meta(node)
+    before = single_tensor_meta(src) if isinstance(src, torch.fx.Node) else None
+    if before is None or out is None or tuple(out.stride) != tuple(before.stride) or out.dtype != before.dtype:
+        return False
+    if node.target == "contiguous":
+        return len(node.args) == 1 and node.kwargs.get("memory_format", torch.contiguous_format) \
+            is torch.contiguous_format and set(node.kwargs) <= {"memory_format"} \
+            and tuple(before.stride) == row_major(before.shape)
+    devices = {fxfuse_meta(n).get("device") for n in (src, node)}
+    if aten_to:   # export's spelling of them: aten.to.dtype_layout(h, dtype=, layout=, device=), aten.to.device ...
+        return len(devices) == 1 and None not in devices and node.kwargs.get("copy") is not True \
+            and node.kwargs.get("memory_format") in (None, torch.preserve_format) and node.kwargs.get(
+                "layout", torch.strided) is torch.strided and not any(a is True for a in node.args[2:])
+    plain = all(isinstance(a, (str, torch.device, torch.dtype)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
+                is not None for a in node.args[1:])   # .to(x.device, x.dtype), .to(device=.., dtype=..) (review37b)
+    keywords = set(node.kwargs) <= {"device", "dtype", "non_blocking"} and not any(
+        isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+    return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
+        and len(devices) == 1 and None not in devices
