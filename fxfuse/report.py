@@ -11,6 +11,7 @@ from tabulate import tabulate
 from .api import node_kind
 from .cost_model import CANDIDATES
 from .kernel import FusedKernel
+from .ops import row_major
 from .runtime import OptimizedModule
 
 DTYPE_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
@@ -102,7 +103,7 @@ def node_table(gm: torch.fx.GraphModule) -> str:
             joined = [m.split("=")[0] for m in mod.members if m.endswith(("=stack", "=cat"))]   # join_outputs
             decision = decision or (f"fused {len(mod.members) - len(joined)} pointwise ops" + (
                 f"; writes {', '.join(joined)} itself" if joined else "") + (
-                "" if mod.use_kernel else "; runs the torch reference (no CUDA / interpreter)"))
+                "" if mod.use_kernel else "; runs the torch reference (option use_kernels=False)"))
         elif meta.get("note"):
             decision = meta["note"]
         elif meta.get("kept"):
@@ -187,6 +188,14 @@ def _measured_line(spec, gm) -> str:
     return f"# measured: {measured:.1f} us per graph replay (median of 5 x 20 replays){versus}"
 
 
+ORIGINAL_CALL_REASONS = {   # runtime._run_original's keys in words
+    "full": "max_specializations reached", "build": "build failed or refused", "aliased": "inputs share memory",
+    "swapped": "a submodule was replaced", "kwargs": "keyword arguments", "layout": "input layout",
+    "mode": "a TorchFunctionMode / TorchDispatchMode", "transform": "torch.func transform or forward AD",
+    "hook": "hooks", "train": "training mode", "grad": "grad mode", "autocast": "autocast",
+    "inference": "inference mode", "jit": "torch.jit.trace"}
+
+
 def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
     """A report of what fxfuse did to a model (a str; print it). kernels=True adds the generated
     Triton sources; measure=True (CUDA) times each specialization next to the cost model's estimate."""
@@ -199,8 +208,9 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
            f"{len(optimized.specializations)} specialization(s)"]
     for k, spec in enumerate(list(optimized.specializations.values())):
         gm = spec.gm
-        sig = ", ".join(f"{DTYPE_SHORT.get(s[1], s[1])}{list(s[0])} on {s[2]}" if s[0] != "const" else s[2]
-                        for s in spec.signature)
+        sig = ", ".join(f"{DTYPE_SHORT.get(s[1], s[1])}{list(s[0])} on {s[2]}" + (
+            f" strides {tuple(s[3])}" if tuple(s[3]) != row_major(s[0]) else "") if s[0] != "const" else s[2]
+            for s in spec.signature)   # (review42e: builds for other strides read alike)
         out.append(f"\n== specialization {k}: inputs ({sig}); built in {spec.build_ms:.0f} ms; "
                    f"calls so far: {spec.calls}")
         t = gm.meta.get("fxfuse_trace", {})
@@ -231,6 +241,6 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
     if optimized.miss_count:
         out.append(f"\nguard misses: {optimized.miss_count} (last: {optimized.last_miss})")
     if optimized.original_calls:
-        reasons = ", ".join(f"{k} {n}" for k, n in optimized.original_calls.most_common())
+        reasons = ", ".join(f"{ORIGINAL_CALL_REASONS.get(k, k)}: {n}" for k, n in optimized.original_calls.most_common())
         out.append(f"calls that ran the original module: {sum(optimized.original_calls.values())} ({reasons})")
     return "\n".join(out)

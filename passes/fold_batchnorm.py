@@ -144,7 +144,8 @@ def fold_batchnorm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
                 else:
                     new = g.call_function(CONV_FUNCTIONS[type(layer)], (
                         src.args[0], w, b, layer.stride, layer.padding, layer.dilation, layer.groups))
-            fxfuse_meta(new)["note"] = f"{node.target} folded into {src.target}"
+            fxfuse_meta(new)["note"] = (f"{type(gm.get_submodule(node.target)).__name__} `{node.target}` folded into "
+                                        f"{type(layer).__name__} `{src.target}`")
             new.meta["tensor_meta"] = node.meta.get("tensor_meta")
             node.replace_all_uses_with(new)
             g.erase_node(node)
