@@ -347,8 +347,8 @@ def stats(optimized) -> dict:
     kernels = list(optimized.fused_kernels())
     return {"optimized": True, "fused_kernels": fused, "library_calls": library, "library_epilogues": epilogues,
             "specializations": len(optimized.specializations),
-            "kernel_launches": sum(k.launches for k in kernels),
-            "reference_fallbacks": sum(k.fallbacks for k in kernels)}
+            "kernel_launches": sum(k.launches for k in kernels) + optimized.dropped[1],   # with the dropped
+            "reference_fallbacks": sum(k.fallbacks for k in kernels) + optimized.dropped[2]}  # specializations
 
 
 def node_kind(gm, node) -> str:

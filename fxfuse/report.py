@@ -238,6 +238,9 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
             for mod in gm.modules():
                 if isinstance(mod, FusedKernel):
                     out.append(f"\n# ---- {mod.kernel_name} ({', '.join(mod.members)})\n{mod.source}")
+    if optimized.dropped[0]:
+        out.append(f"\nrebuilds: {optimized.dropped[0]} (every specialization dropped; last because "
+                   f"{optimized.dropped[3]})")
     if optimized.miss_count:
         out.append(f"\nguard misses: {optimized.miss_count} (last: {optimized.last_miss})")
     if optimized.original_calls:

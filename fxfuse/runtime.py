@@ -71,8 +71,6 @@ _RebuildOnLoad = RebuildOnLoad   # the name models pickled with an older fxfuse'
 BUILD_LOCK = threading.RLock()
 RUNNING_ORIGINAL = [0]   # _run_original calls in progress (under BUILD_LOCK)
 BUILDING = [0]   # builds in progress (under BUILD_LOCK: the thread that owns it is the one building)
-
-
 ALIASED = ("two inputs share memory, or an input is (a view of) a parameter or buffer of the model or a tensor it "
            "holds, and the graph writes an input in place (fusion assumed distinct tensors)")
 MAX_MISSES_KEPT = 32
@@ -105,6 +103,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._trimmed: dict = {}           # signature with trailing defaults -> (its trimmed one, its length)
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
+        self.dropped = (0, 0, 0, None)     # rebuilds so far, their kernels' launches and fallbacks, the last reason
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._written_attributes = {}      # (id(module), name) -> label: what the graphs write back (attribute_writes)
@@ -299,6 +298,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         if not self.specializations:
             return
         logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
+        kernels = list(self.fused_kernels())   # stats() and explain() count them on (review42e)
+        self.dropped = (self.dropped[0] + 1, self.dropped[1] + sum(k.launches for k in kernels),
+                        self.dropped[2] + sum(k.fallbacks for k in kernels), reason)
         self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
         self._read_storages = frozenset()

@@ -245,3 +245,19 @@ def test_a_slice_of_the_whole_tensor_does_not_split_the_kernel(view):
             assert_matches_eager(opt, model, torch.randn(rows, 9))
     stats = fxfuse.stats(opt)
     assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0)
+
+
+def test_rebuilds_are_counted_and_explained():
+    # review42e: after rebuilds, explain() said nothing of them and kernel_launches counted the last build only
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+        launches = []
+        for scale in (1.0, 2.0, 3.0):
+            model[0].weight.mul_(scale)   # folded nowhere, but a GEMM epilogue copy or a rebuild sees it
+            assert_matches_eager(opt, model, torch.randn(4, 8))
+            launches.append(fxfuse.stats(opt)["kernel_launches"])
+        opt.drop_specializations("a test")
+        assert_matches_eager(opt, model, torch.randn(4, 8))
+    assert launches == sorted(launches) and fxfuse.stats(opt)["kernel_launches"] > launches[-1]
+    assert "rebuilds: " in fxfuse.explain(opt) and "last because a test" in fxfuse.explain(opt)
