@@ -27,12 +27,6 @@ def masked_fill_is_where(x, value) -> bool:
 def cast_target(node):
     """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), y.type_as(x)
     on one device, and torch.export's aten.to.dtype and aten.type_as), else None."""
-    if node.op == "call_function" and node.target is aten.to.dtype:
-        # to.dtype(self, dtype, non_blocking=False, copy=False, memory_format=None)
-        extra = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]), **node.kwargs)
-        if isinstance(node.args[1], torch.dtype) and not any(extra.values()):
-            return node.args[1]
-        return None
     type_as = node.target == "type_as" if node.op == "call_method" else node.target is aten.type_as.default
     if type_as and len(node.args) == 2 and not node.kwargs:   # LLaMA's RMSNorm: y.type_as(x)
         src, other = node.args
@@ -40,13 +34,56 @@ def cast_target(node):
         devices = {fxfuse_meta(n).get("device") for n in (src, other) if isinstance(n, torch.fx.Node)}
         if meta is not None and len(devices) == 1 and None not in devices:
             return meta.dtype   # x.to(other's dtype and device): a cast where both are on one device
+    if node.op == "call_function" and node.target in ATEN_TO or node.op == "call_method" and node.target == "to":
+        return _conversion(node) if node.args else None
     if node.op != "call_method":
         return None
     if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
         return CAST_METHODS[node.target]
-    if node.target in ("to", "type") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) \
-            and not node.kwargs:
+    if node.target == "type" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
         return node.args[1]
-    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
-        return node.kwargs["dtype"]
     return None
+
+
+KEYWORDS = ("dtype", "layout", "device", "pin_memory", "non_blocking", "copy", "memory_format")
+ATEN_TO = {aten._to_copy.default: (), aten.to.dtype: ("dtype", "non_blocking", "copy", "memory_format"),
+           aten.to.device: ("device", "dtype", "non_blocking", "copy", "memory_format"),
+           aten.to.other: ("other", "non_blocking", "copy", "memory_format"), aten.to.dtype_layout: ()}
+
+
+def _conversion(node):
+    """The dtype of x.to(...) (and torch.export's aten.to overloads and _to_copy) where it converts
+    the dtype on x's own device: x.to(dtype), .to(device, dtype), .to(device=, dtype=), .to(other),
+    with non_blocking= or copy= (a copy to x's own dtype stays: eager returns a new tensor). fuzz42c:
+    all but the first were library calls between two kernels."""
+    src, rest = node.args[0], list(node.args[1:])
+    if node.op == "call_method":   # Tensor.to's three signatures, told apart by the first argument's type
+        names = ("other",) if rest and isinstance(rest[0], torch.fx.Node) else \
+            ("device",) * bool(rest and isinstance(rest[0], (str, torch.device))) + ("dtype",)
+        names += ("non_blocking", "copy", "memory_format")
+    else:
+        names = ATEN_TO[node.target]
+    if len(rest) > len(names) or set(node.kwargs) - set(KEYWORDS):
+        return None
+    bound = dict(zip(names, rest))
+    for key, value in node.kwargs.items():
+        if key in bound:
+            return None
+        bound[key] = value
+    if "other" in bound:   # x.to(other): its dtype and device
+        meta = single_tensor_meta(bound["other"])
+        if meta is None or fxfuse_meta(bound["other"]).get("device") is None:
+            return None
+        bound["dtype"], bound["device"] = meta.dtype, fxfuse_meta(bound.pop("other"))["device"]
+    dtype, device, source = bound.get("dtype"), bound.get("device"), single_tensor_meta(src)
+    if not isinstance(dtype, torch.dtype) or source is None or bound.get("pin_memory") \
+            or bound.get("memory_format") not in (None, torch.preserve_format) \
+            or bound.get("layout") not in (None, torch.strided):
+        return None
+    if device is not None:   # `cuda` without an index is the current device, which may not be x's
+        here = fxfuse_meta(src).get("device")
+        if here is None or not isinstance(device, (str, torch.device)) or torch.device(device) != torch.device(here):
+            return None
+    if (node.target is aten._to_copy.default or bound.get("copy")) and dtype == source.dtype:
+        return None
+    return dtype

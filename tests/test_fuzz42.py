@@ -261,3 +261,39 @@ def test_rebuilds_are_counted_and_explained():
         assert_matches_eager(opt, model, torch.randn(4, 8))
     assert launches == sorted(launches) and fxfuse.stats(opt)["kernel_launches"] > launches[-1]
     assert "rebuilds: " in fxfuse.explain(opt) and "last because a test" in fxfuse.explain(opt)
+
+
+class CastSpelled(nn.Module):
+    def __init__(self, cast):
+        super().__init__()
+        self.cast = cast
+        self.register_buffer("w16", torch.randn(9).half())
+
+    def forward(self, x):
+        return self.cast(self, x * 3).float() + 1
+
+
+@pytest.mark.parametrize("cast", [lambda s, h: h.to(h.device, torch.float16),
+                                  lambda s, h: h.to(device=h.device, dtype=torch.float16),
+                                  lambda s, h: h.to(torch.float16, copy=True),
+                                  lambda s, h: h.to(torch.float16, non_blocking=True),
+                                  lambda s, h: h.to(s.w16),
+                                  lambda s, h: torch.ops.aten._to_copy.default(h, dtype=torch.float16)])
+def test_other_spellings_of_a_cast_join_the_kernel(cast):
+    model = CastSpelled(cast).eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(4, 9))
+        assert not messages
+        for rows in (4, 5):
+            x = torch.randn(rows, 9)
+            assert torch.equal(opt(x), model(x))
+    stats = fxfuse.stats(opt)
+    assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0)
+
+
+def test_a_copy_to_the_same_dtype_stays_a_copy():
+    model = Direct(lambda x: (lambda h: (h.to(torch.float32, copy=True), h))(x * 2)).eval()
+    with torch.no_grad():
+        opt = fxfuse.optimize(model, torch.randn(4, 9))
+        a, b = opt(torch.randn(4, 9))
+    assert a.data_ptr() != b.data_ptr()
