@@ -109,10 +109,31 @@ def node_table(gm: torch.fx.GraphModule) -> str:
         elif meta.get("kept"):
             decision = "kept: " + meta["kept"]
         elif not decision:
-            decision = "library op (not one of the pointwise ops fxfuse fuses)"
+            decision = _library_reason(node)
         rows.append([node.name, kind, shape_str(node), members, decision, kernel])
     return tabulate(rows, headers=["node", "kind", "output", "members", "decision / reason", "kernel"],
                     tablefmt="simple", maxcolwidths=[None, None, None, 48, 56, None])
+
+
+VIEWS = {"view", "unflatten", "transpose", "permute", "squeeze", "unsqueeze", "expand", "split", "chunk", "unbind",
+         "narrow", "select", "t", "detach", "view_as", "expand_as", "getitem", "__getitem__", "movedim", "swapaxes"}
+RESHAPES = {"reshape", "flatten", "contiguous"}   # views where the strides allow, else copies
+
+
+def _library_reason(node) -> str:
+    """Why a node stays outside the kernels, for explain (review42e: write-backs and views read as
+    library ops)."""
+    from .attribute_writes import write_attribute
+    if node.target is write_attribute:
+        return f"assigns the attribute {node.args[2] if len(node.args) > 2 else ''} each call, as forward() does"
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS:
+        return "a view or an item of a tuple (no kernel; the kernels read it where it lies)"
+    if node.op in ("call_function", "call_method") and name.split(".")[0] in RESHAPES:
+        return "a view where the strides allow it, else the library's copy"
+    if node.op == "call_module":
+        return "a module kept as one call (its own forward runs: a layer fxfuse does not rewrite)"
+    return "library op (not one of the pointwise ops fxfuse fuses)"
 
 
 PLAN_COLUMNS = CANDIDATES   # library, gemm, gemm_x3, strassen1, strassen2, mlp

@@ -297,3 +297,11 @@ def test_a_copy_to_the_same_dtype_stays_a_copy():
         opt = fxfuse.optimize(model, torch.randn(4, 9))
         a, b = opt(torch.randn(4, 9))
     assert a.data_ptr() != b.data_ptr()
+
+
+def test_explain_names_views_and_write_backs():
+    from test_fuzz41_writes import Forecaster
+    with torch.no_grad():
+        opt = fxfuse.optimize(Forecaster().eval(), torch.randn(2, 24, 3))
+        report = fxfuse.explain(opt)
+    assert "assigns the attribute" in report and "a view or an item of a tuple" in report
