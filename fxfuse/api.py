@@ -231,6 +231,9 @@ def _build_graph(model, args: tuple, options: Options, warning):
                 gm.meta["fxfuse_classical_because"] = str(e)
             else:
                 probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all, rewind)
+        rewind = _torch_random_state(gm)   # a dict that only gained keys: another eager run tells a memo
+        snapshot.moved_by(lambda: (options.verify or model(*clone_args(args)), model(*clone_args(args))))
+        rewind()                           # from a counter or a log (without verify, one run fills it first)
     gm.meta["fxfuse_forget_memos"] = snapshot.forget_memos   # (build_graph: a refusal after this)
     return gm
 

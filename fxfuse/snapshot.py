@@ -42,18 +42,18 @@ def _only_memoized(container, saved) -> bool:
     self.cache: self.cache[T] = rotary(T, x.device)`). The graph computes or holds what it read
     from it, and eager fills it again after it is put back (entries made of torch.fx Proxies
     or fake tensors never stay in the model). A replaced entry, or anything appended to a list
-    (a history, a call counter), is state. A dict used as a counter (`self.d[len(self.d)] = 1`
-    read by the output) passes here and is refused by the check against eager."""
+    (a history, a call counter), is state; so is a dict that moves again on another eager run
+    (`d["n"] = d.get("n", 0) + 1`, `d[len(d)] = y`, `d.setdefault("k", []).append(v)`: moved_by)."""
     now = _contents(container)
     if not isinstance(now, dict) or not all(k in now and now[k] is v for k, v in saved.items()):
         return False
-    added = [now[k] for k in now if k not in saved]   # a memo holds tensors (tables, masks); numbers,
-    return bool(added) and all(map(_holds_tensor, added))   # strings and lists are counters and logs
-    #                                                         (`d["n"] = d.get("n", 0) + 1`: review42e)
+    return len(now) > len(saved)
 
 
-def _holds_tensor(value) -> bool:
-    return any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value))
+def _entries(container) -> tuple:
+    """A dict's entries by identity, with the sizes of the containers among them (an append)."""
+    return tuple((k, id(v), len(v) if isinstance(v, (list, dict, set, collections.deque)) else None)
+                 for k, v in _contents(container).items())
 
 
 def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False,
@@ -148,6 +148,16 @@ class _Snapshot:
             elif isinstance(target, (list, set, collections.deque)) and any(is_trace_value(v) for v in target):
                 kept = {id(v) for v in saved}
                 _put_back(target, [v for v in target if not is_trace_value(v) or id(v) in kept])
+
+    def moved_by(self, run) -> None:
+        """Run forward() once more where a dict only gained keys so far: a memo stays as it is (its
+        keys are there now), a counter or a log moves, and is state (review42e)."""
+        candidates = [c for _, c, saved in self.class_containers if _only_memoized(c, saved)]
+        candidates += [c for module in self.modules for c, saved in module[7].values() if _only_memoized(c, saved)]
+        if candidates:
+            before = [_entries(c) for c in candidates]
+            run()
+            self.data_filled |= {id(c) for c, entries in zip(candidates, before) if _entries(c) != entries}
 
     def restore(self, keep_memos: bool = False) -> list:
         """Put everything back, with keep_memos all but the memos (build_state.kept_state; put

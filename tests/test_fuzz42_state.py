@@ -130,3 +130,69 @@ def test_a_dict_memo_of_tensors_is_still_optimized():
         assert isinstance(opt, fxfuse.OptimizedModule) and not messages
         assert_matches_eager(opt, model, torch.randn(3, 8))
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+class TupleMemo(nn.Module):
+    """HF-style rotary cache: a tuple of tensors per length (review42f: refused by a first fix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if n not in self.cache:
+            angle = torch.arange(n, dtype=x.dtype) / n
+            self.cache[n] = (angle.cos(), angle.sin())
+        cos, sin = self.cache[n]
+        return x * cos + x.flip(-1) * sin
+
+
+class NumberMemo(nn.Module):
+    """A scale memo per width, and a warned-once flag (review42f)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.warned = {}, {}
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if n not in self.scales:
+            self.scales[n] = n ** -0.5
+        self.warned.setdefault("once", True)
+        return (x * self.scales[n]).relu()
+
+
+class TensorLog(nn.Module):
+    """A dict that gains one tensor per call (review42f: kept 7 entries as a memo)."""
+
+    def __init__(self):
+        super().__init__()
+        self.history = {}
+
+    def forward(self, x):
+        y = x.relu() * 2
+        self.history[len(self.history)] = torch.ones(1)
+        return y
+
+
+@pytest.mark.parametrize("make", [TupleMemo, NumberMemo])
+def test_memos_of_tuples_and_numbers_are_still_optimized(make):
+    model = make().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        for width in (8, 8, 6):
+            assert_matches_eager(opt, model, torch.randn(3, width))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("make", [TensorLog, DictCounter, DictLog, CounterCalls])
+def test_dicts_that_move_on_every_call_are_state(make, verify):
+    model = make().eval()
+    before = _state(model) if make is not TensorLog else {}
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8), verify=verify)
+    assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
+    assert (_state(model) if make is not TensorLog else model.history) == before
