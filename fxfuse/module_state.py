@@ -259,8 +259,9 @@ def _held(attrs: dict, globals_read: dict, seen: set):
             return
         if depth >= MAX_CONTAINER_DEPTH:
             return
-        if isinstance(value, set) or is_ndarray(value) and value.nbytes <= MAX_ARRAY_BYTES:
-            if len(value) <= MAX_CONTAINER_ITEMS or is_ndarray(value):   # `self.seen.add(n)`, a numpy
+        if isinstance(value, set) or is_ndarray(value) and value.nbytes <= MAX_ARRAY_BYTES \
+                and value.dtype.kind in "biufc":   # numbers (object and datetime arrays: not compared)
+            if is_ndarray(value) or len(value) <= MAX_CONTAINER_ITEMS:   # `self.seen.add(n)`, a numpy
                 seen.add(id(value))                                      # counter (review42e): compared
                 yield "container", label, value                         # and put back whole
             return

@@ -44,7 +44,9 @@ def add_number_scaled(x, other, alpha):
 
 def _add_number_scaled(a, other, alpha) -> str:
     product = _fp32(alpha) * _fp32(other)   # two fp32 values: exact in double, and as hi + lo in fp32
-    hi = _fp32(product)
+    hi = _fp32(product)                      # (past fp32's range a double literal itself; no `+ 0.0`,
+    if not math.isfinite(hi) or product == hi:   # which would turn -0.0 + -0.0 into +0.0: review42f)
+        return f"(({a}).to(tl.float64) + {literal(product)}).to(tl.float32)"
     return f"(({a}).to(tl.float64) + {literal(hi)} + {literal(product - hi)}).to(tl.float32)"
 
 

@@ -152,13 +152,17 @@ class Direct(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("op, alpha, other", [(lambda h: h.sub(0.1, alpha=3), -3, 0.1),
                                               (lambda h: torch.add(h, 0.1, alpha=-3), -3, 0.1),
-                                              (lambda h: torch.sub(h, 1e-3, alpha=7.5), -7.5, 1e-3)])
+                                              (lambda h: torch.sub(h, 1e-3, alpha=7.5), -7.5, 1e-3),
+                                              (lambda h: h.add(float("inf"), alpha=-1), -1, float("inf")),
+                                              (lambda h: h.sub(1e38, alpha=10), -10, 1e38),
+                                              (lambda h: h.sub(0.0, alpha=3), -3, 0.0)])
 def test_a_number_scaled_by_alpha_is_one_multiply_add(op, alpha, other, dtype):
     # fuzz42c: folded in double (x - 0.30000000000000004), a quarter of the values were 1 ulp off and
     # x = 0.3 gave 0 where CUDA's fp32 multiply-add gives 1.49e-8 (CPU eager's own vector and scalar
     # paths differ by an ulp: the fp32 reference is the product of the fp32 operands, added once)
     model = Direct(op).eval()
-    x = torch.cat([torch.full((1, 9), 0.3, dtype=dtype), torch.randn(7, 9, dtype=dtype)])
+    x = torch.cat([torch.full((1, 9), 0.3, dtype=dtype), torch.full((1, 9), -0.0, dtype=dtype),
+                   torch.randn(6, 9, dtype=dtype)])
     fp32 = lambda v: float(torch.tensor(v, dtype=torch.float32))   # noqa: E731
     with torch.no_grad():
         opt, messages = optimize_warned(model, x)
@@ -166,7 +170,8 @@ def test_a_number_scaled_by_alpha_is_one_multiply_add(op, alpha, other, dtype):
         for sample in (x, torch.rand(8, 9, dtype=dtype) * 4 - 2):
             expected = (sample.double() + fp32(alpha) * fp32(other)).float() if dtype == torch.float32 \
                 else model(sample)
-            assert torch.equal(opt(sample), expected)
+            got = opt(sample)
+            assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
     assert fxfuse.stats(opt)["fused_kernels"] == (1 if dtype == torch.float32 else 0)
 
 
