@@ -33,6 +33,10 @@ FRESH_FUNCTIONS = {torch.clone, F.linear, F.conv1d, F.conv2d, F.conv3d, torch.ma
 FRESH_FUNCTIONS |= {F.embedding, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.roll, F.interpolate,
                     F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
                     aten.embedding.default, aten.roll.default}   # (fuzz34b: `e = tok(ids); e += typ(tt)` fused nothing)
+FRESH_FUNCTIONS |= {torch.concat, torch.concatenate, torch.hstack, torch.vstack, torch.dstack, torch.row_stack,
+                    torch.column_stack, aten.concat.default,   # cat's other names (fuzz42g)
+                    *(getattr(aten, n).default for n in ("hstack", "vstack", "dstack", "row_stack", "column_stack")
+                      if hasattr(getattr(aten, n, None), "default"))}
 FRESH_FUNCTIONS |= {getattr(packet, overload) for name in (   # export's spellings of them (review34)
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d", "upsample_bilinear2d",
     "upsample_bicubic2d", "upsample_trilinear3d", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d",

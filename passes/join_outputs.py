@@ -20,7 +20,11 @@ from fxfuse.tracing import fxfuse_meta
 
 aten = torch.ops.aten
 JOINS = {torch.stack: "stack", torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
-         aten.stack.default: "stack", aten.cat.default: "cat"}
+         aten.stack.default: "stack", aten.cat.default: "cat", aten.concat.default: "cat"}
+# cat along a fixed dim where every piece has at least that many dims + 1 (lower ones are reshaped first)
+FIXED_DIM = {torch.hstack: 1, torch.column_stack: 1, torch.vstack: 0, torch.row_stack: 0, torch.dstack: 2}
+FIXED_DIM.update({getattr(aten, f.__name__).default: d for f, d in list(FIXED_DIM.items())
+                  if hasattr(getattr(aten, f.__name__, None), "default")})   # torch.export's spellings
 DIM_NAMES = {"dim": "dim", "axis": "dim"}   # torch.concatenate(tensors, axis=...)
 
 
@@ -30,6 +34,10 @@ def _meta(node):
 
 def join_of(node):
     """(kind, pieces, dim) of a stack or cat node written plainly, else None."""
+    if node.op == "call_function" and node.target in FIXED_DIM and len(node.args) == 1 and not node.kwargs \
+            and isinstance(node.args[0], (list, tuple)) and node.args[0] \
+            and all(len(getattr(_meta(p), "shape", ())) > FIXED_DIM[node.target] for p in node.args[0]):
+        return "cat", tuple(node.args[0]), FIXED_DIM[node.target]   # (fuzz42g)
     if node.op != "call_function" or node.target not in JOINS or len(node.args) > 2:
         return None
     bound = dict(zip(("tensors", "dim"), node.args))

@@ -8,7 +8,7 @@ import fxfuse
 
 from conftest import assert_fast_path, assert_matches_eager, optimize_warned, optimized_graph
 
-JOIN_TARGETS = {torch.stack, torch.cat, torch.concat, torch.concatenate,
+JOIN_TARGETS = {torch.stack, torch.cat, torch.concat, torch.concatenate, torch.hstack, torch.vstack, torch.column_stack,
                 torch.ops.aten.stack.default, torch.ops.aten.cat.default}
 
 
@@ -29,6 +29,9 @@ JOINED = {
     "concatenate axis": (lambda x: torch.concatenate([x.relu(), x.tanh()], axis=-2), (2, 3, 5)),
     "one piece twice": (lambda x: (lambda a: torch.stack([a, a], -1))(x.exp()), (4, 6)),
     "fp16 pieces": (lambda x: torch.cat([x.half().relu(), (x.half() * 2).sigmoid()], -1), (4, 6)),
+    "hstack": (lambda x: torch.hstack([x.relu(), x.tanh()]), (4, 6)),
+    "vstack": (lambda x: torch.vstack((x * 2, x.exp())), (2, 3, 5)),
+    "column_stack": (lambda x: torch.column_stack([x.relu(), x + 1]), (4, 6)),
 }
 
 
@@ -105,3 +108,13 @@ def test_a_piece_also_read_elsewhere_is_stored_twice():
     assert _joins_left(opt) == 0
     for _ in range(2):
         assert_matches_eager(opt, model, torch.randn(4, 6))
+
+
+def test_a_concat_written_in_place_afterwards_is_still_written_by_the_kernel():
+    # fuzz42g: torch.concat's result was taken for a view of its pieces (only cat and stack were fresh)
+    model = Wrap(lambda x: (lambda j: j.add_(1) * 2)(torch.concat([x.relu(), x.sin()], 1))).eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(4, 6))
+        assert not messages and _joins_left(opt) == 0
+        for _ in range(2):
+            assert_matches_eager(opt, model, torch.randn(4, 6))
