@@ -380,7 +380,7 @@ def _entry(d, keys: tuple) -> tuple:
 
 def watched_values(watched: tuple) -> list:
     return [v for d, _, values, keys in watched if d is not None and d is not CONTENTS
-            for v in (values if len(keys) > 1 else (values,))]
+            for v in (values if len(keys) > 1 else (values,)) if type(v) not in WEAK_PROXIES]   # (by identity)
 
 
 def contained_tensors(watched: tuple) -> list:

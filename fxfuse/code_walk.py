@@ -9,6 +9,7 @@ import dis
 import inspect
 import sys
 import types
+import weakref
 
 
 def plain_functions(attr) -> list:
@@ -87,6 +88,8 @@ def globals_read(cls, levels: int = 2) -> list:
         for code in nested_code(fn.__code__):
             for name in global_names(code, "LOAD_GLOBAL"):
                 value = scope.get(name)
+                if type(value) in weakref.ProxyTypes:   # a dead one raises on any use (review42f)
+                    continue
                 own.append((name, value))
                 own += _attributes_named(name, value, set(code.co_names), 3)
         found += own

@@ -158,7 +158,7 @@ def _contents(value, names=None, deeper=None):
     `model` section), and a function's cells, one level further (fingerprint,
     fuzz41f). Checked per call, so no deeper, and no list's items (review41: 30-50x the shallow
     check's time for a list of lists, and rebuilds on every call for a stats dict the loop bumps)."""
-    if isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
+    if type(value) in WEAK_PROXIES or isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
         return None   # compared per call: a 10^5-entry dict cost 12-27 ms a call (fuzz34i); not watched
     if isinstance(value, set):
         return frozenset(value)

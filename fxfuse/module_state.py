@@ -191,7 +191,8 @@ def same_attr(a, b, depth: int = 0) -> bool:
     six containers down: a back-reference (a tree node's `parent`) counts as changed beyond that."""
     if a is b:
         return True
-    if isinstance(a, (torch.Tensor, torch.fx.Proxy)) or isinstance(b, (torch.Tensor, torch.fx.Proxy)):
+    if type(a) in WEAK_PROXIES or type(b) in WEAK_PROXIES or isinstance(a, (torch.Tensor, torch.fx.Proxy)) \
+            or isinstance(b, (torch.Tensor, torch.fx.Proxy)):   # (a dead proxy raises on any other use)
         return False
     if isinstance(a, float) and type(a) is type(b):   # (np.float64 too: review41d)
         return float.__repr__(a) == float.__repr__(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
@@ -225,20 +226,32 @@ def _dead(value) -> bool:
     return False
 
 
+class _DeadReference:
+    """A dead weakref.proxy's stand-in while torch traces: every use but isinstance() raises as
+    the proxy's does (`try: self.trainer.step / except ReferenceError` traces as eager runs)."""
+
+    def __getattr__(self, name):
+        raise ReferenceError("weakly-referenced object no longer exists")
+
+    def __bool__(self):
+        raise ReferenceError("weakly-referenced object no longer exists")
+
+
 @contextlib.contextmanager
 def dead_proxies_hidden(model):
-    """Dead weakref.proxy attributes taken off the model's modules while torch traces it: both
+    """Dead weakref.proxy attributes of the model's modules replaced while torch traces it: both
     torch.fx and torch.export test every module attribute with isinstance(), which raises on a
-    dead proxy (a module kept after the trainer it pointed to). forward() cannot use them either."""
+    dead proxy (a module kept after the trainer it pointed to)."""
     hidden = [(m, k, v) for m in model.modules() for k, v in list(vars(m).items())
               if type(v) in WEAK_PROXIES and _dead(v)]
     for m, k, _ in hidden:
-        del m.__dict__[k]
+        m.__dict__[k] = _DeadReference()
     try:
         yield
     finally:
         for m, k, v in hidden:
-            m.__dict__.setdefault(k, v)
+            if isinstance(m.__dict__.get(k), _DeadReference):
+                m.__dict__[k] = v
 
 
 def _held(attrs: dict, globals_read: dict, seen: set):
@@ -337,7 +350,8 @@ def forward_globals(m: torch.nn.Module) -> tuple:
     if getattr(fn, "__code__", None) is None or (type(m).__module__ or "").startswith("torch."):
         return None, {}
     names = {ins.argval for ins in dis.get_instructions(fn.__code__) if ins.opname == "LOAD_GLOBAL"}
-    return fn, {name: fn.__globals__[name] for name in names if name in fn.__globals__}
+    return fn, {name: fn.__globals__[name] for name in names   # (not a weakref.proxy: a dead one raises on
+                if name in fn.__globals__ and type(fn.__globals__[name]) not in WEAK_PROXIES}   # any use)
 
 
 def _forward_state(m: torch.nn.Module) -> dict:

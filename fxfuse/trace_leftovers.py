@@ -55,6 +55,8 @@ def _own_code(owner) -> bool:
 def _namespace_of(value) -> dict | None:
     """The module namespace of a module object or a plain function, where it is the user's code
     (code_walk.user_module)."""
+    if type(value) in WEAK_PROXIES:   # isinstance() on a dead one raises (review42f)
+        return None
     if isinstance(value, types.ModuleType):
         name, namespace = value.__name__, vars(value)
     elif isinstance(value, types.FunctionType):
@@ -83,7 +85,8 @@ class TraceLeftovers:
         for _, saved in list(self.namespaces.values()):
             for value in saved.values():
                 self._note_cache(value)
-                if isinstance(value, types.FunctionType) and _namespace_of(value) is not None:
+                if type(value) not in WEAK_PROXIES and isinstance(value, types.FunctionType) \
+                        and _namespace_of(value) is not None:
                     self._note_defaults(value)   # a helper's memo default
 
     def _note_defaults(self, fn) -> None:
@@ -98,6 +101,8 @@ class TraceLeftovers:
         return True
 
     def _note_cache(self, value) -> None:
+        if type(value) in WEAK_PROXIES:   # isinstance() on a dead one raises (review42f)
+            return
         if isinstance(value, (staticmethod, classmethod)):
             value = value.__func__
         if isinstance(value, LRU_CACHE) and id(value) not in self.caches:   # no getattr on arbitrary objects:

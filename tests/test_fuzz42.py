@@ -310,3 +310,40 @@ def test_explain_names_views_and_write_backs():
         opt = fxfuse.optimize(Forecaster().eval(), torch.randn(2, 24, 3))
         report = fxfuse.explain(opt)
     assert "assigns the attribute" in report and "a view or an item of a tuple" in report
+
+
+DEAD_GLOBAL = None
+
+
+class GuardedTrainer(nn.Module):
+    def __init__(self, trainer):
+        super().__init__()
+        self.trainer = weakref.proxy(trainer)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        try:
+            scale = self.trainer.scale
+        except ReferenceError:   # the trainer is gone
+            scale = 1.0
+        return torch.relu(self.lin(x)) * scale + (DEAD_GLOBAL is None)
+
+
+def test_a_dead_proxy_read_by_forward_traces_as_eager_runs():
+    # review42f: forward() catching ReferenceError was refused, a dead proxy in a global crashed the build
+    global DEAD_GLOBAL
+    gone = Owner()
+    model, DEAD_GLOBAL = GuardedTrainer(gone).eval(), weakref.proxy(gone)
+    del gone
+    gc.collect()
+    try:
+        with torch.no_grad():
+            opt, messages = optimize_warned(model, torch.randn(4, 8))
+            assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+            assert_matches_eager(opt, model, torch.randn(4, 8))
+            live = Owner()   # scale 2.0: a new trainer is seen, the graph rebuilt
+            model.trainer = weakref.proxy(live)
+            assert_matches_eager(opt, model, torch.randn(4, 8))
+        assert opt.dropped[0] == 1
+    finally:
+        DEAD_GLOBAL = None
