@@ -317,9 +317,13 @@ def plain_object(value) -> bool:
 
 
 def _is_record(value) -> bool:
-    """A SimpleNamespace or a dataclass instance (a decode state, a config): walked by its fields."""
+    """A SimpleNamespace, a dataclass instance (a decode state, a config) or a plain object of the
+    user's (a helper with a cache of its own: its Proxy reached the user's eager model, fuzz42h):
+    walked by its fields."""
     return isinstance(value, types.SimpleNamespace) or (
-        dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__"))
+        dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")) \
+        or type(value) not in WEAK_PROXIES and plain_object(value) \
+        and not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque))   # (a Counter: by items)
 
 
 def _comparable(t: torch.Tensor) -> bool:

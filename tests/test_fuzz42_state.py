@@ -196,3 +196,57 @@ def test_dicts_that_move_on_every_call_are_state(make, verify):
         opt, messages = optimize_warned(model, torch.randn(3, 8), verify=verify)
     assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
     assert (_state(model) if make is not TensorLog else model.history) == before
+
+
+class RotaryHelper:
+    """A plain helper object with a cache of its own (fuzz42h: the trace's Proxy stayed in it, and
+    the user's eager model returned a Proxy afterwards)."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def cos(self, n):
+        if "cos" not in self.cache:
+            self.cache["cos"] = torch.cos(torch.arange(n) * 0.1)
+        return self.cache["cos"]
+
+
+class HelperNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rope = RotaryHelper()
+
+    def forward(self, x):
+        return x * self.rope.cos(x.shape[-1]) + 1
+
+
+class CallCounter:
+    def __init__(self):
+        self.calls = 0
+
+
+class CountsInAnObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.state = CallCounter()
+
+    def forward(self, x):
+        self.state.calls += 1
+        return x.relu()
+
+
+def test_a_helper_objects_cache_holds_no_proxy_after_optimize():
+    model = HelperNet().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        assert all(type(v) is torch.Tensor for v in model.rope.cache.values())
+        assert type(model(torch.randn(3, 8))) is torch.Tensor
+        assert_matches_eager(opt, model, torch.randn(5, 8))
+
+
+def test_a_counter_in_a_plain_object_is_state():
+    model = CountsInAnObject().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+    assert opt is model and len(messages) == 1 and model.state.calls == 0
