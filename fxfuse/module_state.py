@@ -16,6 +16,7 @@ version counter only (copying them would double the model's memory). Inference t
 (a model created under torch.inference_mode) have no version counter: they are compared
 by identity (and buffers by value).
 """
+import array
 import collections
 import contextlib
 import dataclasses
@@ -272,11 +273,11 @@ def _held(attrs: dict, globals_read: dict, seen: set):
             return
         if depth >= MAX_CONTAINER_DEPTH:
             return
-        if isinstance(value, set) or is_ndarray(value) and value.nbytes <= MAX_ARRAY_BYTES \
+        if isinstance(value, (set, bytearray, array.array)) or is_ndarray(value) and value.nbytes <= MAX_ARRAY_BYTES \
                 and value.dtype.kind in "biufc":   # numbers (object and datetime arrays: not compared)
-            if is_ndarray(value) or len(value) <= MAX_CONTAINER_ITEMS:   # `self.seen.add(n)`, a numpy
-                seen.add(id(value))                                      # counter (review42e): compared
-                yield "container", label, value                         # and put back whole
+            if is_ndarray(value) or len(value) <= MAX_SHALLOW_ITEMS:   # `self.seen.add(n)`, a numpy
+                seen.add(id(value))                                    # counter (review42e): compared
+                yield "container", label, value                       # and put back whole
             return
         try:   # a dead weakref.proxy raises ReferenceError on any use (review41d)
             items = (list(enumerate(value)) if isinstance(value, (list, tuple, collections.deque))
@@ -284,11 +285,13 @@ def _held(attrs: dict, globals_read: dict, seen: set):
                      if _is_record(value) else None)
         except ReferenceError:
             return
-        if items is None or len(items) > MAX_CONTAINER_ITEMS:
+        if items is None or len(items) > MAX_SHALLOW_ITEMS:
             return
         seen.add(id(value))
         if not isinstance(value, tuple):
             yield "container", label, value
+        if len(items) > MAX_CONTAINER_ITEMS:   # a long history: compared item by item, not walked (fuzz42h)
+            return
         for key, item in items:
             yield from walk(f"{label}.{key}" if _is_record(value) else f"{label}[{key!r}]", item, depth + 1)
 
@@ -331,8 +334,9 @@ def _comparable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and t.device.type != "meta" and not t.is_nested
 
 
-MAX_CONTAINER_DEPTH = 3     # nesting of lists/dicts searched for tensors
-MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not snapshotted
+MAX_CONTAINER_DEPTH = 4     # nesting of lists/dicts searched for tensors
+MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not walked into
+MAX_SHALLOW_ITEMS = 4096    # up to this many items, they are snapshotted by their items' identities
 MAX_ARRAY_BYTES = 1 << 16   # numpy arrays snapshotted by value (a counter, a running statistic)
 
 
@@ -361,7 +365,8 @@ def forward_globals(m: torch.nn.Module) -> tuple:
 def _forward_state(m: torch.nn.Module) -> dict:
     """The module-level tensors and containers type(m).forward loads."""
     return {name: v for name, v in forward_globals(m)[1].items()
-            if isinstance(v, (torch.Tensor, list, tuple, dict)) or _is_record(v)}
+            if isinstance(v, (torch.Tensor, list, tuple, dict, set, collections.deque, bytearray, array.array))
+            or is_ndarray(v) or _is_record(v)}
 
 
 def forward_hook_owner(model: torch.nn.Module) -> str | None:

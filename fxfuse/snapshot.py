@@ -4,6 +4,7 @@ the tensors and containers its forward() holds or reads (module_state._held), an
 on the model's own classes. A memo forward() fills on a miss (a dict that only gained keys) is
 no change; with keep_memos it stays as the check's eager run filled it (stop 40).
 """
+import array
 import collections
 import functools
 import inspect
@@ -16,8 +17,8 @@ from .trace_leftovers import TraceLeftovers, is_trace_value, reads_input_values
 
 
 def _contents(container):
-    if is_ndarray(container):
-        return container.copy()
+    if is_ndarray(container) or isinstance(container, (bytearray, array.array)):
+        return container[:] if not is_ndarray(container) else container.copy()
     if isinstance(container, set):
         return set(container)
     return list(container) if isinstance(container, (list, collections.deque)) else dict(
@@ -26,6 +27,8 @@ def _contents(container):
 
 def _same_contents(container, saved) -> bool:
     now = _contents(container)
+    if isinstance(now, (bytearray, array.array)):
+        return now == saved
     if is_ndarray(now):
         import numpy
         return now.shape == saved.shape and now.dtype == saved.dtype and bool(numpy.array_equal(
@@ -79,6 +82,8 @@ def _holds_trace_values(items: dict) -> bool:
 def _put_back(container, saved) -> None:
     if is_ndarray(container):
         container[...] = saved
+    elif isinstance(container, (bytearray, array.array)):
+        container[:] = saved
     elif isinstance(container, (set, collections.deque)):
         container.clear()
         container.update(saved) if isinstance(container, set) else container.extend(saved)
@@ -123,8 +128,8 @@ class _Snapshot:
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
         # stored there by the trace would reach every later eager call of the class
         self.class_containers = []
-        for cls in dict.fromkeys(type(m) for m in model.modules()):
-            if (cls.__module__ or "").startswith("torch."):
+        for cls in dict.fromkeys(c for m in model.modules() for c in type(m).__mro__):   # base classes too
+            if (cls.__module__ or "").startswith(("torch.", "builtins")):                  # (fuzz42h)
                 continue
             shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
             self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))

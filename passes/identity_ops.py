@@ -10,6 +10,8 @@ from fxfuse.ops import row_major
 from fxfuse.tracing import fxfuse_meta
 
 aten = torch.ops.aten
+METADATA_INPLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "resize_", "resize_as_",
+                    "as_strided_", "set_", "detach_", "requires_grad_"}   # in-place ops on a tensor's view of its storage
 
 
 def _is_tensor_node(node) -> bool:
@@ -19,9 +21,10 @@ def _is_tensor_node(node) -> bool:
 def whole_slice(node) -> bool:
     """`h[:, :]`, `h[...]`, `h[:]`, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim:
     h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
-    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs:
-        return False
-    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)
+    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or any(
+            u.op == "output" or getattr(u.target, "__name__", u.target) in METADATA_INPLACE for u in node.users):
+        return False   # eager's view is another tensor: `v.unsqueeze_(0)`, or a caller's on a returned
+    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)   # slice, leave h as it is (fuzz42i)
     if src is None or out is None or tuple(src.shape) != tuple(out.shape) or tuple(src.stride) != tuple(out.stride):
         return False
     if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:

@@ -347,3 +347,21 @@ def test_a_dead_proxy_read_by_forward_traces_as_eager_runs():
         assert opt.dropped[0] == 1
     finally:
         DEAD_GLOBAL = None
+
+
+def test_a_whole_slice_stays_a_view_where_its_metadata_is_changed_or_returned():
+    # fuzz42i: dropped as the tensor itself, `v = h[:, :]; v.unsqueeze_(0)` reshaped h, and a returned
+    # x[:, :] was the caller's x (out.unsqueeze_(0) reshaped it)
+    def body(x):
+        h = x * 2
+        v = h[:, :]
+        v.unsqueeze_(0)
+        return h.sigmoid(), v, x[:, :]
+    model = Direct(body).eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 4), verify=False)
+        x = torch.randn(3, 4)
+        got, want = opt(x), model(x.clone())
+        assert [t.shape for t in got] == [t.shape for t in want] and got[2] is not x
+        got[2].unsqueeze_(0)
+        assert x.shape == (3, 4)

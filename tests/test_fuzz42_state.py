@@ -250,3 +250,62 @@ def test_a_counter_in_a_plain_object_is_state():
     with torch.no_grad():
         opt, messages = optimize_warned(model, torch.randn(3, 8))
     assert opt is model and len(messages) == 1 and model.state.calls == 0
+
+
+GLOBAL_SEEN = set()
+
+
+class StateKinds(nn.Module):
+    """State fxfuse did not snapshot before fuzz42h: long containers, bytearray, array.array, a
+    dict four levels down, a global set, a base class's container."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.long = list(range(100))
+        self.raw = bytearray(4)
+        self.arr = __import__("array").array("d", [0.0])
+        self.deep = {"a": {"b": {"c": {"n": 0}}}}
+
+    def forward(self, x):
+        if self.kind == "long":
+            self.long.append(x.shape[0])
+        elif self.kind == "bytearray":
+            self.raw[0] += 1
+        elif self.kind == "array":
+            self.arr.append(1.0)
+        elif self.kind == "deep":
+            self.deep["a"]["b"]["c"]["n"] += 1
+        elif self.kind == "global set":
+            GLOBAL_SEEN.add(x.shape[0])
+        return x.relu() * 2
+
+
+class RegistryBase(nn.Module):
+    registry = []
+
+
+class Registered(RegistryBase):
+    def forward(self, x):
+        RegistryBase.registry.append(x.shape[0])
+        return x.relu()
+
+
+def _python_state(model):
+    import copy
+    return copy.deepcopy({k: v for k, v in vars(model).items() if not k.startswith("_")}), set(GLOBAL_SEEN), \
+        list(RegistryBase.registry)
+
+
+@pytest.mark.parametrize("make", [lambda: StateKinds("long"), lambda: StateKinds("bytearray"),
+                                  lambda: StateKinds("array"), lambda: StateKinds("deep"),
+                                  lambda: StateKinds("global set"), Registered])
+def test_more_kinds_of_state_are_refused_and_put_back(make):
+    GLOBAL_SEEN.clear()
+    RegistryBase.registry.clear()
+    model = make().eval()
+    before = _python_state(model)
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+    assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
+    assert repr(_python_state(model)) == repr(before)
