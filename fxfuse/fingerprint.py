@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from .module_state import WEAK_PROXIES, held_fields, library_class, plain_object, same_attr, version
+from .module_state import WEAK_PROXIES, dead, held_fields, library_class, plain_object, same_attr, version
 
 
 def value_text(value) -> str:
@@ -158,7 +158,8 @@ def _contents(value, names=None, deeper=None):
     `model` section), and a function's cells, one level further (fingerprint,
     fuzz41f). Checked per call, so no deeper, and no list's items (review41: 30-50x the shallow
     check's time for a list of lists, and rebuilds on every call for a stats dict the loop bumps)."""
-    if type(value) in WEAK_PROXIES or isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
+    if type(value) in WEAK_PROXIES and dead(value) \
+            or isinstance(value, (list, dict, set)) and len(value) > MAX_WATCHED_ITEMS:
         return None   # compared per call: a 10^5-entry dict cost 12-27 ms a call (fuzz34i); not watched
     if isinstance(value, set):
         return frozenset(value)
@@ -208,6 +209,13 @@ def _holds_more(value) -> bool:
 
 
 def _contents_changed(value, snap, names=(None, None)) -> bool:
+    try:   # a weakref.proxy that died since (review42j: a live one's config is watched)
+        return _changed(value, snap, names)
+    except ReferenceError:
+        return True
+
+
+def _changed(value, snap, names) -> bool:
     names = names[0]
     if isinstance(value, set):
         return frozenset(value) != snap

@@ -219,7 +219,7 @@ def same_attr(a, b, depth: int = 0) -> bool:
 WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
-def _dead(value) -> bool:
+def dead(value) -> bool:
     try:
         value.__class__
     except ReferenceError:
@@ -231,11 +231,11 @@ class _DeadReference:
     """A dead weakref.proxy's stand-in while torch traces: every use but isinstance() raises as
     the proxy's does (`try: self.trainer.step / except ReferenceError` traces as eager runs)."""
 
-    def __getattr__(self, name):
+    def _gone(self, *args, **kwargs):
         raise ReferenceError("weakly-referenced object no longer exists")
 
-    def __bool__(self):
-        raise ReferenceError("weakly-referenced object no longer exists")
+    __getattr__ = __bool__ = __call__ = __eq__ = __ne__ = __len__ = __iter__ = __getitem__ = _gone   # (review42j)
+    __hash__ = None
 
 
 @contextlib.contextmanager
@@ -244,7 +244,7 @@ def dead_proxies_hidden(model):
     torch.fx and torch.export test every module attribute with isinstance(), which raises on a
     dead proxy (a module kept after the trainer it pointed to)."""
     hidden = [(m, k, v) for m in model.modules() for k, v in list(vars(m).items())
-              if type(v) in WEAK_PROXIES and _dead(v)]
+              if type(v) in WEAK_PROXIES and dead(v)]
     for m, k, _ in hidden:
         m.__dict__[k] = _DeadReference()
     try:
@@ -263,11 +263,12 @@ def _held(attrs: dict, globals_read: dict, seen: set):
     tensor (`self.acc[0].add_(1)`) once at trace time, and an item replaced in a container
     (`self.hist[0] = y`) receives a Proxy; neither reaches the graph. `seen` (ids) skips what an
     earlier submodule already holds (48 blocks reading one global are one snapshot)."""
-    def walk(label, value, depth):
+    def walk(label, value, depth, in_object=False):
         if id(value) in seen or type(value) in WEAK_PROXIES:   # a dead one raises on any use (review41d)
             return
-        if isinstance(value, torch.Tensor):
-            if not isinstance(value, torch.nn.Parameter) and _comparable(value):
+        if isinstance(value, torch.Tensor):   # (a big one in a plain object, say a preallocated cache, not
+            if not isinstance(value, torch.nn.Parameter) and _comparable(value) and not (   # copied per
+                    in_object and value.numel() * value.element_size() > MAX_OBJECT_TENSOR_BYTES):   # build)
                 seen.add(id(value))
                 yield "tensor", label, value
             return
@@ -292,8 +293,9 @@ def _held(attrs: dict, globals_read: dict, seen: set):
             yield "container", label, value
         if len(items) > MAX_CONTAINER_ITEMS:   # a long history: compared item by item, not walked (fuzz42h)
             return
+        plain = in_object or _is_record(value) and plain_object(value)
         for key, item in items:
-            yield from walk(f"{label}.{key}" if _is_record(value) else f"{label}[{key!r}]", item, depth + 1)
+            yield from walk(f"{label}.{key}" if _is_record(value) else f"{label}[{key!r}]", item, depth + 1, plain)
 
     for k, v in attrs.items():
         yield from walk(k, v, 0)
@@ -338,6 +340,7 @@ MAX_CONTAINER_DEPTH = 4     # nesting of lists/dicts searched for tensors
 MAX_CONTAINER_ITEMS = 64    # longer containers (a cache of many tensors) are not walked into
 MAX_SHALLOW_ITEMS = 4096    # up to this many items, they are snapshotted by their items' identities
 MAX_ARRAY_BYTES = 1 << 16   # numpy arrays snapshotted by value (a counter, a running statistic)
+MAX_OBJECT_TENSOR_BYTES = 1 << 20   # tensors in the user's plain objects copied by the snapshot (review42j)
 
 
 def forward_function(m: torch.nn.Module):

@@ -53,10 +53,33 @@ def _only_memoized(container, saved) -> bool:
     return len(now) > len(saved)
 
 
-def _entries(container) -> tuple:
-    """A dict's entries by identity, with the sizes of the containers among them (an append)."""
-    return tuple((k, id(v), len(v) if isinstance(v, (list, dict, set, collections.deque)) else None)
-                 for k, v in _contents(container).items())
+def _entries(container) -> dict:
+    """A dict's entries: each value, with a tensor's version (`.add_(1)` on a counter) or a
+    container's size (an append)."""
+    return {k: (v, version(v) if isinstance(v, torch.Tensor) else len(v)
+                if isinstance(v, (list, dict, set, collections.deque)) else None)
+            for k, v in _contents(container).items()}
+
+
+def _proxy_text(value) -> bool:
+    """A string made from a trace's Proxy (`f"width {x.shape[-1]}"`: review42j)."""
+    return type(value) is str and "Proxy(" in value   # (type(): isinstance() of a dead weakref.proxy raises)
+
+
+def _moved(before: dict, after: dict) -> bool:
+    """Whether a rerun changed the entries: other keys, another value (an equal fresh tensor, as
+    a scratch dict refilled per call holds, is none: review42j), one written in place or grown."""
+    if before.keys() != after.keys():
+        return True
+    for k, (old, mark) in before.items():
+        new, now = after[k]
+        if new is old:
+            if now != mark:
+                return True
+        elif not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and mark == version(old)
+                  and same_value(new, old)):
+            return True
+    return False
 
 
 def _restore_container(name: str, container, saved, changed: list, data_filled: bool = False,
@@ -145,8 +168,9 @@ class _Snapshot:
         containers += [held for module in self.modules for held in module[7].values()]
         for c, saved in containers:   # what the trace put there: not the user's own fake tensors (review38b)
             target = vars(c) if _is_record(c) else c
-            if isinstance(target, dict):
-                for k in [k for k, v in target.items() if is_trace_value(v) and saved.get(k) is not v]:
+            if isinstance(target, dict):   # a Proxy as a key too (`self.seen[x.shape[0]] = True`: review42j)
+                for k in [k for k, v in target.items() if (is_trace_value(v) or is_trace_value(k) or _proxy_text(v))
+                          and (k not in saved or saved[k] is not v)]:
                     if reads_input_values(target[k]):   # filled from the input's values: state, not a memo
                         self.data_filled.add(id(c))
                     del target[k]
@@ -162,7 +186,7 @@ class _Snapshot:
         if candidates:
             before = [_entries(c) for c in candidates]
             run()
-            self.data_filled |= {id(c) for c, entries in zip(candidates, before) if _entries(c) != entries}
+            self.data_filled |= {id(c) for c, entries in zip(candidates, before) if _moved(entries, _entries(c))}
 
     def restore(self, keep_memos: bool = False) -> list:
         """Put everything back, with keep_memos all but the memos (build_state.kept_state; put

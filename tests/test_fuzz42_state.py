@@ -309,3 +309,54 @@ def test_more_kinds_of_state_are_refused_and_put_back(make):
         opt, messages = optimize_warned(model, torch.randn(3, 8))
     assert opt is model and len(messages) == 1 and "changes the module's state" in messages[0]
     assert repr(_python_state(model)) == repr(before)
+
+
+class TensorCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stats = {}
+
+    def forward(self, x):
+        self.stats.setdefault("calls", torch.zeros(())).add_(1)   # created on first use, then in place
+        return x.relu()
+
+
+class ScratchRefill(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scratch = {}
+
+    def forward(self, x):
+        self.scratch["scale"] = torch.full((x.shape[-1],), 0.5)   # an equal fresh tensor every call
+        return x * self.scratch["scale"] + 1
+
+
+class SeenWidths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen, self.meta = {}, {}
+
+    def forward(self, x):
+        if x.shape[-1] not in self.seen:
+            self.seen[x.shape[-1]] = True
+            self.meta["desc"] = f"width {x.shape[-1]}"
+        return x.relu() + 1
+
+
+def test_a_tensor_counter_written_in_place_is_state():
+    model = TensorCounter().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+    assert opt is model and len(messages) == 1 and model.stats == {}
+
+
+@pytest.mark.parametrize("make", [ScratchRefill, SeenWidths])
+def test_refilled_scratch_and_shape_memos_are_optimized_without_trace_leftovers(make):
+    # review42j: an equal fresh tensor per call was refused; a Proxy key and a "Proxy(getitem)" string stayed
+    model = make().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        assert_matches_eager(opt, model, torch.randn(3, 8))
+    if make is SeenWidths:
+        assert list(model.seen) == [8] and model.meta == {"desc": "width 8"}
