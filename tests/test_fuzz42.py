@@ -12,6 +12,7 @@ from torch import nn
 import fxfuse
 
 from conftest import assert_matches_eager, optimize_warned
+from test_join_outputs import Wrap as Direct   # forward(x) = fn(x)
 
 
 class Owner:
@@ -138,15 +139,6 @@ def test_kernels_refuse_row_counts_past_int32_indices():
     tiles = choose_config(mlp, 4096, False)
     assert not tiles.rowwise and why_not_kernel(mlp, tiles, rows=4096) is None
     assert "int32" in why_not_kernel(mlp, tiles, rows=2 ** 31)
-
-
-class Direct(nn.Module):
-    def __init__(self, op):
-        super().__init__()
-        self.op = op
-
-    def forward(self, x):
-        return self.op(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
