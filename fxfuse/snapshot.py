@@ -185,7 +185,11 @@ class _Snapshot:
         candidates += [c for module in self.modules for c, saved in module[7].values() if _only_memoized(c, saved)]
         if candidates:
             before = [_entries(c) for c in candidates]
-            run()
+            try:
+                run()
+            except Exception:  # noqa: BLE001 -- forward() raised on another call: its dicts are state
+                self.data_filled |= {id(c) for c in candidates}
+                return
             self.data_filled |= {id(c) for c, entries in zip(candidates, before) if _moved(entries, _entries(c))}
 
     def restore(self, keep_memos: bool = False) -> list:
