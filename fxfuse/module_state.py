@@ -29,6 +29,8 @@ import weakref
 import torch
 import torch.fx
 
+from .code_walk import user_module
+
 
 try:   # the global hook dicts nn.Module.__call__ checks (filled in place, never rebound)
     from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks,
@@ -327,8 +329,9 @@ def _is_record(value) -> bool:
     walked by its fields."""
     return isinstance(value, types.SimpleNamespace) or (
         dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")) \
-        or type(value) not in WEAK_PROXIES and plain_object(value) \
-        and not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque))   # (a Counter: by items)
+        or type(value) not in WEAK_PROXIES and plain_object(value) and user_module(type(value).__module__) \
+        and not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque))   # (a Counter: by items;
+    #   not the standard library's: a logger's handler keeps its records, which is no model state: fuzz42k)
 
 
 def _comparable(t: torch.Tensor) -> bool:

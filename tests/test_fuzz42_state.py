@@ -353,3 +353,28 @@ def test_refilled_scratch_and_shape_memos_are_optimized_without_trace_leftovers(
         assert list(model.seen) == [8] and model.meta == {"desc": "width 8"}
     else:   # the eager calls in between refill the scratch: rebuilt, not sent to the original
         assert not opt.original_calls
+
+
+class LoggingModel(nn.Module):
+    """A forward() that only logs, through a handler that keeps its records (fuzz42k: refused as state
+    once plain objects were walked: the logger's handler buffer moved)."""
+
+    def __init__(self):
+        import logging.handlers
+        super().__init__()
+        self.log = logging.getLogger("fxfuse-test-memory-logger")
+        self.log.setLevel(logging.INFO)
+        self.log.handlers[:] = [logging.handlers.MemoryHandler(capacity=10 ** 6)]
+        self.log.propagate = False
+
+    def forward(self, x):
+        self.log.info("rows %d", x.shape[0])
+        return x.relu() * 2
+
+
+def test_a_model_that_logs_is_still_optimized():
+    model = LoggingModel().eval()
+    with torch.no_grad():
+        opt, messages = optimize_warned(model, torch.randn(3, 8))
+        assert isinstance(opt, fxfuse.OptimizedModule) and not messages
+        assert_matches_eager(opt, model, torch.randn(3, 8))
