@@ -165,18 +165,17 @@ class IRBuilder:
         `strides` (default: contiguous), through `index` (default: the map of that layout)."""
         shape = tuple(shape if shape is not None else self.shape)
         strides = tuple(strides) if strides is not None else None
-        self.outputs.append(OutputSpec(shape, dtype, strides))
-        out = len(self.outputs) - 1
+        out = self.joined_output(shape, dtype, strides)
         if index is None:
             layout = strides if strides is not None else torch.empty(shape, device="meta").stride()
             index = IndexMap.broadcast(shape, layout, self.shape)
-        self.stores.append(Store(out, index, value))
+        self.store_into(out, value, index)
         return out
 
-    def joined_output(self, shape, dtype) -> int:
-        """A new contiguous output that several stores fill, each through its own map (the pieces
-        of a stack or cat: passes/join_outputs.py)."""
-        self.outputs.append(OutputSpec(tuple(shape), dtype, None))
+    def joined_output(self, shape, dtype, strides=None) -> int:
+        """A new output (contiguous unless `strides`) that one or several stores fill, each through
+        its own map (the pieces of a stack or cat: passes/join_outputs.py)."""
+        self.outputs.append(OutputSpec(tuple(shape), dtype, strides))
         return len(self.outputs) - 1
 
     def store_into(self, out: int, value: int, index: IndexMap) -> None:

@@ -218,7 +218,7 @@ def same_attr(a, b, depth: int = 0) -> bool:
         return False
 
 
-WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+WEAK_PROXIES = weakref.ProxyTypes   # (code_walk, which this module imports, reads it from weakref too)
 
 
 def dead(value) -> bool:

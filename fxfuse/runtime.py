@@ -333,8 +333,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # opt.compile(), torch.compile(opt.forward), a parent calling opt.forward and opt's own hooks come
         # through forward too. Inside a build in this thread (a parent's verify and grad probes): the
         # original too, so a parent's builds spend none of opt's specializations or warnings
-        if dynamo_traces() or COMPILER._is_compiling_flag and trace_tensors(args, kwargs) or BUILDING[0] and BUILD_LOCK._is_owned() or \
-                FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
+        if dynamo_traces() or COMPILER._is_compiling_flag and trace_tensors(args, kwargs) or BUILDING[0] \
+                and BUILD_LOCK._is_owned() or FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
         if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
             positional = bind_positional(self.original.forward, args, kwargs)

@@ -83,8 +83,7 @@ def _moved(before: dict, after: dict) -> bool:
         if new is old:
             if now != mark:
                 return True
-        elif not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and mark == version(old)
-                  and same_value(new, old)):
+        elif not (_equal_tensor(new, old) and mark == version(old)):
             return True
     return False
 

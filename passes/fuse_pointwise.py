@@ -455,10 +455,9 @@ def build_fused_kernel(gm, members, use_kernels: bool, mutated=frozenset()):
     for join in joins:   # pieces stored where they lie in the stacked / concatenated tensor
         out = b.joined_output(_meta(join).shape, _meta(join).dtype)
         for k, piece in enumerate(join_of(join)[1]):
-            meta = _meta(piece)
-            loaded = piece not in inside and b.load(inputs.index(piece), IndexMap.broadcast(meta.shape, meta.stride,
-                                                                                            shape))
-            b.store_into(out, value[piece] if piece in inside else loaded, piece_index(join, k, shape))
+            v = value[piece] if piece in inside else b.load(
+                inputs.index(piece), IndexMap.broadcast(_meta(piece).shape, _meta(piece).stride, shape))
+            b.store_into(out, v, piece_index(join, k, shape))
     outputs += joins
     members = list(members) + joins
     reference = _reference_module(members, inputs, outputs)
