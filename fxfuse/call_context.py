@@ -6,6 +6,7 @@ wrapped or dual tensors that the kernels would strip. Each check is one attribut
 C call: forward() runs them on every call. At the end, fxfuse's own call of torch.export
 (quiet_export): quiet, and with torch.compiler's flags as eager has them where it can.
 """
+import collections
 import contextlib
 import sys
 import warnings
@@ -118,7 +119,7 @@ def quiet_export(model, args):
     # (HF's is_torchdynamo_compiling() guards checks of data the trace cannot read: review38b), as torch answers
     asked = []
     for eager_flags in (True, False):
-        with quiet_this_thread(logs=True), warnings.catch_warnings(), \
+        with quiet_this_thread(logs=True), warnings.catch_warnings(), _attribute_objects_kept(model), \
                 compile_flags_as_eager(asked) if eager_flags else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             try:   # (the program, whether is_compiling() answered True for forward(): explain says so)
@@ -126,3 +127,43 @@ def quiet_export(model, args):
             except Exception:
                 if not (eager_flags and asked):
                     raise
+
+
+@contextlib.contextmanager
+def _attribute_objects_kept(model):
+    """torch.export (non-strict) puts every module attribute back from a pytree copy made before
+    its trace: a dict, list or tuple the model holds was another object afterwards, so a cache or
+    config shared with other code was cut off from it, and fxfuse's state snapshot watched the old
+    object (a memo dict filled by the next eager call read as state: the model was refused). The
+    user's own objects go back, holding what torch's copy holds."""
+    before = [(m, dict(vars(m))) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
+    try:
+        yield
+    finally:
+        for m, attributes in before:
+            now = vars(m)
+            for k, v in attributes.items():
+                if k in now and now[k] is not v:
+                    now[k] = _same_object(v, now[k])
+
+
+def _same_object(original, copy):
+    """original holding copy's contents (nested containers too), where both are the same kind of
+    container; else copy."""
+    if type(original) is not type(copy) or original is copy:
+        return copy
+    if isinstance(original, dict):
+        items = {k: _same_object(original[k], v) if k in original else v for k, v in copy.items()}
+        original.clear()
+        original.update(items)
+        return original
+    if isinstance(original, (list, collections.deque)):
+        kept = len(original) >= len(copy)   # (the trace appended, or nothing: the items pair up)
+        items = [_same_object(o, c) if kept else c for o, c in zip(original, copy)] + list(copy)[len(original):]
+        original.clear()
+        original.extend(items)
+        return original
+    if isinstance(original, tuple) and len(original) == len(copy):
+        items = [_same_object(o, c) for o, c in zip(original, copy)]
+        return original if all(i is o for i, o in zip(items, original)) else copy
+    return copy

@@ -34,6 +34,16 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
     def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
         return _AugmentedAttribute(self, k)
 
+    def __hash__(self):
+        """A size (or dtype, device) as a set member or dict key (`x.shape[0] in self.sizes`,
+        `self.table.get(n)`, `x.dtype in HALF`, an lru_cache keyed by it): a Proxy hashes by identity, so the lookup missed for every size and
+        the trace took the miss's way silently (fuzz42c). Refused like a branch on it; torch.export
+        then traces with the example's sizes, which the guards keep."""
+        refused = getattr(self.tracer, "_refused", None)
+        if refused is not None and _is_a_size(self.node):
+            return refused(_hashed_size, self)
+        return object.__hash__(self)
+
 
 _AugmentedAssignmentProxy.__name__ = _AugmentedAssignmentProxy.__qualname__ = "Proxy"   # as torch.fx's, in
 #                                              the errors Python raises about one ("'Proxy' object cannot be ...")
@@ -45,12 +55,46 @@ class _AugmentedAttribute(torch.fx.proxy.Attribute):
     def __getattr__(self, k):
         return _AugmentedAttribute(self, k)
 
+    __hash__ = _AugmentedAssignmentProxy.__hash__   # `x.dtype in {...}` (torch.fx's own: by identity)
+
 
 for _name in AUGMENTED_NAMES:
     def _augmented(self, other, _op=getattr(operator, f"i{_name}")):
         return self.tracer.create_proxy("call_function", _op, (self, other), {})
     for _cls in (_AugmentedAssignmentProxy, _AugmentedAttribute):
         setattr(_cls, f"__i{_name}__", _augmented)
+
+
+def _hashed_size(proxy):
+    raise torch.fx.proxy.TraceError(f"a traced size, dtype or device ({proxy.node.name}) is looked up in a set or "
+                                    "dict: a Proxy hashes by identity and would miss every key")
+
+
+PLAIN_METHODS = ("size", "numel", "nelement", "dim", "ndimension", "item", "tolist", "stride", "get_device",
+                 "is_contiguous", "is_floating_point", "is_complex", "element_size", "storage_offset")
+PLAIN_ATTRIBUTES = ("shape", "ndim", "dtype", "device", "layout", "is_cuda", "is_sparse", "is_meta",
+                    "is_quantized", "requires_grad", "is_leaf")
+
+
+def _is_a_size(node) -> bool:
+    """Whether node is a plain Python value while tracing, not a tensor: a size read (`x.shape`,
+    `x.size(1)`, `len(x)`, `.item()`), a dtype or device (`x.device.type`), an item or attribute
+    of one, or operator arithmetic on such values only (`x.shape[-1] // 2`; `x + 1` is
+    operator.add too)."""
+    if node.op == "call_method":
+        return node.target in PLAIN_METHODS
+    if node.op != "call_function":
+        return False
+    base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.target is getattr:
+        return node.args[1:2] in (tuple([a]) for a in PLAIN_ATTRIBUTES) or base is not None and _is_a_size(base)
+    if node.target is len:
+        return True
+    if node.target is operator.getitem:
+        return base is not None and _is_a_size(base)
+    if getattr(node.target, "__module__", None) in ("_operator", "operator", "math", "builtins"):
+        return bool(node.all_input_nodes) and all(_is_a_size(a) for a in node.all_input_nodes)
+    return False
 
 
 def number_to_the_power(base, exponent):

@@ -1,0 +1,124 @@
+"""Stop 43: a traced size used as a set member or dict key, and the module attributes torch.export
+put back as copies."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+
+class SizeLookup(nn.Module):
+    """Branches on a set membership and scales by a dict entry, both keyed by the batch size."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 8), how
+        self.sizes, self.table = {4, 6}, {4: 2.0}
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.how == "set" and n in self.sizes:
+            x = x * 3
+        scale = self.table.get(n, 1.0) if self.how == "get" else self.table[n] if n in self.table else 0.5
+        return torch.relu(self.lin(x)) * scale - 1
+
+
+@functools.lru_cache(maxsize=4)
+def _inverse(n):
+    return 1.0 / n
+
+
+class CachedScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * _inverse(x.shape[0]) - 1
+
+
+@pytest.mark.parametrize("how", ["set", "get", "in dict"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_size_looked_up_in_a_set_or_dict_follows_the_input(how, verify):
+    """A Proxy hashes by identity: `x.shape[0] in self.sizes` was False and `.get(n, 1.0)` the
+    default for every input, so with verify=False the graph computed the miss's way, silently
+    (4.8 off at batch 4); with verify on the model fell back."""
+    model = SizeLookup(how).eval()
+    opt = optimize_strict(model, torch.randn(4, 8), verify=verify)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert_matches_eager(opt, model, torch.randn(4, 8))
+    assert_matches_eager(opt, model, torch.randn(5, 8))   # another specialization, the other way
+
+
+def test_a_size_keyed_lru_cache_still_traces():
+    model = CachedScale().eval()
+    opt = optimize_strict(model, torch.randn(4, 8))
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert_matches_eager(opt, model, torch.randn(4, 8))
+    assert_matches_eager(opt, model, torch.randn(3, 8))
+
+
+SHARED = {"scale": 2.0}
+
+
+class SharedConfig(nn.Module):
+    """Holds a dict shared with other code and a cache dict; its isinstance() check sends the trace
+    to torch.export, which puts every module attribute back from a pytree copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cfg, self.cache, self.nested = nn.Linear(8, 8), SHARED, {}, ([1], {"k": [2]})
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            x = x + 1
+        t = x.shape[1]
+        if t not in self.cache:
+            self.cache[t] = torch.full((t,), 0.5)
+        return torch.relu(self.lin(x)) * self.cfg["scale"] + self.cache[t]
+
+
+def test_torch_export_leaves_the_models_own_containers_in_place():
+    """After optimize the model held copies: SHARED's later edits did not reach the eager model
+    (its output off by 1.0), and the cache memo filled by verify's eager run was another dict than
+    the one fxfuse watched, so the model was refused as changing its state."""
+    model = SharedConfig().eval()
+    nested, cache = model.nested, model.cache
+    opt = optimize_strict(model, torch.randn(3, 8))
+    assert "torch.export" in fxfuse.explain(opt)
+    assert model.cfg is SHARED and model.nested is nested and model.cache is cache
+    assert model.nested[1]["k"] == [2] and all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor
+                                               for v in cache.values())
+    try:
+        SHARED["scale"] = 3.0
+        out = assert_matches_eager(opt, model, torch.randn(3, 8))
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), torch.relu(model.lin(x + 1)) * 3.0 + 0.5)
+        assert out.shape == (3, 8)
+    finally:
+        SHARED["scale"] = 2.0
+
+
+class DtypeLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scaled, self.by_device = nn.Linear(8, 8), {torch.float32}, {"cpu": 2.0, "cuda": 2.0}
+
+    def forward(self, x):
+        if x.dtype in self.scaled:
+            x = x * 3
+        return torch.relu(self.lin(x)) * self.by_device.get(x.device.type, 1.0) - 1
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_dtype_or_device_looked_up_in_a_set_or_dict_follows_the_input(verify):
+    """`x.dtype in self.scaled` missed for every dtype (3.1 off with verify=False)."""
+    model = DtypeLookup().eval()
+    opt = optimize_strict(model, torch.randn(4, 8), verify=verify)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert_matches_eager(opt, model, torch.randn(4, 8))
