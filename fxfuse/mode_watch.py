@@ -20,6 +20,7 @@ import torch
 from .code_walk import globals_read
 from .errors import FxfuseWarning
 from .module_state import WEAK_PROXIES, forward_globals, mode_free, plain_object, storage_address
+from .written_constants import held_tensors
 
 _PASSES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes", "")   # fxfuse.passes
 LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep) + (
@@ -93,6 +94,7 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs, rew
     # its own user's: its bookkeeping is put back and its warnings are not shown
     inner = [(m, set(m._warned), m.original_calls.copy()) for m in model.modules()
              if getattr(type(m), "fxfuse_runtime", False)]
+    plain = [t for t in (*model.parameters(), *model.buffers(), *held_tensors(model)) if not t.requires_grad]
     # with grad on, autograd saves nothing for this thread's runs (a large model's activations
     # would be kept for a backward pass that never comes); the parameters stay as they are
     # (freezing them would have frozen them for other threads training meanwhile)
@@ -107,7 +109,10 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs, rew
     finally:
         for m, warned, calls in inner:
             m._warned, m.original_calls = warned, calls
-
+        for t in plain:   # a scratch buffer written in place with grad on: it required grad afterwards, with a
+            if t.requires_grad:   # grad_fn into the probe's graph, and so did eager's outputs (review43c)
+                with contextlib.suppress(RuntimeError):   # (a view cannot be detached in place)
+                    t.detach_()
 
 def _drop(_):
     return None

@@ -58,7 +58,7 @@ def lerp_scalar(x, end, weight):
 
 def _fp32(v) -> float:
     """A number as ATen's fp32 opmath reads a Python scalar."""
-    return float(torch.tensor(v, dtype=torch.float32))
+    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))
 
 
 def _fma(x, y, z) -> str:
@@ -82,7 +82,7 @@ def _lerp_scalar(a, b, weight) -> str:
     w = _fp32(weight)
     if abs(w) < 0.5:
         return _fma(literal(w), f"({b} - {a})", a)
-    one_minus = (torch.tensor(1.0, dtype=torch.float32) - torch.tensor(w, dtype=torch.float32)).item()
+    one_minus = (torch.tensor(1.0, dtype=torch.float32, device="cpu") - torch.tensor(w, dtype=torch.float32, device="cpu")).item()
     # b - (b - a) * (1 - w) as eager writes it: (a - b) * (1 - w) + b made +0.0 of lerp(-0.0, -0.0, 0.7) (fuzz35e)
     return f"(({b}).to(tl.float64) - {literal(one_minus)} * ({b} - {a}).to(tl.float64)).to(tl.float32)"
 

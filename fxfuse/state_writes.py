@@ -14,7 +14,8 @@ import torch
 import torch.fx
 
 from .errors import UnsupportedError
-from .node_meta import fetch_attr
+from .module_state import version as _version   # None for an inference tensor (review43c: a model
+from .node_meta import fetch_attr                   # loaded under inference_mode failed inside fxfuse)
 
 
 class StateWriteError(UnsupportedError):
@@ -143,12 +144,12 @@ def assigns_parameter(error: BaseException) -> StateWriteError | None:
 
 
 def parameter_versions(model: torch.nn.Module) -> list:
-    return [(name, p, p._version) for name, p in model.named_parameters()]
+    return [(name, p, _version(p)) for name, p in model.named_parameters()]   # (inference tensors: None)
 
 
 def refuse_written_parameters(versions: list) -> None:
     """After torch.export traced forward() (which applies a write once), before the graph runs."""
-    written = next((name for name, p, v in versions if p._version != v), None)
+    written = next((name for name, p, v in versions if _version(p) != v), None)
     if written is not None:
         raise StateWriteError(f"forward() changes the module's state: it writes into the parameter {written} "
                               "in place (torch.export's trace applied the write once); fxfuse's graphs keep no "

@@ -62,12 +62,12 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     if entered:   # torch.export records autocast regions as ops no pass of fxfuse respects
         raise AutocastInForward(f"forward() enters torch.autocast (node {entered[0].name}: {entered[0].target}); apply "
                                 "autocast around the call instead (fxfuse then runs the original module)")
-    if how == "torch.fx.symbolic_trace" and written_constant(gm, held) is not None:
+    if how == "torch.fx.symbolic_trace" and written_constant(gm, held, attributes=True) is not None:
         try:   # `h = torch.zeros(4, 8); h[:, :4] = x`: torch.fx made h a constant and wrote it; torch.export
             gm, how = _exported(model, example_args), "torch.export(strict=False)"   # records both (fuzz38h)
         except Exception:  # noqa: BLE001 -- the refusal below says why
             pass
-    refuse_written_constants(gm, held)
+    refuse_written_constants(gm, held, attributes=how == "torch.fx.symbolic_trace")
     if gm.meta.get("fxfuse_traced_as_compiling"):   # review38c: explain() says which branch the graph took
         how += ", with torch.compiler.is_compiling() True (forward() asks it, and the trace as eager answers failed)"
     gm.meta["fxfuse_trace"] = {"tracer": how, "ms": 1e3 * (time.perf_counter() - start),

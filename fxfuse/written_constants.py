@@ -13,25 +13,30 @@ from .errors import UnsupportedError
 from .module_state import storage_address
 
 
-def refuse_written_constants(gm: torch.fx.GraphModule, held: dict) -> None:
+def refuse_written_constants(gm: torch.fx.GraphModule, held: dict, attributes: bool = False) -> None:
     """`t = torch.tensor([1., 2.]); ...; t.mul_(3)`: symbolic_trace makes t a constant of the graph
     and runs the write on it once while tracing, so the graph would start from the written values
     (review34b: with verify=False, silently). Such a constant's version counter has moved. A
     tensor the model holds (`held`: held_tensor_versions before the trace) counts only where its
     version moved during the trace: the user may have written it before (`cfg["scale"].mul_(2)`,
     fuzz35d; a module-level table, review35b), and the graph reads it, not a copy."""
-    node = written_constant(gm, held)
+    node = written_constant(gm, held, attributes)
     if node is not None:
         raise UnsupportedError(f"forward() writes in place into a tensor it makes from constants (node "
                                f"{node}): the trace ran that write once, so the graph would start from "
                                "the written values. Write it out of place (t = t * 3) instead")
 
 
-def written_constant(gm: torch.fx.GraphModule, held: dict) -> str | None:
-    """The name of a constant of the graph written during the trace (refuse_written_constants)."""
+def written_constant(gm: torch.fx.GraphModule, held: dict, attributes: bool = False) -> str | None:
+    """The name of a constant of the graph written during the trace (refuse_written_constants), or
+    with `attributes`, of a plain tensor attribute (not a parameter or buffer) the trace wrote: symbolic_trace ran
+    the writes without a traced operand (`self.scratch.zero_()`) once, and folded what forward()
+    read from it afterwards into constants (review43c: a scratch attribute, 100 % off)."""
+    registered = held.get("registered", ())   # (torch.fx registers a plain tensor attribute as a buffer of gm)
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target.startswith("_tensor_constant"):
-            value = getattr(gm, node.target, None)
+        value = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if node.op == "get_attr" and (node.target.startswith("_tensor_constant") or attributes and id(value) in held
+                                      and id(value) not in registered):   # (torch.export records such writes)
             if isinstance(value, torch.Tensor) and not value.is_inference() and value._version \
                     and held.get(id(value), held.get(("storage", storage_address(value)))) != value._version:
                 return node.name
@@ -39,11 +44,12 @@ def written_constant(gm: torch.fx.GraphModule, held: dict) -> str | None:
 
 
 def held_tensor_versions(model) -> dict:
-    """id -> version of each tensor the model holds (_held_tensors), before a trace; and the same
+    """id -> version of each tensor the model holds (held_tensors), before a trace; and the same
     by storage: a view or detach() of one made at trace time (`self.pe[:6]` of a table filled by
-    slice assignments, `GT.chunk(2)[0]`) shares its version counter (fuzz37h: refused as written)."""
-    held = {}
-    for t in _held_tensors(model):
+    slice assignments, `GT.chunk(2)[0]`) shares its version counter (fuzz37h: refused as written).
+    Under "registered": the ids of its parameters and buffers."""
+    held = {"registered": {id(t) for t in (*model.parameters(), *model.buffers())}}
+    for t in held_tensors(model):
         if not t.is_inference():
             held[id(t)] = t._version
             if storage_address(t) is not None:   # not an empty, meta or sparse tensor
@@ -54,7 +60,7 @@ def held_tensor_versions(model) -> dict:
 MAX_HELD_VISITS = 1 << 16
 
 
-def _held_tensors(model) -> list:
+def held_tensors(model) -> list:
     """The tensors the model holds: in its modules' plain attributes, three levels into lists,
     tuples, dicts and plain objects (`self.cfg.scales[0]`, `self.cfg["a"]["b"]["c"]`), and in the
     module-level values its classes' code names, two levels in (`S = torch.ones(3).mul_(2)` at

@@ -51,8 +51,8 @@ def number_literal(a, node):
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return a
     if isinstance(a, int):
-        return float(torch.tensor(a, dtype=torch.int64).to(torch.float32)) if 2 ** 53 < abs(a) < 2 ** 63 else a
-    return a if op.returns_bool else float(torch.tensor(a, dtype=torch.float32))
+        return float(torch.tensor(a, dtype=torch.int64, device="cpu").to(torch.float32)) if 2 ** 53 < abs(a) < 2 ** 63 else a
+    return a if op.returns_bool else float(torch.tensor(a, dtype=torch.float32, device="cpu"))
 
 
 def round_operands(b: IRBuilder, node, args: list) -> list:
@@ -64,7 +64,7 @@ def round_operands(b: IRBuilder, node, args: list) -> list:
     op = POINTWISE[node.target]
     dtype = comparison_dtype(node) if op.returns_bool else _meta(node).dtype
     if dtype == torch.float32 and op.returns_bool:   # x == 1e-50 compares with fp32(1e-50) = 0.0 in eager; Triton
-        return [b.const(torch.tensor(float(number_literal(a, node)), dtype=dtype).item())   # Triton types a literal
+        return [b.const(torch.tensor(float(number_literal(a, node)), dtype=dtype, device="cpu").item())   # Triton types a literal
                 if isinstance(a, numbers.Real) and not isinstance(a, (bool, torch.fx.Node)) else v   # outside fp32's normal
                 for a, v in zip(node.args[:op.nargs], args)]   # range as fp64 and compares in fp64 on the GPU (fuzz34e)
     if dtype not in (torch.float16, torch.bfloat16) or op.name == "cast":
@@ -76,7 +76,7 @@ def round_operands(b: IRBuilder, node, args: list) -> list:
             if op.returns_bool or (_meta(a).dtype != dtype and not condition):
                 v = b.op("cast", [v], dtype=dtype)
         elif op.returns_bool:  # a number: round it here, Triton source cannot call .to() on a literal
-            v = b.const(torch.tensor(float(number_literal(a, node)), dtype=dtype).item())
+            v = b.const(torch.tensor(float(number_literal(a, node)), dtype=dtype, device="cpu").item())
         rounded.append(v)
     return rounded
 

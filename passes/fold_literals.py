@@ -171,7 +171,7 @@ def divide_as_cuda_does(node) -> bool:
             or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) or getattr(device, "type", None) != "cuda":
         return False
     try:   # 1/c in double, then rounded to fp32: what CUDA's eager matched, bit for bit, on an H100 (x / 1e-3,
-        one_over = torch.tensor(1.0 / c, dtype=torch.float32).item()   # x / 2.5e-4); 1/fp32(c) did not
+        one_over = torch.tensor(1.0 / c, dtype=torch.float32, device="cpu").item()   # x / 2.5e-4); 1/fp32(c) did not
     except (OverflowError, ZeroDivisionError):   # x / 0 (inf, nan) and huge ints: left as they are
         return False
     node.target, node.args = operator.mul, (x, one_over)

@@ -404,14 +404,14 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         return canon, (x, other), {}
     dtype = getattr(x.meta.get("tensor_meta"), "dtype", None) if isinstance(x, torch.fx.Node) else None
     if canon in (F.hardshrink, F.softshrink, F.threshold) and dtype in HALF_DTYPES:   # CUDA reads them in
-        params = {k: float(torch.tensor(v, dtype=dtype)) if isinstance(v, (float, int)) and not isinstance(v, bool)
+        params = {k: float(torch.tensor(v, dtype=dtype, device="cpu")) if isinstance(v, (float, int)) and not isinstance(v, bool)
                   else v   # x's dtype: fp16(0.3)
                   for k, v in params.items()}                     # is 0.30005 (a numpy float too: fuzz34a)
     if canon is operator.pow:
         e = params.pop("exponent")  # an int stays an int: int_tensor ** 2 is an int tensor, ** 2.0 a float one
         if isinstance(e, (float, int)) and not isinstance(e, bool) and dtype in (torch.float16, torch.bfloat16,
                                                                                  torch.float32) and math.isfinite(e):
-            read = float(torch.tensor(e, dtype=dtype))   # CUDA's pow reads the exponent in the tensor's dtype:
+            read = float(torch.tensor(e, dtype=dtype, device="cpu"))   # CUDA's pow reads the exponent in the tensor's dtype:
             if read in (0.5, -0.5) and e != read:   # but takes sqrt / rsqrt only for a written +-0.5, powf
                 return torch.pow, (x, e), {}        # otherwise (-0.0 and -inf differ; fuzz36d): the library's
             e = e if type(e) is int and read == e else read   # 2.0001 is 2.0 in fp16 ((-2) ** e is 4, not nan),

@@ -9,6 +9,7 @@ from torch import nn
 import fxfuse
 
 from conftest import assert_matches_eager, optimize_strict
+from test_join_outputs import Wrap as Direct   # forward(x) = fn(x)
 
 
 class SizeLookup(nn.Module):
@@ -122,3 +123,77 @@ def test_a_dtype_or_device_looked_up_in_a_set_or_dict_follows_the_input(verify):
     opt = optimize_strict(model, torch.randn(4, 8), verify=verify)
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     assert_matches_eager(opt, model, torch.randn(4, 8))
+
+
+class Scratch(nn.Module):
+    """Writes a scratch tensor and resets it within one call (a buffer or a plain attribute)."""
+
+    def __init__(self, as_buffer):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        if as_buffer:
+            self.register_buffer("scratch", torch.zeros(4, 8))
+        else:
+            self.scratch = torch.zeros(4, 8)
+
+    def forward(self, x):
+        self.scratch.zero_()
+        self.scratch[:, 2:] = torch.relu(self.lin(x))[:, 2:]
+        u = self.scratch * 3
+        self.scratch.zero_()
+        return u
+
+
+@pytest.mark.parametrize("as_buffer", [True, False])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_scratch_tensor_written_and_reset_is_optimized_and_left_as_it_was(as_buffer, verify):
+    """review43c: a plain-attribute scratch was refused (with verify on as "100 % off ... a bug in
+    fxfuse": symbolic_trace ran the reset once and folded `scratch * 3` into a constant); a buffer
+    one was left requiring grad, with a grad_fn into verify's grad probe, so the frozen model's
+    eager outputs required grad and copy.deepcopy(model) raised."""
+    import copy
+    model = Scratch(as_buffer).eval().requires_grad_(False)
+    opt = optimize_strict(model, torch.randn(4, 8), verify=verify)
+    assert not model.scratch.requires_grad and model.scratch.grad_fn is None
+    assert not model(torch.randn(4, 8)).requires_grad
+    copy.deepcopy(model)
+    for _ in range(2):
+        assert_matches_eager(opt, model, torch.randn(4, 8))
+    assert torch.count_nonzero(model.scratch) == 0
+
+
+class SizeBranch(nn.Module):   # symbolic_trace cannot branch on a size; torch.export can
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.relu(h) * 2 + 1 if x.shape[0] > 2 else torch.sigmoid(h)
+
+
+def test_a_model_made_under_inference_mode_that_only_export_traces():
+    """review43c: "internal error (Inference tensors do not track version counter)" from the
+    parameters' versions taken before torch.export's trace."""
+    with torch.inference_mode():   # (outside it, torch.export itself refuses such parameters)
+        model = SizeBranch().eval()
+        opt = optimize_strict(model, torch.randn(4, 8))
+    assert "torch.export" in fxfuse.explain(opt)
+    with torch.inference_mode():
+        assert_matches_eager(opt, model, torch.randn(4, 8))
+
+
+def test_a_call_under_a_meta_default_device_runs_as_eager():
+    """review43c: under `with torch.device("meta")` the rebuild's fp32 rounding of a number
+    literal made its tensor on the meta device and failed (`.item()`), warning of a model change."""
+    import warnings
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Direct(lambda h: h * 0.5 + 1.0), nn.Linear(16, 8),
+                          nn.Sigmoid()).eval()
+    opt = optimize_strict(model, torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.device("meta"), torch.no_grad():
+            got = opt(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x))
