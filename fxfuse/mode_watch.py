@@ -10,9 +10,11 @@ mode too (probe_mode_dependence), which catches every other way of asking (a hel
 imported the function, one stored on the module, `h.is_inference()`).
 """
 import contextlib
+import dis
 import inspect
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -99,7 +101,7 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs, rew
     # would be kept for a backward pass that never comes); the parameters stay as they are
     # (freezing them would have frozen them for other threads training meanwhile)
     try:
-        with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
+        with warnings.catch_warnings(), _saving_nothing():
             warnings.simplefilter("ignore", FxfuseWarning)
             _probe(model, args, expected, reads, differs, inference, rewind)
             # recording through its own tensors (or asking the mode) already decides grad-mode calls
@@ -118,6 +120,14 @@ def _drop(_):
     return None
 
 
+def _saving_nothing():
+    """Saved-tensor hooks that keep nothing, unless the caller disabled such hooks
+    (`torch.autograd.graph.disable_saved_tensors_hooks`, as torch.func's transforms do): entering
+    them then raised, and the build failed (review43c)."""
+    disabled = getattr(torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)()
+    return contextlib.nullcontext() if disabled else torch.autograd.graph.saved_tensors_hooks(_drop, _drop)
+
+
 def _probe(model, args, expected, reads, differs, inference, rewind) -> None:
     """The three other (grad, inference) combinations a call may have; a difference in one
     that turns grad on marks grad, one in the other inference mode marks inference."""
@@ -128,11 +138,13 @@ def _probe(model, args, expected, reads, differs, inference, rewind) -> None:
             changed, records = _changes(model, args, expected, differs, rewind)     # turns grad on: set after it
         if grad and not other:   # with grad on and plain inputs: does forward() record through its own
             reads["records_from_state"] = records or changed   # tensors (a parameter, a tensor attribute)?
-        if changed:
-            reads["reads_grad_mode"] = reads.get("reads_grad_mode") or grad
+        if changed:   # the run flipping both marks grad only where the other mode alone changed nothing
+            #             (review43c: an inference-mode branch marked grad too): a model made under
+            #             inference_mode fails there (its parameters cannot be saved for backward)
+            by_inference = other and reads.get("reads_inference_mode") is not None
+            reads["reads_grad_mode"] = reads.get("reads_grad_mode") or grad and not by_inference
             if other and not grad and reads.get("reads_inference_mode") is None:
-                reads["reads_inference_mode"] = inference   # the run flipping both marks grad only: a
-                # model made under inference_mode fails there (its parameters cannot be saved for backward)
+                reads["reads_inference_mode"] = inference
 
 
 def _changes(model, args, expected, differs, rewind) -> tuple:
@@ -205,6 +217,12 @@ def training_submodule(model) -> str | None:
     return None
 
 
+def training_key(model) -> str:
+    """The warning's key: one warning per submodule found in training mode (review43c: a later
+    train() of another submodule ran the original silently)."""
+    return f"train:{training_submodule(model)}"
+
+
 def training_reason(model) -> str:
     where = training_submodule(model)
     what = "the module is" if where is None or where == type(model).__name__ else f"its submodule {where} is"
@@ -245,8 +263,9 @@ def _decorated_to_enable_grad(model) -> bool:
 
 def _turns_grad_on(fn) -> bool:
     """fn enters enable_grad / set_grad_enabled in its code or holds one it entered as a decorator."""
-    names = getattr(getattr(fn, "__code__", None), "co_names", ())
-    if "enable_grad" in names or "set_grad_enabled" in names:
+    code = getattr(fn, "__code__", None)
+    names = getattr(code, "co_names", ())
+    if "enable_grad" in names or "set_grad_enabled" in names and _sets_grad_other_than_off(code):
         return True
     for cell in getattr(fn, "__closure__", None) or ():
         try:
@@ -256,6 +275,20 @@ def _turns_grad_on(fn) -> bool:
         if isinstance(manager, torch.enable_grad) or (isinstance(manager, torch.set_grad_enabled)
                                                       and getattr(manager, "mode", False) is True):
             return True
+    return False
+
+
+def _sets_grad_other_than_off(code) -> bool:
+    """Whether some `set_grad_enabled(...)` in code (its nested functions too) may turn grad on:
+    one not given the constant False (review43c: `with torch.set_grad_enabled(False):` around a
+    frozen feature extractor sent every no_grad call to the original with verify=False)."""
+    for c in (code, *(k for k in code.co_consts if isinstance(k, types.CodeType))):
+        instructions = list(dis.get_instructions(c))
+        for i, ins in enumerate(instructions):
+            if ins.argval == "set_grad_enabled" and "LOAD" in ins.opname:
+                following = [n for n in instructions[i + 1:i + 4] if n.opname not in ("PUSH_NULL", "CACHE")]
+                if not (following and following[0].opname == "LOAD_CONST" and following[0].argval in (False, 0)):
+                    return True
     return False
 
 
@@ -308,6 +341,8 @@ class GradRecording:
         self.plain_tensors = plain_tensors   # the plain tensor attributes the traces read (`self.T`), kept current
         self.reads_grad_mode = False   # forward() asks torch.is_grad_enabled() (any build; kept)
         self.unregistered = ()         # parameters of modules the model holds unregistered (note_build)
+        self.traced_inference = None   # forward() asks torch.is_inference_mode_enabled(): its answer then
+        self.input_inference = None    # forward() may ask an input's is_inference(): the example's answers
         self.forget_builds()
 
     def forget_builds(self) -> None:
@@ -316,7 +351,12 @@ class GradRecording:
         self.enables_grad = False          # records under no_grad (torch.enable_grad() inside)
         self.flags = ()                    # the requires_grad flags of parameters and buffers they held for
 
-    def note_build(self, trace: dict, constants_require_grad: bool = False, read=frozenset()) -> None:
+    def note_build(self, trace: dict, constants_require_grad: bool = False, read=frozenset(), args=()) -> None:
+        if self.traced_inference is None:
+            self.traced_inference = trace.get("reads_inference_mode")
+        reads = trace.get("attribute_reads", {"all": True})
+        if self.input_inference is None and (reads.get("all") or "is_inference" in reads.get("code_names", ())):
+            self.input_inference = _inference_inputs(args)
         # those the traces read (`read`: storages): a teacher model held in a list, unused, does not
         # make each call with grad on run the original (review38c)
         self.unregistered = tuple(p for p in unregistered_parameters(self.model) if storage_address(p) in read)
@@ -326,10 +366,27 @@ class GradRecording:
         self.reads_grad_mode |= bool(trace.get("reads_grad_mode"))
         self.records_autograd |= trace.get("records_autograd", True)
         # unprobed (verify=False): it records from its state where some state tensor requires grad,
-        # or a tensor the graph holds as a constant (a module-level global, one in a list attribute)
-        self.records_from_state |= trace.get("records_from_state", any(flags) or constants_require_grad)
+        # or a tensor the graph holds as a constant (a module-level global, one in a list attribute),
+        # or it may start autograd itself (`h.detach().requires_grad_()`: review43c)
+        self.records_from_state |= trace.get("records_from_state", any(flags) or constants_require_grad
+                                             or "requires_grad_" in reads.get("code_names", ("requires_grad_",)))
         self.enables_grad |= trace["enables_grad"] if "enables_grad" in trace else _decorated_to_enable_grad(self.model)
         self.flags = flags
+
+    def inference_reason(self, args) -> str | None:
+        """Why this call may not run the graph as to inference: the mode, where forward() asks it
+        and was traced in the other; an input an inference tensor where the example's was not (or
+        the reverse), where forward() may ask `x.is_inference()` (review43c: the other branch,
+        silently; a data pipeline's batches made under inference_mode)."""
+        traced = self.traced_inference
+        if traced is not None and torch.is_inference_mode_enabled() != traced:
+            return (f"forward()'s result depends on inference mode (it asks torch.is_inference_mode_enabled() or "
+                    f"the like) and was traced with inference mode {'on' if traced else 'off'}, and this call has "
+                    f"it {'off' if traced else 'on'}")
+        if self.input_inference is not None and _inference_inputs(args) != self.input_inference:
+            return ("forward() asks is_inference(), and this call's inputs are inference tensors where the example's "
+                    "were not, or the reverse")
+        return None
 
     def _state(self) -> tuple:
         """Parameters, buffers and plain tensor attributes: `self.T.requires_grad_(True)` on a
@@ -360,3 +417,7 @@ class GradRecording:
         if self.records_from_state and same_flags:
             return True
         return (self.records_autograd or not same_flags) and self._something_requires_grad(args)
+
+
+def _inference_inputs(args) -> tuple:
+    return tuple(a.is_inference() for a in args if isinstance(a, torch.Tensor))

@@ -51,7 +51,8 @@ from .kernel import FusedKernel
 from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
                          state_dict_as_original)
 from .log import logger, model_warnings_once
-from .mode_watch import GRAD_REASON, GradRecording, held_elsewhere, training_reason, training_submodule
+from .mode_watch import (GRAD_REASON, GradRecording, held_elsewhere, training_key, training_reason,
+                         training_submodule)
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, children_now, forward_hook_owner,
                            mode_free, moved, share_memory, storage_address, storages, structure, structure_changed,
                            version, watch_entries)
@@ -117,7 +118,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
         self._grad = GradRecording(model, self._plain_tensors)   # what the builds' probes found about autograd,
         #                                     and the rule; the list shared, not a closure: no cycle through self
-        self._traced_inference_mode = None  # forward() asked torch.is_inference_mode_enabled(): its answer then
         self._mutable_defaults = ()        # forward()'s changeable defaults, fingerprinted (_watch_state)
         # the example's trailing defaults left out, as a call's (`optimize(m, (x, 1.0))` for alpha=1.0,
         # then `opt(x)`: a second build of the same graph otherwise, or the original: fuzz41c)
@@ -241,8 +241,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # the aliasing guard's: a kept in-place op that may write an input or a model tensor (a write into a
         # tensor forward() made cannot reach them: fuzz39e, `opt(x, x)` of a mask filled in place was refused)
         self._writes_in_place |= writes_an_input(gm, ("placeholder", "get_attr"))
-        if self._traced_inference_mode is None:
-            self._traced_inference_mode = gm.meta.get("fxfuse_trace", {}).get("reads_inference_mode")
         self.specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
@@ -261,7 +259,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._model_storages = own | self._read_storages | storages(held_elsewhere(self.original))
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
-            self._read_storages)
+            self._read_storages, args)
         watched = {id(t) for t, *_ in self._buffer_versions}
         self._buffer_versions += watch_entries(self.original, (t for t in dict.fromkeys(
             (*gm.meta.get("fxfuse_copied", ()), *plain_tensors)) if id(t) not in watched))
@@ -349,7 +347,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                           "value (a function, a module, a tensor, NaN)", args, kwargs)
             args = positional
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
-            return self._run_original("train", training_reason(self.original), args)
+            return self._run_original(training_key(self.original), training_reason(self.original), args)
         if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
             return self._run_original("swapped", SWAPPED, args)
         if autocast_enabled():
@@ -368,12 +366,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             self._state_edited()
         if (torch.is_grad_enabled() or self._grad.enables_grad) and self._grad.records(args):
             return self._run_original("grad", GRAD_REASON, args)
-        traced = self._traced_inference_mode
-        if traced is not None and torch.is_inference_mode_enabled() != traced:
-            return self._run_original("inference", "forward()'s result depends on inference mode (it asks "
-                                      "torch.is_inference_mode_enabled() or the like) and was traced "
-                                      f"with inference mode {'on' if traced else 'off'}, and this call has it "
-                                      f"{'off' if traced else 'on'}", args)
+        if (self._grad.traced_inference is not None or self._grad.input_inference is not None) \
+                and (why := self._grad.inference_reason(args)):
+            return self._run_original("inference", why, args)
         if user_mode_active():
             return self._run_original("mode", "a TorchFunctionMode or TorchDispatchMode is active; eager runs every "
                                       "op through it, the optimized graph's fused kernels would not", args)
@@ -453,7 +448,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         if rebuild and (hooked := forward_hook_owner(self.original)):   # a module assigned since, with its hook:
             return self._run_original("hook", f"{hooked}, which the optimized graph would not run", args)   # fuzz33e
         if training_submodule(self.original) is not None:   # a module assigned since: its training branch
-            return self._run_original("train", training_reason(self.original), args)   # must not be traced
+            return self._run_original(training_key(self.original), training_reason(self.original), args)   # must not be traced
         try:
             spec = self.add_specialization(args)
         except Exception as e:  # noqa: BLE001 -- as optimize(): internal errors fall back too
