@@ -182,6 +182,6 @@ def _dropout_off(root, n) -> bool:
         return isinstance(m, DROPOUT_MODULES) and not m.training
     if n.op == "call_function" and n.target in DROPOUT_FUNCTIONS:
         k = DROPOUT_FUNCTIONS[n.target]
-        training = n.kwargs.get("training", n.args[k] if len(n.args) > k else True)
+        training = n.kwargs.get("training", n.kwargs.get("train", n.args[k] if len(n.args) > k else True))
         return training is False or n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) == 0
     return False

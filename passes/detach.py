@@ -13,12 +13,24 @@ aten = torch.ops.aten
 DETACH_FUNCTIONS = {torch.detach, aten.detach.default, aten.detach_.default, aten.alias.default}
 
 
+ALIAS_OF_REAL = {"resolve_conj", "resolve_neg", "conj", torch.resolve_conj, torch.resolve_neg, torch.conj,
+                 aten.resolve_conj.default, aten.resolve_neg.default, aten.conj.default, aten.alias}
+
+
 def _detach_source(node):
-    """x where node is x.detach() (torch.detach, export's detach/alias), else None."""
+    """x where node is x.detach() (torch.detach, export's detach/alias, `x.data`), or an op that
+    returns a real x as it is (`x.resolve_conj()`, `x.conj()`, `x.real`; fuzz43b), else None."""
     if node.op == "call_method":
         cut = node.target in ("detach", "detach_") and len(node.args) == 1 and not node.kwargs
     else:
-        cut = node.op == "call_function" and node.target in DETACH_FUNCTIONS and len(node.args) == 1
+        cut = node.op == "call_function" and (node.target in DETACH_FUNCTIONS and len(node.args) == 1
+                                              or node.target is getattr and node.args[1:] == ("data",))
+    if not cut and node.op in ("call_function", "call_method") and len(node.args) == 1 and not node.kwargs \
+            or node.op == "call_function" and node.target is getattr and node.args[1:] == ("real",):
+        source = node.args[0]
+        meta = source.meta.get("tensor_meta") if isinstance(source, torch.fx.Node) else None
+        cut = getattr(meta, "dtype", torch.complex64).is_complex is False and (
+            node.target is getattr or node.target in ALIAS_OF_REAL)
     return node.args[0] if cut else None
 
 

@@ -19,7 +19,7 @@ def _is_tensor_node(node) -> bool:
 
 
 def whole_slice(node) -> bool:
-    """`h[:, :]`, `h[...]`, `h[:]`, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim:
+    """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim:
     h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
     if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or any(
             u.op == "output" or getattr(u.target, "__name__", u.target) in METADATA_INPLACE for u in node.users):
@@ -29,8 +29,9 @@ def whole_slice(node) -> bool:
         return False
     if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        return all(i is Ellipsis or isinstance(i, slice) and (i.start, i.stop, i.step) == (None, None, None)
-                   for i in index)
+        return all(i is Ellipsis or isinstance(i, slice) and all(b is None or type(b) is int for b in (
+            i.start, i.stop)) and i.step in (None, 1) for i in index)   # (`pe[:, :T]` with T the table's
+        #       length, `h[0:4]` of 4 rows: the same shape and strides, so all of it; fuzz43b)
     narrow = node.op == "call_method" and node.target == "narrow" or node.target in (torch.narrow, aten.narrow.default)
     if narrow or node.target is aten.slice.Tensor:   # the same shape and strides: all of the dim, step 1
         return all(type(a) is int for a in node.args[1:]) and (narrow or len(node.args) < 5 or node.args[4] == 1)

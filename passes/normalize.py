@@ -113,12 +113,10 @@ def _is_identity(gm, node) -> bool:
     if node.op == "call_module":
         return isinstance(gm.get_submodule(node.target), DROPOUT_MODULES) and len(node.args) == 1
     if node.op == "call_function" and node.target in DROPOUT_FUNCTIONS:
-        training = node.kwargs.get("training", node.args[DROPOUT_FUNCTIONS[node.target]]
-                                   if len(node.args) > DROPOUT_FUNCTIONS[node.target] else True)
+        training = node.kwargs.get("training", node.kwargs.get("train", node.args[DROPOUT_FUNCTIONS[node.target]]
+                                   if len(node.args) > DROPOUT_FUNCTIONS[node.target] else True))
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         return training is False or p == 0
-    if node.op == "call_function" and node.target in (aten.dropout.default,):
-        return node.args[2] is False
     if whole_slice(node):
         return True
     if node.op in ("call_function", "call_method") and node.target in POSITIVE and len(node.args) == 1:
@@ -434,8 +432,9 @@ def _replace(g, node, target, args, kwargs):
             x, other, alpha = args
             if isinstance(other, torch.fx.Node):
                 new = g.call_function(add_scaled, (x, other), {"alpha": alpha if target[1] is operator.add else -alpha})
-            elif isinstance(other, int) and isinstance(alpha, int):   # x.sub(1, alpha=2) of an integer x: exact
-                new = g.call_function(target[1], (x, other * alpha))
+            elif isinstance(other, int) and isinstance(alpha, int):   # x.sub(1, alpha=2) of an integer x: exact;
+                product = (other * alpha + 2 ** 63) % 2 ** 64 - 2 ** 63   # wrapped as eager's int64 multiply (fuzz43d)
+                new = g.call_function(target[1], (x, product))
             else:   # fp32: alpha * other + x rounded once, as eager's multiply-add (canonical_call)
                 new = g.call_function(add_number_scaled, (x,), {
                     "other": other, "alpha": alpha if target[1] is operator.add else -alpha})

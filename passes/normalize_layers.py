@@ -33,9 +33,10 @@ def register_constant(gm, stem: str, tensor: torch.Tensor) -> str:
     return name
 
 
-MATMULS = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul.default}
+MATMULS = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul.default, torch.linalg.matmul,
+           aten.mm, aten.matmul}   # (the packets, no overload named: fuzz43b)
 MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
-ADDMMS = {torch.addmm, aten.addmm.default}
+ADDMMS = {torch.addmm, aten.addmm.default, aten.addmm}
 EINSUMS = {torch.einsum, aten.einsum.default}
 
 
@@ -57,13 +58,19 @@ def _transposed_weight(node):
     if not isinstance(node, torch.fx.Node) or not node.args:
         return None
     w, rest = node.args[0], tuple(node.args[1:]) + tuple(node.kwargs.values())
+    real = isinstance(w, torch.fx.Node) and not getattr(w.meta.get("tensor_meta"), "dtype", torch.complex64).is_complex
     rest = tuple(tuple(r) if isinstance(r, list) else r for r in rest)    # permute([1, 0])
     swaps = _swaps(rest)
     transposes = (
         (node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)))
         or (node.op == "call_method" and node.target == "t" and not rest)
+        or (node.op == "call_function" and node.target is getattr and rest in (("mH",), ("H",)) and real)
+        or (node.op == "call_method" and node.target == "adjoint" and not rest and real)   # (fuzz43b)
         or (node.op == "call_function" and node.target in (torch.t, aten.t.default, aten.numpy_T.default,
-                                                           aten.mT.default) and not rest)   # export's W.T, W.mT
+                                                           aten.mT.default, aten.t) and not rest)   # export's W.T, W.mT
+        or (node.op == "call_function" and node.target is torch.adjoint and not rest and real)
+        or (node.op == "call_method" and node.target in ("movedim", "moveaxis") and swaps)
+        or (node.op == "call_function" and node.target in (torch.movedim, torch.moveaxis) and swaps)
         or (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims") and swaps)
         or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes, torch.swapdims,
                                                            aten.transpose.int, aten.swapaxes.default,
@@ -154,10 +161,12 @@ def matmul_as_linear(gm, node) -> bool:
     `F.linear(x, W.t())`) reads a transposed copy made at optimize time."""
     bias, weight = None, None
     if node.op == "call_function" and node.target in MATMULS or node.op == "call_method" and node.target in MATMUL_METHODS:
-        if len(node.args) == 2 and not node.kwargs:
-            x, other = node.args
+        args = dict(zip(("input", "other"), node.args), **node.kwargs)   # torch.mm(x, mat2=W.T) (fuzz43b)
+        args = {"other" if k == "mat2" else k: v for k, v in args.items()}
+        if set(args) == {"input", "other"} and len(node.args) <= 2:
+            x, other = args["input"], args["other"]
             weight = _weight_operand(other, transposed=False)
-    elif node.op == "call_function" and node.target in ADDMMS:
+    elif node.op == "call_function" and node.target in ADDMMS or node.op == "call_method" and node.target == "addmm":
         args = dict(zip(("input", "mat1", "mat2", "beta", "alpha"), node.args), **node.kwargs)
         if set(args) == {"input", "mat1", "mat2"} | ({"beta", "alpha"} & set(args)) \
                 and all(type(args.get(k, 1)) in (int, float) and args.get(k, 1) == 1 for k in ("beta", "alpha")):
@@ -323,11 +332,13 @@ def broadcast_drops_unit_view(node, is_pointwise) -> bool:
 
 
 # ops that return a tuple of parts (a reader takes one) and the other slicing ops, by every spelling
-PART_METHODS = {"chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit"}
+PART_METHODS = {"chunk", "split", "tensor_split", "unbind", "hsplit", "vsplit", "dsplit",
+                "split_with_sizes"}   # (fuzz43b)
 PART_FUNCTIONS = {torch.chunk, torch.split, torch.tensor_split, torch.unbind, torch.hsplit, torch.vsplit, torch.dsplit,
                   aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
                   aten.tensor_split.sections, aten.tensor_split.indices,   # export's (fuzz38b)
-                  *(getattr(aten, f"{d}split").int for d in "hvd"), *(getattr(aten, f"{d}split").array for d in "hvd")}
+                  *(getattr(aten, f"{d}split").int for d in "hvd"), *(getattr(aten, f"{d}split").array for d in "hvd"),
+                  torch.split_with_sizes}
 SLICING_METHODS = PART_METHODS | {"narrow", "select"}
 SLICING_FUNCTIONS = PART_FUNCTIONS | {torch.narrow, torch.select, aten.slice.Tensor, aten.narrow.default,
                                       aten.select.int}

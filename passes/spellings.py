@@ -138,7 +138,10 @@ def _build_function_spellings() -> dict:
     clamp = ("input", "min", "max")
     for fn in (torch.clamp, torch.clip):
         table[fn] = Spelling(torch.clamp, clamp)
-    table[torch.clamp_] = Spelling(torch.clamp, clamp, inplace=True)
+    table[torch.clamp_] = table[torch.clip_] = Spelling(torch.clamp, clamp, inplace=True)
+    table[torch.square_] = Spelling(operator.pow, ("input",), fixed={"exponent": 2}, inplace=True)   # (fuzz43b)
+    table[torch.neg_] = table[torch.negative_] = Spelling(operator.neg, ("input",), inplace=True)
+    table[torch.fix_] = Spelling(torch.trunc, ("input",), inplace=True)
     table[torch.clamp_min] = Spelling(torch.clamp, ("input", "min"))
     table[torch.clamp_max] = Spelling(torch.clamp, ("input", "max"))
     table[torch.clamp_min_] = Spelling(torch.clamp, ("input", "min"), inplace=True)   # (fuzz38j)
@@ -167,7 +170,8 @@ def _build_function_spellings() -> dict:
 ALIASES = {"absolute": "abs", "negative": "neg", "divide": "div", "true_divide": "div", "subtract": "sub",
            "multiply": "mul", "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
            "not_equal": "ne", "special_expit": "sigmoid", "special_erf": "erf", "special_expm1": "expm1",
-           "special_log1p": "log1p", "fix": "trunc", "sgn": "sign", "special_exp2": "exp2"}   # torch's other names of fused ops (x.multiply_, aten.special_expit, ...)
+           "special_log1p": "log1p", "fix": "trunc", "sgn": "sign", "special_exp2": "exp2",
+           "special_round": "round"}   # torch's other names of fused ops (x.multiply_, aten.special_expit, ...)
 
 
 def _build_method_spellings() -> dict:
@@ -289,11 +293,15 @@ def _build_aten_spellings() -> dict:
 FUNCTION_SPELLINGS = _build_function_spellings()
 METHOD_SPELLINGS = _build_method_spellings()
 ATEN_SPELLINGS = _build_aten_spellings()
-POSITIVE = {torch.positive, "positive", aten.positive.default}   # +x: x itself
+POSITIVE = {torch.positive, "positive", aten.positive.default, operator.pos, "__pos__"}   # +x: x itself
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                    nn.FeatureAlphaDropout, nn.Identity)
 DROPOUT_FUNCTIONS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2,
-                     F.alpha_dropout: 2, F.feature_alpha_dropout: 2}  # index of `training`
+                     F.alpha_dropout: 2, F.feature_alpha_dropout: 2,   # index of `training` (or `train`)
+                     **{f: 2 for name in ("dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout")
+                        for suffix in ("", "_")   # torch's and export's own (fuzz43b)
+                        for f in (getattr(torch, name + suffix, None), getattr(getattr(aten, name + suffix, None),
+                                                                               "default", None)) if f is not None}}
 SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
 SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
 ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,

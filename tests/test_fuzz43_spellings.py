@@ -1,0 +1,153 @@
+"""Stop 43, fuzz43b / fuzz43d: other spellings of ops fxfuse fuses (Linear products, splits,
+eval-mode dropouts, in-place functions, identities) read as their common spelling, and an
+integer add with a large alpha."""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+aten = torch.ops.aten
+
+
+class Product(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.lin, self.fn = nn.Linear(16, 24), fn
+
+    def forward(self, x):
+        return torch.relu(self.fn(self, x)) * 0.5 + 1.0
+
+
+LINEAR_SPELLINGS = {
+    "W.mH": lambda s, x: x @ s.lin.weight.mH + s.lin.bias,
+    "torch.adjoint": lambda s, x: x @ torch.adjoint(s.lin.weight) + s.lin.bias,
+    "movedim": lambda s, x: x @ s.lin.weight.movedim(1, 0) + s.lin.bias,
+    "W.data.T": lambda s, x: x @ s.lin.weight.data.T + s.lin.bias,
+    "matmul other=": lambda s, x: torch.matmul(x, other=s.lin.weight.T) + s.lin.bias,
+    "mm mat2=": lambda s, x: torch.mm(x, mat2=s.lin.weight.T) + s.lin.bias,
+    "linalg.matmul": lambda s, x: torch.linalg.matmul(x, s.lin.weight.T) + s.lin.bias,
+    "Tensor.addmm": lambda s, x: s.lin.bias.addmm(x, s.lin.weight.T),
+    "aten.addmm packet": lambda s, x: aten.addmm(s.lin.bias, x, s.lin.weight.T),
+    "aten.t packet": lambda s, x: x @ aten.t(s.lin.weight) + s.lin.bias,
+}
+
+
+@pytest.mark.parametrize("name", LINEAR_SPELLINGS)
+def test_other_spellings_of_a_linear_make_one_generated_gemm(name):
+    """Each stayed a library matmul and an epilogue kernel of its own (library_calls 2-3)."""
+    model = Product(LINEAR_SPELLINGS[name]).eval()
+    opt = optimize_strict(model, torch.randn(8, 16), gemm="force")
+    s = fxfuse.stats(opt)
+    assert (s["fused_kernels"], s["library_calls"]) == (1, 0), s
+    assert_matches_eager(opt, model, torch.randn(8, 16))
+
+
+class Chain(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        a = x * 1.5 + 0.5
+        return torch.relu(self.fn(a) * 2) - 0.25
+
+
+ONE_KERNEL = {
+    "+a": operator.pos,
+    "a.__pos__()": lambda a: a.__pos__(),
+    "a[0:4]": lambda a: a[0:4],
+    "a[:100]": lambda a: a[:100],
+    "a[-4:, 0:16]": lambda a: a[-4:, 0:16],
+    "a.data": lambda a: a.data,
+    "a.resolve_conj()": lambda a: a.resolve_conj(),
+    "a.conj()": lambda a: a.conj(),
+    "a.real": lambda a: a.real,
+    "torch.square_": torch.square_,
+    "torch.neg_": torch.neg_,
+    "torch.negative_": torch.negative_,
+    "torch.fix_": torch.fix_,
+    "torch.clip_": lambda a: torch.clip_(a, -0.5, 0.5),
+    "torch.dropout": lambda a: torch.dropout(a, 0.3, False),
+    "torch.alpha_dropout": lambda a: torch.alpha_dropout(a, 0.3, False),
+    "torch.feature_dropout_": lambda a: torch.feature_dropout_(a.unsqueeze(-1), 0.3, False).squeeze(-1),
+    "F.dropout(p=0, training=True)": lambda a: F.dropout(a, p=0.0, training=True),
+}
+
+
+@pytest.mark.parametrize("name", ONE_KERNEL)
+def test_spellings_of_identities_and_in_place_functions_join_the_kernel(name):
+    """Each split the chain in two (or kept an in-place op and its readers out of fusion)."""
+    model = Chain(ONE_KERNEL[name]).eval()
+    opt = optimize_strict(model, torch.randn(4, 16))
+    s = fxfuse.stats(opt)
+    assert (s["fused_kernels"], s["library_calls"]) == (1, 0), s
+    assert_matches_eager(opt, model, torch.randn(4, 16))
+
+
+class Gate(nn.Module):
+    def __init__(self, split):
+        super().__init__()
+        self.split = split
+
+    def forward(self, x):
+        p = self.split(x * 1.5 + 0.1)
+        return torch.relu(p[0] * p[1].sigmoid())
+
+
+@pytest.mark.parametrize("split", [lambda h: h.split_with_sizes([8, 8], -1),
+                                   lambda h: torch.split_with_sizes(h, [8, 8], -1)])
+def test_split_with_sizes_is_read_like_split(split):
+    model = Gate(split).eval()
+    opt = optimize_strict(model, torch.randn(4, 16))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(4, 16))
+
+
+class SizeBranchDropout(nn.Module):   # torch.export traces it (a branch on a size)
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        h = x * 1.5 + 0.5
+        h = self.fn(h) if x.shape[0] > 2 else h
+        return torch.relu(h) - 0.25
+
+
+@pytest.mark.parametrize("fn", [lambda h: F.dropout(h, 0.3, False, inplace=True),
+                                lambda h: F.alpha_dropout(h, 0.3, False),
+                                lambda h: F.dropout(h, p=0.0, training=True),
+                                torch.special.round])
+def test_exports_spellings_of_eval_dropout_and_special_round(fn):
+    model = SizeBranchDropout(fn).eval()
+    opt = optimize_strict(model, torch.randn(4, 16))
+    assert "torch.export" in fxfuse.explain(opt)
+    s = fxfuse.stats(opt)
+    assert (s["fused_kernels"], s["library_calls"]) == (1, 0), s
+    assert_matches_eager(opt, model, torch.randn(4, 16))
+
+
+class AddScaled(nn.Module):
+    def __init__(self, other, alpha):
+        super().__init__()
+        self.other, self.alpha = other, alpha
+
+    def forward(self, x):
+        return torch.add(x, self.other, alpha=self.alpha) * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_an_integer_add_whose_scaled_number_wraps(dtype):
+    """fuzz43d: normalize multiplied other * alpha in Python (2**64), which no torch Scalar holds:
+    "internal error while optimizing"; eager's int64 product wraps to 0."""
+    model = AddScaled(2 ** 62, 4).eval()
+    x = torch.randint(-100, 100, (4, 8), dtype=dtype)
+    opt = optimize_strict(model, x)
+    x = torch.randint(-100, 100, (4, 8), dtype=dtype)
+    assert torch.equal(opt(x), model(x))
