@@ -1,6 +1,8 @@
 """The two spellings the normalize pass decides from a node's metadata (passes/spellings.py holds
 the tables): `x.masked_fill(mask, v)` as torch.where where both give x's dtype, and the pure
 dtype conversions (x.float(), x.to(torch.half), y.type_as(x), torch.export's aten.to.dtype)."""
+import inspect
+
 import torch
 import torch.fx
 
@@ -40,8 +42,9 @@ def cast_target(node):
         return None
     if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
         return CAST_METHODS[node.target]
-    if node.target == "type" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
-        return node.args[1]
+    if node.target == "type" and len(node.args) + len(node.kwargs) == 2 and set(node.kwargs) <= {"dtype"}:
+        dtype = node.args[1] if len(node.args) == 2 else node.kwargs["dtype"]   # h.type(dtype=...) (fuzz43b)
+        return dtype if isinstance(dtype, torch.dtype) else None
     return None
 
 
@@ -87,3 +90,35 @@ def _conversion(node):
     if (node.target is aten._to_copy.default or bound.get("copy")) and dtype == source.dtype:
         return None
     return dtype
+
+
+def overload_of(node):
+    """The overload a call of an aten packet runs (`torch.ops.aten.cat([a, b], -1)`, no overload
+    named: the tables hold overloads; fuzz43b), told from the arguments' kinds as the dispatcher
+    tells it; None where no schema or several fit."""
+    from torch.fx.operator_schemas import get_signature_for_torch_op, type_matches   # (torch.fx internals)
+    packet = node.target
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return None
+
+    def kind(a):
+        if isinstance(a, torch.fx.Node):
+            return torch.Tensor if single_tensor_meta(a) is not None else a.meta.get("type")
+        if isinstance(a, (list, tuple)) and a and all(isinstance(i, torch.fx.Node) for i in a):
+            return list[torch.Tensor]
+        return type(a)
+    try:
+        signatures, schemas = get_signature_for_torch_op(packet, return_schemas=True)
+    except Exception:  # noqa: BLE001 -- an op torch.fx cannot describe: left as it is
+        return None
+    fits = []
+    for signature, schema in zip(signatures or (), schemas or ()):
+        try:
+            bound = signature.bind(*node.args, **node.kwargs)
+        except TypeError:
+            continue
+        if all(type_matches(signature.parameters[name].annotation, kind(value)) for name, value in
+               bound.arguments.items() if kind(value) is not None and signature.parameters[name].annotation
+               is not inspect.Parameter.empty):
+            fits.append(schema.overload_name or "default")
+    return getattr(packet, fits[0]) if len(fits) == 1 else None

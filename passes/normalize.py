@@ -31,6 +31,7 @@ from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanc
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .identity_ops import is_no_op_conversion, whole_slice
 from .implicit_args import explicit_softmax_dim
+from .metadata_spellings import overload_of
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
@@ -84,9 +85,11 @@ def _is_shape_value(node) -> bool:
         return False
     if node.op == "call_method" and node.target in SHAPE_METHODS:
         return True
-    if node.op == "call_function" and node.target is getattr and node.args[1] in SHAPE_ATTRS:
+    if node.op == "call_function" and node.target is getattr and (node.args[1] in SHAPE_ATTRS or isinstance(
+            node.args[0], (torch.dtype, torch.device)) or isinstance(node.args[0], torch.fx.Node)
+            and _is_shape_value(node.args[0])):   # x.dtype.itemsize (fuzz43b)
         return True
-    if node.op == "call_function" and node.target in (aten.sym_size.int, aten.sym_numel.default):
+    if node.op == "call_function" and node.target in (aten.sym_size.int, aten.sym_numel.default, torch.numel):
         return True
     if node.op == "call_function" and node.target is torch.Size:   # tracing's stand-in for a Size constant
         return not node.all_input_nodes
@@ -129,6 +132,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     order = {n: k for k, n in enumerate(g.nodes)}
     kept_inplace = []
+    for node in [n for n in g.nodes if n.op == "call_function"]:   # torch.ops.aten.cat(...): its overload
+        node.target = overload_of(node) or node.target
     for node in list(g.nodes):
         if node.op in ("placeholder", "output", "get_attr") or node._erased:   # a getitem a slicing
             continue                                                           # node's fold took

@@ -302,7 +302,8 @@ DROPOUT_FUNCTIONS = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 
                         for suffix in ("", "_")   # torch's and export's own (fuzz43b)
                         for f in (getattr(torch, name + suffix, None), getattr(getattr(aten, name + suffix, None),
                                                                                "default", None)) if f is not None}}
-SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
+SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size"}   # (guarded by
+#                                                      the signature: shape, strides, dtype; the last two: fuzz43b)
 SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
 ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
          operator.mod, operator.getitem, operator.neg, operator.pow, operator.abs}
@@ -320,7 +321,8 @@ def spelling_of(gm: torch.fx.GraphModule, node: torch.fx.Node):
         return Spelling(torch.logical_not, ("input",)) if meta is not None and meta.dtype == torch.bool else None
     if node.op in ("call_function", "call_method") and node.target in BINARY_MAX_MIN:
         other = node.args[1] if len(node.args) == 2 and not node.kwargs else node.kwargs.get("other") \
-            if len(node.args) == 1 and set(node.kwargs) == {"other"} else None
+            if len(node.args) == 1 and set(node.kwargs) == {"other"} or not node.args and set(node.kwargs) == {
+                "input", "other"} else None   # torch.max(input=h, other=s) (fuzz43b)
         if single_tensor_meta(other) is None:   # max(x), max(x, dim): reductions, not this
             return None
         return Spelling(torch.maximum if BINARY_MAX_MIN[node.target] else torch.minimum, ("input", "other"))

@@ -151,3 +151,30 @@ def test_an_integer_add_whose_scaled_number_wraps(dtype):
     opt = optimize_strict(model, x)
     x = torch.randint(-100, 100, (4, 8), dtype=dtype)
     assert torch.equal(opt(x), model(x))
+
+
+AS_COMMON = {   # (spelling, its common spelling)
+    "aten.cat packet": (lambda a: aten.cat([a * 2, a + 1], -1), lambda a: torch.cat([a * 2, a + 1], -1)),
+    "aten.bitwise_not packet": (lambda a: torch.where(aten.bitwise_not(a > 0), a, -a),
+                                lambda a: torch.where(~(a > 0), a, -a)),
+    "aten._to_copy packet": (lambda a: aten._to_copy(a, dtype=torch.float16).float(), lambda a: a.half().float()),
+    "torch.max all keywords": (lambda a: torch.max(input=a, other=a * 0.5), lambda a: torch.max(a, a * 0.5)),
+    "type(dtype=)": (lambda a: a.type(dtype=torch.float16).float(), lambda a: a.type(torch.float16).float()),
+    "1 / torch.numel": (lambda a: a / torch.numel(a), lambda a: a / a.numel()),
+    "stride": (lambda a: a * a.stride(0), lambda a: a * 16),
+    "element_size": (lambda a: a * a.element_size(), lambda a: a * 4),
+    "dtype.itemsize": (lambda a: a * a.dtype.itemsize, lambda a: a * 4),
+}
+
+
+@pytest.mark.parametrize("name", AS_COMMON)
+def test_packets_keywords_and_metadata_reads_fuse_as_their_common_spelling(name):
+    spelled, common = AS_COMMON[name]
+    counts = []
+    for fn in (spelled, common):
+        model = Chain(fn).eval()
+        opt = optimize_strict(model, torch.randn(4, 16))
+        s = fxfuse.stats(opt)
+        counts.append((s["fused_kernels"], s["library_calls"]))
+        assert_matches_eager(opt, model, torch.randn(4, 16))
+    assert counts[0] == counts[1] and counts[0][1] == 0, counts
