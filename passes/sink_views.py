@@ -54,7 +54,7 @@ def reshape_source(node):
     return node.args[0] if numel and numel == math.prod(out.shape) else None
 
 
-def _operand_plan(operand, view, source, before):
+def _operand_plan(operand, view, source, before, written=frozenset()):
     """How `operand` of a pointwise op reading `view` moves once the op reads `source`, decided
     without touching the graph (an op moves only when all of its operands can): ("keep", x)
     where it broadcasts the same way against both shapes, ("flat", x) for a [1, .., 1, n]
@@ -79,15 +79,57 @@ def _operand_plan(operand, view, source, before):
     if shape == view_shape and _contiguous(meta):
         existing = next((u for u in operand.users if reshape_source(u) is operand
                          and tuple(_meta(u).shape) == src_shape and _precedes(u, before)), None)
+        if existing is None and before is not None and _joins_only(operand, before) and (_joins_only(
+                source, view) or source.target == "contiguous" and len(source.users) == 1) \
+                and _hoistable(operand, src_shape, written):   # (a library result's view
+            return "hoist", operand          # is read as it is) computed at source's shape, its operands reshaped
         return ("keep", existing) if existing is not None else ("reshape", operand)
     return None
 
 
-def _moved_operand(g, plan, source):
-    """The node (or value) an operand becomes, per its _operand_plan."""
+def _hoistable(node, shape, written, depth: int = 0) -> bool:
+    """Whether pointwise `node` (read by one op) can be computed at `shape` instead, every tensor
+    operand of its own shape and contiguous (reshaped, or hoisted in turn), or 0-d (fuzz43a:
+    Mamba-2's `(y + x * D).reshape(B, L, -1) * silu(z)` split in two kernels at the reshape)."""
+    if node.op != "call_function" or not is_pointwise_target(node.target) or depth > 8 or node in written \
+            or any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
+        return False
+    own = tuple(_meta(node).shape)
+    for a in node.args:
+        meta = _meta(a) if isinstance(a, torch.fx.Node) else None
+        if isinstance(a, torch.fx.Node) and (meta is None or meta.shape and (
+                tuple(meta.shape) != own or not _contiguous(meta) or a in written
+                or _joins_only(a, node) and a.op == "call_function" and not _hoistable(a, shape, written, depth + 1))):
+            return False
+    return True
+
+
+def _hoisted(g, node, shape, written):
+    """node computed at `shape` (_hoistable), its own operands reshaped or hoisted."""
+    args = []
+    for a in node.args:
+        meta = _meta(a) if isinstance(a, torch.fx.Node) else None
+        if meta is None or not meta.shape:
+            args.append(a)
+        elif _joins_only(a, node) and a.op == "call_function":
+            args.append(_hoisted(g, a, shape, written))
+        else:
+            args.append(_moved_operand(g, ("reshape", a), None, shape))
+    with g.inserting_after(node):
+        new = g.call_function(node.target, tuple(args), dict(node.kwargs))
+    new.meta = {k: v for k, v in node.meta.items() if k != "tensor_meta"}
+    new.meta["tensor_meta"] = _meta(node)._replace(shape=torch.Size(shape), stride=row_major(shape))
+    return new
+
+
+def _moved_operand(g, plan, source, shape=None):
+    """The node (or value) an operand becomes, per its _operand_plan (at source's shape, or at
+    `shape`)."""
     how, operand = plan
     if how == "keep":
         return operand    # an existing reshape is the same node a Linear reads: a residual it knows
+    if how == "hoist":
+        return _hoisted(g, operand, tuple(_meta(source).shape), set())
     meta = _meta(operand)
     if how == "flat":
         shape = tuple(meta.shape)
@@ -96,7 +138,7 @@ def _moved_operand(g, plan, source):
                                                  fetch_attr(g.owning_module, operand.target).view(shape[-1:])))
         flat.meta["tensor_meta"] = meta._replace(shape=torch.Size(shape[-1:]), stride=(1,))
         return flat
-    src_shape = tuple(_meta(source).shape)
+    src_shape = shape or tuple(_meta(source).shape)
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     with g.inserting_after(placeholders[-1] if operand.op == "placeholder" else operand):
         moved = g.call_method("reshape", (operand, src_shape))
@@ -137,6 +179,7 @@ def _sink_one(gm, op, written: set) -> bool:
         return False    # a pointwise user that cannot follow op below the view: moving op alone would
                         # put a reshape between them (where(v > 0, v, c) with c [3, 1] against [b, 3, 4])
     args = [_moved_operand(g, plan, source) for plan in plans]
+    hoisted = [x for how, x in plans if how == "hoist"]
     with g.inserting_before(op):
         new_op = g.call_function(op.target, tuple(args), dict(op.kwargs))
         out_meta = _meta(op)
@@ -150,7 +193,18 @@ def _sink_one(gm, op, written: set) -> bool:
     g.erase_node(op)
     if not view.users:
         g.erase_node(view)
+    for x in hoisted:   # its hoisted copy reads the operands now (depth-first: the chain it was read through)
+        _erase_unread(g, x)
     return True
+
+
+def _erase_unread(g, node) -> None:
+    if node.users or node.op != "call_function":
+        return
+    inputs = node.all_input_nodes
+    g.erase_node(node)
+    for a in inputs:
+        _erase_unread(g, a) if a.op == "call_function" and is_pointwise_target(a.target) else None
 
 
 def _plans(op, view, source, written):
@@ -162,7 +216,7 @@ def _plans(op, view, source, written):
             or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()) \
             or any(a in written for a in op.args if isinstance(a, torch.fx.Node)):
         return None
-    plans = [_operand_plan(a, view, source, op) for a in op.args]
+    plans = [_operand_plan(a, view, source, op, written) for a in op.args]
     return None if None in plans else plans
 
 
@@ -195,8 +249,36 @@ def _round_trip(node, written: set):
     return z
 
 
+def _copying_reshapes_spelled_out(gm, written) -> None:
+    """`y.transpose(1, 2).reshape(b, n, c)` (a multi-head merge) copies, as `.contiguous().view()`
+    does: spelled so, the pointwise ops around it fuse as they do for that spelling (fuzz43a: two
+    kernels and a library copy)."""
+    g = gm.graph
+    for node in list(g.nodes):
+        source = reshape_source(node)
+        if source is None or node in written or source in written or not any(
+                u.op == "call_function" and is_pointwise_target(u.target) for u in node.users) \
+                or _contiguous(_meta(source)) or not _reshape_copies(_meta(source), _meta(node)):
+            continue
+        with g.inserting_before(node):
+            laid = g.call_method("contiguous", (source,))
+        laid.meta = {k: v for k, v in source.meta.items() if k != "tensor_meta"}
+        laid.meta["tensor_meta"] = _meta(source)._replace(stride=row_major(tuple(_meta(source).shape)))
+        node.args = (laid, *node.args[1:])
+
+
+def _reshape_copies(src, out) -> bool:
+    """Whether eager's reshape of a tensor laid out as `src` to out's shape copies (no view can)."""
+    t = torch.empty_strided(tuple(src.shape), tuple(src.stride), dtype=src.dtype, device="meta")
+    try:
+        return not t.reshape(tuple(out.shape))._is_view()
+    except RuntimeError:
+        return False
+
+
 def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
+    _copying_reshapes_spelled_out(gm, _mutated_values(gm))
     changed = True
     while changed:
         changed = False

@@ -178,3 +178,45 @@ def test_packets_keywords_and_metadata_reads_fuse_as_their_common_spelling(name)
         counts.append((s["fused_kernels"], s["library_calls"]))
         assert_matches_eager(opt, model, torch.randn(4, 16))
     assert counts[0] == counts[1] and counts[0][1] == 0, counts
+
+
+class MambaGate(nn.Module):   # Mamba-2: (y + x * D) over heads, merged, gated by silu(z)
+    def __init__(self):
+        super().__init__()
+        self.D = nn.Parameter(torch.randn(2))
+
+    def forward(self, y, x, z):
+        b, length, heads, p = y.shape
+        y = y + x * self.D[:, None]
+        return y.reshape(b, length, heads * p) * F.silu(z)
+
+
+class Produced(nn.Module):
+    def forward(self, a, c):
+        return (a * 2).reshape(6, 4) * (c * 3)
+
+
+class HeadMerge(nn.Module):   # (y * 2 + 1).transpose(1, 2).reshape(b, n, c) * gate: copies, as .contiguous().view
+    def __init__(self, flatten):
+        super().__init__()
+        self.flatten = flatten
+
+    def forward(self, a, c):
+        h = (a * 2 + 1).transpose(1, 2)
+        return (h.flatten(2) if self.flatten else h.reshape(2, 9, 8)) * torch.tanh(c)
+
+
+@pytest.mark.parametrize("make,shapes", [
+    (MambaGate, [(2, 5, 2, 3), (2, 5, 2, 3), (2, 5, 6)]),
+    (Produced, [(2, 3, 4), (6, 4)]),
+    (lambda: HeadMerge(False), [(2, 2, 9, 4), (2, 9, 8)]),
+    (lambda: HeadMerge(True), [(2, 2, 9, 4), (2, 9, 8)]),
+])
+def test_a_reshape_between_pointwise_results_keeps_one_kernel(make, shapes):
+    """fuzz43a: a reshape between two pointwise results (the other operand computed too) split the
+    chain in two kernels; a copying reshape (transpose, then reshape) gave two kernels and a copy."""
+    model = make().eval()
+    args = [torch.randn(*s) for s in shapes]
+    opt = optimize_strict(model, *args)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, *args)
