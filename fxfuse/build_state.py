@@ -52,5 +52,6 @@ def _refusal(changed: list) -> UnsupportedError:
         changed = [c for c in changed if "._opaque_obj" not in c]                    # root._opaque_obj0
     if all(c.startswith("it draws from") for c in changed):
         return UnsupportedError(f"forward() {' and '.join(c[3:] for c in changed)}; the original module runs")
-    return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}); fxfuse's "
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""   # (fuzz43d: the rest went unnamed)
+    return UnsupportedError(f"forward() changes the module's state ({', '.join(changed[:3])}{more}); fxfuse's "
                             "graphs keep no state between calls, so the original module runs")

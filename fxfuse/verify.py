@@ -14,7 +14,7 @@ from .graph_launch import draws_random_numbers
 from .log import logger
 from .module_state import same_value, share_memory
 from .specialization import writes_an_input
-from .tracing import clone_args
+from .tracing import _first_line, clone_args
 
 
 # relative error (norm-wise) allowed between a fresh specialization and eager, per dtype
@@ -29,7 +29,12 @@ def _verify(model, gm, args, rewind) -> list:
     (a VAE's `randn_like`, dropout in a model's own eval branch) draw the same numbers."""
     eager_args, graph_args = clone_args(args), clone_args(args)
     rewind()
-    eager_out = model(*eager_args)
+    try:
+        eager_out = model(*eager_args)
+    except Exception as e:   # the trace went through (the raising op was dead code): the model's own error
+        raise UnsupportedError(f"{type(model).__name__} itself raises on the example input ({type(e).__name__}: "
+                               f"{_first_line(e)}). Check the example input's shapes and dtypes against the "
+                               "model") from e   # (fuzz43d: "internal error")
     rewind()
     graph_out = gm(*graph_args)
     expected, expected_spec = flatten_output(eager_out)

@@ -92,7 +92,7 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
             return f"operand {a!r} is neither a tensor nor a number"
     if node.target is torch.where and _meta(node.args[0]) is not None and _meta(node.args[0]).dtype != torch.bool:
         return "where() condition is not bool"
-    if op.returns_bool and _compares_wide_integers(node):
+    if op.returns_bool and op.name not in ZERO_OR_CLASS_TESTS and _compares_wide_integers(node):
         return "compares int32/int64 values, which fp32 (the kernel's compute type) cannot hold exactly"
     if op.returns_bool:
         return _outside_integer_range(node)
@@ -101,6 +101,12 @@ def why_not_fusible(node: torch.fx.Node, mutated: set) -> str | None:
 
 # integer dtypes whose every value is exact in fp32, the type kernels load them as
 EXACT_IN_FP32 = (torch.bool, torch.uint8, torch.int8, torch.int16)
+
+
+# ops that only ask whether a value is zero, NaN or infinite, or its sign: an int32/int64 value
+# loaded as fp32 keeps all of those exactly (fuzz43d: logical_and of int64 masks stayed unfused)
+ZERO_OR_CLASS_TESTS = {"logical_and", "logical_or", "logical_xor", "logical_not", "isnan", "isinf", "isfinite",
+                       "signbit"}
 
 
 def _compares_wide_integers(node) -> bool:

@@ -218,7 +218,10 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 with g.inserting_after(new):
                     back = g.call_function(cast, (new, want))
                 new.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
-                back.meta = dict(new.meta)
+                back.meta, meta = dict(new.meta), new.meta.get("tensor_meta")
+                if meta is not None:   # each its dtype: the cast back then reads as fresh memory, and a
+                    new.meta["tensor_meta"] = meta._replace(dtype=got)   # later in-place op on it is made
+                    back.meta["tensor_meta"] = meta._replace(dtype=want)   # functional too (fuzz43d)
                 new = back
             _later_readers_read(base, new, node, order)
         else:

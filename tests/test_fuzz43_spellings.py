@@ -220,3 +220,53 @@ def test_a_reshape_between_pointwise_results_keeps_one_kernel(make, shapes):
     opt = optimize_strict(model, *args)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, *args)
+
+
+class MixedInPlace(nn.Module):   # an fp16 residual stream with an fp32 addend, then more in-place ops
+    def forward(self, x, y):
+        h = x * 2
+        h += y
+        h *= 3
+        return h + 1
+
+
+def test_in_place_ops_after_an_in_place_op_that_keeps_a_narrower_dtype_fuse():
+    """fuzz43d: the cast back to fp16 after `h += y_fp32` carried fp32 metadata, so `h *= 3` after
+    it was kept in place and everything after it stayed unfused."""
+    model = MixedInPlace().eval()
+    x, y = torch.randn(4, 8).half(), torch.randn(4, 8)
+    opt = optimize_strict(model, x, y)
+    s = fxfuse.stats(opt)
+    assert (s["fused_kernels"], s["library_calls"]) == (1, 0), s
+    assert torch.equal(opt(x, y), model(x, y))
+
+
+class IntegerMasks(nn.Module):
+    def forward(self, a, b, x):
+        keep = torch.logical_and(a, b) | torch.logical_not(torch.isnan(a)) & torch.logical_xor(a, b)
+        return torch.where(keep, x * 2, x - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_zero_and_nan_tests_of_wide_integers_fuse(dtype):
+    """fuzz43d: they only ask whether a value is zero (or NaN), which fp32 keeps for any integer."""
+    model = IntegerMasks().eval()
+    a, b = (torch.randint(-2, 3, (4, 8), dtype=dtype) * 2 ** 40 % (2 ** 31 - 1) for _ in range(2))
+    a[0, 0], b[0, 1] = 2 ** 31 - 1, 0
+    x = torch.randn(4, 8)
+    opt = optimize_strict(model, a, b, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert torch.equal(opt(a, b, x), model(a, b, x))
+
+
+class DeadRaise(nn.Module):
+    def forward(self, x, d):
+        unused = x % d   # noqa: F841 -- raises for d == 0 in eager, and is dead code
+        return x * 2.5
+
+
+def test_a_model_raising_in_dead_code_on_the_example_is_named():
+    """fuzz43d: "internal error while optimizing (RuntimeError: ZeroDivisionError)"."""
+    x, d = torch.randint(-50, 50, (4, 8), dtype=torch.int16), torch.tensor(0, dtype=torch.int16)
+    with pytest.raises(fxfuse.FxfuseError, match="DeadRaise itself raises on the example input"):
+        fxfuse.optimize(DeadRaise().eval(), (x, d), strict=True)
