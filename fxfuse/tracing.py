@@ -182,6 +182,10 @@ def _trace(model, example_args, concrete, held):
                 advice_first = ("packed sequences (pack_padded_sequence and the RNNs that read them) are no tensor "
                                 "graph either tracer records: optimize the layers around them "
                                 "(model.head = fxfuse.optimize(model.head, h)) and keep the packing outside")
+            elif "fake tensor in the exported program constant" in str(export_error):   # `w = self.lin.weight.data`
+                advice_first = ("torch.export cannot follow a tensor's `.data` (or another op that hides a tensor from "
+                                "it): where forward() reads `.data`, `.detach()` computes the same in inference and "
+                                "both tracers follow it")   # (fuzz43b)
             elif "in output, which is not a known type" in str(export_error):   # a dataclass / own class (fuzz40b)
                 advice_first = ("torch.export takes only outputs of types torch's pytree knows: return a tuple, dict "
                                 "or NamedTuple, or register the output's class (torch.utils._pytree.register_dataclass)")

@@ -270,3 +270,21 @@ def test_a_model_raising_in_dead_code_on_the_example_is_named():
     x, d = torch.randint(-50, 50, (4, 8), dtype=torch.int16), torch.tensor(0, dtype=torch.int16)
     with pytest.raises(fxfuse.FxfuseError, match="DeadRaise itself raises on the example input"):
         fxfuse.optimize(DeadRaise().eval(), (x, d), strict=True)
+
+
+class DataUnderExport(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        w = self.lin.weight.data
+        if x.shape[0] > 2:   # symbolic_trace cannot take it: torch.export traces
+            return torch.relu(x @ w.T) + 1
+        return x
+
+
+def test_data_under_torch_export_is_named_in_the_refusal():
+    """fuzz43b: the advice said to remove code reading a tensor's value."""
+    with pytest.raises(fxfuse.FxfuseError, match=r"`\.data`"):
+        fxfuse.optimize(DataUnderExport().eval(), torch.randn(4, 8), strict=True)
