@@ -15,6 +15,7 @@ at the shape it started from, on a contiguous tensor, is that tensor. Views of a
 dtype or size, 0-d tensors and ops whose result broadcasts beyond the view stay as written.
 """
 import math
+import operator
 
 import torch
 import torch.fx
@@ -39,10 +40,18 @@ def _contiguous(meta) -> bool:
     return all(s == e or size == 1 for s, e, size in zip(meta.stride, row_major(meta.shape), meta.shape))
 
 
+def _unsqueezes(node) -> bool:
+    """`h[:, None]`, `h[..., None]`: unsqueeze spelled as an index (fuzz43b)."""
+    index = node.args[1] if len(node.args) == 2 else ()
+    index = index if isinstance(index, tuple) else (index,)
+    return None in index and all(i is None or i is Ellipsis or i == slice(None) for i in index)
+
+
 def reshape_source(node):
     """y where node reshapes y (same dtype and element count, neither 0-d nor empty), else None."""
     is_reshape = (node.op == "call_method" and node.target in RESHAPE_METHODS
                   or node.op == "call_function" and node.target in RESHAPE_FUNCTIONS
+                  or node.op == "call_function" and node.target is operator.getitem and _unsqueezes(node)
                   or node.op == "call_module" and type(node.graph.owning_module.get_submodule(node.target))
                   in (torch.nn.Flatten, torch.nn.Unflatten))
     if not is_reshape or not node.args or not isinstance(node.args[0], torch.fx.Node):

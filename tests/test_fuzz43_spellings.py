@@ -288,3 +288,20 @@ def test_data_under_torch_export_is_named_in_the_refusal():
     """fuzz43b: the advice said to remove code reading a tensor's value."""
     with pytest.raises(fxfuse.FxfuseError, match=r"`\.data`"):
         fxfuse.optimize(DataUnderExport().eval(), torch.randn(4, 8), strict=True)
+
+
+class IndexUnsqueeze(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 24)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)[:, None]) * 0.5 + 1.0
+
+
+def test_an_unsqueeze_spelled_as_an_index_keeps_the_gemm_epilogue():
+    """fuzz43b: `lin(x)[:, None]` put its epilogue in a kernel of its own; `.unsqueeze(1)` did not."""
+    model = IndexUnsqueeze().eval()
+    opt = optimize_strict(model, torch.randn(8, 16), gemm="force")
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(8, 16))
