@@ -354,8 +354,9 @@ class GradRecording:
     def note_build(self, trace: dict, constants_require_grad: bool = False, read=frozenset(), args=()) -> None:
         if self.traced_inference is None:
             self.traced_inference = trace.get("reads_inference_mode")
-        reads = trace.get("attribute_reads", {"all": True})
-        if self.input_inference is None and (reads.get("all") or "is_inference" in reads.get("code_names", ())):
+        reads = trace.get("attribute_reads", {})   # (none recorded: as before, not "all")
+        if self.input_inference is None and "is_inference" in reads.get("code_names", ()):   # (not where a
+            #                                     profiler or coverage tool kept the names from being recorded)
             self.input_inference = _inference_inputs(args)
         # those the traces read (`read`: storages): a teacher model held in a list, unused, does not
         # make each call with grad on run the original (review38c)
@@ -369,7 +370,7 @@ class GradRecording:
         # or a tensor the graph holds as a constant (a module-level global, one in a list attribute),
         # or it may start autograd itself (`h.detach().requires_grad_()`: review43c)
         self.records_from_state |= trace.get("records_from_state", any(flags) or constants_require_grad
-                                             or "requires_grad_" in reads.get("code_names", ("requires_grad_",)))
+                                             or "requires_grad_" in reads.get("code_names", ()))
         self.enables_grad |= trace["enables_grad"] if "enables_grad" in trace else _decorated_to_enable_grad(self.model)
         self.flags = flags
 

@@ -136,3 +136,15 @@ def test_each_submodule_put_in_training_mode_gets_its_warning():
             told = _calls(opt, x)[1]
             assert len(told) == 1 and f"submodule {index}" in told[0]
             model[index].eval()
+
+
+def test_an_inference_tensor_example_is_no_reason_to_run_the_original_for_plain_inputs():
+    """Only where forward() asks is_inference() does an input's inference-ness matter (a build from
+    an example made inside inference_mode, called with plain tensors under no_grad)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 16)).eval()
+    with torch.inference_mode():
+        opt = optimize_strict(model, torch.randn(16, 4).t())
+    with torch.no_grad():
+        x = torch.randn(16, 4).t()
+        torch.testing.assert_close(opt(x), model(x))
+    assert sum(opt.original_calls.values()) == 0
