@@ -19,6 +19,7 @@ import operator
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _meta
 from fxfuse.ops import is_pointwise_target, row_major
@@ -285,6 +286,33 @@ def _reshape_copies(src, out) -> bool:
         return False
 
 
+def _linear_past_view(gm, node, written) -> bool:
+    """`F.linear(h.flatten(0, 1), W)` as `F.linear(h, W).view(...)`: a Linear reads only the last
+    dim, which the view keeps, so a chain of Linears and pointwise ops split by such a view (a
+    hidden state flattened between layers) is one chain again for the fused MLP and the GEMM
+    epilogues (fuzz43b)."""
+    if node.op != "call_function" or node.target is not F.linear or len(node.args) != 2 or node.kwargs:
+        return False
+    view = node.args[0]
+    source = reshape_source(view) if isinstance(view, torch.fx.Node) else None
+    if source is None or source.op in ("placeholder", "get_attr") or {view, source, node} & written \
+            or not _contiguous(_meta(source)) or _meta(source).shape[-1:] != _meta(view).shape[-1:]:
+        return False
+    out = _meta(node)
+    shape = tuple(_meta(source).shape[:-1]) + tuple(out.shape[-1:])
+    with gm.graph.inserting_before(node):
+        moved = gm.graph.call_function(F.linear, (source, node.args[1]))
+        moved.meta = {k: v for k, v in node.meta.items() if k != "tensor_meta"}
+        moved.meta["tensor_meta"] = out._replace(shape=torch.Size(shape), stride=row_major(shape))
+        back = gm.graph.call_method("reshape", (moved, tuple(out.shape)))
+        back.meta["tensor_meta"] = out
+    node.replace_all_uses_with(back)
+    gm.graph.erase_node(node)
+    if not view.users:
+        gm.graph.erase_node(view)
+    return True
+
+
 def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     _copying_reshapes_spelled_out(gm, _mutated_values(gm))
@@ -294,6 +322,8 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         written = _mutated_values(gm)
         for node in list(g.nodes):
             if node.op == "call_function" and is_pointwise_target(node.target) and _sink_one(gm, node, written):
+                changed = True
+            elif _linear_past_view(gm, node, written):
                 changed = True
             elif (z := _round_trip(node, written)) is not None:
                 inner = node.args[0]

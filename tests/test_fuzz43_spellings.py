@@ -305,3 +305,25 @@ def test_an_unsqueeze_spelled_as_an_index_keeps_the_gemm_epilogue():
     opt = optimize_strict(model, torch.randn(8, 16), gemm="force")
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, torch.randn(8, 16))
+
+
+class FlattenedHidden(nn.Module):
+    def __init__(self, where):
+        super().__init__()
+        self.lin, self.lin2, self.where = nn.Linear(16, 24), nn.Linear(24, 8), where
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.where == "before relu":
+            return self.lin2(torch.relu(h.view(-1, 24)))
+        return self.lin2(torch.relu(h).flatten(0, 1))
+
+
+@pytest.mark.parametrize("where", ["before relu", "after relu"])
+def test_a_hidden_state_flattened_between_linears_stays_one_fused_mlp(where):
+    """fuzz43b: a view of the hidden state between two Linears split the fused MLP in two kernels."""
+    model = FlattenedHidden(where).eval()
+    opt = optimize_strict(model, torch.randn(2, 4, 16), fused_mlp="force")
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(2, 4, 16))
+    assert_matches_eager(opt, model, torch.randn(3, 5, 16))
