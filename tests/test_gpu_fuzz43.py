@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import fxfuse
-from test_fuzz43_spellings import (AS_COMMON, LINEAR_SPELLINGS, Chain, HeadMerge, IndexUnsqueeze, IntegerMasks,
-                                   MambaGate, MixedInPlace, Product)
+from test_fuzz43_spellings import (AS_COMMON, LINEAR_SPELLINGS, Chain, FlattenedHidden, HeadMerge, IndexUnsqueeze,
+                                   IntegerMasks, MambaGate, MixedInPlace, Product)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
 
@@ -75,4 +75,12 @@ def test_packets_and_metadata_reads_on_the_gpu(name):
     model = Chain(AS_COMMON[name][0]).eval()
     args = lambda: (torch.randn(37, 16, device="cuda"),)   # noqa: E731
     opt = fxfuse.optimize(model, args(), strict=True)
+    _three_calls(opt, model, args)
+
+
+@pytest.mark.parametrize("options", [{}, {"fused_mlp": "force"}, {"gemm": "force"}])
+def test_a_flattened_hidden_state_between_linears_on_the_gpu(options):
+    model = FlattenedHidden("after relu").eval().cuda()
+    args = lambda: (torch.randn(3, 37, 16, device="cuda"),)   # noqa: E731
+    opt = fxfuse.optimize(model, args(), strict=True, **options)
     _three_calls(opt, model, args)
