@@ -71,7 +71,8 @@ def _hashed_size(proxy):
 
 
 PLAIN_METHODS = ("size", "numel", "nelement", "dim", "ndimension", "item", "tolist", "stride", "get_device",
-                 "is_contiguous", "is_floating_point", "is_complex", "element_size", "storage_offset")
+                 "is_contiguous", "is_floating_point", "is_complex", "element_size", "storage_offset", "is_signed",
+                 "is_inference")
 PLAIN_ATTRIBUTES = ("shape", "ndim", "dtype", "device", "layout", "is_cuda", "is_sparse", "is_meta",
                     "is_quantized", "requires_grad", "is_leaf")
 
@@ -81,11 +82,12 @@ def _is_a_size(node) -> bool:
     `x.size(1)`, `len(x)`, `.item()`), a dtype or device (`x.device.type`), an item or attribute
     of one, or operator arithmetic on such values only (`x.shape[-1] // 2`; `x + 1` is
     operator.add too)."""
-    if node.op == "call_method":
-        return node.target in PLAIN_METHODS
+    base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.op == "call_method":   # (x.type() names the type; x.type(dtype) casts; a size's or dtype's own
+        return node.target in PLAIN_METHODS or node.target == "type" and len(node.args) == 1 and not node.kwargs \
+            or base is not None and _is_a_size(base)   # methods: x.shape.index(4), x.dtype.to_real(): review43f)
     if node.op != "call_function":
         return False
-    base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if node.target is getattr:
         return node.args[1:2] in (tuple([a]) for a in PLAIN_ATTRIBUTES) or base is not None and _is_a_size(base)
     if node.target is len:

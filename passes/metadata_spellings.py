@@ -2,6 +2,8 @@
 the tables): `x.masked_fill(mask, v)` as torch.where where both give x's dtype, and the pure
 dtype conversions (x.float(), x.to(torch.half), y.type_as(x), torch.export's aten.to.dtype)."""
 import inspect
+import typing
+import warnings
 
 import torch
 import torch.fx
@@ -95,7 +97,8 @@ def _conversion(node):
 def overload_of(node):
     """The overload a call of an aten packet runs (`torch.ops.aten.cat([a, b], -1)`, no overload
     named: the tables hold overloads; fuzz43b), told from the arguments' kinds as the dispatcher
-    tells it; None where no schema or several fit."""
+    tells it: the one schema they fit, else the one they fit exactly (`aten.split(x, 2, 1)` fits
+    split.sizes too, an int taken as a list); None where that leaves several or none."""
     from torch.fx.operator_schemas import get_signature_for_torch_op, type_matches   # (torch.fx internals)
     packet = node.target
     if not isinstance(packet, torch._ops.OpOverloadPacket):
@@ -105,20 +108,29 @@ def overload_of(node):
         if isinstance(a, torch.fx.Node):
             return torch.Tensor if single_tensor_meta(a) is not None else a.meta.get("type")
         if isinstance(a, (list, tuple)) and a and all(isinstance(i, torch.fx.Node) for i in a):
-            return list[torch.Tensor]
-        return type(a)
+            return typing.List[torch.Tensor]
+        if isinstance(a, (list, tuple)) and all(type(i) is int for i in a):
+            return typing.List[int]
+        return int if isinstance(a, torch.dtype) else type(a)   # (a schema's ScalarType reads as int)
     try:
-        signatures, schemas = get_signature_for_torch_op(packet, return_schemas=True)
+        with warnings.catch_warnings():   # torch.fx warns of schema types it cannot compare (review43f)
+            warnings.simplefilter("ignore")
+            signatures, schemas = get_signature_for_torch_op(packet, return_schemas=True)
+            fits = []
+            for signature, schema in zip(signatures or (), schemas or ()):
+                if schema.overload_name.startswith("prim_"):   # TorchScript's own, not the dispatcher's
+                    continue
+                try:
+                    bound = signature.bind(*node.args, **node.kwargs).arguments
+                except TypeError:
+                    continue
+                kinds = {name: (signature.parameters[name].annotation, kind(v)) for name, v in bound.items()}
+                if all(k is None or want is inspect.Parameter.empty or type_matches(want, k)
+                       for want, k in kinds.values()):
+                    exact = all(k is None or want in (k, typing.Optional[k]) for want, k in kinds.values())
+                    fits.append((schema.overload_name or "default", exact))
     except Exception:  # noqa: BLE001 -- an op torch.fx cannot describe: left as it is
         return None
-    fits = []
-    for signature, schema in zip(signatures or (), schemas or ()):
-        try:
-            bound = signature.bind(*node.args, **node.kwargs)
-        except TypeError:
-            continue
-        if all(type_matches(signature.parameters[name].annotation, kind(value)) for name, value in
-               bound.arguments.items() if kind(value) is not None and signature.parameters[name].annotation
-               is not inspect.Parameter.empty):
-            fits.append(schema.overload_name or "default")
-    return getattr(packet, fits[0]) if len(fits) == 1 else None
+    exact = [name for name, is_exact in fits if is_exact]
+    chosen = fits[0][0] if len(fits) == 1 else exact[0] if len(exact) == 1 else None
+    return getattr(packet, chosen) if chosen is not None else None

@@ -440,7 +440,8 @@ def _replace(g, node, target, args, kwargs):
             x, other, alpha = args
             if isinstance(other, torch.fx.Node):
                 new = g.call_function(add_scaled, (x, other), {"alpha": alpha if target[1] is operator.add else -alpha})
-            elif isinstance(other, int) and isinstance(alpha, int):   # x.sub(1, alpha=2) of an integer x: exact;
+            elif isinstance(other, int) and isinstance(alpha, int) and not getattr(
+                    _dtype_of(x), "is_floating_point", True):   # x.sub(1, alpha=2) of an integer x: exact;
                 product = (other * alpha + 2 ** 63) % 2 ** 64 - 2 ** 63   # wrapped as eager's int64 multiply (fuzz43d)
                 new = g.call_function(target[1], (x, product))
             else:   # fp32: alpha * other + x rounded once, as eager's multiply-add (canonical_call)

@@ -114,32 +114,38 @@ def _hoistable(node, shape, written, depth: int = 0) -> bool:
     return True
 
 
-def _hoisted(g, node, shape, written):
-    """node computed at `shape` (_hoistable), its own operands reshaped or hoisted."""
+def _hoisted(g, node, shape, made):
+    """node computed at `shape` (_hoistable), its own operands reshaped or hoisted; `made` maps
+    what is made already (an operand read twice, `a * a`, is made once: review43f)."""
+    if node in made:
+        return made[node]
     args = []
     for a in node.args:
         meta = _meta(a) if isinstance(a, torch.fx.Node) else None
         if meta is None or not meta.shape:
             args.append(a)
         elif _joins_only(a, node) and a.op == "call_function":
-            args.append(_hoisted(g, a, shape, written))
+            args.append(_hoisted(g, a, shape, made))
         else:
-            args.append(_moved_operand(g, ("reshape", a), None, shape))
+            if a not in made:
+                made[a] = _moved_operand(g, ("reshape", a), None, shape)
+            args.append(made[a])
     with g.inserting_after(node):
         new = g.call_function(node.target, tuple(args), dict(node.kwargs))
     new.meta = {k: v for k, v in node.meta.items() if k != "tensor_meta"}
     new.meta["tensor_meta"] = _meta(node)._replace(shape=torch.Size(shape), stride=row_major(shape))
+    made[node] = new
     return new
 
 
-def _moved_operand(g, plan, source, shape=None):
+def _moved_operand(g, plan, source, shape=None, made=None):
     """The node (or value) an operand becomes, per its _operand_plan (at source's shape, or at
     `shape`)."""
     how, operand = plan
     if how == "keep":
         return operand    # an existing reshape is the same node a Linear reads: a residual it knows
     if how == "hoist":
-        return _hoisted(g, operand, tuple(_meta(source).shape), set())
+        return _hoisted(g, operand, tuple(_meta(source).shape), {} if made is None else made)
     meta = _meta(operand)
     if how == "flat":
         shape = tuple(meta.shape)
@@ -188,8 +194,9 @@ def _sink_one(gm, op, written: set) -> bool:
                                 if u.op == "call_function" and is_pointwise_target(u.target)):
         return False    # a pointwise user that cannot follow op below the view: moving op alone would
                         # put a reshape between them (where(v > 0, v, c) with c [3, 1] against [b, 3, 4])
-    args = [_moved_operand(g, plan, source) for plan in plans]
-    hoisted = [x for how, x in plans if how == "hoist"]
+    made = {}   # (an operand op reads twice, `addcmul(v, a, a)`, is hoisted once: review43f)
+    args = [_moved_operand(g, plan, source, made=made) for plan in plans]
+    hoisted = list(dict.fromkeys(x for how, x in plans if how == "hoist"))
     with g.inserting_before(op):
         new_op = g.call_function(op.target, tuple(args), dict(op.kwargs))
         out_meta = _meta(op)
@@ -209,7 +216,7 @@ def _sink_one(gm, op, written: set) -> bool:
 
 
 def _erase_unread(g, node) -> None:
-    if node.users or node.op != "call_function":
+    if node.users or node.op != "call_function" or node._erased:
         return
     inputs = node.all_input_nodes
     g.erase_node(node)
@@ -295,7 +302,9 @@ def _linear_past_view(gm, node, written) -> bool:
         return False
     view = node.args[0]
     source = reshape_source(view) if isinstance(view, torch.fx.Node) else None
+    weight = _meta(node.args[1]) if isinstance(node.args[1], torch.fx.Node) else None
     if source is None or source.op in ("placeholder", "get_attr") or {view, source, node} & written \
+            or weight is None or len(weight.shape) != 2 \
             or not _contiguous(_meta(source)) or _meta(source).shape[-1:] != _meta(view).shape[-1:]:
         return False
     out = _meta(node)

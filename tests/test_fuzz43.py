@@ -197,3 +197,30 @@ def test_a_call_under_a_meta_default_device_runs_as_eager():
             got = opt(x)
     with torch.no_grad():
         torch.testing.assert_close(got, model(x))
+
+
+class TypeName(nn.Module):   # apex-style string type test
+    def forward(self, x):
+        return torch.relu(x) * (0.5 if x.type() in {"torch.FloatTensor", "torch.cuda.FloatTensor"} else 2.0)
+
+
+class RealDtype(nn.Module):
+    SCALE = {torch.float32: 0.5}
+
+    def forward(self, x):
+        return torch.relu(x) * self.SCALE.get(x.dtype.to_real(), 2.0)
+
+
+class ShapeIndex(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * (3.0 if x.shape.index(4) in {1} else 1.0)
+
+
+@pytest.mark.parametrize("make", [TypeName, RealDtype, ShapeIndex])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_type_name_or_a_methods_answer_looked_up_in_a_set_or_dict(make, verify):
+    """review43f: x.type(), x.dtype.to_real(), x.shape.index(...) looked up missed every key, and
+    verify's fp64 run took the same miss (type names and dtypes differ there)."""
+    model = make().eval()
+    opt = optimize_strict(model, torch.randn(3, 4), verify=verify)
+    assert_matches_eager(opt, model, torch.randn(3, 4))

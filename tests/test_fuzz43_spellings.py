@@ -327,3 +327,67 @@ def test_a_hidden_state_flattened_between_linears_stays_one_fused_mlp(where):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, torch.randn(2, 4, 16))
     assert_matches_eager(opt, model, torch.randn(3, 5, 16))
+
+
+class FloatSubBigInts(nn.Module):
+    def forward(self, x):
+        return x.sub(2 ** 40, alpha=2 ** 40) * 1e-20
+
+
+def test_a_float_add_with_integer_number_and_alpha_multiplies_in_fp32():
+    """review43f: the integer path's int64 wrap of `other * alpha` reached float tensors (x - 0)."""
+    model = FloatSubBigInts().eval()
+    opt = optimize_strict(model, torch.randn(4, 8))
+    assert_matches_eager(opt, model, torch.randn(4, 8))
+
+
+class ReadTwice(nn.Module):
+    def forward(self, y, z):
+        s = torch.sigmoid(y * 2).reshape(4, 6)
+        a = torch.tanh(z)
+        return torch.addcmul(s, a, a)
+
+
+def test_an_operand_read_twice_past_a_view_is_computed_once(recwarn):
+    """review43f: hoisted twice and erased twice (torch.fx warned of erasing an erased node)."""
+    model = ReadTwice().eval()
+    opt = optimize_strict(model, torch.randn(4, 2, 3), torch.randn(4, 6))
+    assert not [w for w in recwarn if "erase" in str(w.message)]
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(4, 2, 3), torch.randn(4, 6))
+
+
+PACKETS = {
+    "view": (lambda x: aten.view(x * 2, [-1]) + 1, lambda x: aten.view.default(x * 2, [-1]) + 1),
+    "reshape": (lambda x: aten.reshape(x * 2, [3, 4]) + 1, lambda x: aten.reshape.default(x * 2, [3, 4]) + 1),
+    "to": (lambda x: aten.to(x * 2, torch.float16) + 1, lambda x: aten.to.dtype(x * 2, torch.float16) + 1),
+    "split": (lambda x: aten.split(x * 2, 2, 1)[1] + 1, lambda x: aten.split.Tensor(x * 2, 2, 1)[1] + 1),
+}
+
+
+@pytest.mark.parametrize("name", PACKETS)
+def test_view_and_split_packets_resolve_quietly(name, recwarn):
+    counts = []
+    for fn in PACKETS[name]:
+        model = Chain(fn).eval()
+        opt = optimize_strict(model, torch.randn(3, 4))
+        counts.append(fxfuse.stats(opt)["fused_kernels"])
+        assert_matches_eager(opt, model, torch.randn(3, 4))
+    assert counts[0] == counts[1]
+    assert not [w for w in recwarn if "parametric" in str(w.message)]
+
+
+class VectorWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, h):
+        return torch.sigmoid(F.linear(torch.relu(h * 2).flatten(0, 1), self.w)) * 3
+
+
+def test_a_linear_with_a_vector_weight_past_a_view():
+    model = VectorWeight().eval()
+    opt = optimize_strict(model, torch.randn(2, 3, 4))
+    assert_matches_eager(opt, model, torch.randn(2, 3, 4))
+    assert_matches_eager(opt, model, torch.randn(5, 3, 4))
