@@ -182,7 +182,8 @@ def _trace(model, example_args, concrete, held):
                 advice_first = ("packed sequences (pack_padded_sequence and the RNNs that read them) are no tensor "
                                 "graph either tracer records: optimize the layers around them "
                                 "(model.head = fxfuse.optimize(model.head, h)) and keep the packing outside")
-            elif "fake tensor in the exported program constant" in str(export_error):   # `w = self.lin.weight.data`
+            elif "fake tensor in the exported program constant" in str(export_error) \
+                    and not _runs_autograd(model):   # `w = self.lin.weight.data`
                 advice_first = ("torch.export cannot follow a tensor's `.data` (or another op that hides a tensor from "
                                 "it): where forward() reads `.data`, `.detach()` computes the same in inference and "
                                 "both tracers follow it")   # (fuzz43b)
