@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from fxfuse.ir import IndexMap
-from fxfuse.ops import TRITON_DTYPE, row_major
+from fxfuse.ops import TRITON_DTYPE, is_pointwise_target, row_major
 from fxfuse.tracing import fxfuse_meta
 
 aten = torch.ops.aten
@@ -94,3 +94,62 @@ def piece_index(join, k: int, shape) -> IndexMap:
         return IndexMap(k * strides[d], tuple(s for i, s in enumerate(strides) if i != d))
     d = dim % len(shape)
     return IndexMap(k * shape[d] * strides[d], tuple(strides))
+
+
+def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
+    """`op(torch.cat([a, b], d), s)` as `torch.cat([op(a, s), op(b, s)], d)` where s does not vary
+    along d (a number, or size 1 there): the kernel computing the pieces then applies op and
+    writes the cat itself; read after the cat, op was a second kernel over the whole joined tensor
+    (fuzz43e, fuzz43i: YOLOv8's `cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * strides`). Only where
+    op reads the join once and alone reads it, and keeps its shape. Returns whether one moved."""
+    g, moved = gm.graph, False
+    for op in list(g.nodes):
+        if op.op != "call_function" or not is_pointwise_target(op.target) or op in written \
+                or any(isinstance(v, torch.fx.Node) for v in op.kwargs.values()):
+            continue
+        joins = [a for a in op.args if isinstance(a, torch.fx.Node) and join_of(a) is not None]
+        if len(joins) != 1 or op.args.count(joins[0]) != 1 or set(joins[0].users) != {op}:
+            continue
+        join = joins[0]
+        kind, pieces, dim = join_of(join)
+        out, meta = _meta(op), _meta(join)
+        if out is None or meta is None or tuple(out.shape) != tuple(meta.shape) or {join, *pieces} & written \
+                or any(_meta(p) is None or _meta(p).dtype != meta.dtype for p in pieces) \
+                or len({tuple(_meta(p).shape) for p in pieces}) != 1 or not any(_computed(p) for p in pieces) \
+                or not all(_computed(p) or p.op in ("placeholder", "get_attr") for p in pieces):
+            continue   # (pieces one kernel computes, so op joins it: no more launches than before)
+        d = dim % len(meta.shape)
+        others = [a for a in op.args if isinstance(a, torch.fx.Node) and a is not join]
+        if any(_meta(a) is None or not _constant_along(_meta(a).shape, len(meta.shape), d, kind) for a in others):
+            continue
+        with g.inserting_before(op):
+            new_pieces = []
+            for p in pieces:
+                piece = g.call_function(op.target, tuple(p if a is join else a for a in op.args), dict(op.kwargs))
+                shape = tuple(_meta(p).shape)
+                piece.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
+                piece.meta["tensor_meta"] = out._replace(shape=torch.Size(shape), stride=row_major(shape))
+                new_pieces.append(piece)
+            new_join = g.call_function(join.target, (new_pieces, *join.args[1:]), dict(join.kwargs)) \
+                if isinstance(join.args[0], (list, tuple)) else None
+        if new_join is None:   # (the pieces given by keyword: join_of took it; left as it is)
+            for piece in reversed(new_pieces):
+                g.erase_node(piece)
+            continue
+        new_join.meta = dict(op.meta)
+        op.replace_all_uses_with(new_join)
+        g.erase_node(op)
+        g.erase_node(join)
+        moved = True
+    return moved
+
+
+def _computed(node) -> bool:
+    return node.op == "call_function" and is_pointwise_target(node.target)
+
+
+def _constant_along(shape, ndim: int, d: int, kind: str) -> bool:
+    """Whether an operand of `shape`, broadcast against a joined tensor of `ndim` dims, has one
+    value along its dim d; for a stack, it must not reach d at all (each piece lacks that dim)."""
+    position = d - (ndim - len(shape))   # the operand's own dim lined up with d (right-aligned)
+    return position < 0 or kind == "cat" and shape[position] == 1

@@ -25,6 +25,7 @@ from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target, row_major
 
 from .fuse_pointwise import _mutated_values
+from .join_outputs import pointwise_into_joins
 from .normalize_layers import register_constant
 
 aten = torch.ops.aten
@@ -345,6 +346,7 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 node.replace_all_uses_with(z)
                 g.erase_node(node)
                 changed = True
+        changed = pointwise_into_joins(gm, written) or changed
     for node in list(g.nodes):   # constants read as their [n] views ("flat") now
         if node.op == "get_attr" and not node.users:
             g.erase_node(node)

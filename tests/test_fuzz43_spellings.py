@@ -391,3 +391,38 @@ def test_a_linear_with_a_vector_weight_past_a_view():
     opt = optimize_strict(model, torch.randn(2, 3, 4))
     assert_matches_eager(opt, model, torch.randn(2, 3, 4))
     assert_matches_eager(opt, model, torch.randn(5, 3, 4))
+
+
+class Dist2BBox(nn.Module):   # YOLOv8
+    def forward(self, lt, rb, anchors, strides):
+        x1y1, x2y2 = anchors - lt, anchors + rb
+        return torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * strides
+
+
+class JoinThenOps(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x, s):
+        if self.how == "cat":
+            return torch.relu(torch.cat([x, torch.sin(x), torch.cos(x)], -1) * 2.0 + s) - 1   # s: [n, 1]
+        if self.how == "stack":
+            return torch.stack([x * 2, x + 1], 0) * s + 1   # s: [n, d], not reaching the stack dim
+        return torch.cat([x * 2, x + 1], -1) * s   # s varies along the cat dim: left as it is
+
+
+@pytest.mark.parametrize("make,shapes,kernels", [
+    (Dist2BBox, [(2, 2, 39), (2, 2, 39), (1, 2, 39), (1, 39)], 1),
+    (lambda: JoinThenOps("cat"), [(5, 7), (5, 1)], 1),
+    (lambda: JoinThenOps("stack"), [(5, 7), (5, 7)], 1),
+    (lambda: JoinThenOps("varies"), [(5, 7), (5, 14)], 2),
+])
+def test_pointwise_ops_after_a_join_are_applied_to_its_pieces(make, shapes, kernels):
+    """fuzz43e, fuzz43i: an op reading a cat the kernel writes ran as a second kernel over the
+    whole joined tensor."""
+    model = make().eval()
+    args = [torch.randn(*s) for s in shapes]
+    opt = optimize_strict(model, *args)
+    assert fxfuse.stats(opt)["fused_kernels"] == kernels
+    assert_matches_eager(opt, model, *args)
