@@ -95,7 +95,45 @@ def _operand_plan(operand, view, source, before, written=frozenset()):
                 and _hoistable(operand, src_shape, written):   # (a library result's view
             return "hoist", operand          # is read as it is) computed at source's shape, its operands reshaped
         return ("keep", existing) if existing is not None else ("reshape", operand)
-    return None
+    regrouped = _regrouped(shape, view_shape, src_shape)
+    return ("regroup", (operand, regrouped)) if regrouped is not None else None
+
+
+def _regrouped(shape, view_shape, src_shape):
+    """The shape a broadcast operand takes against the source where the view only merges or
+    splits dims along which the operand is constant, or keeps a dim it varies along as it is
+    (`(x * 2).flatten(2) + w[:, None]`: w[:, None] is [C, 1] against [B, C, H * W], so
+    [C, 1, 1] against [B, C, H, W]; a GroupNorm written by hand: fuzz43j); else None."""
+    if len(shape) > len(view_shape):
+        return None
+    padded = (1,) * (len(view_shape) - len(shape)) + tuple(shape)
+    new, i, j = [], 0, 0
+    while i < len(src_shape) or j < len(view_shape):
+        group_src, group_view = [], []
+        product_src = product_view = 1
+        while True:   # the smallest run of dims on each side with the same element count
+            if (not group_src or product_src < product_view) and i < len(src_shape):
+                group_src.append(i)
+                product_src *= src_shape[i]
+                i += 1
+            elif (not group_view or product_view < product_src) and j < len(view_shape):
+                group_view.append(j)
+                product_view *= view_shape[j]
+                j += 1
+            else:
+                break
+        if product_src != product_view:
+            return None
+        varying = [k for k in group_view if padded[k] != 1]
+        if not varying:
+            new += [1] * len(group_src)
+            continue
+        units_src = [k for k in group_src if src_shape[k] != 1]
+        if len(varying) != 1 or len(units_src) != 1 or padded[varying[0]] != src_shape[units_src[0]] \
+                or len([k for k in group_view if view_shape[k] != 1]) != 1:
+            return None
+        new += [src_shape[k] if k == units_src[0] else 1 for k in group_src]
+    return tuple(new)
 
 
 def _hoistable(node, shape, written, depth: int = 0) -> bool:
@@ -145,6 +183,12 @@ def _moved_operand(g, plan, source, shape=None, made=None):
     how, operand = plan
     if how == "keep":
         return operand    # an existing reshape is the same node a Linear reads: a residual it knows
+    if how == "regroup":
+        operand, shape = operand
+        with g.inserting_before(made["_before"]) if made and "_before" in made else g.inserting_after(operand):
+            moved = g.call_method("reshape", (operand, shape))
+        moved.meta["tensor_meta"] = _meta(operand)._replace(shape=torch.Size(shape), stride=row_major(shape))
+        return moved
     if how == "hoist":
         return _hoisted(g, operand, tuple(_meta(source).shape), {} if made is None else made)
     meta = _meta(operand)
@@ -195,7 +239,7 @@ def _sink_one(gm, op, written: set) -> bool:
                                 if u.op == "call_function" and is_pointwise_target(u.target)):
         return False    # a pointwise user that cannot follow op below the view: moving op alone would
                         # put a reshape between them (where(v > 0, v, c) with c [3, 1] against [b, 3, 4])
-    made = {}   # (an operand op reads twice, `addcmul(v, a, a)`, is hoisted once: review43f)
+    made = {"_before": op}   # (an operand op reads twice, `addcmul(v, a, a)`, is hoisted once: review43f)
     args = [_moved_operand(g, plan, source, made=made) for plan in plans]
     hoisted = list(dict.fromkeys(x for how, x in plans if how == "hoist"))
     with g.inserting_before(op):

@@ -426,3 +426,28 @@ def test_pointwise_ops_after_a_join_are_applied_to_its_pieces(make, shapes, kern
     opt = optimize_strict(model, *args)
     assert fxfuse.stats(opt)["fused_kernels"] == kernels
     assert_matches_eager(opt, model, *args)
+
+
+class ChannelScaleAfterFlatten(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.w, self.how = nn.Parameter(torch.randn(4)), how
+
+    def forward(self, x):
+        h = torch.relu(x * 2)
+        if self.how == "flatten":
+            return h.flatten(2) + self.w[:, None]
+        if self.how == "view":
+            return h.view(x.shape[0], 4, -1) * self.w.view(1, 4, 1)
+        return h.reshape(x.shape[0], 4, 3, 10) * self.w[:, None, None] - 1   # a split dim, the operand constant there
+
+
+@pytest.mark.parametrize("how", ["flatten", "view", "split"])
+def test_a_per_channel_operand_past_a_view_moves_with_it(how):
+    """fuzz43j: `(x * 2).flatten(2) + w[:, None]` (and conv(x).flatten(2) * w[:, None]) split the
+    chain in two kernels: the view could not move below an operand broadcast against it."""
+    model = ChannelScaleAfterFlatten(how).eval()
+    opt = optimize_strict(model, torch.randn(2, 4, 5, 6))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(2, 4, 5, 6))
+    assert_matches_eager(opt, model, torch.randn(3, 4, 5, 6))

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import fxfuse
-from test_fuzz43_spellings import (AS_COMMON, LINEAR_SPELLINGS, Chain, FlattenedHidden, HeadMerge, IndexUnsqueeze,
-                                   IntegerMasks, MambaGate, MixedInPlace, Product)
+from test_fuzz43_spellings import (AS_COMMON, LINEAR_SPELLINGS, Chain, ChannelScaleAfterFlatten, Dist2BBox,
+                                   FlattenedHidden, HeadMerge, IndexUnsqueeze, IntegerMasks, MambaGate, MixedInPlace,
+                                   Product)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
 
@@ -83,4 +84,19 @@ def test_a_flattened_hidden_state_between_linears_on_the_gpu(options):
     model = FlattenedHidden("after relu").eval().cuda()
     args = lambda: (torch.randn(3, 37, 16, device="cuda"),)   # noqa: E731
     opt = fxfuse.optimize(model, args(), strict=True, **options)
+    _three_calls(opt, model, args)
+
+
+@pytest.mark.parametrize("rows", [1, 37, 1000])
+def test_ops_after_a_join_and_channel_scales_past_a_view_on_the_gpu(rows):
+    model = Dist2BBox().eval()
+    args = lambda: (torch.randn(rows, 2, 39, device="cuda"), torch.randn(rows, 2, 39, device="cuda"),   # noqa: E731
+                    torch.rand(1, 2, 39, device="cuda") * 8, torch.rand(1, 39, device="cuda") * 16)
+    opt = fxfuse.optimize(model, args(), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    _three_calls(opt, model, args)
+    model = ChannelScaleAfterFlatten("flatten").eval().cuda()
+    args = lambda: (torch.randn(rows, 4, 5, 6, device="cuda"),)   # noqa: E731
+    opt = fxfuse.optimize(model, args(), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
     _three_calls(opt, model, args)
