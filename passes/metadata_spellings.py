@@ -2,6 +2,8 @@
 the tables): `x.masked_fill(mask, v)` as torch.where where both give x's dtype, and the pure
 dtype conversions (x.float(), x.to(torch.half), y.type_as(x), torch.export's aten.to.dtype)."""
 import inspect
+import math
+import operator
 import typing
 import warnings
 
@@ -134,3 +136,31 @@ def overload_of(node):
     exact = [name for name, is_exact in fits if is_exact]
     chosen = fits[0][0] if len(fits) == 1 else exact[0] if len(exact) == 1 else None
     return getattr(packet, chosen) if chosen is not None else None
+
+
+GREATER = {operator.gt, operator.ge, torch.gt, torch.ge, torch.greater, torch.greater_equal, "gt", "ge",
+           aten.gt.Scalar, aten.ge.Scalar}
+MULTIPLY = {operator.mul, torch.mul, torch.multiply, "mul", aten.mul.Tensor, aten.mul.Scalar}
+WHERES = {torch.where, aten.where.self}
+
+
+def where_as_leaky_relu(node):
+    """(h, slope) where node is `torch.where(h > 0, h, slope * h)` (also `>=`, `h * slope`): a
+    LeakyReLU written by hand, which is F.leaky_relu bit for bit (h > 0 ? h : h * slope; NaN and
+    -0.0 included) and which the fused MLP and GEMM epilogues take, a bool mask they do not
+    (fuzz43j); else None."""
+    if node.op != "call_function" or node.target not in WHERES or len(node.args) != 3 or node.kwargs:
+        return None
+    cond, h, other = node.args
+
+    def call(n, targets):
+        return isinstance(n, torch.fx.Node) and n.op in ("call_function", "call_method") \
+            and n.target in targets and len(n.args) == 2 and not n.kwargs
+    meta = single_tensor_meta(h)
+    if not call(cond, GREATER) or cond.args[0] is not h or cond.args[1] not in (0, 0.0) or type(cond.args[1]) is bool \
+            or not call(other, MULTIPLY) or meta is None or not meta.dtype.is_floating_point:
+        return None
+    slope = other.args[1] if other.args[0] is h else other.args[0] if other.args[1] is h else None
+    if type(slope) is not float or not math.isfinite(slope) or single_tensor_meta(other) != meta:
+        return None
+    return h, slope

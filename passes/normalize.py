@@ -17,6 +17,7 @@ import operator
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from fxfuse.graph_launch import draws_random
 from fxfuse.node_meta import meta_tensor, single_tensor_meta
@@ -31,7 +32,7 @@ from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanc
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .identity_ops import is_no_op_conversion, whole_slice
 from .implicit_args import explicit_softmax_dim
-from .metadata_spellings import overload_of
+from .metadata_spellings import overload_of, where_as_leaky_relu
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
@@ -134,6 +135,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     kept_inplace = []
     for node in [n for n in g.nodes if n.op == "call_function"]:   # torch.ops.aten.cat(...): its overload
         node.target = overload_of(node) or node.target
+        if (leaky := where_as_leaky_relu(node)) is not None:   # where(h > 0, h, 0.2 * h)
+            node.target, node.args = F.leaky_relu, leaky
     for node in list(g.nodes):
         if node.op in ("placeholder", "output", "get_attr") or node._erased:   # a getitem a slicing
             continue                                                           # node's fold took

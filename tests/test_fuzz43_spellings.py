@@ -451,3 +451,35 @@ def test_a_per_channel_operand_past_a_view_moves_with_it(how):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, torch.randn(2, 4, 5, 6))
     assert_matches_eager(opt, model, torch.randn(3, 4, 5, 6))
+
+
+class HandLeaky(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(8, 16), nn.Linear(16, 8), how
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.how == "gt":
+            h = torch.where(h > 0, h, 0.01 * h)
+        else:
+            h = torch.where(h >= 0.0, h, h * 0.2)
+        return self.fc2(h) + x
+
+
+@pytest.mark.parametrize("how", ["gt", "ge"])
+def test_a_hand_written_leaky_relu_stays_in_the_fused_mlp(how):
+    """fuzz43j: `where(h > 0, h, 0.01 * h)` split a forced fused MLP into 4 kernels (a bool mask
+    does not join it); it is F.leaky_relu bit for bit, NaN and -0.0 included."""
+    model = HandLeaky(how).eval()
+    opt = optimize_strict(model, torch.randn(5, 8), fused_mlp="force")
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(5, 8))
+    from test_join_outputs import Wrap
+    chain = Wrap(lambda a: torch.where(a > 0, a, 0.01 * a) * 1.5)
+    x = torch.tensor([[0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, -3.0]] * 2)
+    opt = optimize_strict(chain.eval(), x)
+    with torch.no_grad():
+        got, want = opt(x), chain(x)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
