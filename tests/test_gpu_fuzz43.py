@@ -6,7 +6,7 @@ import torch
 
 import fxfuse
 from test_fuzz43_spellings import (AS_COMMON, LINEAR_SPELLINGS, Chain, ChannelScaleAfterFlatten, Dist2BBox,
-                                   FlattenedHidden, HeadMerge, IndexUnsqueeze, IntegerMasks, MambaGate, MixedInPlace,
+                                   FlattenedHidden, HandLeaky, HeadMerge, IndexUnsqueeze, IntegerMasks, MambaGate, MixedInPlace,
                                    Product)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
@@ -99,4 +99,12 @@ def test_ops_after_a_join_and_channel_scales_past_a_view_on_the_gpu(rows):
     args = lambda: (torch.randn(rows, 4, 5, 6, device="cuda"),)   # noqa: E731
     opt = fxfuse.optimize(model, args(), strict=True)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+    _three_calls(opt, model, args)
+
+
+@pytest.mark.parametrize("options", [{}, {"fused_mlp": "force"}, {"gemm": "force"}])
+def test_a_hand_written_leaky_relu_between_linears_on_the_gpu(options):
+    model = HandLeaky("gt").eval().cuda()
+    args = lambda: (torch.randn(37, 8, device="cuda"),)   # noqa: E731
+    opt = fxfuse.optimize(model, args(), strict=True, **options)
     _three_calls(opt, model, args)
