@@ -32,7 +32,10 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
 
 
     def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
-        return _AugmentedAttribute(self, k)
+        attribute = _AugmentedAttribute(self, k)
+        if k in VIEW_ATTRIBUTES:   # recorded now: torch.fx records an attribute where it is first used, so
+            attribute.node         # `v = h.data; h.t_(); v + 1` read h after its transpose (fuzz43h)
+        return attribute
 
     def __hash__(self):
         """A size (or dtype, device) as a set member or dict key (`x.shape[0] in self.sizes`,
@@ -47,6 +50,9 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
 
 _AugmentedAssignmentProxy.__name__ = _AugmentedAssignmentProxy.__qualname__ = "Proxy"   # as torch.fx's, in
 #                                              the errors Python raises about one ("'Proxy' object cannot be ...")
+
+
+VIEW_ATTRIBUTES = {"data", "T", "mT", "H", "mH", "real", "imag"}   # attributes that are tensors (views)
 
 
 class _AugmentedAttribute(torch.fx.proxy.Attribute):

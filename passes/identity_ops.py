@@ -5,6 +5,7 @@ import operator
 import torch
 import torch.fx
 
+from fxfuse.data_dependent import op_name
 from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import row_major
 from fxfuse.tracing import fxfuse_meta
@@ -22,8 +23,9 @@ def whole_slice(node) -> bool:
     """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim:
     h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
     if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or any(
-            u.op == "output" or getattr(u.target, "__name__", u.target) in METADATA_INPLACE for u in node.users):
-        return False   # eager's view is another tensor: `v.unsqueeze_(0)`, or a caller's on a returned
+            u.op == "output" or op_name(u) in METADATA_INPLACE for u in node.users) \
+            or any(op_name(u) in METADATA_INPLACE for u in node.args[0].users):
+        return False   # eager's view is another tensor: `v.unsqueeze_(0)` (or h.t_() of its source: fuzz43h), or a caller's on a returned
     src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)   # slice, leave h as it is (fuzz42i)
     if src is None or out is None or tuple(src.shape) != tuple(out.shape) or tuple(src.stride) != tuple(out.stride):
         return False
@@ -46,7 +48,8 @@ def is_no_op_conversion(node) -> bool:
         return False
     src, out = node.args[0], single_tensor_meta(node)
     before = single_tensor_meta(src) if isinstance(src, torch.fx.Node) else None
-    if before is None or out is None or tuple(out.stride) != tuple(before.stride) or out.dtype != before.dtype:
+    if before is None or out is None or tuple(out.stride) != tuple(before.stride) or out.dtype != before.dtype \
+            or any(op_name(u) in METADATA_INPLACE for u in src.users):   # h.t_(): src's metadata is stale (fuzz43h)
         return False
     if node.target == "contiguous":
         return len(node.args) == 1 and node.kwargs.get("memory_format", torch.contiguous_format) \

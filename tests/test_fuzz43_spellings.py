@@ -483,3 +483,45 @@ def test_a_hand_written_leaky_relu_stays_in_the_fused_mlp(how):
         got, want = opt(x), chain(x)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
     torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+class SliceThenTranspose(nn.Module):
+    def __init__(self, take):
+        super().__init__()
+        self.take = take
+
+    def forward(self, x):
+        h = x * 2
+        v = self.take(h)
+        h.t_()
+        return v + 1
+
+
+@pytest.mark.parametrize("take", [lambda h: h[0:4], lambda h: h[:], lambda h: h.narrow(0, 0, 4), lambda h: h.data,
+                                  lambda h: h.T])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_whole_view_taken_before_its_source_is_transposed_in_place(take, verify):
+    """fuzz43h: the whole slice (or `.data`) was dropped as h itself, and `h.t_()` after it then
+    transposed what the slice's readers read (with verify=False silently: 2 to 7 off); torch.fx
+    recorded `h.data` where it was first used, after the transpose."""
+    model = SliceThenTranspose(take).eval()
+    opt = optimize_strict(model, torch.randn(4, 4), verify=verify)
+    assert_matches_eager(opt, model, torch.randn(4, 4))
+
+
+class TransposedInPlaceThenContiguous(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        h.t_()
+        return h.contiguous() + 1
+
+
+def test_contiguous_after_an_in_place_transpose_keeps_eagers_strides():
+    """fuzz43h: `.contiguous()` was dropped (h's metadata said contiguous, from before `t_()`), and
+    the result came back with transposed strides: `.view(-1)` of it raised."""
+    model = TransposedInPlaceThenContiguous().eval()
+    opt = optimize_strict(model, torch.randn(4, 4))
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    assert got.stride() == want.stride() and torch.equal(got, want)
