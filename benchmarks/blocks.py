@@ -180,6 +180,63 @@ class PositionalEncoding(nn.Module):
         return torch.cat([x] + [f(x * 2.0 ** k) for k in range(self.frequencies) for f in (torch.sin, torch.cos)], -1)
 
 
+class Mamba2Gate(nn.Module):
+    """Mamba-2's gated output: (y + y * D) over heads, merged, gated by silu of another branch
+    (sink_views computes the gate at the heads' shape: one kernel, stop 43)."""
+
+    def __init__(self, heads, dim):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.D = nn.Parameter(torch.randn(heads))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = x.view(b, t, self.heads, self.dim)
+        y = y * 0.5 + y * self.D[:, None]
+        return y.reshape(b, t, -1) * F.silu(x * 2.0)
+
+
+class Dist2BBox(nn.Module):
+    """YOLOv8's box decoding: a cat of two pointwise results scaled by the anchors' strides
+    (join_outputs applies the scale to the pieces: one kernel writing the cat, stop 43)."""
+
+    def __init__(self, anchors):
+        super().__init__()
+        self.register_buffer("anchors", torch.rand(1, 2, anchors) * 80)
+        self.register_buffer("strides", torch.rand(1, anchors) * 32)
+
+    def forward(self, x):
+        lt, rb = x[:, :2], x[:, 2:]
+        x1y1, x2y2 = self.anchors - lt, self.anchors + rb
+        return torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * self.strides
+
+
+class HeadMerge(nn.Module):
+    """Attention's head merge between pointwise ops: `(o * s + 1).transpose(1, 2).reshape(b, n, c) + bias`
+    (a reshape that copies, read as contiguous + view: stop 43)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        b, h, n, d = x.shape
+        return torch.tanh((x * 0.5 + 1).transpose(1, 2).reshape(b, n, h * d) + self.bias)
+
+
+class PatchScale(nn.Module):
+    """A patch embedding's flatten followed by a per-channel scale and shift (the broadcast
+    operand moves with the view: stop 43)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 16, stride=16)
+        self.scale, self.shift = nn.Parameter(torch.randn(channels)), nn.Parameter(torch.randn(channels))
+
+    def forward(self, x):
+        return F.gelu(self.conv(x)).flatten(2) * self.scale[:, None] + self.shift[:, None]
+
+
 CASES = {   # name -> (factory, input shape, note)
     "gpt2-mlp": (lambda: GPT2MLP(768), (8, 128, 768), "GPT-2 small MLP block, 8 x 128 tokens"),
     "gpt2-mlp-small": (lambda: GPT2MLP(256), (1, 32, 256), "width 256, 32 tokens"),
@@ -198,6 +255,10 @@ CASES = {   # name -> (factory, input shape, note)
     "dit-adaln-small": (lambda: AdaLNBlock(128), (2, 16, 128), "width 128, 2 x 16 tokens"),
     "rotary-gptj": (lambda: RotaryEveryTwo(512, 12, 64), (4, 512, 768), "rotary every two, 4 x 512 tokens, 12 x 64"),
     "posenc": (lambda: PositionalEncoding(10), (65536, 3), "NeRF encoding, 65536 points, 10 frequencies"),
+    "mamba2-gate": (lambda: Mamba2Gate(24, 64), (4, 512, 1536), "Mamba-2 gated output, 4 x 512 tokens, 24 x 64"),
+    "dist2bbox": (lambda: Dist2BBox(8400), (16, 4, 8400), "YOLOv8 box decoding, batch 16, 8400 anchors"),
+    "head-merge": (lambda: HeadMerge(768), (8, 12, 256, 64), "head merge + bias + tanh, 8 x 12 heads x 256 x 64"),
+    "patch-scale": (lambda: PatchScale(384), (8, 3, 224, 224), "patch embedding + per-channel scale, 8 x 224^2"),
 }
 
 

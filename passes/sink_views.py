@@ -101,9 +101,9 @@ def _operand_plan(operand, view, source, before, written=frozenset()):
 
 def _regrouped(shape, view_shape, src_shape):
     """The shape a broadcast operand takes against the source where the view only merges or
-    splits dims along which the operand is constant, or keeps a dim it varies along as it is
+    splits dims along which the operand is constant, or merges into one dim it varies along
     (`(x * 2).flatten(2) + w[:, None]`: w[:, None] is [C, 1] against [B, C, H * W], so
-    [C, 1, 1] against [B, C, H, W]; a GroupNorm written by hand: fuzz43j); else None."""
+    [C, 1, 1] against [B, C, H, W]: fuzz43j; a bias [H * D] after a head merge is [H, D]); else None."""
     if len(shape) > len(view_shape):
         return None
     padded = (1,) * (len(view_shape) - len(shape)) + tuple(shape)
@@ -128,11 +128,10 @@ def _regrouped(shape, view_shape, src_shape):
         if not varying:
             new += [1] * len(group_src)
             continue
-        units_src = [k for k in group_src if src_shape[k] != 1]
-        if len(varying) != 1 or len(units_src) != 1 or padded[varying[0]] != src_shape[units_src[0]] \
-                or len([k for k in group_view if view_shape[k] != 1]) != 1:
-            return None
-        new += [src_shape[k] if k == units_src[0] else 1 for k in group_src]
+        if varying != [k for k in group_view if view_shape[k] != 1] or len(varying) != 1 \
+                or padded[varying[0]] != view_shape[varying[0]]:
+            return None   # (it varies along the group's one dim: split as the source's dims, `bias` [h * d] as [h, d])
+        new += [src_shape[k] for k in group_src]
     return tuple(new)
 
 

@@ -525,3 +525,23 @@ def test_contiguous_after_an_in_place_transpose_keeps_eagers_strides():
     with torch.no_grad():
         got, want = opt(x), model(x)
     assert got.stride() == want.stride() and torch.equal(got, want)
+
+
+class HeadMergeBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(12))
+
+    def forward(self, x):
+        b, h, n, d = x.shape
+        return torch.tanh((x * 0.5 + 1).transpose(1, 2).reshape(b, n, h * d) + self.bias)
+
+
+def test_a_bias_after_a_head_merge_is_split_as_the_heads():
+    """The bias [h * d] varies along the dim the merge makes: read as [h, d] against the heads, the
+    whole chain is one kernel (two and a copy before)."""
+    model = HeadMergeBias().eval()
+    opt = optimize_strict(model, torch.randn(2, 3, 5, 4))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(2, 3, 5, 4))
+    assert_matches_eager(opt, model, torch.randn(1, 3, 7, 4))
