@@ -329,9 +329,16 @@ def _is_record(value) -> bool:
     walked by its fields."""
     return isinstance(value, types.SimpleNamespace) or (
         dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")) \
-        or type(value) not in WEAK_PROXIES and plain_object(value) and user_module(type(value).__module__) \
-        and not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque))   # (a Counter: by items;
-    #   not the standard library's: a logger's handler keeps its records, which is no model state: fuzz42k)
+        or type(value) not in WEAK_PROXIES and plain_object(value) and _may_hold_state(type(value).__module__) \
+        and not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque))   # (a Counter: by items)
+
+
+def _may_hold_state(module: str | None) -> bool:
+    """Not logging's or io's objects: a logger's handler keeps its records, a StringIO what was
+    printed, which is no model state (fuzz42k); the standard library's containers and records
+    (UserList, UserDict, ChainMap, argparse.Namespace, queue.Queue) are (fuzz43g: their writes
+    went unseen, and a UserList kept the trace's Proxy)."""
+    return user_module(module) or not (module or "").split(".")[0] in ("logging", "io", "_io")
 
 
 def _comparable(t: torch.Tensor) -> bool:

@@ -224,3 +224,33 @@ def test_a_type_name_or_a_methods_answer_looked_up_in_a_set_or_dict(make, verify
     model = make().eval()
     opt = optimize_strict(model, torch.randn(3, 4), verify=verify)
     assert_matches_eager(opt, model, torch.randn(3, 4))
+
+
+STANDARD_STATE = {
+    "UserList": (__import__("collections").UserList, lambda st, n: st.append(n)),
+    "UserDict": (__import__("collections").UserDict, lambda st, n: st.__setitem__("n", st.get("n", 0) + 1)),
+    "ChainMap": (lambda: __import__("collections").ChainMap({}, {}), lambda st, n: st.__setitem__("n", st.get("n", 0) + 1)),
+    "Namespace": (lambda: __import__("argparse").Namespace(n=0), lambda st, n: setattr(st, "n", st.n + 1)),
+}
+
+
+@pytest.mark.parametrize("name", STANDARD_STATE)
+def test_state_in_the_standard_librarys_containers_is_refused_and_put_back(name):
+    """fuzz43g (a regression of stop 42's last change, which left every standard-library object
+    unwalked): a UserList / UserDict / ChainMap / Namespace forward() writes was optimized without a
+    word, kept the build's entries (a UserList the trace's Proxy), and optimized calls never moved it."""
+    make, write = STANDARD_STATE[name]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.state = make()
+
+        def forward(self, x):
+            write(self.state, x.shape[0])
+            return (x * 2).relu()
+    model = Net().eval()
+    before = repr(model.state)
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
+        opt = fxfuse.optimize(model, torch.randn(3, 8))
+    assert opt is model and repr(model.state) == before
