@@ -36,8 +36,9 @@ def join_of(node):
     """(kind, pieces, dim) of a stack or cat node written plainly, else None."""
     if node.op == "call_function" and node.target in FIXED_DIM and len(node.args) == 1 and not node.kwargs \
             and isinstance(node.args[0], (list, tuple)) and node.args[0] \
-            and all(len(getattr(_meta(p), "shape", ())) > FIXED_DIM[node.target] for p in node.args[0]):
-        return "cat", tuple(node.args[0]), FIXED_DIM[node.target]   # (fuzz42g)
+            and all(len(getattr(_meta(p), "shape", ())) > max(FIXED_DIM[node.target], 1) for p in node.args[0]):
+        return "cat", tuple(node.args[0]), FIXED_DIM[node.target]   # (fuzz42g; vstack of 1-D pieces stacks
+        #                                                              them: a cat of [N] wrote past its end, review43k)
     if node.op != "call_function" or node.target not in JOINS or len(node.args) > 2:
         return None
     bound = dict(zip(("tensors", "dim"), node.args))
@@ -131,7 +132,7 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
                 piece.meta["tensor_meta"] = out._replace(shape=torch.Size(shape), stride=row_major(shape))
                 new_pieces.append(piece)
             new_join = g.call_function(join.target, (new_pieces, *join.args[1:]), dict(join.kwargs)) \
-                if isinstance(join.args[0], (list, tuple)) else None
+                if join.args and isinstance(join.args[0], (list, tuple)) else None
         if new_join is None:   # (the pieces given by keyword: join_of took it; left as it is)
             for piece in reversed(new_pieces):
                 g.erase_node(piece)

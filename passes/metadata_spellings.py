@@ -161,6 +161,15 @@ def where_as_leaky_relu(node):
             or not call(other, MULTIPLY) or meta is None or not meta.dtype.is_floating_point:
         return None
     slope = other.args[1] if other.args[0] is h else other.args[0] if other.args[1] is h else None
-    if type(slope) is not float or not math.isfinite(slope) or single_tensor_meta(other) != meta:
+    if type(slope) is not float or not math.isfinite(slope) or single_tensor_meta(other) != meta \
+            or cond.target in ("ge", operator.ge, torch.ge, torch.greater_equal, aten.ge.Scalar) \
+            and math.copysign(1.0, slope) < 0:   # (h >= 0 keeps a zero's sign; a negative slope flips it)
         return None
+    from fxfuse.ops import is_pointwise_target   # (fxfuse.ops imports the passes late)
+    from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
+    fresh = h.op in ("placeholder", "call_module") or h.op == "call_function" and h.target is not operator.getitem \
+        and h.target not in VIEW_FUNCTIONS or h.op == "call_method" and h.target not in VIEW_METHODS   # (no view)
+    if not fresh or set(cond.users) != {node} or set(other.users) != {node} or not all(
+            u is node or u.op == "call_function" and is_pointwise_target(u.target) for u in h.users):
+        return None   # (nothing may write h, the mask or slope * h in between: review43k)
     return h, slope

@@ -545,3 +545,56 @@ def test_a_bias_after_a_head_merge_is_split_as_the_heads():
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, torch.randn(2, 3, 5, 4))
     assert_matches_eager(opt, model, torch.randn(1, 3, 7, 4))
+
+
+class VStackOfVectors(nn.Module):
+    def forward(self, x):
+        return torch.vstack([x * 2, x + 1])   # [n] pieces -> [2, n]: a stack, not a cat along dim 0
+
+
+class KeywordCat(nn.Module):
+    def forward(self, x, c):
+        return torch.cat(tensors=[x * 2, x + 1], dim=1) * c
+
+
+def test_vstack_of_vectors_and_a_keyword_cat():
+    """review43k: vstack of 1-D pieces was read as a cat along dim 0 (piece k written at k * n * n:
+    past the output's end, with verify=False wrong values and a crash); a cat given its pieces by
+    keyword, then a pointwise op, was an internal error."""
+    model = VStackOfVectors().eval()
+    opt = optimize_strict(model, torch.randn(5), verify=False)
+    assert_matches_eager(opt, model, torch.randn(5))
+    model = KeywordCat().eval()
+    opt = optimize_strict(model, torch.randn(3, 4), torch.randn(3, 1))
+    assert_matches_eager(opt, model, torch.randn(3, 4), torch.randn(3, 1))
+
+
+class LeakyAfterWrite(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        h = x * 2
+        if self.how == "mask then write":
+            m = h > 0
+            h.neg_()
+            return torch.where(m, h, 0.2 * h)
+        if self.how == "negative slope, >=":
+            return torch.where(h >= 0, h, -0.5 * h)
+        o = 0.2 * h
+        o.sub_(1)
+        return torch.where(h > 0, h, o)
+
+
+@pytest.mark.parametrize("how", ["mask then write", "negative slope, >=", "slope term written"])
+def test_a_where_that_is_no_leaky_relu_stays_a_where(how):
+    """review43k: the LeakyReLU reading took where(h > 0, h, slope * h) with h (or the mask, or the
+    slope term) written in between, and `>=` with a negative slope (which flips a zero's sign)."""
+    model = LeakyAfterWrite(how).eval()
+    opt = optimize_strict(model, torch.randn(4, 8), verify=False)
+    x = torch.randn(4, 8)
+    x[0, :2] = torch.tensor([0.0, -0.0])
+    with torch.no_grad():
+        got, want = opt(x.clone()), model(x.clone())
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
