@@ -165,11 +165,33 @@ def where_as_leaky_relu(node):
             or cond.target in ("ge", operator.ge, torch.ge, torch.greater_equal, aten.ge.Scalar) \
             and math.copysign(1.0, slope) < 0:   # (h >= 0 keeps a zero's sign; a negative slope flips it)
         return None
-    from fxfuse.ops import is_pointwise_target   # (fxfuse.ops imports the passes late)
-    from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
-    fresh = h.op in ("placeholder", "call_module") or h.op == "call_function" and h.target is not operator.getitem \
-        and h.target not in VIEW_FUNCTIONS or h.op == "call_method" and h.target not in VIEW_METHODS   # (no view)
-    if not fresh or set(cond.users) != {node} or set(other.users) != {node} or not all(
-            u is node or u.op == "call_function" and is_pointwise_target(u.target) for u in h.users):
+    if set(cond.users) != {node} or set(other.users) != {node} or not _unwritten(_base(h)):
         return None   # (nothing may write h, the mask or slope * h in between: review43k)
     return h, slope
+
+
+def _is_view(n) -> bool:
+    from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
+    return n.op == "call_function" and (n.target is operator.getitem or n.target in VIEW_FUNCTIONS
+                                        or getattr(n.target, "is_view", False) is True) \
+        or n.op == "call_method" and n.target in VIEW_METHODS   # (export's aten.select.int: is_view)
+
+
+def _base(h, depth: int = 0):
+    """The tensor h views (through view ops), or h."""
+    while _is_view(h) and isinstance(h.args[0], torch.fx.Node) and depth < 8:
+        h, depth = h.args[0], depth + 1
+    return h
+
+
+def _unwritten(node, depth: int = 0) -> bool:
+    """Whether no op writes node or a view of it in place (a method ending in `_`, an item
+    assignment, an `out=`), over its views' readers too."""
+    from fxfuse.data_dependent import op_name
+    if node.op == "get_attr" or depth > 8:
+        return False
+    for u in node.users:
+        if op_name(u).endswith("_") or u.target in (operator.setitem, "__setitem__") or "out" in u.kwargs \
+                or _is_view(u) and not _unwritten(u, depth + 1):
+            return False
+    return True

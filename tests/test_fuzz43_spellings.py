@@ -582,12 +582,16 @@ class LeakyAfterWrite(nn.Module):
             return torch.where(m, h, 0.2 * h)
         if self.how == "negative slope, >=":
             return torch.where(h >= 0, h, -0.5 * h)
+        if self.how == "item written, export":
+            m = h > 0
+            h[0] = -h[0]
+            return torch.where(m, h, 0.2 * h)
         o = 0.2 * h
         o.sub_(1)
         return torch.where(h > 0, h, o)
 
 
-@pytest.mark.parametrize("how", ["mask then write", "negative slope, >=", "slope term written"])
+@pytest.mark.parametrize("how", ["mask then write", "negative slope, >=", "slope term written", "item written, export"])
 def test_a_where_that_is_no_leaky_relu_stays_a_where(how):
     """review43k: the LeakyReLU reading took where(h > 0, h, slope * h) with h (or the mask, or the
     slope term) written in between, and `>=` with a negative slope (which flips a zero's sign)."""
