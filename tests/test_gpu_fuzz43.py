@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import fxfuse
-from test_fuzz43_spellings import (AS_COMMON, LINEAR_SPELLINGS, Chain, ChannelScaleAfterFlatten, Dist2BBox,
-                                   FlattenedHidden, HandLeaky, HeadMerge, IndexUnsqueeze, IntegerMasks, MambaGate, MixedInPlace,
-                                   Product)
+from test_fuzz43_spellings import AS_COMMON, LINEAR_SPELLINGS, Chain, HandLeaky, IntegerMasks, MixedInPlace, Product
+from test_fuzz43_views import ChannelScaleAfterFlatten, Dist2BBox, FlattenedHidden, HeadMerge, IndexUnsqueeze, MambaGate
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
 
