@@ -39,12 +39,13 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
 
     def __hash__(self):
         """A size (or dtype, device) as a set member or dict key (`x.shape[0] in self.sizes`,
-        `self.table.get(n)`, `x.dtype in HALF`, an lru_cache keyed by it): a Proxy hashes by identity, so the lookup missed for every size and
-        the trace took the miss's way silently (fuzz42c). Refused like a branch on it; torch.export
-        then traces with the example's sizes, which the guards keep."""
+        `self.table.get(n)`, `x.dtype in HALF`, an lru_cache keyed by it): a Proxy hashes by
+        identity, so the lookup missed for every size and the trace took the miss's way silently
+        (fuzz42c). Refused like a branch on it; torch.export then traces with the example's
+        sizes, which the guards keep."""
         refused = getattr(self.tracer, "_refused", None)
-        if refused is not None and _is_a_size(self.node):
-            return refused(_hashed_size, self)
+        if refused is not None and _is_plain_value(self.node):
+            return refused(_hashed_plain_value, self)
         return object.__hash__(self)
 
 
@@ -71,7 +72,7 @@ for _name in AUGMENTED_NAMES:
         setattr(_cls, f"__i{_name}__", _augmented)
 
 
-def _hashed_size(proxy):
+def _hashed_plain_value(proxy):
     raise torch.fx.proxy.TraceError(f"a traced size, dtype or device ({proxy.node.name}) is looked up in a set or "
                                     "dict: a Proxy hashes by identity and would miss every key")
 
@@ -83,7 +84,7 @@ PLAIN_ATTRIBUTES = ("shape", "ndim", "dtype", "device", "layout", "is_cuda", "is
                     "is_quantized", "requires_grad", "is_leaf")
 
 
-def _is_a_size(node) -> bool:
+def _is_plain_value(node) -> bool:
     """Whether node is a plain Python value while tracing, not a tensor: a size read (`x.shape`,
     `x.size(1)`, `len(x)`, `.item()`), a dtype or device (`x.device.type`), an item or attribute
     of one, or operator arithmetic on such values only (`x.shape[-1] // 2`; `x + 1` is
@@ -91,17 +92,17 @@ def _is_a_size(node) -> bool:
     base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if node.op == "call_method":   # (x.type() names the type; x.type(dtype) casts; a size's or dtype's own
         return node.target in PLAIN_METHODS or node.target == "type" and len(node.args) == 1 and not node.kwargs \
-            or base is not None and _is_a_size(base)   # methods: x.shape.index(4), x.dtype.to_real(): review43f)
+            or base is not None and _is_plain_value(base)   # methods: x.shape.index(4), x.dtype.to_real(): review43f)
     if node.op != "call_function":
         return False
     if node.target is getattr:
-        return node.args[1:2] in (tuple([a]) for a in PLAIN_ATTRIBUTES) or base is not None and _is_a_size(base)
+        return node.args[1:2] in (tuple([a]) for a in PLAIN_ATTRIBUTES) or base is not None and _is_plain_value(base)
     if node.target is len:
         return True
     if node.target is operator.getitem:
-        return base is not None and _is_a_size(base)
+        return base is not None and _is_plain_value(base)
     if getattr(node.target, "__module__", None) in ("_operator", "operator", "math", "builtins"):
-        return bool(node.all_input_nodes) and all(_is_a_size(a) for a in node.all_input_nodes)
+        return bool(node.all_input_nodes) and all(_is_plain_value(a) for a in node.all_input_nodes)
     return False
 
 

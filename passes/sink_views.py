@@ -182,12 +182,8 @@ def _moved_operand(g, plan, source, shape=None, made=None):
     how, operand = plan
     if how == "keep":
         return operand    # an existing reshape is the same node a Linear reads: a residual it knows
-    if how == "regroup":
-        operand, shape = operand
-        with g.inserting_before(made["_before"]) if made and "_before" in made else g.inserting_after(operand):
-            moved = g.call_method("reshape", (operand, shape))
-        moved.meta["tensor_meta"] = _meta(operand)._replace(shape=torch.Size(shape), stride=row_major(shape))
-        return moved
+    if how == "regroup":   # (a broadcast operand reshaped to its _regrouped shape)
+        return _moved_operand(g, ("reshape", operand[0]), source, operand[1])
     if how == "hoist":
         return _hoisted(g, operand, tuple(_meta(source).shape), {} if made is None else made)
     meta = _meta(operand)
@@ -238,7 +234,7 @@ def _sink_one(gm, op, written: set) -> bool:
                                 if u.op == "call_function" and is_pointwise_target(u.target)):
         return False    # a pointwise user that cannot follow op below the view: moving op alone would
                         # put a reshape between them (where(v > 0, v, c) with c [3, 1] against [b, 3, 4])
-    made = {"_before": op}   # (an operand op reads twice, `addcmul(v, a, a)`, is hoisted once: review43f)
+    made = {}   # (an operand op reads twice, `addcmul(v, a, a)`, is hoisted once: review43f)
     args = [_moved_operand(g, plan, source, made=made) for plan in plans]
     hoisted = list(dict.fromkeys(x for how, x in plans if how == "hoist"))
     with g.inserting_before(op):
