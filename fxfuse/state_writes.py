@@ -28,11 +28,14 @@ AUGMENTED_OPERATORS = {getattr(operator, f"i{name}") for name in AUGMENTED_NAMES
 VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "narrow", "select",
                 "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as", "diagonal", "as_strided",
                 "split", "chunk", "unbind", "detach", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold",
-                "tensor_split", "hsplit", "vsplit", "dsplit"}
+                "tensor_split", "hsplit", "vsplit", "dsplit", "adjoint", "unsafe_split", "unsafe_chunk",
+                "split_with_sizes", "unsafe_split_with_sizes"}
 VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose,
                   torch.narrow, torch.select, torch.t, torch.permute, torch.diagonal, torch.split, torch.chunk,
                   torch.unbind, torch.detach, torch.movedim, torch.swapaxes, torch.swapdims, torch.tensor_split,
-                  torch.hsplit, torch.vsplit, torch.dsplit, torch.view_as_real, torch.view_as_complex}
+                  torch.hsplit, torch.vsplit, torch.dsplit, torch.view_as_real, torch.view_as_complex, torch.adjoint,
+                  torch.moveaxis, torch.unflatten, torch.unsafe_split, torch.unsafe_chunk, torch.split_with_sizes,
+                  torch.unsafe_split_with_sizes}
 
 
 # named with a trailing underscore only because `and`, `or`, `not` and `is` are Python keywords:

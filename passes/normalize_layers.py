@@ -452,15 +452,22 @@ def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
     """`nn.PReLU` / `F.prelu(x, w)` -> `torch.where(x > 0, x, x * w)`, ATen's formula with w viewed
     along the channel dim (a view of the parameter: edits reach it); eval-mode `nn.RReLU` /
     `F.rrelu(training=False)` -> leaky_relu with slope (lower + upper) / 2, as ATen computes it.
-    Both were library calls between two kernels (fuzz35f)."""
+    Both were library calls between two kernels (fuzz35f). An in-place RReLU (`F.rrelu_`,
+    `inplace=True`) becomes `F.leaky_relu(x, slope, inplace=True)` in its place, and returns False:
+    the normalize loop then reads it as any in-place leaky_relu (kept only where the write shows)."""
     g, mod = gm.graph, gm.get_submodule(node.target) if node.op == "call_module" else None
-    if type(mod) is nn.RReLU and len(node.args) == 1 and not node.kwargs or \
-            node.op == "call_function" and node.target in (F.rrelu, torch.rrelu, torch.ops.aten.rrelu.default):
+    in_place = (F.rrelu_, torch.rrelu_, torch.ops.aten.rrelu_.default)
+    if type(mod) is nn.RReLU and len(node.args) == 1 and not node.kwargs or node.op == "call_function" and \
+            node.target in (F.rrelu, torch.rrelu, torch.ops.aten.rrelu.default, *in_place):
         names = ("input", "lower", "upper", "training", "inplace" if node.target is F.rrelu else "generator")
         bound = dict(zip(names, node.args), **node.kwargs)   # aten's: torch.export's spelling (fuzz39a)
         lower, upper = (mod.lower, mod.upper) if mod is not None else (bound.get("lower", 1 / 8), bound.get("upper", 1 / 3))
-        if bound.get("training", False) is not False or bound.get("inplace", False) or \
-                not all(isinstance(v, (int, float)) for v in (lower, upper)) or mod is not None and mod.inplace:
+        if bound.get("training", False) is not False or bound.get("generator") is not None or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lower, upper)):
+            return False
+        if bound.get("inplace", False) is True or node.target in in_place or mod is not None and mod.inplace:
+            node.op, node.target = "call_function", F.leaky_relu
+            node.args, node.kwargs = (bound["input"], (lower + upper) / 2, True), {}
             return False
         with g.inserting_before(node):
             out = g.call_function(F.leaky_relu, (bound["input"],), {"negative_slope": (lower + upper) / 2})

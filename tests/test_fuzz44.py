@@ -1,0 +1,125 @@
+"""Stop 44: spellings that lost a fusion (an in-place RReLU, an fp16 add with alpha) or left a dead
+view behind (`x @ W.adjoint()`, unsafe_chunk / unsafe_split)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+
+class InPlaceRReLU(nn.Module):
+    """An eval-mode RReLU written in place, each spelling, between two pointwise ops."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.rrelu = how, nn.RReLU(0.1, 0.3, inplace=True)
+
+    def forward(self, x):
+        h = x * 2
+        if self.how == "F.rrelu_":
+            F.rrelu_(h)
+        elif self.how == "inplace=True":
+            h = F.rrelu(h, 0.2, 0.4, inplace=True)
+        elif self.how == "torch.rrelu_":
+            torch.rrelu_(h, 0.05, 0.25)
+        else:
+            self.rrelu(h)
+        return torch.sigmoid(h)
+
+
+@pytest.mark.parametrize("how", ["F.rrelu_", "inplace=True", "torch.rrelu_", "nn.RReLU(inplace=True)"])
+def test_an_in_place_rrelu_joins_the_kernel(how):
+    """`F.rrelu_(h)` was kept as an in-place op with no canonical form: a library call, and the
+    sigmoid after it a library call too (so its write stayed in order)."""
+    model = InPlaceRReLU(how).eval()
+    opt = optimize_strict(model, torch.randn(3, 8))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, model, torch.randn(3, 8))
+
+
+class RReLUOnAView(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        F.rrelu_(h[:, :4])        # the write shows through h
+        return h + 1
+
+
+def test_an_in_place_rrelu_through_a_view_still_writes():
+    model = RReLUOnAView().eval()
+    opt = optimize_strict(model, torch.randn(3, 8))
+    assert_matches_eager(opt, model, torch.randn(3, 8))
+
+
+class HalfAddAlpha(nn.Module):
+    def __init__(self, alpha, in_place):
+        super().__init__()
+        self.alpha, self.in_place = alpha, in_place
+
+    def forward(self, x, y):
+        h = x * 2
+        h = h.add_(y, alpha=self.alpha) if self.in_place else h.add(y, alpha=self.alpha)
+        return h * 0.5 + 1
+
+
+@pytest.mark.parametrize("alpha", [3, -2.5, 0.1])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_fp16_add_with_alpha_joins_the_kernel(alpha, in_place):
+    """fp16 `h.add(y, alpha=a)` was a library call between two kernels. The kernel computes
+    x + a * y in fp32 and rounds once, as CUDA's eager kernel (alpha as fp32); CPU eager reads alpha
+    in fp16, so with a = 0.1 the two may differ by one fp16 ulp here (the GPU test is bit-exact)."""
+    model = HalfAddAlpha(alpha, in_place).eval()
+    x, y = torch.randn(16, 24, dtype=torch.float16), torch.randn(16, 24, dtype=torch.float16)
+    opt = optimize_strict(model, x, y)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, model, x * 50, y * 50, rtol=2e-3, atol=1e-3)
+
+
+class HalfMinusNumber(nn.Module):
+    def forward(self, x):
+        h = torch.rsub(torch.sigmoid(x), 0.1, alpha=3)   # 0.1 - 3 * sigmoid(x): eager reads fp16(0.1)
+        return h.sub(0.1, alpha=0.7) * 2
+
+
+def test_a_number_beside_an_fp16_tensor_with_alpha_keeps_eager_rounding():
+    model = HalfMinusNumber().eval()
+    x = torch.randn(16, 24, dtype=torch.float16)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        xi = torch.randn_like(x)
+        assert torch.equal(opt(xi), model(xi))
+
+
+class LinearSpelledWith(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 16), how
+
+    def forward(self, x):
+        w = self.lin.weight
+        if self.how == "adjoint":
+            return torch.relu(x @ w.adjoint() + self.lin.bias)
+        if self.how == "torch.adjoint":
+            return torch.relu(x @ torch.adjoint(w) + self.lin.bias)
+        h = self.lin(x)
+        a, b = h.unsafe_chunk(2, -1) if self.how == "unsafe_chunk" else torch.unsafe_split(h, 8, -1)
+        return torch.sigmoid(a) * b
+
+
+@pytest.mark.parametrize("how", ["adjoint", "torch.adjoint"])
+def test_a_dead_adjoint_is_dropped(how):
+    """`x @ W.adjoint()` became F.linear(x, W), but the adjoint node stayed: one library call more."""
+    model = LinearSpelledWith(how).eval()
+    opt = optimize_strict(model, torch.randn(5, 8))
+    assert fxfuse.stats(opt)["library_calls"] == 1 and fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("how", ["unsafe_chunk", "unsafe_split"])
+def test_unsafe_chunk_and_split_read_as_chunk_and_split(how):
+    model = LinearSpelledWith(how).eval()
+    opt = optimize_strict(model, torch.randn(5, 8))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(5, 8))

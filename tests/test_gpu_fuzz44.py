@@ -1,0 +1,36 @@
+"""Stop 44 on the GPU: the fusions this stop added, compiled and under the CUDA graph, against CUDA
+eager."""
+import pytest
+import torch
+
+import fxfuse
+from test_fuzz44 import HalfAddAlpha, HalfMinusNumber, InPlaceRReLU
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
+
+
+@pytest.mark.parametrize("alpha", [3, -2.5, 0.1, 1e-3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_fp16_add_with_alpha_is_cuda_eager_bit_for_bit(alpha, in_place):
+    """CUDA's add kernel reads alpha as fp32 and computes x + alpha * y in fp32: so does the fused
+    kernel, so the results are equal (CPU eager reads alpha in fp16 and may differ)."""
+    model = HalfAddAlpha(alpha, in_place).eval().cuda()
+    make = lambda: [torch.randn(37, 129, device="cuda", dtype=torch.float16) * 60 for _ in range(2)]   # noqa: E731
+    opt = fxfuse.optimize(model, make(), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    for _ in range(3):
+        x, y = make()
+        with torch.no_grad():
+            assert torch.equal(opt(x, y), model(x, y))
+
+
+def test_numbers_beside_fp16_with_alpha_and_in_place_rrelu_on_the_gpu():
+    for model, dtype in ((HalfMinusNumber(), torch.float16), (InPlaceRReLU("F.rrelu_"), torch.float32),
+                         (InPlaceRReLU("nn.RReLU(inplace=True)"), torch.float16)):
+        model = model.eval().cuda()
+        opt = fxfuse.optimize(model, torch.randn(37, 129, device="cuda", dtype=dtype), strict=True)
+        assert fxfuse.stats(opt)["fused_kernels"] == 1
+        for _ in range(3):
+            x = torch.randn(37, 129, device="cuda", dtype=dtype)
+            with torch.no_grad():
+                torch.testing.assert_close(opt(x), model(x), rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-5)
