@@ -60,7 +60,7 @@ def check_close(got, want, dtype, what):
 
 
 def fused_modules(opt, cls):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return gm, [m for m in gm.modules() if isinstance(m, cls)]
 
 

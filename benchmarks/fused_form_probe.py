@@ -87,7 +87,7 @@ def default_plan(batch, h):
         y64 = model.double()(x.double())
         model.float()
     opt = fxfuse.optimize(model, x)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     us = per_call_us(spec.launcher.replay) if spec.graph is not None else float("nan")
     with torch.no_grad():
         err = max_rel_err(opt(x), y64)

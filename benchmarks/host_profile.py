@@ -45,7 +45,7 @@ def built(batch, hidden):
         state["i"] += 1
         return opt(xs[state["i"] & 3])
     call.inputs = xs
-    return opt, next(iter(opt.specializations.values())), call, state
+    return opt, next(iter(opt._specializations.values())), call, state
 
 
 def ab(cells, rounds, calls):

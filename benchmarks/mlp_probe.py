@@ -117,11 +117,11 @@ def seed_model(h):
 
 def fused_mlps(opt):
     from fxfuse.mlp_kernel import FusedMLP
-    return [m for spec in opt.specializations.values() for m in spec.gm.modules() if isinstance(m, FusedMLP)]
+    return [m for spec in opt._specializations.values() for m in spec.gm.modules() if isinstance(m, FusedMLP)]
 
 
 def why_not_fused(opt) -> str:
-    for spec in opt.specializations.values():
+    for spec in opt._specializations.values():
         for node in spec.gm.graph.nodes:
             why = node.meta.get("fxfuse", {}).get("fused_mlp")
             if why:
@@ -157,7 +157,7 @@ def measure_fxfuse(model, x, y64, mode, row, kernel_alone):
     row["kernel+graph"] = per_call_us(replay)
     row["err_kernel"] = max_rel_err(out, y64)
     row["fallbacks"] = mod.fallbacks
-    row["decision"] = next(n.meta["fxfuse"]["decision"] for spec in opt.specializations.values()
+    row["decision"] = next(n.meta["fxfuse"]["decision"] for spec in opt._specializations.values()
                            for n in spec.gm.graph.nodes if n.meta.get("fxfuse", {}).get("kind") == "fused mlp")
     return opt
 
@@ -195,7 +195,7 @@ def sweep_cell(batch, h, form="auto"):
             y64 = copy.deepcopy(model).double()(x.double())
             row["eager+graph"] = per_call_us(graphed(model, x)[0])
             off = measure_fxfuse(model, x, y64, "off", row, kernel_alone=False)
-            spec = next(iter(off.specializations.values())) if off is not None else None
+            spec = next(iter(off._specializations.values())) if off is not None else None
             if spec is not None and spec.graph is not None:   # the per-layer plan's GPU time
                 row["plan graph"] = per_call_us(spec.launcher.replay)
             measure_fxfuse(model, x, y64, "force", row, kernel_alone=True)

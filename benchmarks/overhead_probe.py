@@ -117,7 +117,7 @@ def ab_rows(model, x, rounds=15):
                 rt.OWN_POOL_MAX_BYTES = saved
             for k in range(6):
                 opt(xs[k % 2])
-            spec = next(iter(opt.specializations.values()))
+            spec = next(iter(opt._specializations.values()))
             if not direct:
                 for launcher in [spec.launcher] + [slot.launcher for slot in spec.handout]:
                     launcher.launch = None
@@ -157,13 +157,13 @@ def main(argv=None):
     with torch.no_grad():
         if args.host_only:
             opt = fxfuse.optimize(model, x, strict=True)
-            rows += host_rows("default", opt, next(iter(opt.specializations.values())), x)
+            rows += host_rows("default", opt, next(iter(opt._specializations.values())), x)
         if args.ab:
             rows += ab_rows(model, x)
         for label, opts in [] if args.host_only or args.ab else [("default", {}), ("fused mlp", dict(fused_mlp="force")),
                             ("gemm", dict(fused_mlp="off", gemm="force")), ("library", dict(fused_mlp="off", gemm="off"))]:
             opt = fxfuse.optimize(model, x, strict=True, **opts)
-            spec = next(iter(opt.specializations.values()))
+            spec = next(iter(opt._specializations.values()))
             ref = copy.deepcopy(model).double()(x.double())
             err = ((opt(x).double() - ref).norm() / ref.norm()).item()
             rows.append((label, "whole call", per_call_us(lambda: opt(x)), err))

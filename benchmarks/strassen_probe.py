@@ -93,7 +93,7 @@ def gemm_only_ms(batch: int, h: int, levels: int) -> float:
 
 
 def check_build(opt, levels: int, notes: list) -> None:
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     bmm = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.bmm]
     if len(bmm) != LAYERS:
         notes.append(f"FAIL L={levels}: {len(bmm)} of {LAYERS} layers rewritten")

@@ -340,7 +340,7 @@ def stats(optimized) -> dict:
     fused = library = epilogues = 0
     # the graph that served the latest call (the first built before any): a call with another
     # dtype or a 0-size example built one that fused nothing, and the counts stayed its (fuzz36e)
-    current = max(list(optimized.specializations.values()), key=lambda s: s.last_call,
+    current = max(list(optimized._specializations.values()), key=lambda s: s.last_call,
                   default=None)   # None after a load
     for node in current.gm.graph.nodes if current is not None else ():
         kind = node_kind(current.gm, node)
@@ -349,9 +349,9 @@ def stats(optimized) -> dict:
         epilogues += node.target is linear_relu     # library calls with bias and ReLU in cuBLASLt's epilogue
     kernels = list(optimized.fused_kernels())
     return {"optimized": True, "fused_kernels": fused, "library_calls": library, "library_epilogues": epilogues,
-            "specializations": len(optimized.specializations),
-            "kernel_launches": sum(k.launches for k in kernels) + optimized.dropped[1],   # with the dropped
-            "reference_fallbacks": sum(k.fallbacks for k in kernels) + optimized.dropped[2]}  # specializations
+            "specializations": len(optimized._specializations),
+            "kernel_launches": sum(k.launches for k in kernels) + optimized._dropped[1],   # with the dropped
+            "reference_fallbacks": sum(k.fallbacks for k in kernels) + optimized._dropped[2]}  # specializations
 
 
 def node_kind(gm, node) -> str:

@@ -10,7 +10,9 @@ torch.compile's wrapper passes them through as well. Not the original's own para
 buffers: the wrapper is one of the parent's modules() too, and a loop asking each module
 `hasattr(m, "weight")` would meet that tensor twice (review34); `opt.original.weight` reads it.
 Names with a leading underscore stay the wrapper's own (torch's internals probe modules for
-them), and so do the wrapper's attributes (specializations, options, the counters)."""
+them); the wrapper's own state (its specializations, options and counters) has such names only,
+so a model's `options`, `miss_count` or `dropped` is read and written as the model's (review44g:
+fxfuse's counters overwrote them, and a parent read fxfuse's values)."""
 import torch
 
 from .errors import warn
@@ -62,8 +64,7 @@ class PassesThroughToOriginal:
         """A write of a public name (after __init__) is the original's, which the graphs follow
         (`opt.scale = 3.0` rebuilds as `model.scale = 3.0` does; a name the original's forward
         looks up with getattr(self, "temperature", 1.0) too: fuzz34i), not a new attribute of the
-        wrapper that forward() never reads. The wrapper's own names stay its own, unless the
-        original has that name too (a parent writing `block.options` replaced fxfuse's options)."""
+        wrapper that forward() never reads. A new public name the original lacks is the wrapper's."""
         d = self.__dict__
         if not d.get("_passing_through") or name.startswith("_") or hasattr(type(self), name) \
                 or name == "original" or any(name in d.get(k, {}) for k in ("_parameters", "_buffers", "_modules")):

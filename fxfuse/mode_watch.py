@@ -94,7 +94,7 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs, rew
     inference = torch.is_inference_mode_enabled()
     # an fxfuse OptimizedModule inside the model would warn about (and count) these calls as
     # its own user's: its bookkeeping is put back and its warnings are not shown
-    inner = [(m, set(m._warned), m.original_calls.copy()) for m in model.modules()
+    inner = [(m, set(m._warned), m._original_calls.copy()) for m in model.modules()
              if getattr(type(m), "fxfuse_runtime", False)]
     plain = [t for t in (*model.parameters(), *model.buffers(), *held_tensors(model)) if not t.requires_grad]
     # with grad on, autograd saves nothing for this thread's runs (a large model's activations
@@ -110,7 +110,7 @@ def probe_mode_dependence(model, args, expected: list, reads: dict, differs, rew
             reads["enables_grad"] = _records_autograd(model, args, grad=False)   # torch.enable_grad() inside
     finally:
         for m, warned, calls in inner:
-            m._warned, m.original_calls = warned, calls
+            m._warned, m._original_calls = warned, calls
         for t in plain:   # a scratch buffer written in place with grad on: it required grad afterwards, with a
             if t.requires_grad:   # grad_fn into the probe's graph, and so did eager's outputs (review43c)
                 with contextlib.suppress(RuntimeError):   # (a view cannot be detached in place)

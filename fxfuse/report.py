@@ -226,8 +226,8 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
         return (f"{type(optimized).__name__} is not optimized by fxfuse (not an OptimizedModule): if "
                 "fxfuse.optimize returned it, it is the original module, and optimize's warning says why.")
     out = [f"fxfuse report for {type(optimized.original).__name__}: "
-           f"{len(optimized.specializations)} specialization(s)"]
-    for k, spec in enumerate(list(optimized.specializations.values())):
+           f"{len(optimized._specializations)} specialization(s)"]
+    for k, spec in enumerate(list(optimized._specializations.values())):
         gm = spec.gm
         sig = ", ".join(f"{DTYPE_SHORT.get(s[1], s[1])}{list(s[0])} on {s[2]}" + (
             f" strides {tuple(s[3])}" if tuple(s[3]) != row_major(s[0]) else "") if s[0] != "const" else s[2]
@@ -250,7 +250,7 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
         out.append(graph_as_python(gm))
         out.append("")
         out.append(node_table(gm))
-        plans = plan_table(gm, optimized.options)
+        plans = plan_table(gm, optimized._options)
         if plans:
             out.append("\n" + plans)
         if measure:
@@ -259,12 +259,12 @@ def explain(optimized, kernels: bool = False, measure: bool = False) -> str:
             for mod in gm.modules():
                 if isinstance(mod, FusedKernel):
                     out.append(f"\n# ---- {mod.kernel_name} ({', '.join(mod.members)})\n{mod.source}")
-    if optimized.dropped[0]:
-        out.append(f"\nrebuilds: {optimized.dropped[0]} (every specialization dropped; last because "
-                   f"{optimized.dropped[3]})")
-    if optimized.miss_count:
-        out.append(f"\nguard misses: {optimized.miss_count} (last: {optimized.last_miss})")
-    if optimized.original_calls:
-        reasons = ", ".join(f"{ORIGINAL_CALL_REASONS.get(k, k)}: {n}" for k, n in optimized.original_calls.most_common())
-        out.append(f"calls that ran the original module: {sum(optimized.original_calls.values())} ({reasons})")
+    if optimized._dropped[0]:
+        out.append(f"\nrebuilds: {optimized._dropped[0]} (every specialization dropped; last because "
+                   f"{optimized._dropped[3]})")
+    if optimized._miss_count:
+        out.append(f"\nguard misses: {optimized._miss_count} (last: {optimized._last_miss})")
+    if optimized._original_calls:
+        reasons = ", ".join(f"{ORIGINAL_CALL_REASONS.get(k, k)}: {n}" for k, n in optimized._original_calls.most_common())
+        out.append(f"calls that ran the original module: {sum(optimized._original_calls.values())} ({reasons})")
     return "\n".join(out)

@@ -96,15 +96,15 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     def __init__(self, model: torch.nn.Module, example_args: tuple, options, build):
         super().__init__()
         self.original = model
-        self.options, self._build = options, build   # build: (model, args, options) -> GraphModule
-        self.specializations: dict = {}
-        self.misses: list = []             # the first MAX_MISSES_KEPT guard misses (explain shows the count)
-        self.miss_count, self.last_miss, self._warned = 0, None, set()
-        self.original_calls = Counter()    # calls that ran the original module, by reason (explain)
+        self._options, self._build = options, build   # build: (model, args, options) -> GraphModule
+        self._specializations: dict = {}
+        self._misses: list = []             # the first MAX_MISSES_KEPT guard misses (explain shows the count)
+        self._miss_count, self._last_miss, self._warned = 0, None, set()
+        self._original_calls = Counter()    # calls that ran the original module, by reason (explain)
         self._failed_builds: dict = {}     # signature -> why its build failed (not tried again)
         self._trimmed: dict = {}           # signature with trailing defaults -> (its trimmed one, its length)
         self._state_rebuilds = 0           # rebuilds because buffers moved or attributes were assigned (warned at REBUILD_WARN_AFTER)
-        self.dropped = (0, 0, 0, None)     # rebuilds so far, their kernels' launches and fallbacks, the last reason
+        self._dropped = (0, 0, 0, None)     # rebuilds so far, their kernels' launches and fallbacks, the last reason
         self._buffer_versions = self._attributes = ()   # (_watch_state and add_specialization, after a build)
         self._attribute_reads = {}         # what the builds' traces read of the model's plain attributes
         self._written_attributes = {}      # (id(module), name) -> label: what the graphs write back (attribute_writes)
@@ -184,7 +184,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                       "reduction setting changed since the build")
         else:
             return
-        served = sum(spec.calls for spec in self.specializations.values())
+        served = sum(spec.calls for spec in self._specializations.values())
         self.drop_specializations(reason)
         # counted while the builds serve few calls each: a change per epoch (train, then
         # evaluate) is the usual case, a change per call the one worth a warning
@@ -217,12 +217,12 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
 
     def add_specialization(self, args) -> Specialization:
         start = time.perf_counter()
-        first = not self.specializations
+        first = not self._specializations
         self._flags = baked_settings()
         with BUILD_LOCK, autocast_off(), model_warnings_once():   # model dtypes (autocast: the original)
             BUILDING[0] += 1
             try:
-                gm = self._build(self.original, args, self.options)
+                gm = self._build(self.original, args, self._options)
             finally:
                 BUILDING[0] -= 1
         written = {(id(m), k): label for m, k, label in gm.meta.get("fxfuse_attribute_writes", ())}
@@ -236,12 +236,12 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         for m in gm.modules():                            # the model's own submodules keep theirs (fuzz34i:
             if id(m) not in own:                          # gm.train() switched a child the user had put in
                 m.training = self.original.training       # training mode back to eval)
-        spec = Specialization(gm, args, self.options, 1e3 * (time.perf_counter() - start),
+        spec = Specialization(gm, args, self._options, 1e3 * (time.perf_counter() - start),
                               tuple(self.original.parameters()) + tuple(self.original.buffers()))
         # the aliasing guard's: a kept in-place op that may write an input or a model tensor (a write into a
         # tensor forward() made cannot reach them: fuzz39e, `opt(x, x)` of a mask filled in place was refused)
         self._writes_in_place |= writes_an_input(gm, ("placeholder", "get_attr"))
-        self.specializations[spec.signature] = spec
+        self._specializations[spec.signature] = spec
         if first:
             self._watch_state()   # after the build: its checks run the original once
         # plain attributes the traces read: assigned anew after optimize() (or a tensor one
@@ -293,13 +293,13 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         """Forget every specialization (the next call builds one from the current weights)."""
         self._failed_builds = {}   # the state changed: a build that failed may work now
         self._trimmed = {}
-        if not self.specializations:
+        if not self._specializations:
             return
-        logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self.specializations), reason)
+        logger.info("dropping %d specialization(s), the next call rebuilds: %s", len(self._specializations), reason)
         kernels = list(self.fused_kernels())   # stats() and explain() count them on (review42e)
-        self.dropped = (self.dropped[0] + 1, self.dropped[1] + sum(k.launches for k in kernels),
-                        self.dropped[2] + sum(k.fallbacks for k in kernels), reason)
-        self.specializations, self.misses, self.miss_count, self.last_miss = {}, [], 0, None
+        self._dropped = (self._dropped[0] + 1, self._dropped[1] + sum(k.launches for k in kernels),
+                        self._dropped[2] + sum(k.fallbacks for k in kernels), reason)
+        self._specializations, self._misses, self._miss_count, self._last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
         self._read_storages = frozenset()
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
@@ -385,11 +385,11 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # CUDA graph's input binding and replay are one step; and another thread may have built this
         # signature, or taken the last slot, meanwhile
         with BUILD_LOCK:
-            spec = self.specializations.get(sig)
+            spec = self._specializations.get(sig)
             if spec is None and sig in self._trimmed:   # model(x, 1.0) with 1.0 forward()'s default
                 short, length = self._trimmed[sig]
-                if short in self.specializations:
-                    return self._run(self.specializations[short], args[:length])
+                if short in self._specializations:
+                    return self._run(self._specializations[short], args[:length])
             return self._run(spec, args) if spec is not None else self._miss(sig, args)
 
     def _run(self, spec, args):
@@ -401,7 +401,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         except Exception:
             # `lin.register_parameter("bias", None)` fires no registration hook: a graph without a
             # CUDA graph then fails on the missing tensor. Compared only here, where it costs nothing
-            if not self.specializations or not structure_changed(self._structure):
+            if not self._specializations or not structure_changed(self._structure):
                 raise
         self._drop_if_edited()
         return self._miss(signature(args), args)
@@ -418,31 +418,31 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             if len(self._trimmed) < MAX_MISSES_KEPT and all(   # next such call finds it in forward; not
                     isinstance(a, (bool, int, float, str, type(None))) for a in dropped):   # a tensor default:
                 self._trimmed[full] = (sig, len(trimmed))   # another tensor of its shape has the same signature
-            if sig in self.specializations:
-                return self._run(self.specializations[sig], args)
+            if sig in self._specializations:
+                return self._run(self._specializations[sig], args)
             if sig in self._failed_builds:
                 return self._run_original(*self._failed_builds[sig], args)
-        alike = unit_strides_alike(sig, {s: spec for s, spec in self.specializations.items()
+        alike = unit_strides_alike(sig, {s: spec for s, spec in self._specializations.items()
                                          if not _reads_strides(spec.gm.meta.get("fxfuse_trace", {}))})
         if alike is not None:   # a batch-1 row made as `col.T`: strides (1, 1) where the build had (8, 1)
             if len(self._trimmed) < MAX_MISSES_KEPT:   # (fuzz41c: a second build of the same graph, or the
                 self._trimmed[full] = (alike, len(args))   # original once the slots were used up)
-            return self._run(self.specializations[alike], args)
+            return self._run(self._specializations[alike], args)
         if len(self._failed_builds) >= MAX_MISSES_KEPT:   # each new one would run a whole failing build
             return self._run_original("build:limit", f"{MAX_MISSES_KEPT} input signatures failed to build; new "
                                       "ones run the original module without trying", args)
-        rebuild = not self.specializations
+        rebuild = not self._specializations
         if rebuild:      # dropped (load_state_dict, buffers moved): build from the new state
             reason = "rebuilt from the model's current weights and buffers"
         else:
-            told = min((sig, full), key=lambda s: closest_signature(list(self.specializations), s, count=True))
-            reason = describe_mismatch(closest_signature(list(self.specializations), told), told,   # a default
+            told = min((sig, full), key=lambda s: closest_signature(list(self._specializations), s, count=True))
+            reason = describe_mismatch(closest_signature(list(self._specializations), told), told,   # a default
                                        positional_names(self.original.forward))   # spelled out: review39b
-            self.miss_count, self.last_miss = self.miss_count + 1, reason
-            if len(self.misses) < MAX_MISSES_KEPT:
-                self.misses.append(reason)
-        if len(self.specializations) >= self.options.max_specializations:
-            n = self.options.max_specializations
+            self._miss_count, self._last_miss = self._miss_count + 1, reason
+            if len(self._misses) < MAX_MISSES_KEPT:
+                self._misses.append(reason)
+        if len(self._specializations) >= self._options.max_specializations:
+            n = self._options.max_specializations
             held = f"all {n} specializations are" if n != 1 else "the one specialization is"
             return self._run_original("full", f"{reason}; {held} in use (option max_specializations)", args)
         if rebuild and (hooked := forward_hook_owner(self.original)):   # a module assigned since, with its hook:
@@ -455,9 +455,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             # the original runs first: an input the model itself rejects (an index out of
             # range, a wrong feature size) gets the model's own error, and the signature is
             # not marked as failed, so valid inputs of the same shapes are built later
-            result = self.original(*(clone_args(args) if self.options.strict else args))   # strict raises:
+            result = self.original(*(clone_args(args) if self._options.strict else args))   # strict raises:
             e = as_fxfuse_error(e, "building a specialization")   # the caller's tensors must stay unwritten
-            if self.options.strict:                                 # (fuzz34k: x was written, then the retry
+            if self._options.strict:                                 # (fuzz34k: x was written, then the retry
                 raise e                                             # wrote it again)
             message = (f"no specialization for a new input ({reason}): {e}" if not rebuild else
                        f"rebuilding after a change to the model (weights, buffers, attributes) failed: {e}")
@@ -465,7 +465,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             self._failed_builds[sig] = (key, message)   # not built again; one warning per cause, not per shape
             self._count_original(key, message)
             return result
-        logger.info("built specialization %d: %s", len(self.specializations), reason)
+        logger.info("built specialization %d: %s", len(self._specializations), reason)
         if self._grad.records(args):   # the build's probes found that it records now
             return self._run_original("grad", GRAD_REASON, args)
         if self._writes_in_place and share_memory(args, self._model_storages):   # the rebuilt model's tensors: a
@@ -475,7 +475,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     def _run_original(self, key: str, reason: str, args, kwargs=None):
         """This call runs the original module: GuardError under strict=True, else one warning per
         kind of reason (`key`), and a count explain() shows."""
-        if self.options.strict:
+        if self._options.strict:
             raise GuardError(reason)
         self._count_original(key, reason)
         with BUILD_LOCK:   # not while another thread traces (see forward)
@@ -487,8 +487,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
 
     def _count_original(self, key: str, reason: str) -> None:
         self._warn_once(key, f"fxfuse: {reason}; running the original module")
-        self.original_calls[key.split(":")[0]] += 1
+        self._original_calls[key.split(":")[0]] += 1
 
     def fused_kernels(self):   # a copy of the dict: another thread may be building (fuzz38f)
-        return (m for spec in list(self.specializations.values()) for m in spec.gm.modules()
+        return (m for spec in list(self._specializations.values()) for m in spec.gm.modules()
                 if isinstance(m, FusedKernel))

@@ -55,6 +55,18 @@ def number_literal(a, node):
     return a if op.returns_bool else float(torch.tensor(a, dtype=torch.float32, device="cpu"))
 
 
+def _cpu_reads_unrounded(node, op, k, a) -> bool:
+    """CPU eager's mul and true div of an fp16 / bf16 tensor by a one-element tensor of another dtype
+    as the second operand (`x16 * torch.tensor(1e-8)`, `x16 / t` with t an fp32 or int64 0-dim tensor)
+    read that element in fp32 (BinaryOpsKernel.cpp's `original_scalar_value<opmath_t>`), where the
+    other ops and the first operand round it to fp16 (fuzz44b: 1e-8 became 0, 70000 inf). On CUDA a
+    CUDA tensor is rounded (its dynamic cast) and a CPU one is a number by then
+    (fold_literals.cpu_literal_as_number)."""
+    meta = _meta(a)
+    return op.name in ("mul", "div") and k == 1 and meta is not None and meta.shape.numel() == 1 \
+        and getattr(node.meta.get("fxfuse", {}).get("device"), "type", None) == "cpu"
+
+
 def round_operands(b: IRBuilder, node, args: list) -> list:
     """Operands rounded to the dtype eager computes in, when that is narrower than the kernel's
     fp32. A comparison converts both operands to their common dtype: x_fp16 == 0.1 is true where
@@ -73,7 +85,9 @@ def round_operands(b: IRBuilder, node, args: list) -> list:
     for k, (a, v) in enumerate(zip(node.args[:op.nargs], args)):
         if isinstance(a, torch.fx.Node):
             condition = node.target is torch.where and k == 0
-            if op.returns_bool or (_meta(a).dtype != dtype and not condition):
+            if not op.returns_bool and _meta(a).dtype != dtype and _cpu_reads_unrounded(node, op, k, a):
+                v = b.op("cast", [v], dtype=torch.float32)
+            elif op.returns_bool or (_meta(a).dtype != dtype and not condition):
                 v = b.op("cast", [v], dtype=dtype)
         elif op.returns_bool:  # a number: round it here, Triton source cannot call .to() on a literal
             v = b.const(torch.tensor(float(number_literal(a, node)), dtype=dtype, device="cpu").item())

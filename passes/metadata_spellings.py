@@ -14,7 +14,7 @@ from fxfuse.node_meta import fxfuse_meta, single_tensor_meta
 
 aten = torch.ops.aten
 CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
-                "double": torch.float64}
+                "double": torch.float64, "bool": torch.bool}   # h.bool(): h != 0, NaN true (fuzz44b)
 
 
 def masked_fill_is_where(x, value) -> bool:

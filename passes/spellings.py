@@ -104,6 +104,9 @@ MASKED_FILL = Spelling(torch.where, ("input", "mask", "value"), fixed={"_masked_
 MASKED_FILL_ = replace(MASKED_FILL, inplace=True)
 
 
+ANGLE_FACTORS = {"rad2deg": 180 / math.pi, "deg2rad": math.pi / 180}   # ATen's M_180_PI, M_PI_180 (fuzz44b)
+
+
 def _build_function_spellings() -> dict:
     table = {}
     for canon, spellings in UNARY.items():
@@ -158,7 +161,10 @@ def _build_function_spellings() -> dict:
     table[torch.rsub] = Spelling(operator.sub, ("input", "other", "alpha"), fixed={"_swap": True})
     for canon, names in TERNARY.items():
         table[canon] = Spelling(canon, ("input",) + names)
-    table[torch.round] = Spelling(torch.round, ("input", "decimals"))   # decimals=0: round (canonical_call)
+    table[torch.round] = table[torch.special.round] = Spelling(torch.round, ("input", "decimals"))   # decimals=0:
+    for name, factor in ANGLE_FACTORS.items():   # round (canonical_call); rad2deg is x * (180 / pi) in ATen
+        table[getattr(torch, name)] = Spelling(operator.mul, ("input",), fixed={"other": factor})
+        table[getattr(torch, name + "_")] = Spelling(operator.mul, ("input",), fixed={"other": factor}, inplace=True)
     for name in ("silu", "mish", "hardsigmoid", "hardswish", "leaky_relu", "elu", "hardtanh", "relu6", "gelu"):
         row = table[getattr(F, name)]   # torch._C._nn's own names, which F's functions call (no inplace=;
         row = replace(row, names=tuple(n for n in row.names if n != "inplace"))   # elu's scale= not fused)
@@ -202,6 +208,9 @@ def _build_method_spellings() -> dict:
     table["clamp_min_"] = Spelling(torch.clamp, ("input", "min"), inplace=True)
     table["clamp_max_"] = Spelling(torch.clamp, ("input", "max"), inplace=True)
     table["hardshrink"] = Spelling(F.hardshrink, ("input", "lambd"))
+    for name, factor in ANGLE_FACTORS.items():
+        table[name] = Spelling(operator.mul, ("input",), fixed={"other": factor})
+        table[name + "_"] = Spelling(operator.mul, ("input",), fixed={"other": factor}, inplace=True)
     for suffix in ("", "_"):   # x.round(decimals=0) too (canonical_call)
         table["round" + suffix] = Spelling(torch.round, ("input", "decimals"), inplace=suffix == "_")
     table["where"] = Spelling(torch.where, ("input", "condition", "other"), fixed={"_where_method": True})
@@ -285,6 +294,11 @@ def _build_aten_spellings() -> dict:
             for overload in ("default", "Tensor", "Scalar"):
                 if hasattr(packet, overload) and hasattr(base, overload) and getattr(base, overload) in table:
                     table[getattr(packet, overload)] = table[getattr(base, overload)]
+    table[aten.round.decimals] = table[aten.special_round.default] = Spelling(torch.round, ("input", "decimals"))
+    for name, factor in ANGLE_FACTORS.items():   # (fuzz44d, fuzz44b)
+        for suffix in ("", "_"):
+            table[getattr(aten, name + suffix).default] = Spelling(operator.mul, ("input",), fixed={"other": factor},
+                                                                   inplace=suffix == "_")
     for overload, row in list(table.items()):   # torch.ops.aten.relu(x): the packet, no overload named
         table.setdefault(overload.overloadpacket, row)
     return table

@@ -123,7 +123,7 @@ def assert_matches_eager(opt, model, *inputs, rtol=1e-5, atol=1e-5, fresh=True, 
 def optimized_graph(opt):
     """The rewritten GraphModule of opt's first specialization."""
     assert isinstance(opt, fxfuse.OptimizedModule), f"not optimized: {type(opt).__name__}"
-    return next(iter(opt.specializations.values())).gm
+    return next(iter(opt._specializations.values())).gm
 
 
 def assert_fast_path(opt):

@@ -107,7 +107,7 @@ def test_new_shape_builds_second_specialization():
         assert_matches_eager(opt, model, torch.randn(7, 11))
     s = assert_fast_path(opt)
     assert s["specializations"] == 2
-    assert "shape" in opt.misses[0]
+    assert "shape" in opt._misses[0]
 
 
 def test_new_dtype_builds_second_specialization():
@@ -116,7 +116,7 @@ def test_new_dtype_builds_second_specialization():
     out = assert_matches_eager(opt, model, torch.randn(5, 6).half(), rtol=1e-3, atol=1e-3)
     assert out.dtype == torch.float16
     assert fxfuse.stats(opt)["specializations"] == 2
-    assert "dtype" in opt.misses[0]
+    assert "dtype" in opt._misses[0]
 
 
 def test_specializations_bounded_falls_back_with_one_warning():
@@ -246,7 +246,7 @@ def test_keyword_argument_past_a_defaulted_parameter():
         warnings.simplefilter("error")
         torch.testing.assert_close(opt(x, scale=3.0), model(x, scale=3.0))
         torch.testing.assert_close(opt(x), model(x))
-    assert len(opt.specializations) == 2
+    assert len(opt._specializations) == 2
 
 
 def test_nondeterministic_model_falls_back_with_a_clear_reason():

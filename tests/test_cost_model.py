@@ -301,7 +301,7 @@ def test_optimize_with_a_missing_calibration_warns_once_and_still_optimizes(tmp_
         assert [w.category for w in caught] == [CalibrationWarning]
         assert issubclass(CalibrationWarning, fxfuse.FxfuseWarning)
         assert isinstance(opt, fxfuse.OptimizedModule)
-        gm = next(iter(opt.specializations.values())).gm
+        gm = next(iter(opt._specializations.values())).gm
         assert "roofline" in gm.meta["fxfuse_cost_model"]
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
@@ -320,7 +320,7 @@ def test_a_calibration_without_a_kernels_table_never_picks_that_kernel(tmp_path)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)]).eval()
     x = torch.randn(3, 64)
     opt = fxfuse.optimize(model, x, calibration=str(path))
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     plans = gm.meta["fxfuse_plans"]
     assert len(plans) == 4
     assert all(p["choice"] == "gemm" for p in plans), [p["choice"] for p in plans]

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU kernels need TRI
 
 
 def gemms(opt):
-    return [m for spec in opt.specializations.values() for m in spec.gm.modules() if isinstance(m, EpilogueGemm)]
+    return [m for spec in opt._specializations.values() for m in spec.gm.modules() if isinstance(m, EpilogueGemm)]
 
 
 def library_linears(opt):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.linear]
 
 

@@ -34,7 +34,7 @@ def mlp(widths, act=nn.ReLU, inplace=True):
 
 
 def fused_modules(opt):
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     return [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
 
 
@@ -84,7 +84,7 @@ def test_auto_default_declines_and_says_why():
     from fxfuse.demo import seed_network
     opt = fxfuse.optimize(seed_network(128, 8), torch.randn(1, 128), strict=True)
     assert not fused_modules(opt)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     linears = [n for n in gm.graph.nodes if n.target is F.linear]
     assert len(linears) == 8 and all("the cost model chose library" in n.meta["fxfuse"]["fused_mlp"]
                                      for n in linears)
@@ -266,7 +266,7 @@ def test_auto_leaves_wide_chains_alone_and_says_why(narrow_auto):
     model = mlp([300, 300])
     opt = fxfuse.optimize(model, torch.randn(2, 300), strict=True, gemm="off")  # (auto would take it)
     assert not fused_modules(opt)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     (linear,) = [n for n in gm.graph.nodes if n.target is F.linear]
     assert "widths up to 300" in linear.meta["fxfuse"]["fused_mlp"]
     assert should_fuse_mlp(4, [128, 128], torch.float32)[0]
@@ -386,7 +386,7 @@ def test_gpu_seed_mlp_is_one_launch(batch, hidden, dtype):
         opt = fxfuse.optimize(model, torch.randn(batch, hidden, device="cuda", dtype=dtype), strict=True,
                               fused_mlp="force")   # "auto" asks the calibrated cost model, which may say no
         (mod,) = fused_modules(opt)
-        assert next(iter(opt.specializations.values())).cuda_graph_note.startswith("captured")
+        assert next(iter(opt._specializations.values())).cuda_graph_note.startswith("captured")
         x = torch.randn(batch, hidden, device="cuda", dtype=dtype)
         with torch.no_grad():
             got, want = opt(x), model(x)

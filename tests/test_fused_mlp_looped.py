@@ -110,7 +110,7 @@ def test_optimize_builds_the_looped_form_at_large_batch():
     model = seq(100, 3)
     x = torch.randn(600, 100)
     opt = fxfuse.optimize(model, x, fused_mlp="force", strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     (mod,) = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
     assert mod.config.looped and mod.config.block_m == 16
     x = torch.randn(600, 100)
@@ -130,7 +130,7 @@ def test_auto_fuses_the_identical_middle_of_an_mlp_with_a_head_and_a_tail():
     x = torch.randn(1100, 40)
     calibration = fxfuse.cost_model.CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json"
     opt = fxfuse.optimize(model, x, calibration=str(calibration), strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     (mod,) = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
     assert mod.config.looped and len(mod.spec.linears) == 6 and layer_period(mod.spec, (128,) * 7) == (2, 3)
     assert fxfuse.stats(opt)["library_calls"] == 2
@@ -149,7 +149,7 @@ def test_gpu_looped_seed_mlp(batch, width):
         torch.manual_seed(0)
         model = seq(width, 8).cuda()
         opt = fxfuse.optimize(model, torch.randn(batch, width, device="cuda"), strict=True, fused_mlp="force")
-        spec = next(iter(opt.specializations.values()))
+        spec = next(iter(opt._specializations.values()))
         (mod,) = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
         assert mod.config.looped
         x = torch.randn(batch, width, device="cuda")

@@ -144,7 +144,7 @@ def test_aten_alias_spellings_fuse_under_export(name):
     assert not warned and "torch.export" in fxfuse.explain(opt)
     # one kernel: b's bias, the output, is in its library call (linear_epilogue._lone, stop 35)
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and "torch.ops.aten" not in str(
-        next(iter(opt.specializations.values())).gm.code).split("def forward")[1].replace("torch.ops.aten.linear", "")
+        next(iter(opt._specializations.values())).gm.code).split("def forward")[1].replace("torch.ops.aten.linear", "")
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
@@ -203,7 +203,7 @@ def test_a_model_frozen_after_optimize_keeps_its_graph_across_new_shapes(strict)
         for batch in (2, 3, 2):
             h = torch.randn(batch, 5, 32)
             torch.testing.assert_close(opt(h), model(h))
-    assert not caught and not sum(opt.original_calls.values()) and len(opt.specializations) == 2
+    assert not caught and not sum(opt._original_calls.values()) and len(opt._specializations) == 2
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -217,7 +217,7 @@ def test_arguments_that_do_not_fit_forward_raise_eagers_type_error(strict):
         for args in [(), (x, x)]:
             with pytest.raises(TypeError, match="positional argument"):
                 opt(*args)
-    assert not caught and opt.miss_count == 0
+    assert not caught and opt._miss_count == 0
 
 
 def test_a_parameter_set_to_none_rebuilds_where_no_cuda_graph_runs(capsys):
@@ -248,7 +248,7 @@ def test_fp16_bias_added_by_hand_rounds_as_eager():
     model = HandBias().eval().half()
     x = torch.randn(64, 16, dtype=torch.float16)
     opt, warned = _optimize(model, x, strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert not warned and not [n for n in gm.graph.nodes if n.op == "call_function" and len(n.args) == 3
                                and getattr(n.target, "__name__", "") == "linear"]   # bias not in the GEMM
     with torch.no_grad():
@@ -321,7 +321,7 @@ def test_plan_prices_the_kernel_after_a_fused_mlp_and_int_constants():
     from fxfuse.cost_model import CALIBRATION_DIR
     h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
     opt, _ = _optimize(PreNormBlock(64, 64).eval(), torch.randn(8, 64), calibration=h100, verify=False)
-    plans = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    plans = next(iter(opt._specializations.values())).gm.meta["fxfuse_plans"]
     assert [p["layer"].mlp_reads_outside for p in plans] == [0, 1]
 
     class IntScale(nn.Module):
@@ -334,7 +334,7 @@ def test_plan_prices_the_kernel_after_a_fused_mlp_and_int_constants():
             return (self.a(x) + self.ib) + u
 
     opt, _ = _optimize(IntScale().eval(), (torch.randn(4, 64), torch.randn(4, 64)), calibration=h100, verify=False)
-    (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    (plan,) = next(iter(opt._specializations.values())).gm.meta["fxfuse_plans"]
     assert (plan["layer"].epilogue_reads, plan["layer"].epilogue_reads_outside) == (2, 1)
 
 
@@ -355,7 +355,7 @@ def test_plan_leaves_a_linear_whose_input_is_written_later_to_the_library():
     model = InPlaceResidual().eval()
     x = torch.randn(2, 12, 32)
     opt, warned = _optimize(model, x.clone(), calibration=h100, strict=True)
-    (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    (plan,) = next(iter(opt._specializations.values())).gm.meta["fxfuse_plans"]
     assert not warned and plan["choice"] == "library" and "written in place" in str(plan["reasons"])
     with torch.no_grad():
         torch.testing.assert_close(opt(x.clone()), model(x.clone()))
@@ -377,7 +377,7 @@ def test_both_linears_reading_x_become_fused_mlps():
     model = TwoReadersOfX().eval()
     x = torch.randn(4, 5, 32)
     opt, warned = _optimize(model, x, calibration=h100, strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert [p["choice"] for p in gm.meta["fxfuse_plans"]] == ["mlp", "mlp"]
     assert not warned and sum(type(m).__name__ == "FusedMLP" for m in gm.modules()) == 2
     with torch.no_grad():
@@ -403,7 +403,7 @@ def test_plan_rows_name_the_library_call_that_runs():
     torch.manual_seed(0)
     args = (torch.randn(2, 24, 24).half(), torch.randn(2, 24, 24).half())
     opt, _ = _optimize(Gated().half().eval(), args, calibration=h100, strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     names = {n.name: n for n in gm.graph.nodes}
     for plan in gm.meta["fxfuse_plans"]:
         if plan["choice"] == "library":
@@ -418,7 +418,7 @@ def test_plan_prices_a_half_linear_with_its_bias_in_the_gemm():
     h100 = str(CALIBRATION_DIR / "nvidia-h100-80gb-hbm3__torch-2.11.0__triton-3.6.0.json")
     model = nn.Sequential(nn.Linear(48, 40), nn.Tanh()).half().eval()
     opt, _ = _optimize(model, torch.randn(6, 48).half(), calibration=h100, verify=False)
-    (plan,) = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    (plan,) = next(iter(opt._specializations.values())).gm.meta["fxfuse_plans"]
     assert plan["layer"].bias_in_gemm
     cost = CostModel.load(h100, device_name="NVIDIA H100 80GB HBM3")
     from dataclasses import replace

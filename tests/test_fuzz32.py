@@ -132,7 +132,7 @@ def test_a_parent_build_spends_none_of_an_optimized_childs_specializations(recwa
         with torch.no_grad():
             want = torch.sigmoid(parent.head(torch.relu(child(x))))   # not through opt_child
         torch.testing.assert_close(_outputs(opt, (x,))[0], want)
-    assert len(opt_child.specializations) == 1 and len(opt.specializations) == 7
+    assert len(opt_child._specializations) == 1 and len(opt._specializations) == 7
     assert not [w for w in recwarn if "fxfuse" in str(w.message)]
 
 
@@ -167,7 +167,7 @@ def test_copies_of_inference_tensors_are_announced_once():
         with torch.inference_mode():
             opt(torch.randn(7, 13))     # a second build: no second warning
     assert len([w for w in seen if "inference tensors" in str(w.message)]) == 1
-    assert len(opt.specializations) == 2
+    assert len(opt._specializations) == 2
 
 
 def test_prune_remove_is_seen():
@@ -196,7 +196,7 @@ def test_a_positional_default_is_the_same_specialization_and_misses_name_the_arg
     model, x, y = Scaled().eval(), torch.randn(3, 6), torch.randn(3, 6)
     opt = fxfuse.optimize(model, (x, y), strict=True, max_specializations=1)
     torch.testing.assert_close(_outputs(opt, (x, y, 1.0))[0], _outputs(model, (x, y))[0])
-    assert len(opt.specializations) == 1
+    assert len(opt._specializations) == 1
     with pytest.raises(fxfuse.GuardError, match=r"input 2 \(alpha\) is the float 2.0"):
         _outputs(opt, (x, y, 2.0))
 

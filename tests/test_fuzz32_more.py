@@ -44,7 +44,7 @@ def test_more_spellings_fuse_on_both_trace_paths(name, path):
     torch.manual_seed(0)
     model, x = (Sym if path == "symbolic_trace" else Exported)().eval(), torch.randn(5, 32)
     opt = fxfuse.optimize(model, x, strict=True, verify=False)
-    stats, spec = fxfuse.stats(opt), next(iter(opt.specializations.values()))
+    stats, spec = fxfuse.stats(opt), next(iter(opt._specializations.values()))
     assert (stats["fused_kernels"], stats["library_calls"]) == (1, 0), fxfuse.explain(opt)
     assert ("export" in spec.gm.meta["fxfuse_trace"]["tracer"]) == (path == "export")
     fresh = torch.randn(5, 32)
@@ -155,9 +155,9 @@ def test_abs_of_a_size_stays_a_number_and_a_default_given_again_runs_the_graph()
     model, x = Sized().eval(), torch.randn(3, 4)
     opt = fxfuse.optimize(model, x, strict=True)
     torch.testing.assert_close(_outputs(opt, (x, 1.0))[0], _outputs(model, (x,))[0])
-    runs = next(iter(opt.specializations.values())).calls
+    runs = next(iter(opt._specializations.values())).calls
     _outputs(opt, (x, 1.0))
-    assert next(iter(opt.specializations.values())).calls == runs + 1 and len(opt._trimmed) == 1
+    assert next(iter(opt._specializations.values())).calls == runs + 1 and len(opt._trimmed) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -198,7 +198,7 @@ def test_an_as_layout_alone_stays_a_library_call():
     torch.manual_seed(0)
     model, x = seed_network(34, 3).eval(), torch.randn(30, 34)
     opt = fxfuse.optimize(model, x, strict=True, strassen="force", strassen_levels=2)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert fxfuse.stats(opt)["fused_kernels"] == 4 and any(n.target is as_layout for n in spec.gm.graph.nodes)
     torch.testing.assert_close(_outputs(opt, (x,))[0], _outputs(model, (x,))[0], rtol=1e-4, atol=1e-5)
 

@@ -350,7 +350,7 @@ def test_a_users_dispatch_mode_runs_the_original_and_optimize_under_one_is_refus
         fxfuse.optimize(model, x, strict=True)
     with torch.device("cpu"), torch.no_grad():     # a device context is a function mode too: the graph runs
         assert torch.equal(opt(x), opt(x))
-    assert opt.original_calls["mode"] == 1
+    assert opt._original_calls["mode"] == 1
 
 
 class _WritesThenFails(nn.Module):

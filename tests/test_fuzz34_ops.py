@@ -179,7 +179,7 @@ def test_addmm_with_unit_beta_and_alpha_spelled_out_is_a_linear(kwargs):
     model = _Addmm(kwargs).eval()
     opt = fxfuse.optimize(model, torch.randn(4, 8))
     linear = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
-    kinds = [n.target for n in next(iter(opt.specializations.values())).gm.graph.nodes if n.op == "call_function"]
+    kinds = [n.target for n in next(iter(opt._specializations.values())).gm.graph.nodes if n.op == "call_function"]
     assert (F.linear in kinds) == linear
     x = torch.randn(4, 8)
     with torch.no_grad():
@@ -302,7 +302,7 @@ def test_tensors_made_from_numbers_in_forward_become_constants(variant):
     torch.manual_seed(0)
     model = _ScaledScores(returns_literal=variant == "returned", writes_literal=variant == "written").eval()
     opt = fxfuse.optimize(model, torch.randn(2, 5, 16))
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     factories = [n for n in gm.graph.nodes if n.target in (torch.tensor, "new_tensor")]
     assert len(factories) == {"plain": 0, "returned": 1, "written": 1}[variant]
     x = torch.randn(2, 5, 16)

@@ -134,7 +134,7 @@ def test_a_write_into_a_new_tensor_from_a_reduction_or_gather_fuses_and_keeps_th
     torch.manual_seed(0)
     model = _Fn(_WRITES_INTO_NEW[name]).eval()
     opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert not writes_an_input(gm) and fxfuse.stats(opt)["fused_kernels"] >= 1, fxfuse.explain(opt)
     x = torch.randn(4, 6)
     with torch.no_grad():
@@ -208,7 +208,7 @@ def test_a_write_into_a_reduction_read_through_a_later_view_fuses():
         return x / y[:, None] + 1
     model = _Fn(f).eval()
     opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert not gm.meta.get("fxfuse_inplace_kept"), fxfuse.explain(opt)
     x = torch.randn(4, 6)
     with torch.no_grad():
@@ -266,7 +266,7 @@ def test_a_functional_twin_write_read_through_a_later_view_fuses():
     for f, kept in ((later, False), (earlier, True)):
         model = _Fn(f).eval()
         opt = fxfuse.optimize(model, torch.randn(4, 6), strict=True)
-        gm = next(iter(opt.specializations.values())).gm
+        gm = next(iter(opt._specializations.values())).gm
         assert bool(gm.meta.get("fxfuse_inplace_kept")) == kept, fxfuse.explain(opt)
         x = torch.randn(4, 6)
         with torch.no_grad():

@@ -63,7 +63,7 @@ def test_lerp_addcmul_addcdiv_fuse_with_their_neighbours(name, dtype):
     opt = fxfuse.optimize(model, example, strict=True)
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert not any(n.target in (torch.lerp, torch.addcmul, torch.addcdiv) or "lerp" in str(n.target)
-                   or "addc" in str(n.target) for n in opt.specializations[next(iter(opt.specializations))].gm.graph.nodes
+                   or "addc" in str(n.target) for n in opt._specializations[next(iter(opt._specializations))].gm.graph.nodes
                    if n.op != "call_module")   # inside the kernel, not a library call
     for _ in range(2):
         args = tuple(torch.randn(3, 5, dtype=dtype) * 3 for _ in range(3))
@@ -227,7 +227,7 @@ def test_binary_max_and_min_fuse_as_maximum_and_minimum(spelling):
     model = _Three(fs[spelling]).eval()
     args = tuple(torch.randn(4, 6) for _ in range(3))
     opt = fxfuse.optimize(model, args, strict=True)
-    names = [str(n.target) for n in next(iter(opt.specializations.values())).gm.graph.nodes]
+    names = [str(n.target) for n in next(iter(opt._specializations.values())).gm.graph.nodes]
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and not any("built-in method max" in t or "built-in method min" in t
                                                                for t in names), names
     args = tuple(torch.randn(4, 6) for _ in range(3))

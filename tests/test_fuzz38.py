@@ -132,11 +132,11 @@ def test_library_precision_switches_changed_after_the_build_rebuild(switch):
     saved = getattr(owner, name)
     try:
         opt = fxfuse.optimize(model, x, strict=True)
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         setattr(owner, name, False)
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
-        assert next(iter(opt.specializations.values())) is not built
+        assert next(iter(opt._specializations.values())) is not built
     finally:
         setattr(owner, name, saved)
 
@@ -354,13 +354,13 @@ def test_calls_inside_and_outside_a_cudnn_flags_block_do_not_rebuild():
     # and then rebuilt the graph on every call (review38b)
     model, x = Pointwise().eval(), torch.randn(3, 8)
     opt = fxfuse.optimize(model, x, strict=True)
-    built = next(iter(opt.specializations.values()))
+    built = next(iter(opt._specializations.values()))
     with torch.no_grad():
         for _ in range(3):
             with torch.backends.cudnn.flags(enabled=False, allow_tf32=torch.backends.cudnn.allow_tf32):
                 opt(x)
             opt(x)
-    assert next(iter(opt.specializations.values())) is built
+    assert next(iter(opt._specializations.values())) is built
 
 
 class InPlaceMaskOps(nn.Module):

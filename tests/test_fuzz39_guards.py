@@ -20,7 +20,7 @@ def _calls_match(opt, model, *shape):
     with torch.no_grad():
         x = torch.randn(*shape)
         torch.testing.assert_close(opt(x), model(x))
-    assert isinstance(opt, fxfuse.OptimizedModule) and not opt.original_calls and opt.specializations
+    assert isinstance(opt, fxfuse.OptimizedModule) and not opt._original_calls and opt._specializations
 
 
 class Block(nn.Module):
@@ -188,10 +188,10 @@ def test_cublas_fp16_accumulation_switched_after_the_build_rebuilds():
     try:
         model = Block().eval()
         opt = fxfuse.optimize(model, torch.randn(3, 8), strict=True)
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         matmul.allow_fp16_accumulation = not saved
         _calls_match(opt, model, 3, 8)
-        assert next(iter(opt.specializations.values())) is not built
+        assert next(iter(opt._specializations.values())) is not built
     finally:
         matmul.allow_fp16_accumulation = saved
 
@@ -301,7 +301,7 @@ def test_one_tensor_twice_for_a_forward_writing_only_fresh_tensors_runs_the_grap
     x = torch.randn(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(opt(x, x), model(x, x))
-    assert not opt.original_calls
+    assert not opt._original_calls
 
 
 class WritesItsSecond(nn.Module):
@@ -343,9 +343,9 @@ def test_object_default_edits_are_seen_by_value_and_the_same_value_rebuilds_noth
             _calls_match(opt, model, 4, 8)
         GAINS.gains *= 10
         _calls_match(opt, model, 4, 8)
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         GAINS.scale = float(GAINS.scale)   # the same value, another float object
         _calls_match(opt, model, 4, 8)
-        assert next(iter(opt.specializations.values())) is built
+        assert next(iter(opt._specializations.values())) is built
     finally:
         GAINS.scale, GAINS.gains = 1.5, np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)

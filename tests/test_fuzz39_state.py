@@ -104,7 +104,7 @@ def test_load_state_dict_on_opt_runs_the_models_own_override(strict):
     with torch.no_grad():
         x = torch.randn(4, 16)
         torch.testing.assert_close(opt(x), model(x))
-    assert not opt.original_calls and opt.specializations   # the graph rebuilt from the loaded weights
+    assert not opt._original_calls and opt._specializations   # the graph rebuilt from the loaded weights
 
 
 def test_to_and_eval_on_opt_run_the_models_own_overrides():
@@ -116,7 +116,7 @@ def test_to_and_eval_on_opt_run_the_models_own_overrides():
         x = torch.randn(4, 16, dtype=torch.float64)
         assert opt(x).dtype == torch.float64
         torch.testing.assert_close(opt(x), model(x))
-    assert not opt.original_calls
+    assert not opt._original_calls
     model.frozen = False
     assert opt.eval() is opt and model.frozen
 

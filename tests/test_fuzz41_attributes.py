@@ -244,9 +244,9 @@ def test_unchanged_nested_state_does_not_rebuild():
     model = Holder(cfg, lambda s: s.held.scale + s.held.table["a"]).eval()
     x = torch.randn(4, 8)
     opt = fxfuse.optimize(model, x, strict=True)
-    builds = len(opt.specializations)
+    builds = len(opt._specializations)
     for _ in range(3):
         cfg.scale = 2.0
         cfg.table["a"] = 1.0
         assert_matches_eager(opt, model, x)
-    assert len(opt.specializations) == builds
+    assert len(opt._specializations) == builds

@@ -14,7 +14,7 @@ def test_swap_tensors_on_a_weight_the_generated_gemm_reads_rebuilds():
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)).eval()
     x = torch.randn(8, 16)
     opt = fxfuse.optimize(model, x, gemm="force", fused_mlp="off", strict=True)
-    assert "EpilogueGemm" in {type(m).__name__ for m in next(iter(opt.specializations.values())).gm.modules()}
+    assert "EpilogueGemm" in {type(m).__name__ for m in next(iter(opt._specializations.values())).gm.modules()}
     assert_matches_eager(opt, model, x)
     torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.randn(16, 16)))
     assert_matches_eager(opt, model, x)
@@ -69,7 +69,7 @@ def test_an_example_spelling_out_a_default_serves_calls_that_leave_it_out():
         for call in (lambda t: opt(t, 1.0), lambda t: opt(t), lambda t: opt(t, alpha=1.0)):
             y = torch.randn(4, 8)
             torch.testing.assert_close(call(y), model(y))
-    assert len(opt.specializations) == 1 and not opt.misses and fxfuse.stats(opt)["fused_kernels"] == 1
+    assert len(opt._specializations) == 1 and not opt._misses and fxfuse.stats(opt)["fused_kernels"] == 1
 
 
 class Scale(float):
@@ -105,7 +105,7 @@ def test_strides_of_size_one_dims_do_not_make_a_new_specialization():
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(opt(row), model(row))
-    assert len(opt.specializations) == 1 and not opt.misses
+    assert len(opt._specializations) == 1 and not opt._misses
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["kernel_launches"] == launches + 2
 
 

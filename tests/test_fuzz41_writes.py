@@ -50,7 +50,7 @@ def _check_revin(called_before: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt = fxfuse.optimize(model, torch.randn(2, 24, 3), strict=True)
-        gm = next(iter(opt.specializations.values())).gm
+        gm = next(iter(opt._specializations.values())).gm
         assert writes_attributes(gm) and fxfuse.stats(opt)["fused_kernels"] >= 1
         for scale in (1.0, 3.0, 0.5):
             x = torch.randn(2, 24, 3) * scale
@@ -58,7 +58,7 @@ def _check_revin(called_before: bool):
                 torch.testing.assert_close(opt(x), eager(x))
             torch.testing.assert_close(model.rev.mean, eager.rev.mean)   # the module holds this call's values
             torch.testing.assert_close(model.rev.stdev, eager.rev.stdev)
-    assert len(opt.specializations) == 1 and not opt.misses   # no rebuild per call
+    assert len(opt._specializations) == 1 and not opt._misses   # no rebuild per call
     assert "assigns a module attribute" in fxfuse.explain(opt) or not torch.cuda.is_available()
 
 
@@ -105,7 +105,7 @@ def test_an_attribute_only_assigned_holds_the_last_calls_value():
             out = opt(x)
         torch.testing.assert_close(out, torch.tanh(x) * 2 + 1)
         torch.testing.assert_close(model.last, torch.tanh(x) * 2)
-    assert len(opt.specializations) == 1
+    assert len(opt._specializations) == 1
 
 
 class LazyState(nn.Module):

@@ -336,7 +336,7 @@ def test_a_dead_proxy_read_by_forward_traces_as_eager_runs():
             live = Owner()   # scale 2.0: a new trainer is seen, the graph rebuilt
             model.trainer = weakref.proxy(live)
             assert_matches_eager(opt, model, torch.randn(4, 8))
-        assert opt.dropped[0] == 1
+        assert opt._dropped[0] == 1
     finally:
         DEAD_GLOBAL = None
 

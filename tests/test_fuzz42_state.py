@@ -352,7 +352,7 @@ def test_refilled_scratch_and_shape_memos_are_optimized_without_trace_leftovers(
     if make is SeenWidths:
         assert list(model.seen) == [8] and model.meta == {"desc": "width 8"}
     else:   # the eager calls in between refill the scratch: rebuilt, not sent to the original
-        assert not opt.original_calls
+        assert not opt._original_calls
 
 
 class LoggingModel(nn.Module):

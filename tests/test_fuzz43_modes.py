@@ -42,7 +42,7 @@ def test_an_input_made_under_inference_mode_takes_eagers_branch():
         assert len(told) == 1 and "is_inference()" in told[0]
         plain = torch.randn(4, 16)
         torch.testing.assert_close(opt(plain), model(plain))
-    assert sum(opt.original_calls.values()) == 1
+    assert sum(opt._original_calls.values()) == 1
 
 
 class StartsAutograd(nn.Module):
@@ -85,7 +85,7 @@ def test_set_grad_enabled_false_inside_forward_is_no_reason_to_run_the_original(
     with torch.no_grad():
         for _ in range(2):
             opt(torch.randn(4, 8))
-    assert sum(opt.original_calls.values()) == 0
+    assert sum(opt._original_calls.values()) == 0
 
 
 class InferenceBranch(nn.Module):
@@ -147,4 +147,4 @@ def test_an_inference_tensor_example_is_no_reason_to_run_the_original_for_plain_
     with torch.no_grad():
         x = torch.randn(16, 4).t()
         torch.testing.assert_close(opt(x), model(x))
-    assert sum(opt.original_calls.values()) == 0
+    assert sum(opt._original_calls.values()) == 0

@@ -17,7 +17,7 @@ def test_seed_network_compiled_and_captured():
     model = seed_network(1024, 8).cuda()
     x = torch.randn(64, 1024, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert spec.cuda_graph_note.startswith("captured")
     with torch.no_grad():
         fresh = torch.randn(64, 1024, device="cuda")
@@ -115,7 +115,7 @@ def test_fused_gemm_seed_network(batch, hidden):
 # ------------------------------------------------------------------ Strassen at real sizes
 
 def _bmm_count(opt):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return sum(n.op == "call_function" and n.target is torch.bmm for n in gm.graph.nodes)
 
 
@@ -133,7 +133,7 @@ def test_strassen_chain_on_gpu(levels, batch, hidden):
     model = seed_network(hidden, 3).cuda()
     x = torch.randn(batch, hidden, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True, strassen="force", strassen_levels=levels)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert spec.cuda_graph_note.startswith("captured")
     assert _bmm_count(opt) == 3
     s = fxfuse.stats(opt)
@@ -173,7 +173,7 @@ def test_cost_model_plan_and_measured_explain():
     model = seed_network(64, 8).cuda()
     x = torch.randn(16, 64, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert len(gm.meta["fxfuse_plans"]) == 8
     text = fxfuse.explain(opt, measure=True)
     assert "cost model:" in text and "# measured:" in text and "us per graph replay" in text
@@ -192,7 +192,7 @@ def test_relu_in_library_gemm_on_gpu(monkeypatch, dtype, tol):
     model = seed_network(96, 3).to(device="cuda", dtype=dtype)
     x = torch.randn(4, 5, 96, device="cuda", dtype=dtype)
     opt = fxfuse.optimize(model, x, strict=True, fused_mlp="off", gemm="off")
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert [n.target for n in spec.gm.graph.nodes].count(pass_module.linear_relu) == 3
     assert spec.cuda_graph_note.startswith("captured")
     with torch.no_grad():
@@ -240,7 +240,7 @@ def test_in_place_weight_edits_reach_the_replayed_graph(plan):
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU()).cuda().eval()
     x = torch.randn(64 if "strassen" not in plan else 512, 256, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True, **plan)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert spec.graph is not None and fxfuse.stats(opt)["fused_kernels"] >= 1
     with torch.no_grad():
         for step in range(2):
@@ -251,7 +251,7 @@ def test_in_place_weight_edits_reach_the_replayed_graph(plan):
         assert rel_err(opt(x), model(x)) < 1e-5
     copied = spec.gm.meta["fxfuse_copied"]
     assert bool(copied) == ("gemm" not in plan)   # plans as forced: only copies are watched
-    assert (next(iter(opt.specializations.values())) is not spec) == bool(copied)
+    assert (next(iter(opt._specializations.values())) is not spec) == bool(copied)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -270,7 +270,7 @@ def test_torch_compile_around_an_optimized_module_on_gpu(backend):
             fresh = torch.randn(16, 256, device="cuda")
             assert rel_err(compiled(fresh), head(model(fresh))) < 1e-5
         assert rel_err(opt(fresh), model(fresh)) < 1e-6
-    assert sum(opt.original_calls.values()) == 0 and opt.miss_count == 0
+    assert sum(opt._original_calls.values()) == 0 and opt._miss_count == 0
     torch._dynamo.reset()
 
 
@@ -301,7 +301,7 @@ def test_library_layers_read_weights_stored_in_out_through_views_on_gpu(monkeypa
     model = Chain().cuda().eval()
     x = torch.randn(32, 256, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True, fused_mlp="off", gemm="off")
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert spec.cuda_graph_note.startswith("captured")
     views = [n for n in spec.gm.graph.nodes if n.op == "call_method" and n.target == "t"]
     assert len(views) == 3 and all(len(v.users) == 1 for v in views)
@@ -359,7 +359,7 @@ def test_ops_moved_past_slices_on_gpu(name, dtype):
     model = factory().cuda().eval().to(dtype)
     x = torch.randn(*shape, device="cuda", dtype=dtype)
     opt = fxfuse.optimize(model, x, strict=True)
-    assert next(iter(opt.specializations.values())).cuda_graph_note.startswith("captured")
+    assert next(iter(opt._specializations.values())).cuda_graph_note.startswith("captured")
     with torch.no_grad():
         fresh = torch.randn(*shape, device="cuda", dtype=dtype)
         assert rel_err(opt(fresh), model(fresh)) < (1e-5 if dtype == torch.float32 else 3e-3)

@@ -97,7 +97,7 @@ def test_cuda_graph_is_captured_unless_an_input_is_written(case):
     model = {"literal": _Scores, "own": _WritesItsOwn, "input": _WritesItsInput}[case]().cuda().eval()
     shape = (3, 7, 32) if case == "literal" else (5, 32)
     opt = fxfuse.optimize(model, torch.randn(*shape, device="cuda"), strict=True)
-    note = next(iter(opt.specializations.values())).cuda_graph_note
+    note = next(iter(opt._specializations.values())).cuda_graph_note
     assert note.startswith("off") == (case == "input"), note
     for _ in range(3):
         x = torch.randn(*shape, device="cuda")

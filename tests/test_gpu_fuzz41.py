@@ -23,7 +23,7 @@ def test_revin_statistics_are_written_back_on_the_gpu():
         with torch.no_grad():
             torch.testing.assert_close(opt(x), eager(x))
         torch.testing.assert_close(model.rev.mean, eager.rev.mean)
-    assert fxfuse.stats(opt)["fused_kernels"] >= 1 and len(opt.specializations) == 1
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1 and len(opt._specializations) == 1
 
 
 def test_size_one_strides_are_served_by_the_captured_graph():
@@ -33,7 +33,7 @@ def test_size_one_strides_are_served_by_the_captured_graph():
         row = torch.randn(8, 1, device="cuda").T
         with torch.no_grad():
             torch.testing.assert_close(opt(row), model(row))
-    assert len(opt.specializations) == 1 and not opt.misses
+    assert len(opt._specializations) == 1 and not opt._misses
 
 
 def test_swap_tensors_of_a_weight_rebuilds_the_captured_graph():

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skippe
 
 
 def _spec(opt):
-    return next(iter(opt.specializations.values()))
+    return next(iter(opt._specializations.values()))
 
 
 def test_outputs_handed_out_without_clone_while_not_held():
@@ -205,10 +205,10 @@ def test_pdl_gemm_chains_match_eager(batch, width):
     x = torch.randn(batch, width, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True, gemm="force", fused_mlp="off")
     assert fxfuse.stats(opt)["fused_kernels"] >= 4
-    gemms = [m for m in next(iter(opt.specializations.values())).gm.modules() if isinstance(m, EpilogueGemm)]
+    gemms = [m for m in next(iter(opt._specializations.values())).gm.modules() if isinstance(m, EpilogueGemm)]
     assert gemms and all(m.use_pdl for m in gemms)              # inside the captured graph only
     no_graph = fxfuse.optimize(model, x, strict=True, gemm="force", fused_mlp="off", cuda_graphs=False)
-    assert not any(m.use_pdl for m in next(iter(no_graph.specializations.values())).gm.modules()
+    assert not any(m.use_pdl for m in next(iter(no_graph._specializations.values())).gm.modules()
                    if isinstance(m, EpilogueGemm))
     with torch.no_grad():
         pairs = []
@@ -229,7 +229,7 @@ def test_inputs_come_in_through_the_graphs_memcpy_node():
     model = seed_network(128, 2).cuda()
     x = torch.randn(4, 128, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert "no host copy" in spec.inputs.note and "no host copy" in fxfuse.explain(opt)
     with torch.no_grad():
         results = []
@@ -252,7 +252,7 @@ def test_inputs_come_in_through_the_graphs_memcpy_node():
         assert rel_err(got, want) < 1e-6
         xt = torch.randn(128, 4, device="cuda").t()        # strides (1, 4): guarded, copied by copy_
         opt_t = fxfuse.optimize(model, xt, strict=True)
-        spec_t = next(iter(opt_t.specializations.values()))
+        spec_t = next(iter(opt_t._specializations.values()))
         assert spec_t.inputs.copied and not spec_t.inputs.bound
         for _ in range(3):
             fresh = torch.randn(128, 4, device="cuda").t()
@@ -271,7 +271,7 @@ def test_two_inputs_one_bound_one_copied():
     model = TwoInputs().cuda().eval()
     a, b = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda").t()
     opt = fxfuse.optimize(model, (a, b), strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert [k for k, _ in spec.inputs.bound] == [0] and [k for k, _ in spec.inputs.copied] == [1]
     with torch.no_grad():
         for _ in range(4):
@@ -288,7 +288,7 @@ def test_conjugated_complex_input_through_the_graph():
     model = Imag().eval()
     z = torch.randn(4, 33, dtype=torch.complex64, device="cuda")
     opt = fxfuse.optimize(model, z, strict=True)
-    assert [k for k, _ in next(iter(opt.specializations.values())).inputs.bound] == [0]   # the node path
+    assert [k for k, _ in next(iter(opt._specializations.values())).inputs.bound] == [0]   # the node path
     with torch.no_grad():
         for _ in range(2):
             fresh = torch.randn_like(z)
@@ -323,7 +323,7 @@ def test_replays_go_through_cuGraphLaunch_and_match_eager():
     model = seed_network(96, 4).cuda()
     x1, x2 = torch.randn(5, 96, device="cuda"), torch.randn(5, 96, device="cuda")
     opt = fxfuse.optimize(model, x1, strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert spec.launcher.note == "cuGraphLaunch" and not spec.draws_random
     with torch.no_grad():
         for x in (x1, x2, x1, x2):

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skippe
 
 
 def _gemms(opt):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return [m for m in gm.modules() if isinstance(m, EpilogueGemm)]
 
 
@@ -55,7 +55,7 @@ def test_auto_takes_tf32x3_where_the_calibration_measured_it_faster():
     model = seed_network(2048, 3).cuda()
     x = torch.randn(1024, 2048, device="cuda")
     opt = fxfuse.optimize(model, x, strict=True, tf32x3="auto")
-    plans = next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    plans = next(iter(opt._specializations.values())).gm.meta["fxfuse_plans"]
     assert [p["choice"] for p in plans] == ["gemm_x3"] * 3
     with torch.no_grad():
         ours, eager = _errors(opt, model, torch.randn_like(x))
@@ -90,7 +90,7 @@ def test_strassen_products_in_tf32x3_on_gpu(levels):
     kw = dict(strict=True, strassen="force", strassen_levels=levels, fused_mlp="off", gemm="off")
     x3 = fxfuse.optimize(model, x, tf32x3="force", **kw)
     ieee = fxfuse.optimize(model, x, **kw)
-    gm = next(iter(x3.specializations.values())).gm
+    gm = next(iter(x3._specializations.values())).gm
     assert sum(n.target is bmm_tf32x3 for n in gm.graph.nodes) == 3
     with torch.no_grad():
         fresh = torch.randn_like(x)

@@ -31,7 +31,7 @@ class TransposedResidual(nn.Module):
 def _graph_targets(opt):
     """Every node's target, and as_layout where a fused kernel took it as a member (the kernel
     then writes eager's layout itself)."""
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     kernels = [m for m in spec.gm.modules() if isinstance(m, FusedKernel)]
     return [n.target for n in spec.gm.graph.nodes] + [as_layout for k in kernels
                                                       if any(d.endswith("=as_layout") for d in k.members)]

@@ -62,7 +62,7 @@ def _checked(model, example, calls, **options):
 
 
 def _node_targets(opt):
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     return [str(n.target) for n in spec.gm.graph.nodes]
 
 
@@ -88,7 +88,7 @@ def test_a_weight_stored_in_out_edited_in_place_is_read_anew():
     with torch.no_grad():
         model.w0.mul_(-2.0)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
-    assert len(opt.specializations) == 1 and fxfuse.stats(opt)["fused_kernels"] == 3   # rebuilt, still rewritten
+    assert len(opt._specializations) == 1 and fxfuse.stats(opt)["fused_kernels"] == 3   # rebuilt, still rewritten
 
 
 def test_a_weight_read_twice_is_copied_once():
@@ -101,7 +101,7 @@ def test_a_weight_read_twice_is_copied_once():
             return torch.relu(torch.relu(x @ self.w) @ self.w)
 
     opt = _checked(Twice(), torch.randn(3, 8), [torch.randn(6, 8)], gemm="force")
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert fxfuse.stats(opt)["fused_kernels"] == 2
     assert len(spec.gm.meta["fxfuse_transposed_weights"]) == 1
 
@@ -143,7 +143,7 @@ def test_gpt2_conv1d_layers_become_generated_gemms():
 
 
 def _buffer_names(opt):
-    return [name for name, _ in next(iter(opt.specializations.values())).gm.named_buffers()]
+    return [name for name, _ in next(iter(opt._specializations.values())).gm.named_buffers()]
 
 
 def test_library_layers_read_a_weight_stored_in_out_through_a_view():
@@ -151,7 +151,7 @@ def test_library_layers_read_a_weight_stored_in_out_through_a_view():
     would double the memory of every such weight (passes/weight_views.py)."""
     model = GPT2MLP(12)
     opt = _checked(model, torch.randn(2, 5, 12), [torch.randn(3, 7, 12)])
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     linears = [n for n in gm.graph.nodes if n.target is F.linear]
     assert len(linears) == 2 and "addmm" not in " ".join(_node_targets(opt))   # normalized...
     assert all(n.args[1].op == "call_method" and n.args[1].target == "t" for n in linears)   # ...through a view
@@ -160,7 +160,7 @@ def test_library_layers_read_a_weight_stored_in_out_through_a_view():
     with torch.no_grad():
         model.c_fc.weight.mul_(-1.5)   # read live: no copy to go stale, no rebuild
         torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
-    assert next(iter(opt.specializations.values())).gm is gm
+    assert next(iter(opt._specializations.values())).gm is gm
 
 
 
@@ -179,7 +179,7 @@ def test_library_layers_read_weights_of_a_parameter_list_through_views():
 
     model = Chain()
     opt = _checked(model, torch.randn(4, 16), [torch.randn(6, 16)])
-    assert sum(n.target is F.linear for n in next(iter(opt.specializations.values())).gm.graph.nodes) == 3
+    assert sum(n.target is F.linear for n in next(iter(opt._specializations.values())).gm.graph.nodes) == 3
     assert not any(name.endswith("_T") for name in _buffer_names(opt)), _buffer_names(opt)
     x = torch.randn(4, 16)
     with torch.no_grad():
@@ -206,7 +206,7 @@ def test_f_linear_with_keyword_arguments(spelling, options):
             return torch.relu(F.linear(input=x, weight=self.v)) + 1.0
 
     opt = _checked(Kw(), torch.randn(3, 6), [torch.randn(7, 6)], **options)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert not any(n.kwargs for n in gm.graph.nodes if n.target is F.linear)
     if options and spelling != "1-D weight=":   # a generated kernel took the Linear
         assert fxfuse.stats(opt)["fused_kernels"] >= 1 and not any(n.target is F.linear for n in gm.graph.nodes)

@@ -81,7 +81,7 @@ def test_a_mode_read_the_watch_misses_runs_the_original_in_the_other_mode(make, 
     assert isinstance(opt, OptimizedModule)
     assert fxfuse.stats(opt)["fused_kernels"] >= 1
     _calls(opt, model, x, ["inference", "no_grad", "grad", built_in])
-    assert sum(opt.original_calls.values()) >= 1   # some mode ran the original
+    assert sum(opt._original_calls.values()) >= 1   # some mode ran the original
 
 
 def test_a_model_that_never_asks_uses_the_graph_in_every_mode():
@@ -89,11 +89,11 @@ def test_a_model_that_never_asks_uses_the_graph_in_every_mode():
     x = torch.randn(5, 8)
     with torch.no_grad():
         opt = fxfuse.optimize(model, x)
-    trace = next(iter(opt.specializations.values())).gm.meta["fxfuse_trace"]
+    trace = next(iter(opt._specializations.values())).gm.meta["fxfuse_trace"]
     assert not trace["reads_grad_mode"] and trace["reads_inference_mode"] is None
     seen = _calls(opt, model, x, ["inference", "no_grad", "grad"])
     assert all(not caught for _, caught in seen)
-    assert not opt.original_calls
+    assert not opt._original_calls
 
 
 def test_the_warning_names_the_mode_dependence():
@@ -119,7 +119,7 @@ def test_the_default_mode_is_probed_after_an_inference_mode_build():
     with torch.inference_mode():
         opt = fxfuse.optimize(model, x)
     _calls(opt, model, x, ["grad", "no_grad", "inference"])
-    assert sum(opt.original_calls.values()) >= 1
+    assert sum(opt._original_calls.values()) >= 1
 
 
 def test_a_model_made_under_inference_mode_serves_no_grad_calls():
@@ -135,7 +135,7 @@ def test_a_model_made_under_inference_mode_serves_no_grad_calls():
         warnings.simplefilter("error")
         launches = fxfuse.stats(opt)["kernel_launches"]
         torch.testing.assert_close(opt(x), model(x))
-        assert fxfuse.stats(opt)["kernel_launches"] > launches and sum(opt.original_calls.values()) == 0
+        assert fxfuse.stats(opt)["kernel_launches"] > launches and sum(opt._original_calls.values()) == 0
 
 
 class NoGradForward(nn.Module):
@@ -177,7 +177,7 @@ def test_a_forward_that_turns_grad_off_itself_uses_the_graph_in_grad_mode(make):
             got, want = opt(x), model(x)
             torch.testing.assert_close(got, want)
             assert not got.requires_grad and not want.requires_grad
-    assert not opt.original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert not opt._original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1
 
 
 def test_a_forward_that_records_autograd_in_part_still_runs_the_original():
@@ -186,7 +186,7 @@ def test_a_forward_that_records_autograd_in_part_still_runs_the_original():
     x = torch.randn(4, 8)
     with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
         got = opt(x)
-    assert got.requires_grad and opt.original_calls["grad"] == 1
+    assert got.requires_grad and opt._original_calls["grad"] == 1
     torch.testing.assert_close(got, model(x))
 
 
@@ -223,7 +223,7 @@ def test_an_attribute_that_turns_grad_on_rebuilds_and_records():
     model = M().eval()
     opt = fxfuse.optimize(model, torch.randn(4, 8))
     x = torch.randn(4, 8)
-    assert not opt(x).requires_grad and not opt.original_calls
+    assert not opt(x).requires_grad and not opt._original_calls
     model.finetune = True
     with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
         assert opt(x).requires_grad
@@ -248,7 +248,7 @@ def test_a_forward_that_turns_grad_on_itself_runs_the_original_under_no_grad():
     x = torch.randn(4, 8)
     with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
         got = opt(x)
-    assert got.requires_grad and opt.original_calls["grad"] == 1
+    assert got.requires_grad and opt._original_calls["grad"] == 1
 
     class Through(nn.Module):
         def __init__(self):
@@ -264,7 +264,7 @@ def test_a_forward_that_turns_grad_on_itself_runs_the_original_under_no_grad():
         opt = fxfuse.optimize(model, torch.randn(4, 8))
         with torch.no_grad():
             y, x_out = opt(torch.randn(4, 8, requires_grad=True))
-    assert not y.requires_grad and x_out.requires_grad and not opt.original_calls
+    assert not y.requires_grad and x_out.requires_grad and not opt._original_calls
 
 
 def test_tensors_of_the_model_that_require_grad_are_seen():
@@ -301,7 +301,7 @@ def test_tensors_of_the_model_that_require_grad_are_seen():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y = opt(x)
-    assert not y.requires_grad and not opt.original_calls
+    assert not y.requires_grad and not opt._original_calls
     model.scale.requires_grad_(True)
     with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
         assert opt(x).requires_grad
@@ -309,7 +309,7 @@ def test_tensors_of_the_model_that_require_grad_are_seen():
     plain.original.requires_grad_(False)   # frozen after the build: grad-mode calls record nothing
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not plain(x).requires_grad and not plain.original_calls
+        assert not plain(x).requires_grad and not plain._original_calls
 
 
 def test_a_parameter_returned_under_no_grad_is_no_recording():
@@ -330,7 +330,7 @@ def test_a_parameter_returned_under_no_grad_is_no_recording():
         opt = fxfuse.optimize(model, x)
         with torch.no_grad():
             y, q = opt(x)
-    assert not opt.original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert not opt._original_calls and fxfuse.stats(opt)["fused_kernels"] >= 1
 
 
 def test_a_grad_mode_call_that_builds_looks_at_the_new_build():
@@ -349,7 +349,7 @@ def test_a_grad_mode_call_that_builds_looks_at_the_new_build():
     model = Detaching().eval()
     x = torch.randn(4, 8)
     opt = fxfuse.optimize(model, (x, True))
-    assert not opt(x, True).requires_grad and not opt.original_calls
+    assert not opt(x, True).requires_grad and not opt._original_calls
     with pytest.warns(fxfuse.FxfuseWarning, match="would record autograd"):
         got = opt(x, False)
-    assert got.requires_grad and opt.original_calls["grad"] == 1
+    assert got.requires_grad and opt._original_calls["grad"] == 1

@@ -48,11 +48,11 @@ def test_editing_the_model_after_optimize_rebuilds(edit):
     x = torch.randn(4, 8)
     with torch.no_grad():
         opt(x)
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         EDITS[edit](model)
         torch.testing.assert_close(opt(x), model(x))
-    assert next(iter(opt.specializations.values())) is not built and fxfuse.stats(opt)["fused_kernels"] >= 1
-    assert not opt.original_calls
+    assert next(iter(opt._specializations.values())) is not built and fxfuse.stats(opt)["fused_kernels"] >= 1
+    assert not opt._original_calls
 
 
 def test_modules_built_elsewhere_do_not_rebuild():
@@ -62,13 +62,13 @@ def test_modules_built_elsewhere_do_not_rebuild():
     opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
     x = torch.randn(4, 8)
     with torch.no_grad():
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         other = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
         other.extra = nn.Linear(2, 2)
         torch.testing.assert_close(opt(x), model(x))
         model.k = 3.0            # an equal value: nothing to rebuild
         torch.testing.assert_close(opt(x), model(x))
-    assert next(iter(opt.specializations.values())) is built
+    assert next(iter(opt._specializations.values())) is built
 
 
 def _chain():
@@ -101,11 +101,11 @@ def test_weights_read_live_are_not_watched():
     x = torch.randn(40, 16)
     opt = fxfuse.optimize(model, x, strict=True)
     with torch.no_grad():
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         assert not built.gm.meta["fxfuse_copied"]
         model[0].weight.mul_(2.0)
         torch.testing.assert_close(opt(x), model(x))
-    assert next(iter(opt.specializations.values())) is built
+    assert next(iter(opt._specializations.values())) is built
 
 
 
@@ -138,11 +138,11 @@ def test_a_changed_tf32_setting_rebuilds():
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
         opt = fxfuse.optimize(model, x, strict=True, gemm="force")
-        built = next(iter(opt.specializations.values()))
+        built = next(iter(opt._specializations.values()))
         torch.backends.cuda.matmul.allow_tf32 = False
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
-        assert next(iter(opt.specializations.values())) is not built
+        assert next(iter(opt._specializations.values())) is not built
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
@@ -173,18 +173,18 @@ def test_attributes_forward_never_reads_do_not_rebuild():
     (about a build per call); the trace now records what forward() reads."""
     model = Bookkeeping().eval()
     opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
-    built = next(iter(opt.specializations.values()))
+    built = next(iter(opt._specializations.values()))
     x = torch.randn(4, 8)
     with torch.no_grad():
         for i in range(4):
             model.calls, model.last_loss, model.new_attribute = i, torch.tensor(float(i)), i
             torch.testing.assert_close(opt(x), model(x))
-        assert next(iter(opt.specializations.values())) is built
+        assert next(iter(opt._specializations.values())) is built
         for name, value in (("scale", 3.0), ("_shift", -1.0)):   # read through a helper and a property
             setattr(model, name, value)
             torch.testing.assert_close(opt(x), model(x))
-            assert next(iter(opt.specializations.values())) is not built
-            built = next(iter(opt.specializations.values()))
+            assert next(iter(opt._specializations.values())) is not built
+            built = next(iter(opt._specializations.values()))
 
 
 class ReadsItsDict(nn.Module):
@@ -282,13 +282,13 @@ def test_an_inner_optimized_module_building_new_shapes_does_not_rebuild_the_oute
     inner = fxfuse.optimize(_chain(), torch.randn(4, 16), strict=True)
     outer_model = nn.Sequential(inner, nn.Linear(16, 16), nn.ReLU()).eval()
     outer = fxfuse.optimize(outer_model, torch.randn(4, 16), strict=True)
-    built = next(iter(outer.specializations.values()))
+    built = next(iter(outer._specializations.values()))
     with torch.no_grad():
         for rows in (3, 5, 7):
             inner(torch.randn(rows, 16))        # the inner one builds and counts on its own
             x = torch.randn(4, 16)
             torch.testing.assert_close(outer(x), outer_model(x))
-    assert next(iter(outer.specializations.values())) is built
+    assert next(iter(outer._specializations.values())) is built
 
 
 
@@ -415,13 +415,13 @@ def test_a_profiler_around_optimize_keeps_the_recording_precise():
         opt = fxfuse.optimize(model, torch.randn(4, 8), strict=True)
     finally:
         profiler.disable()
-    built = next(iter(opt.specializations.values()))
+    built = next(iter(opt._specializations.values()))
     x = torch.randn(4, 8)
     with torch.no_grad():
         for i in range(3):
             model.calls = i
             torch.testing.assert_close(opt(x), model(x))
-    assert next(iter(opt.specializations.values())) is built
+    assert next(iter(opt._specializations.values())) is built
 
 
 def test_a_cached_property_that_draws_anew_is_not_a_memo():

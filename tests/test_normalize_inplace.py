@@ -183,7 +183,7 @@ def test_export_path_inplace_after_a_bias_free_linear_is_canonical():
     opt = fxfuse.optimize(model, x, strict=True, fused_mlp="force")
     assert_matches_eager(opt, model, x)
     from fxfuse.mlp_kernel import FusedMLP
-    (gm,) = [spec.gm for spec in opt.specializations.values()]
+    (gm,) = [spec.gm for spec in opt._specializations.values()]
     fused = [m for m in gm.modules() if isinstance(m, FusedMLP)]
     assert len(fused) == 1 and len(fused[0].spec.linears) == 2        # both Linears and the relu, one launch
 

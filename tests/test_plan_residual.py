@@ -50,7 +50,7 @@ class ResMLP(nn.Module):
 
 def _build(model, x, **options):
     opt = fxfuse.optimize(model, x, calibration=H100, strict=True, **options)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     plans = spec.gm.meta.get("fxfuse_plans", [])
     mlps = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
     return opt, plans, mlps
@@ -145,7 +145,7 @@ def test_gpu_residual_chain_under_auto(rows, width):
         torch.manual_seed(0)
         model = ResMLP(width, 8).cuda().eval()
         opt = fxfuse.optimize(model, torch.randn(rows, width, device="cuda"), strict=True)
-        spec = next(iter(opt.specializations.values()))
+        spec = next(iter(opt._specializations.values()))
         plans = spec.gm.meta.get("fxfuse_plans", [])
         mlps = [m for m in spec.gm.modules() if isinstance(m, FusedMLP)]
         assert len({p["chain"] for p in plans}) == 1
@@ -240,7 +240,7 @@ def test_plan_counts_the_skips_the_gemm_reads_and_prices_the_rest_as_a_kernel():
     args = tuple(torch.randn(rows, width) for _ in range(4))
     opt = fxfuse.optimize(ThreeSkips(width).eval(), args, calibration=H100, fused_mlp="off", verify=False,
                           strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     (plan,) = gm.meta["fxfuse_plans"]
     assert (plan["layer"].epilogue_reads, plan["layer"].epilogue_reads_outside) == (3, 1)
     (g,) = [m for m in gm.modules() if type(m).__name__ == "EpilogueGemm"]
@@ -293,7 +293,7 @@ def test_gpu_skip_in_the_gemm_epilogue(rows):
         torch.manual_seed(0)
         model = nn.Sequential(PreNormBlock(96, 160), PreNormBlock(96, 160)).cuda().eval()
         opt = fxfuse.optimize(model, torch.randn(2, rows, 96, device="cuda"), strict=True, gemm="force", fused_mlp="off")
-        spec = next(iter(opt.specializations.values()))
+        spec = next(iter(opt._specializations.values()))
         gemms = [m for m in spec.gm.modules() if isinstance(m, EpilogueGemm)]
         assert spec.graph is not None and len(gemms) == 4
         assert sum(("skip", 0) in s.operands for g in gemms for s in g.spec.epilogue) == 2

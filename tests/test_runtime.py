@@ -76,7 +76,7 @@ def test_scalar_argument_is_specialized_and_guarded():
 def test_cuda_graphs_option_on_cpu_is_harmless():
     model = Residual().eval()
     opt = fxfuse.optimize(model, torch.randn(2, 13), cuda_graphs=False, strict=True)
-    assert "off" in next(iter(opt.specializations.values())).cuda_graph_note
+    assert "off" in next(iter(opt._specializations.values())).cuda_graph_note
     with torch.no_grad():
         x = torch.randn(2, 13)
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
@@ -93,7 +93,7 @@ def test_bias_moved_into_library_gemm_when_measured_faster(monkeypatch):
     monkeypatch.setattr(pass_module, "bias_in_library_gemm", lambda *a: (True, "bias in the library GEMM: test"))
     model = nn.Sequential(nn.Linear(11, 7), nn.ReLU(), nn.Linear(7, 5), nn.Tanh()).eval()
     opt = fxfuse.optimize(model, torch.randn(3, 11), strict=True, fused_mlp="off")  # narrow: would be one kernel
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     linears = [n for n in gm.graph.nodes if n.target is F.linear]
     assert len(linears) == 2 and all(len(n.args) == 3 for n in linears)
     assert fxfuse.stats(opt)["fused_kernels"] == 2      # relu, tanh alone
@@ -123,7 +123,7 @@ def test_relu_moved_into_library_gemm_when_measured_faster(monkeypatch):
 
     model = Net().eval()
     opt = fxfuse.optimize(model, torch.randn(2, 3, 11), strict=True, fused_mlp="off", gemm="off")
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert [n.target for n in gm.graph.nodes].count(pass_module.linear_relu) == 2
     assert fxfuse.stats(opt)["fused_kernels"] == 1      # c's bias, ReLU and the multiply
     assert fxfuse.stats(opt)["library_epilogues"] == 2
@@ -286,9 +286,9 @@ def test_load_state_dict_drops_specializations_and_rebuilds():
     with torch.no_grad():
         opt(torch.randn(2, 6))                      # a second specialization, dropped too
     model.load_state_dict(_bn_mlp().state_dict())
-    assert not opt.specializations and [n for n, _ in opt.named_children()] == ["original"]
+    assert not opt._specializations and [n for n, _ in opt.named_children()] == ["original"]
     assert_matches_eager(opt, model, x)
-    assert fxfuse.stats(opt)["specializations"] == 1 and not opt.misses
+    assert fxfuse.stats(opt)["specializations"] == 1 and not opt._misses
     assert_fast_path(opt)
     other = fxfuse.optimize(_bn_mlp(), x, strict=True)
     assert list(other.state_dict()) == list(other.original.state_dict())   # derived tensors are not state
@@ -307,7 +307,7 @@ def test_load_state_dict_hook_keeps_model_picklable_and_opt_collectable():
     torch.save(model, io.BytesIO())
     clone = copy.deepcopy(model)
     clone.load_state_dict(_bn_mlp().state_dict())   # a copy's load leaves opt alone
-    assert len(opt.specializations) == 1
+    assert len(opt._specializations) == 1
     ref = weakref.ref(opt)
     del opt
     gc.collect()

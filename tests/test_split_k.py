@@ -19,7 +19,7 @@ from fxfuse.library_choice import split_k_library_gemm, split_k_mm, split_k_slic
 
 
 def _split_calls(opt):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return [n for n in gm.graph.nodes if n.target is pass_module.split_k_partials]
 
 
@@ -51,7 +51,7 @@ def test_forced_split_k_matches_eager_and_fuses_the_sum(monkeypatch, shape):
     assert len(calls) == 2 and all(c.args[2] == 4 for c in calls)
     s = fxfuse.stats(opt)
     assert s["fused_kernels"] == 2 and s["library_calls"] == 2     # one split GEMM + one epilogue kernel a layer
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     kernels = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert [sum(_is_partial(a) for a in k.args) for k in kernels] == [4, 4]   # each kernel sums 4 partials
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_forced_split_k_on_gpu_captured_and_safe(monkeypatch):
     model = seed_network(512, 3).cuda()
     x1, x2 = torch.randn(96, 512, device="cuda"), torch.randn(96, 512, device="cuda")
     opt = fxfuse.optimize(model, x1, strict=True, fused_mlp="off", gemm="off", strassen="off")
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert len(_split_calls(opt)) == 3 and spec.cuda_graph_note.startswith("captured")
     with torch.no_grad():
         out1 = opt(x1)
@@ -144,7 +144,7 @@ def test_forced_split_k_leaves_a_bias_free_linear_alone(monkeypatch):
     opt = fxfuse.optimize(model, torch.randn(6, 16), strict=True, fused_mlp="off", gemm="off")
     calls = _split_calls(opt)
     assert len(calls) == 1 and calls[0].args[1].target == "w"
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert [n.target for n in gm.graph.nodes].count(F.linear) == 1     # the bias-free one, unsplit
     with torch.no_grad():
         fresh = torch.randn(6, 16)

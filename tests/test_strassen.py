@@ -75,7 +75,7 @@ def _optimize(model, x, levels=1, **options):
 
 
 def _graph(opt):
-    return next(iter(opt.specializations.values())).gm
+    return next(iter(opt._specializations.values())).gm
 
 
 def _strassen_kernels(opt):

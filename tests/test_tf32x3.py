@@ -92,11 +92,11 @@ def test_cost_model_prices_gemm_x3_from_its_own_table():
 
 
 def _plans(opt):
-    return next(iter(opt.specializations.values())).gm.meta["fxfuse_plans"]
+    return next(iter(opt._specializations.values())).gm.meta["fxfuse_plans"]
 
 
 def _gemms(opt):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return [m for m in gm.modules() if isinstance(m, EpilogueGemm)]
 
 
@@ -201,7 +201,7 @@ def test_row_wise_batches_keep_the_ieee_gemv(tmp_path):
 # ---------------------------------------------------------------------------- Strassen's products
 
 def _targets(opt):
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
@@ -295,7 +295,7 @@ def test_strassen_stores_its_tf32x3_operand_k_major():
     from fxfuse.tf32x3 import bmm_tf32x3
     model, x = seed(h=44, layers=1), torch.randn(19, 44)
     opt = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off")
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     (call,) = [n for n in gm.graph.nodes if n.target is bmm_tf32x3]
     hi, lo = (getattr(gm, a.target) for a in call.args[1:])
     assert hi.stride(1) == 1 and hi.stride(2) == hi.shape[1] and lo.stride() == hi.stride()
@@ -478,7 +478,7 @@ def test_strassen_without_kernels_keeps_torch_bmm_and_counts_both_parts():
     off = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off", use_kernels=False)
     assert torch.bmm in _targets(off) and bmm_tf32x3 not in _targets(off)
     on = fxfuse.optimize(model, x, strassen="force", tf32x3="force", fused_mlp="off", gemm="off")
-    gm_on, gm_off = (next(iter(o.specializations.values())).gm for o in (on, off))
+    gm_on, gm_off = (next(iter(o._specializations.values())).gm for o in (on, off))
     rec = lambda gm: next(n.meta["fxfuse"] for n in gm.graph.nodes if n.meta.get("fxfuse", {}).get("extra_weight_bytes"))  # noqa: E731
     assert rec(gm_on)["extra_weight_bytes"] == 2 * rec(gm_off)["extra_weight_bytes"]
 

@@ -41,14 +41,14 @@ class Fn(nn.Module):
 
 
 def _graph(opt):
-    return next(iter(opt.specializations.values())).gm
+    return next(iter(opt._specializations.values())).gm
 
 
 def rewrites(opt, kind) -> int:
     if kind == "strassen":
         return sum(n.op == "call_function" and n.target is torch.bmm for n in _graph(opt).graph.nodes)
     return sum(isinstance(m, EpilogueGemm if kind == "gemm" else FusedMLP)
-               for spec in opt.specializations.values() for m in spec.gm.modules())
+               for spec in opt._specializations.values() for m in spec.gm.modules())
 
 
 def _fresh(t):
@@ -153,7 +153,7 @@ def test_fp16_and_new_batches(kind):
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).half()
     calls = [(torch.randn(3, 6).half(),), (torch.randn(5, 6).half(),), (torch.randn(1, 6).half(),)]
     opt = check(model, calls[0][0], kind, tol=2e-2, calls=calls)
-    assert len(opt.specializations) == 3
+    assert len(opt._specializations) == 3
 
 
 def test_split_k_gemm_with_odd_k_and_new_batch():

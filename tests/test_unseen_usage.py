@@ -164,7 +164,7 @@ def test_cancellation_is_judged_against_float64():
 
 
 def test_guard_misses_stay_bounded_and_explain_counts_fallbacks():
-    """With max_specializations reached, opt.misses grew by one entry per call (5000 calls:
+    """With max_specializations reached, opt._misses grew by one entry per call (5000 calls:
     5000 entries), and explain() did not say that calls ran the original module."""
     model = seed()
     opt = fxfuse.optimize(model, torch.randn(5, 13), max_specializations=1)
@@ -173,7 +173,7 @@ def test_guard_misses_stay_bounded_and_explain_counts_fallbacks():
         warnings.simplefilter("always")
         for _ in range(100):
             torch.testing.assert_close(opt(x), model(x))
-    assert len(caught) == 1 and len(opt.misses) <= 32 and opt.miss_count == 100
+    assert len(caught) == 1 and len(opt._misses) <= 32 and opt._miss_count == 100
     report = fxfuse.explain(opt)
     assert "guard misses: 100" in report and "calls that ran the original module: 100 (max_specializations reached: 100)" in report
 
@@ -197,7 +197,7 @@ def test_conversion_drops_the_specializations():
     model = seed()
     opt = fxfuse.optimize(model, torch.randn(5, 13))
     opt.double()
-    assert opt.specializations == {} and next(model.parameters()).dtype == torch.float64
+    assert opt._specializations == {} and next(model.parameters()).dtype == torch.float64
     x = torch.randn(5, 13, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
@@ -243,7 +243,7 @@ def test_failed_build_is_not_retried_per_call(monkeypatch):
         warnings.simplefilter("always")
         for _ in range(3):
             torch.testing.assert_close(opt(x), model(x))
-    assert len(builds) == 1 and len(caught) == 1 and opt.original_calls["build"] == 3
+    assert len(builds) == 1 and len(caught) == 1 and opt._original_calls["build"] == 3
 
 
 def test_calibration_problem_warns_once_per_process(tmp_path):
@@ -339,7 +339,7 @@ def test_var_keywords_and_negative_zero_keywords_run_the_original():
         torch.testing.assert_close(opt(x, double=True), model(x, double=True))
         torch.testing.assert_close(opt(x, eps=-0.0), model(x, eps=-0.0))
         torch.testing.assert_close(opt(x, eps=0.0), model(x, eps=0.0), rtol=1e-5, atol=1e-5)
-    assert opt.original_calls["kwargs"] == 2
+    assert opt._original_calls["kwargs"] == 2
 
 
 def test_failed_build_is_forgotten_when_the_state_changes_and_noop_conversions_keep_the_graphs():

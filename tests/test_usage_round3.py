@@ -83,13 +83,13 @@ def test_an_unrelated_optimizer_step_keeps_the_build():
     model = mlp()
     x = torch.randn(5, 13)
     opt = fxfuse.optimize(model, x, strict=True)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     other = nn.Linear(3, 3)
     other(torch.randn(2, 3)).sum().backward()
     torch.optim.SGD(other.parameters(), lr=0.1).step()
     with torch.no_grad():
         opt(x)
-    assert next(iter(opt.specializations.values())) is spec
+    assert next(iter(opt._specializations.values())) is spec
 
 
 def test_reloading_the_state_rebuilds_after_a_manual_edit():
@@ -167,7 +167,7 @@ def test_an_input_the_model_rejects_gets_the_models_error_and_does_not_poison_it
         warnings.simplefilter("error")
         good = torch.tensor([[1, 2, 9]])
         torch.testing.assert_close(opt(good), model(good))
-    assert fxfuse.stats(opt)["specializations"] == 2 and not opt.original_calls
+    assert fxfuse.stats(opt)["specializations"] == 2 and not opt._original_calls
 
 
 def test_errors_inside_a_built_graph_print_nothing(capsys):
@@ -240,7 +240,7 @@ def test_value_dependent_shapes_without_size_reads_are_optimized_and_stay_unfuse
     model = MaskedMean().eval()
     mask = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
     opt = fxfuse.optimize(model, (torch.randn(6, 4), mask), strict=True)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert fxfuse.stats(opt)["fused_kernels"] >= 1                     # bias + relu, before the mask
     assert all(n.meta.get("fxfuse", {}).get("kept") == "shape depends on the input's values"
                for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.mul)

@@ -113,7 +113,7 @@ def test_forward_branching_on_inference_mode_runs_the_original_in_the_other_mode
         torch.testing.assert_close(got, want)
         assert [("is_inference_mode_enabled" in str(w.message)) for w in caught] == \
             ([True] if mode != built_in_inference_mode else [])
-    assert opt.original_calls["inference"] == 1
+    assert opt._original_calls["inference"] == 1
 
 
 class ReturnsSize(nn.Module):

@@ -166,7 +166,7 @@ def test_layers_called_with_input_keyword_are_folded_and_fused():
         model.bn.running_mean.uniform_(-1, 1)
         model.bn.running_var.uniform_(0.5, 2)
     opt = fxfuse.optimize(model, torch.randn(2, 3, 6, 6), strict=True, gemm="force")
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert not any(isinstance(m, nn.BatchNorm2d) for m in gm.modules())   # folded into the conv
     assert fxfuse.stats(opt)["library_calls"] <= 3    # conv, mean and nothing for the Linears
     x = torch.randn(3, 3, 6, 6)
@@ -199,7 +199,7 @@ def test_optimizing_a_model_around_an_optimized_one_leaves_the_inner_quiet():
     inner = fxfuse.optimize(inner_model, x, strict=True)
     outer_model = nn.Sequential(inner, nn.Linear(16, 16), nn.ReLU()).eval()
     outer, messages = optimize_warned(outer_model, x)
-    assert isinstance(outer, OptimizedModule) and not messages and not inner.original_calls
+    assert isinstance(outer, OptimizedModule) and not messages and not inner._original_calls
     with torch.no_grad():
         torch.testing.assert_close(outer(x), outer_model(x))
 

@@ -52,7 +52,7 @@ def test_a_dual_input_keeps_its_tangent():
     assert torch.allclose(got.primal, expected.primal)
     assert len(messages) == 1 and "forward-mode AD" in messages[0]
     with torch.no_grad():     # outside the dual level the graphs run again
-        assert torch.allclose(opt(x), model(x), atol=1e-6) and opt.original_calls["transform"] == 1
+        assert torch.allclose(opt(x), model(x), atol=1e-6) and opt._original_calls["transform"] == 1
 
 
 @pytest.mark.parametrize("transform", ["vmap", "jvp", "jacfwd"])
@@ -67,7 +67,7 @@ def test_torch_func_transforms_run_the_original(transform):
         got, messages = recorded(lambda: run(opt))
         assert torch.allclose(got, run(model), atol=1e-6)
         assert len(messages) == 1 and "torch.func transform" in messages[0]
-        assert opt.misses == []     # a per-sample shape is no new specialization
+        assert opt._misses == []     # a per-sample shape is no new specialization
         assert torch.allclose(opt(x), model(x), atol=1e-6)
 
 
@@ -87,7 +87,7 @@ def test_torch_compile_and_export_of_opt_or_of_a_model_holding_it_trace_the_orig
         for strict in (False, True):
             exported = torch.export.export(opt, (x,), strict=strict).module()
             assert torch.allclose(exported(x), model(x), atol=1e-6)
-        assert torch.allclose(opt(x), model(x), atol=1e-6) and sum(opt.original_calls.values()) == 0
+        assert torch.allclose(opt(x), model(x), atol=1e-6) and sum(opt._original_calls.values()) == 0
 
 
 def test_every_way_into_opt_under_compile_or_export_keeps_eager_semantics():

@@ -76,7 +76,7 @@ def test_residual_augmented_assignment_still_fuses():
     with torch.no_grad():
         x = torch.randn(5, 8)
         torch.testing.assert_close(opt(x), model(x))
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     fused = [m for m in spec.gm.modules() if type(m).__name__ == "FusedKernel"]
     assert len(fused) == 1 and len(fused[0].members) == 4   # bias add, += x, *= 0.5, relu
 
@@ -110,7 +110,7 @@ def test_writes_the_example_does_not_show_are_kept(model_class):
         x = torch.randn(4, 8) * 5
         x[:, 0] = 2.0
         torch.testing.assert_close(opt(x.clone()), model(x.clone()))
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     if model_class is not WriteIntoDataDependentAlias:   # x[x > 0] is a gather, new memory (stop 35): its
         assert any(n.startswith("iadd") for n in spec.gm.meta["fxfuse_inplace_kept"])   # write may be functional
 
@@ -178,7 +178,7 @@ def test_power_and_matmul_augmented_assignments_fuse():
         x = torch.randn(6, 4)
         for got, want in zip(opt(x), model(x)):
             torch.testing.assert_close(got, want)
-    spec = next(iter(opt.specializations.values()))
+    spec = next(iter(opt._specializations.values()))
     assert spec.gm.meta["fxfuse_inplace_kept"] == []
     assert any("linear" in str(n.target) for n in spec.gm.graph.nodes)
 

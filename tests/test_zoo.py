@@ -310,7 +310,7 @@ def test_size_arithmetic():
     opt = optimize(model, x)
     assert_matches_eager(opt, model, x)
     assert_fast_path(opt)
-    gm = next(iter(opt.specializations.values())).gm
+    gm = next(iter(opt._specializations.values())).gm
     assert not any(n.op == "call_method" and n.target == "size" for n in gm.graph.nodes)
 
 

@@ -1,0 +1,64 @@
+"""Stop 44: the wrapper's bookkeeping no longer shares names with the model's attributes
+(review44g), and other state-related findings of this stop's helpers."""
+import torch
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+
+class NamedLikeTheWrapper(nn.Module):
+    """A model whose own attributes carry the names fxfuse's wrapper used for its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.miss_count, self.dropped, self.options = 3, 0.25, {"scale": 2.0}
+        self.specializations, self.misses, self.last_miss, self.original_calls = ["cpu"], 1, "x", 0
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.lin(x))) * self.options["scale"] * (1 - self.dropped) + self.miss_count
+
+
+class Parent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = NamedLikeTheWrapper()
+
+    def forward(self, x):
+        return self.block(x) + self.block.miss_count + len(self.block.specializations)
+
+
+def test_the_models_attributes_named_like_fxfuse_state_stay_the_models():
+    """fxfuse's counters were written into the model (`miss_count` 3 -> 1 after one new shape, a tuple
+    into `dropped` on load_state_dict: the eager model then raised), and a model's `specializations`
+    kept fxfuse from dropping a stale build (2.6 off after load_state_dict)."""
+    model = NamedLikeTheWrapper().eval()
+    before = {k: getattr(model, k) for k in ("miss_count", "dropped", "options", "specializations", "misses",
+                                             "last_miss", "original_calls")}
+    opt = optimize_strict(model, torch.randn(4, 8))
+    assert_matches_eager(opt, model, torch.randn(5, 8))   # a guard miss: a second specialization
+    state = {k: (torch.randn_like(v) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    state["bn.running_var"] = state["bn.running_var"].abs() + 0.5
+    opt.load_state_dict(state)
+    with torch.no_grad():
+        model.bn.running_mean.add_(1.0)
+    assert_matches_eager(opt, model, torch.randn(4, 8))
+    assert {k: getattr(model, k) for k in before} == before
+    assert fxfuse.stats(opt)["optimized"] and fxfuse.stats(opt)["fused_kernels"] >= 1
+
+
+def test_a_parent_reads_its_swapped_childs_own_attributes():
+    model = Parent().eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = model(x)
+    model.block = optimize_strict(model.block, x)
+    assert model.block.miss_count == 3 and model.block.options == {"scale": 2.0}
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want)
+    model.block.options = {"scale": 3.0}   # the model's, which the graph follows (a rebuild)
+    assert model.block.original.options == {"scale": 3.0}
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.block.original(x) + 3 + 1)
