@@ -123,3 +123,76 @@ def test_unsafe_chunk_and_split_read_as_chunk_and_split(how):
     opt = optimize_strict(model, torch.randn(5, 8))
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert_matches_eager(opt, model, torch.randn(5, 8))
+
+
+class HalfTimesOneElement(nn.Module):
+    """An fp16 tensor times / divided by a one-element tensor of another dtype (the result stays fp16)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("s", torch.tensor(1e-8))
+
+    def forward(self, x, t):
+        h = torch.sigmoid(x) * 100
+        if self.how == "buffer":
+            return h * self.s + 1
+        if self.how == "argument":
+            return (h * t).relu()
+        if self.how == "divide":
+            return (h / torch.tensor(70000.0)) - 0.5
+        return (h * torch.tensor(70000)).relu()   # an int64 one
+
+
+@pytest.mark.parametrize("how", ["buffer", "argument", "divide", "int64"])
+def test_an_fp16_tensor_times_a_one_element_tensor_reads_it_as_cpu_eager(how):
+    """CPU eager's mul and div read the second operand's one element in fp32 (original_scalar_value);
+    the kernel rounded it to fp16 first: 1e-8 became 0, 70000 inf, 0.1 one ulp off (fuzz44b)."""
+    model = HalfTimesOneElement(how).eval()
+    x = torch.randn(6, 16, dtype=torch.float16)
+    opt = optimize_strict(model, x, torch.tensor(70000.0))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    for t in (torch.tensor(70000.0), torch.tensor(0.1), torch.tensor(1e-8)):
+        with torch.no_grad():
+            xi = torch.randn_like(x)
+            assert torch.equal(opt(xi, t), model(xi, t))
+
+
+class SpellingPair(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.register_buffer("scale", torch.tensor(0.125, dtype=torch.float64))
+
+    def forward(self, x, y):
+        return self.fn(self, torch.sigmoid(x - 0.5)) * y
+
+
+SPELLINGS_FUSED_NOW = {   # each used to split the kernel around a library call (fuzz44b, fuzz44d)
+    "h.bool()": lambda m, h: h.bool().float(),
+    "h.to(torch.bool)": lambda m, h: (h - 0.5).to(torch.bool).float(),
+    "0-dim fp64 scale": lambda m, h: h * m.scale + 1,
+    "0-dim fp64 compare": lambda m, h: (h > m.scale).float(),
+    "rad2deg": lambda m, h: torch.rad2deg(h) + 1,
+    "deg2rad_": lambda m, h: h.deg2rad_() + 1,
+    "special.round(decimals=0)": lambda m, h: torch.special.round(h * 3, decimals=0),
+    "aten.special_round": lambda m, h: torch.ops.aten.special_round(h * 3, decimals=0),
+}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS_FUSED_NOW))
+def test_spellings_that_split_the_kernel_join_it(name):
+    model = SpellingPair(SPELLINGS_FUSED_NOW[name]).eval()
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    opt = optimize_strict(model, x, y)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, model, x, y)
+
+
+def test_a_bool_cast_returned_by_the_kernel_keeps_nan_true():
+    model = SpellingPair(lambda m, h: torch.log(h - 0.5).bool()).eval()   # log of a negative: NaN, which is true
+    opt = optimize_strict(model, torch.randn(5, 7), torch.ones(5, 7, dtype=torch.bool))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x = torch.randn(5, 7)
+    with torch.no_grad():
+        assert torch.equal(opt(x, torch.ones(5, 7, dtype=torch.bool)), model(x, torch.ones(5, 7, dtype=torch.bool)))
