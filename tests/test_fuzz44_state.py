@@ -1,6 +1,10 @@
 """Stop 44: the wrapper's bookkeeping no longer shares names with the model's attributes
 (review44g), and other state-related findings of this stop's helpers."""
+import functools
+
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxfuse
@@ -62,3 +66,23 @@ def test_a_parent_reads_its_swapped_childs_own_attributes():
     assert model.block.original.options == {"scale": 3.0}
     with torch.no_grad():
         torch.testing.assert_close(model(x), model.block.original(x) + 3 + 1)
+
+
+class PartialActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(8, 8), functools.partial(F.gelu, approximate="tanh")
+
+    def forward(self, x):
+        return self.act(self.lin(x)) * 3.0
+
+
+@pytest.mark.parametrize("replacement", [functools.partial(F.gelu, approximate="none"), functools.partial(F.silu),
+                                         functools.partial(torch.mul, other=2.0)])
+def test_a_partial_replaced_by_another_rebuilds(replacement):
+    """same_attr compared two partials by their (empty) __dict__: the graph kept the old one (fuzz44d)."""
+    model = PartialActivation().eval()
+    opt = optimize_strict(model, torch.randn(4, 8))
+    assert_matches_eager(opt, model, torch.randn(4, 8))
+    model.act = replacement
+    assert_matches_eager(opt, model, torch.randn(4, 8))
