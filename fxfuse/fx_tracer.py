@@ -151,6 +151,29 @@ def _sizes_packed():
             setattr(torch, name, factory)
 
 
+@contextlib.contextmanager
+def _sizes_stay_sizes():
+    """torch.fx passes concrete_args through torch's pytree, which rebuilds a torch.Size as a tuple:
+    forward() got `size=(2, 4)` for torch.Size([2, 4]), so `isinstance(size, torch.Size)` took the
+    other branch and `size.numel()` failed (fuzz44c). During the trace a Size of numbers comes back
+    a Size (the registry is process-wide; builds run one at a time and a Size is the truer answer)."""
+    import torch.utils._pytree as pytree
+    node = pytree.SUPPORTED_NODES.get(torch.Size)
+    if node is None or getattr(node.unflatten_fn, "fxfuse_keeps_sizes", False):
+        yield
+        return
+
+    def unflatten(values, context):
+        values = list(values)
+        return torch.Size(values) if all(type(v) is int for v in values) else node.unflatten_fn(values, context)
+    unflatten.fxfuse_keeps_sizes = True
+    pytree.SUPPORTED_NODES[torch.Size] = node._replace(unflatten_fn=unflatten)
+    try:
+        yield
+    finally:
+        pytree.SUPPORTED_NODES[torch.Size] = node
+
+
 class _AutocastWatchingTracer(torch.fx.Tracer):
     """torch.fx.symbolic_trace's tracer, noting a node recorded while torch.autocast is on:
     the context manager runs at trace time and leaves no trace in the graph. Autocast state is
@@ -164,7 +187,7 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         self.refusals = []   # (error, where): each place the trace could not follow a value (a branch on it)
 
     def trace(self, root, concrete_args=None):
-        with _sizes_packed():
+        with _sizes_packed(), _sizes_stay_sizes():
             return super().trace(root, concrete_args)
 
     def to_bool(self, obj):

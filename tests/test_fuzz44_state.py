@@ -86,3 +86,22 @@ def test_a_partial_replaced_by_another_rebuilds(replacement):
     assert_matches_eager(opt, model, torch.randn(4, 8))
     model.act = replacement
     assert_matches_eager(opt, model, torch.randn(4, 8))
+
+
+class SizeArgument(nn.Module):
+    def forward(self, x, size=torch.Size([2, 4])):
+        if isinstance(size, torch.Size):
+            return x.reshape(size) * size.numel() + 1
+        return x
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_torch_size_argument_reaches_forward_as_a_size(verify):
+    """torch.fx's pytree rebuilt a Size among concrete_args as a tuple: the trace took the tuple's
+    branch (a silent wrong answer with verify=False) and `size.numel()` failed (fuzz44c)."""
+    model = SizeArgument().eval()
+    opt = optimize_strict(model, (torch.randn(8), torch.Size([2, 4])), verify=verify)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(8), torch.Size([2, 4]))
+    assert_matches_eager(opt, model, torch.randn(8))            # the default, another specialization
+    assert_matches_eager(opt, model, torch.randn(8), torch.Size([4, 2]))

@@ -34,3 +34,19 @@ def test_numbers_beside_fp16_with_alpha_and_in_place_rrelu_on_the_gpu():
             x = torch.randn(37, 129, device="cuda", dtype=dtype)
             with torch.no_grad():
                 torch.testing.assert_close(opt(x), model(x), rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-5)
+
+
+def test_an_fp16_add_with_alpha_does_not_overflow_where_cuda_does_not():
+    """x + 1000 * y with y * 1000 past fp16's range: CUDA computes it in fp32 and rounds once."""
+    class AddAlpha(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.add(x, y, alpha=1000).relu() + torch.sub(x, y, alpha=3)
+
+    model = AddAlpha().eval().cuda()
+    x, y = torch.rand(2, 4, device="cuda").half(), torch.rand(2, 4, device="cuda").half()
+    opt = fxfuse.optimize(model, (x, y), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    x[0, 0], y[0, 0] = -60000.0, 100.0
+    with torch.no_grad():
+        want = model(x, y)
+        assert torch.isfinite(want).all() and torch.equal(opt(x, y), want)
