@@ -322,8 +322,19 @@ def _buffer_versions(model) -> list:
     return [version(b) for b in model.buffers()] if isinstance(model, torch.nn.Module) else []   # None: inference
 
 
+def _without_proxies(show):
+    """A warning forward() raises with a traced value in its text (`warnings.warn(f"... {x.shape}")`
+    gives "Proxy(getattr_1)") is the trace's artefact: dropped; the eager runs show the real one
+    (review44g: both were shown, and with verify=False only the Proxy one)."""
+    def shown(message, *args, **kwargs):
+        if "Proxy(" not in str(message):
+            show(message, *args, **kwargs)
+    return shown
+
+
 def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
-    """symbolic_trace, printing nothing: a print() in forward() would print its proxies
+    """symbolic_trace, printing nothing, to stdout, stderr or logs (review44g: stderr and logs were
+    not quieted): a print() in forward() would print its proxies
     ("Proxy(linear)"), a tracing artefact; and torch.fx's own warnings about the model's
     internals (a pruned Linear's get_attr of a recomputed weight) would come on top of the one
     warning fxfuse gives when it falls back. torch.fx hands forward() the real buffers, so a
@@ -332,8 +343,9 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     _check_traceable_forward(model)
     before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
         if isinstance(model, torch.nn.Module) else {}
-    with quiet_this_thread(stderr=False), warnings.catch_warnings():
+    with quiet_this_thread(logs=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
+        warnings.showwarning = _without_proxies(warnings.showwarning)
         tracer = _AutocastWatchingTracer()
         tracer.proxy_buffer_attributes = proxy_buffers
         swallowed = None

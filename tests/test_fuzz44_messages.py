@@ -1,0 +1,45 @@
+"""Stop 44: what a build shows of forward()'s own warnings, prints and logs (review44g)."""
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+LOG = logging.getLogger("fxfuse_test_fuzz44_messages")
+
+
+class Chatty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        warnings.warn(f"deprecated input layout {x.shape}")
+        h = self.lin(x)
+        print("h.shape", h.shape, file=sys.stderr)
+        LOG.warning("log: h.shape %s", h.shape)
+        return torch.relu(h)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_build_shows_no_traced_values(verify, capsys, caplog):
+    """symbolic_trace quieted stdout only: forward()'s stderr print and log record showed
+    "Proxy(getattr_1)", and its warning came twice from one line, once with the Proxy's text."""
+    model = Chatty().eval()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        opt = optimize_strict(model, torch.randn(4, 8), verify=verify)
+    texts = [str(w.message) for w in caught if "deprecated" in str(w.message)]
+    assert texts == (["deprecated input layout torch.Size([4, 8])"] if verify else [])
+    out = capsys.readouterr()
+    assert "Proxy" not in out.err + out.out and "Proxy" not in caplog.text
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_matches_eager(opt, model, torch.randn(4, 8))
