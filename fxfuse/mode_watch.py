@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from .code_walk import globals_read
+from .code_walk import globals_read, plain_functions, user_classes
 from .errors import FxfuseWarning
 from .module_state import WEAK_PROXIES, forward_globals, mode_free, plain_object, storage_address
 from .written_constants import held_tensors
@@ -318,14 +318,28 @@ def unregistered_parameters(model: torch.nn.Module) -> tuple:
     return tuple(found.values())
 
 
+def _closure_values(cls) -> list:
+    """(index, value) of the cells the methods of cls close over (a class made in a factory)."""
+    found = []
+    for klass in user_classes(cls):
+        for attr in list(vars(klass).values()):
+            for fn in plain_functions(attr):
+                for k, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+                    try:
+                        found.append((k, cell.cell_contents))
+                    except ValueError:   # an empty cell
+                        pass
+    return found
+
+
 def held_elsewhere(model: torch.nn.Module) -> tuple:
     """Tensors forward() may read besides its parameters, buffers and attributes: unregistered
     modules' parameters and module-level tensors. A trace folds what it computes from them into
     constants, so the aliasing guard names them all (review38c)."""
     global_tensors = {}
     for cls in {type(m) for m in model.modules()}:   # the names the model's own code loads: not every tensor
-        for _, value in globals_read(cls):            # of a script's globals (an example input: fuzz38j)
-            if isinstance(value, torch.Tensor):
+        for _, value in globals_read(cls) + _closure_values(cls):   # of a script's globals (an example input:
+            if isinstance(value, torch.Tensor):                     # fuzz38j); a closure's cells (fuzz44c)
                 global_tensors[id(value)] = value
     return unregistered_parameters(model) + tuple(global_tensors.values())
 

@@ -251,7 +251,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._attributes = plain_attributes(self.original, self._attribute_reads, frozenset(self._written_attributes))
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
-        spec.model_tensors += tuple(self._plain_tensors)   # returned as themselves, as eager does (fuzz38f)
+        spec.model_tensors += tuple(self._plain_tensors) + held_elsewhere(self.original)   # returned as themselves,
+        #   as eager does (fuzz38f; a module-level tensor or an unregistered module's weight: fuzz44c)
         own = storages((*self.original.parameters(), *self.original.buffers(), *self._plain_tensors))
         self._read_storages |= gm.meta.get("fxfuse_read_storages", frozenset())
         # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a

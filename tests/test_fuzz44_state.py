@@ -105,3 +105,35 @@ def test_a_torch_size_argument_reaches_forward_as_a_size(verify):
     assert_matches_eager(opt, model, torch.randn(8), torch.Size([2, 4]))
     assert_matches_eager(opt, model, torch.randn(8))            # the default, another specialization
     assert_matches_eager(opt, model, torch.randn(8), torch.Size([4, 2]))
+
+
+TABLE = torch.zeros(4)
+
+
+def _closed_over():
+    table = torch.zeros(4)
+
+    class ClosedOver(nn.Module):
+        def forward(self, x):
+            return x + table, table
+    return ClosedOver, table
+
+
+class ReadsAGlobal(nn.Module):
+    def forward(self, x):
+        return x + TABLE, TABLE
+
+
+def test_a_module_level_or_closed_over_tensor_is_returned_as_itself():
+    """Eager returns the tensor itself; the graph returned a fresh copy per call, so a caller's write
+    into it changed eager's next result but not opt's (fuzz44c)."""
+    closed, table = _closed_over()
+    for model, held in ((ReadsAGlobal().eval(), TABLE), (closed().eval(), table)):
+        opt = optimize_strict(model, torch.randn(4))
+        with torch.no_grad():
+            _, got = opt(torch.randn(4))
+            assert got is held
+            got.add_(1)                        # the caller's write reaches the next call, as in eager
+            x = torch.randn(4)
+            torch.testing.assert_close(opt(x)[0], x + 1)
+        held.zero_()
