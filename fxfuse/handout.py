@@ -122,13 +122,20 @@ def fresh_constants(out, storages: set, address):
     back unrelated and row-major)."""
     new, copies = {}, {}
 
+    def small_view(t) -> bool:
+        return t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 4096
+
+    whole = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(out, is_leaf=is_size)
+             if isinstance(t, torch.Tensor) and address(t) in storages and not small_view(t)}
+
     def copy(t):
         if address(t) not in storages:
             return t
         if id(t) not in new:
-            key, size = t.untyped_storage()._cdata, t.untyped_storage().nbytes()
-            if t.is_conj() or t.is_neg() or t.numel() == 0 or size > 2 * t.numel() * t.element_size() + 4096:
-                new[id(t)] = t.clone()   # a small view of a big constant: its own copy
+            key = t.untyped_storage()._cdata
+            if t.is_conj() or t.is_neg() or t.numel() == 0 or small_view(t) and key not in whole:
+                new[id(t)] = t.clone()   # a small view of a big constant: its own copy (unless the storage
+                #                          is copied for another output anyway: `c, c[:16]`, fuzz44c)
             else:
                 if key not in copies:
                     copies[key] = t.untyped_storage().clone()

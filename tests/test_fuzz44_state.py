@@ -137,3 +137,21 @@ def test_a_module_level_or_closed_over_tensor_is_returned_as_itself():
             x = torch.randn(4)
             torch.testing.assert_close(opt(x)[0], x + 1)
         held.zero_()
+
+
+class BigConstantAndAWindow(nn.Module):
+    def forward(self, x):
+        buf = torch.zeros(2048)
+        return x + 1, buf, buf[:16]
+
+
+def test_a_big_constant_returned_with_a_small_view_of_it_keeps_their_aliasing():
+    """A small view of a big constant got its own copy even where the whole constant was returned
+    beside it: `window` no longer saw writes into `buf` (fuzz44c; fine up to ~1000 elements)."""
+    model = BigConstantAndAWindow().eval()
+    opt = optimize_strict(model, torch.randn(4))
+    with torch.no_grad():
+        _, buf, window = opt(torch.randn(4))
+        _, again, _ = opt(torch.randn(4))
+    buf[0] = 7
+    assert window[0] == 7 and again[0] == 0 and buf.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
