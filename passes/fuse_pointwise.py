@@ -176,13 +176,18 @@ def _attribute_groups(gm) -> dict:
     return {n: nodes for nodes in groups.values() for n in nodes}
 
 
+def _written_operands(write) -> list:
+    """The nodes an in-place op writes: its schema's written arguments (else its first), and `out=`."""
+    written = schema_writes(write) or ([write.args[0]] if write.args else [])
+    written += [write.kwargs["out"]] if write.kwargs.get("out") is not None else []
+    return [w for w in written if isinstance(w, torch.fx.Node)]
+
+
 def _aliases(gm, write, kept, attributes) -> set:
     """Nodes whose value may share storage with what `write` writes: the written operand (and
     an `out=` tensor), the op's own result, and, transitively, what those are views of, what is
     a view of them, and other reads of the same attribute (`attributes`: _attribute_groups)."""
-    written = schema_writes(write) or ([write.args[0]] if write.args else [])
-    written += [write.kwargs["out"]] if write.kwargs.get("out") is not None else []
-    written = [w for w in written if isinstance(w, torch.fx.Node)]
+    written = _written_operands(write)
     out, stack = {write}, written or list(write.all_input_nodes)
     stack += [u for u in write.users if _may_alias(gm, u, kept)]
     while stack:
@@ -190,7 +195,9 @@ def _aliases(gm, write, kept, attributes) -> set:
         if n in out:
             continue
         out.add(n)
-        if _may_alias(gm, n, kept):   # a slice aliases its base, not the numbers that bound it
+        if n in kept:   # another in-place op: its result is what it writes, not what it reads (fuzz44a:
+            stack.extend(_written_operands(n) or n.all_input_nodes)   # `b[:, 1:] += x[:, :-1]` held x back)
+        elif _may_alias(gm, n, kept):   # a slice aliases its base, not the numbers that bound it
             stack.extend([n.args[0]] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)
                          else n.all_input_nodes)
         stack.extend(u for u in n.users if _may_alias(gm, u, kept))

@@ -196,3 +196,30 @@ def test_a_bool_cast_returned_by_the_kernel_keeps_nan_true():
     x = torch.randn(5, 7)
     with torch.no_grad():
         assert torch.equal(opt(x, torch.ones(5, 7, dtype=torch.bool)), model(x, torch.ones(5, 7, dtype=torch.bool)))
+
+
+class ShiftAdd(nn.Module):
+    """`b[:, 1:] += x[:, :-1]` on a fresh tensor, then pointwise ops reading b and x."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x, bias):
+        b = bias.expand(4, 6).clone()
+        if self.how == "+=":
+            b[:, 1:] += x[:, :-1]
+        else:
+            b[:, 1:].add_(x[:, :-1])
+        return torch.sigmoid(b) * x
+
+
+@pytest.mark.parametrize("how", ["+=", "add_"])
+def test_what_an_in_place_op_only_reads_is_not_held_back(how):
+    """The alias walk followed every input of a kept in-place op, so x (only read by `+=`) counted
+    as written and `sigmoid(b) * x` ran unfused, with a message blaming x (fuzz44a)."""
+    model = ShiftAdd(how).eval()
+    opt = optimize_strict(model, torch.randn(4, 6), torch.randn(6))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert "operand x may alias" not in fxfuse.explain(opt)
+    assert_matches_eager(opt, model, torch.randn(4, 6), torch.randn(6))
