@@ -66,3 +66,37 @@ def is_no_op_conversion(node) -> bool:
         isinstance(v, torch.fx.Node) for v in node.kwargs.values())
     return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
         and len(devices) == 1 and None not in devices
+
+
+def read_only_clone(node, is_pointwise_target) -> bool:
+    """`h.clone()` (torch.clone, any memory_format that keeps h's strides) read only by pointwise
+    ops, in a graph that keeps no in-place op: its readers may read h itself, which is what eager's
+    copy holds (fuzz44d, fuzz44e: the copy split a kernel, where `.contiguous()` did not). Not where
+    the copy is returned (eager returns fresh memory) or anything may write h."""
+    if node.op not in ("call_function", "call_method") or op_name(node) != "clone" or len(node.args) != 1 \
+            or set(node.kwargs) - {"memory_format"} or not _is_tensor_node(node.args[0]):
+        return False
+    src, out, before = node.args[0], single_tensor_meta(node), single_tensor_meta(node.args[0])
+    if out is None or before is None or tuple(out.stride) != tuple(before.stride) or node.graph.owning_module is None \
+            or node.graph.owning_module.meta.get("fxfuse_inplace_kept") \
+            or any(op_name(u) in METADATA_INPLACE for u in src.users):
+        return False
+    return bool(node.users) and all(u.op == "call_function" and is_pointwise_target(u.target)
+                                    and "kept" not in u.meta.get("fxfuse", {}) for u in node.users)
+
+
+def copy_as_contiguous(node) -> bool:
+    """`h.clone()`, `h.clone(memory_format=torch.contiguous_format)`, `h.to(memory_format=...)` of an h
+    that is not row-major, into a row-major copy: `h.contiguous()`, which copies there too and which
+    fusion takes as a layout (fuzz44e: `h.t().clone(...)`, `h.expand(...).clone()` split a kernel).
+    Rewritten in place; True if it was."""
+    to = op_name(node) == "to" and node.op == "call_method" and set(node.kwargs) == {"memory_format"}
+    if node.op not in ("call_function", "call_method") or not (op_name(node) == "clone" or to) \
+            or len(node.args) != 1 or set(node.kwargs) - {"memory_format"} or not _is_tensor_node(node.args[0]):
+        return False
+    out, before = single_tensor_meta(node), single_tensor_meta(node.args[0])
+    if out is None or before is None or out.dtype != before.dtype or tuple(out.shape) != tuple(before.shape) \
+            or tuple(out.stride) != row_major(out.shape) or tuple(before.stride) == row_major(before.shape):
+        return False
+    node.op, node.target, node.args, node.kwargs = "call_method", "contiguous", (node.args[0],), {}
+    return True

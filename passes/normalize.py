@@ -30,7 +30,7 @@ from .detach import _detach_readers, _is_detach
 from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
-from .identity_ops import is_no_op_conversion, whole_slice
+from .identity_ops import copy_as_contiguous, is_no_op_conversion, read_only_clone, whole_slice
 from .implicit_args import explicit_softmax_dim
 from .metadata_spellings import overload_of, where_as_leaky_relu
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
@@ -238,6 +238,12 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         if fold_pointwise_of_literals(gm, node, POINTWISE):
+            continue
+        if copy_as_contiguous(node):
+            continue
+        if read_only_clone(node, is_pointwise_target):
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
             continue
         cpu_literal_as_number(node, POINTWISE)
         broadcast_drops_unit_view(node, is_pointwise_target)

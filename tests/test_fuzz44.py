@@ -223,3 +223,53 @@ def test_what_an_in_place_op_only_reads_is_not_held_back(how):
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert "operand x may alias" not in fxfuse.explain(opt)
     assert_matches_eager(opt, model, torch.randn(4, 6), torch.randn(6))
+
+
+COPIES = {   # each split the kernel around a library copy; `.contiguous()` did not
+    "clone": lambda h: h.clone(),
+    "torch.clone": lambda h: torch.clone(h),
+    "clone(contiguous_format)": lambda h: h.clone(memory_format=torch.contiguous_format),
+    "t().clone(contiguous_format)": lambda h: h.t().clone(memory_format=torch.contiguous_format).t(),
+    "expand().clone()": lambda h: h[None].expand(3, 5, 7).clone().sum(0),
+}
+SIBLINGS = {"t().clone(contiguous_format)": lambda h: h.t().contiguous().t(),
+            "expand().clone()": lambda h: h[None].expand(3, 5, 7).contiguous().sum(0)}
+
+
+class CopyThenRead(nn.Module):
+    def __init__(self, copy):
+        super().__init__()
+        self.copy = copy
+
+    def forward(self, x, y):
+        return self.copy(torch.relu(x)) * 2 + y
+
+
+@pytest.mark.parametrize("name", list(COPIES))
+def test_a_copy_read_only_by_pointwise_ops_joins_the_kernel(name):
+    model = CopyThenRead(COPIES[name]).eval()
+    opt = optimize_strict(model, torch.randn(5, 7), torch.randn(5, 7))
+    sibling = optimize_strict(CopyThenRead(SIBLINGS.get(name, lambda h: h)).eval(), torch.randn(5, 7), torch.randn(5, 7))
+    assert (fxfuse.stats(opt)["fused_kernels"], fxfuse.stats(opt)["library_calls"]) == \
+        (fxfuse.stats(sibling)["fused_kernels"], fxfuse.stats(sibling)["library_calls"])
+    assert_matches_eager(opt, model, torch.randn(5, 7), torch.randn(5, 7))
+
+
+class CopyKeptApart(nn.Module):
+    """A copy that is returned, or whose source is written afterwards, stays a copy."""
+
+    def forward(self, x):
+        h = torch.relu(x)
+        c = h.clone()
+        h.mul_(3)                  # eager's copy holds h before the write
+        return c + 1, h, x.clone()   # x.clone(): fresh memory, not the input
+
+
+def test_a_copy_that_is_returned_or_outlives_a_write_stays_a_copy():
+    model = CopyKeptApart().eval()
+    opt = optimize_strict(model, torch.randn(5, 7))
+    got = assert_matches_eager(opt, model, torch.randn(5, 7))
+    x = torch.randn(5, 7)
+    with torch.no_grad():
+        assert opt(x)[2].data_ptr() != x.data_ptr()
+    assert got[0].data_ptr() != got[1].data_ptr()
