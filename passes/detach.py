@@ -14,7 +14,8 @@ DETACH_FUNCTIONS = {torch.detach, aten.detach.default, aten.detach_.default, ate
 
 
 ALIAS_OF_REAL = {"resolve_conj", "resolve_neg", "conj", torch.resolve_conj, torch.resolve_neg, torch.conj,
-                 aten.resolve_conj.default, aten.resolve_neg.default, aten.conj.default, aten.alias}
+                 aten.resolve_conj.default, aten.resolve_neg.default, aten.conj.default, aten.alias,
+                 torch.real, aten.real.default}   # torch.real(x) as x.real (fuzz44d)
 
 
 def _detach_source(node):

@@ -62,7 +62,7 @@ def is_no_op_conversion(node) -> bool:
                 "layout", torch.strided) is torch.strided and not any(a is True for a in node.args[2:])
     plain = all(isinstance(a, (str, torch.device, torch.dtype)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
                 is not None for a in node.args[1:])   # .to(x.device, x.dtype), .to(device=.., dtype=..) (review37b)
-    keywords = set(node.kwargs) <= {"device", "dtype", "non_blocking"} and not any(
+    keywords = set(node.kwargs) <= {"device", "dtype", "non_blocking", "memory_format"} and not any(
         isinstance(v, torch.fx.Node) for v in node.kwargs.values())
     return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
         and len(devices) == 1 and None not in devices
@@ -99,4 +99,33 @@ def copy_as_contiguous(node) -> bool:
             or tuple(out.stride) != row_major(out.shape) or tuple(before.stride) == row_major(before.shape):
         return False
     node.op, node.target, node.args, node.kwargs = "call_method", "contiguous", (node.args[0],), {}
+    return True
+
+
+ATLEAST = {torch.atleast_1d: 1, torch.atleast_2d: 2, torch.atleast_3d: 3}
+
+
+def atleast_of_enough_dims(node) -> bool:
+    """`torch.atleast_2d(h)` of an h with 2 or more dims returns h itself (fuzz44d: it split a kernel)."""
+    meta = single_tensor_meta(node.args[0]) if node.op == "call_function" and node.target in ATLEAST \
+        and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], torch.fx.Node) else None
+    return meta is not None and len(meta.shape) >= ATLEAST[node.target]
+
+
+def respell_view(node) -> bool:
+    """Views with a common spelling that fusion knows, rewritten in place (True if one was):
+    `h.ravel()` is `h.reshape(-1)`; of a real h, `h.mH` and `h.adjoint()` are `h.mT`, `h.H` is `h.T`
+    (fuzz44e: each split a kernel)."""
+    if node.op not in ("call_function", "call_method") or not node.args or not _is_tensor_node(node.args[0]) \
+            or node.kwargs:
+        return False
+    h, name = node.args[0], op_name(node) if node.target is not getattr else node.args[1]
+    if name == "ravel" and len(node.args) == 1:
+        node.op, node.target, node.args = "call_method", "reshape", (h, -1)
+        return True
+    real = not node.args[0].meta["tensor_meta"].dtype.is_complex
+    to = {"mH": "mT", "H": "T"} if node.target is getattr else {"adjoint": "mT"} if len(node.args) == 1 else {}
+    if not real or name not in to:
+        return False
+    node.op, node.target, node.args = "call_function", getattr, (h, to[name])
     return True

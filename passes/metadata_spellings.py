@@ -17,6 +17,10 @@ CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch
                 "double": torch.float64, "bool": torch.bool}   # h.bool(): h != 0, NaN true (fuzz44b)
 
 
+TENSOR_TYPE_NAMES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+                     "BFloat16Tensor": torch.bfloat16, "BoolTensor": torch.bool}
+
+
 def masked_fill_is_where(x, value) -> bool:
     """x.masked_fill(mask, value) is torch.where(mask, value, x) where both give x's dtype: a
     floating x with a number, or with a 0-d tensor of its own dtype (masked_fill never promotes;
@@ -48,6 +52,11 @@ def cast_target(node):
         return CAST_METHODS[node.target]
     if node.target == "type" and len(node.args) + len(node.kwargs) == 2 and set(node.kwargs) <= {"dtype"}:
         dtype = node.args[1] if len(node.args) == 2 else node.kwargs["dtype"]   # h.type(dtype=...) (fuzz43b)
+        if isinstance(dtype, str):   # h.type("torch.HalfTensor") on the CPU, "torch.cuda.HalfTensor" on CUDA (fuzz44d)
+            device = getattr(fxfuse_meta(node.args[0]).get("device"), "type", None) \
+                if isinstance(node.args[0], torch.fx.Node) else None
+            prefix, _, name = dtype.rpartition(".")
+            dtype = TENSOR_TYPE_NAMES.get(name) if prefix == {"cpu": "torch", "cuda": "torch.cuda"}.get(device) else None
         return dtype if isinstance(dtype, torch.dtype) else None
     return None
 

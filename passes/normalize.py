@@ -30,7 +30,8 @@ from .detach import _detach_readers, _is_detach
 from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
-from .identity_ops import copy_as_contiguous, is_no_op_conversion, read_only_clone, whole_slice
+from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
+                           respell_view, whole_slice)
 from .implicit_args import explicit_softmax_dim
 from .metadata_spellings import overload_of, where_as_leaky_relu
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
@@ -126,7 +127,7 @@ def _is_identity(gm, node) -> bool:
     if node.op in ("call_function", "call_method") and node.target in POSITIVE and len(node.args) == 1:
         meta = single_tensor_meta(node.args[0])   # +x returns x itself (a bool x raises: kept)
         return not node.kwargs and meta is not None and meta.dtype != torch.bool
-    return _is_detach(node) or is_no_op_conversion(node)
+    return _is_detach(node) or is_no_op_conversion(node) or atleast_of_enough_dims(node)
 
 
 def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
@@ -161,6 +162,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if node.op == "call_module" and node.kwargs:
             keywords_to_positions(gm, node)   # self.lin(input=x): as self.lin(x), for the layer passes
         explicit_softmax_dim(gm, node)
+        respell_view(node)
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)

@@ -1,0 +1,61 @@
+"""Stop 44: views and conversions with an uncommon spelling, read as their common one so they no
+longer split a kernel (fuzz44d, fuzz44e)."""
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+
+class Between(nn.Module):
+    """fn between two pointwise steps: sigmoid before it, relu(+ w) after."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, w):
+        return torch.relu(self.fn(torch.sigmoid(x) * 2) + w)
+
+
+PAIRS = {   # name: (spelling, its common form, x's shape, w's shape)
+    "h.ravel()": (lambda h: h.ravel(), lambda h: h.reshape(-1), (5, 3), (15,)),
+    "torch.ravel(h)": (lambda h: torch.ravel(h), lambda h: h.reshape(-1), (5, 3), (15,)),
+    "h.mH": (lambda h: h.mH, lambda h: h.mT, (2, 5, 3), (5,)),
+    "h.H": (lambda h: h.H, lambda h: h.T, (5, 3), (5,)),
+    "h.adjoint()": (lambda h: h.adjoint(), lambda h: h.mT, (5, 3), (5,)),
+    "torch.adjoint(h)": (lambda h: torch.adjoint(h), lambda h: h.mT, (5, 3), (5,)),
+    "torch.real(h)": (lambda h: torch.real(h), lambda h: h, (5, 3), (3,)),
+    "h.to(memory_format=contiguous)": (lambda h: h.to(memory_format=torch.contiguous_format), lambda h: h,
+                                       (5, 3), (3,)),
+    "torch.atleast_2d(h)": (lambda h: torch.atleast_2d(h), lambda h: h, (5, 3), (3,)),
+    "h.type('torch.HalfTensor')": (lambda h: h.type("torch.HalfTensor").float(), lambda h: h.half().float(),
+                                   (5, 3), (3,)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_a_spelling_fuses_as_its_common_form(name):
+    spelling, common, x_shape, w_shape = PAIRS[name]
+    counts = []
+    for fn in (spelling, common):
+        model = Between(fn).eval()
+        opt = optimize_strict(model, torch.randn(x_shape), torch.randn(w_shape))
+        counts.append((fxfuse.stats(opt)["fused_kernels"], fxfuse.stats(opt)["library_calls"]))
+        assert_matches_eager(opt, model, torch.randn(x_shape), torch.randn(w_shape))
+    assert counts[0] == counts[1], counts
+
+
+class AtLeastAndReal(nn.Module):
+    def forward(self, x):
+        return torch.atleast_3d(x) + 1, torch.real(x), torch.atleast_2d(x)
+
+
+def test_identities_keep_eager_results_where_they_are_not_identities():
+    """atleast_3d of a 2-D tensor adds a dim; a returned torch.real(x) / atleast_2d(x) is x itself."""
+    model = AtLeastAndReal().eval()
+    opt = optimize_strict(model, torch.randn(5, 3))
+    got = assert_matches_eager(opt, model, torch.randn(5, 3))
+    assert got[0].shape == (5, 3, 1)
