@@ -69,11 +69,13 @@ def is_no_op_conversion(node) -> bool:
 
 
 def read_only_clone(node, is_pointwise_target) -> bool:
-    """`h.clone()` (torch.clone, any memory_format that keeps h's strides) read only by pointwise
+    """`h.clone()` (torch.clone, any memory_format that keeps h's strides; export's lift_fresh_copy of a
+    constant) read only by pointwise
     ops, in a graph that keeps no in-place op: its readers may read h itself, which is what eager's
     copy holds (fuzz44d, fuzz44e: the copy split a kernel, where `.contiguous()` did not). Not where
     the copy is returned (eager returns fresh memory) or anything may write h."""
-    if node.op not in ("call_function", "call_method") or op_name(node) != "clone" or len(node.args) != 1 \
+    if node.op not in ("call_function", "call_method") or op_name(node) not in ("clone", "lift_fresh_copy") \
+            or len(node.args) != 1 \
             or set(node.kwargs) - {"memory_format"} or not _is_tensor_node(node.args[0]):
         return False
     src, out, before = node.args[0], single_tensor_meta(node), single_tensor_meta(node.args[0])
@@ -123,9 +125,9 @@ def respell_view(node) -> bool:
     if name == "ravel" and len(node.args) == 1:
         node.op, node.target, node.args = "call_method", "reshape", (h, -1)
         return True
-    real = not node.args[0].meta["tensor_meta"].dtype.is_complex
     to = {"mH": "mT", "H": "T"} if node.target is getattr else {"adjoint": "mT"} if len(node.args) == 1 else {}
-    if not real or name not in to:
+    meta = single_tensor_meta(h) if name in to else None
+    if meta is None or meta.dtype.is_complex:
         return False
     node.op, node.target, node.args = "call_function", getattr, (h, to[name])
     return True

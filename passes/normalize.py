@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from fxfuse.graph_launch import draws_random
 from fxfuse.node_meta import meta_tensor, single_tensor_meta
-from fxfuse.ops import (POINTWISE, add_number_scaled, add_scaled, cast, is_pointwise_target, keep_eager_layout, masked_fill_layout,
-                        row_major)
+from fxfuse.ops import (POINTWISE, add_number_scaled, add_scaled, cast, is_pointwise_target, keep_eager_layout,
+                        masked_fill_layout)
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
@@ -30,6 +30,7 @@ from .detach import _detach_readers, _is_detach
 from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
+from .functional_twins import functional_twin, mask_assignment_as_where
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
                            respell_view, whole_slice)
 from .implicit_args import explicit_softmax_dim
@@ -186,7 +187,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 _replace(g, node, cast, (src, dtype), {})
             continue
         row = spelling_of(gm, node)
-        if row is None and _functional_twin(gm, node, order):
+        if row is None and (functional_twin(gm, node, order) or mask_assignment_as_where(gm, node, order)):
             continue
         if row is None:
             if _mutates(gm, node):   # x.masked_fill_(m, 0), x.zero_(), x[i] = v: fusion must see the write
@@ -198,7 +199,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         call = canonical_call(row, node)
         if call is None:
-            if row.inplace and _functional_twin(gm, node, order):   # masked_fill_ of a tensor value
+            if row.inplace and functional_twin(gm, node, order):   # masked_fill_ of a tensor value
                 continue
             if row.inplace or _inplace_flag(row, node) or node.kwargs.get("out") is not None:   # x.div_(y, rounding_mode="floor")
                 fxfuse_meta(node)["kept"] = "in-place op with no canonical form"
@@ -316,43 +317,6 @@ INPLACE_ARITHMETIC = {operator.iadd, operator.isub, operator.imul, operator.itru
 
 
 # in-place methods whose out-of-place twin returns the same dtype and shape as self
-FUNCTIONAL_TWINS = {"masked_fill_", "masked_scatter_", "index_fill_", "index_add_", "index_copy_", "scatter_",
-                    "scatter_add_", "scatter_reduce_", "tril_", "triu_", "nan_to_num_"}
-
-
-def _functional_twin(gm, node, order) -> bool:
-    """`scores.masked_fill_(mask, v)` on a fresh tensor (a matmul's result) that nothing else
-    reads as is: the out-of-place `masked_fill`, and later readers of `scores` read its result.
-    Kept in place, the write would make everything that may alias `scores` unfusible. torch.export
-    spells it aten.index_add_.default & co. (fuzz38d: a GCN's aggregation into torch.zeros)."""
-    if node.op == "call_method" and node.target in FUNCTIONAL_TWINS:
-        twin = node.target[:-1]
-    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-            and node.target.overloadpacket.__name__ in FUNCTIONAL_TWINS:
-        packet = getattr(aten, node.target.overloadpacket.__name__[:-1], None)
-        twin = getattr(packet, node.target._overloadname, None) if packet is not None else None
-    else:
-        return False
-    base = node.args[0] if node.args else None
-    meta = single_tensor_meta(base)   # the out-of-place twin returns a contiguous result: a buffer with
-    if twin is None or meta is None or any(n != 1 and st != rm for n, st, rm in zip(   # other strides keeps
-            meta.shape, meta.stride, row_major(meta.shape))):                       # them (fuzz38h)
-        return False
-    if base in node.args[1:] or base in node.kwargs.values():   # sc.masked_scatter_(m, sc): reads what it writes
-        return False
-    if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)   # a view taken after the
-            and all(u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # write reads
-                    for u in base.users)):                            # the result (review35c)
-        return False
-    with gm.graph.inserting_after(node):
-        new = gm.graph.create_node(node.op, twin, node.args, dict(node.kwargs))
-    new.meta = dict(node.meta)
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
-    _later_readers_read(base, new, node, order)
-    return True
-
-
 def _later_readers_read(base, new, node, order) -> None:
     """After an in-place `node` on `base` became the functional `new`: readers of `base` that
     came after the write read `new`."""

@@ -59,3 +59,45 @@ def test_identities_keep_eager_results_where_they_are_not_identities():
     opt = optimize_strict(model, torch.randn(5, 3))
     got = assert_matches_eager(opt, model, torch.randn(5, 3))
     assert got[0].shape == (5, 3, 1)
+
+
+class MaskAssignment(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        h = x * 2
+        if self.how == "h[mask] = 0.0":
+            h[h > 0.5] = 0.0
+        elif self.how == "h[mask] = tensor":
+            h[h < 0] = torch.tensor(-0.25)
+        else:
+            h.masked_fill_(h > 0.5, 0.0)
+        return h + 1
+
+
+@pytest.mark.parametrize("how", ["h[mask] = 0.0", "h[mask] = tensor", "masked_fill_"])
+def test_a_bool_mask_assignment_joins_the_kernel(how):
+    """`h[h > 0.5] = 0.0` (export's index_put_) was kept in place: 1 kernel and 4 library calls,
+    against 1 kernel for masked_fill_ (fuzz44e)."""
+    model = MaskAssignment(how).eval()
+    opt = optimize_strict(model, torch.randn(3, 5))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, model, torch.randn(3, 5))
+
+
+class MaskAssignmentKept(nn.Module):
+    """A mask of other shape (rows), and an assignment into an input: as eager, in place."""
+
+    def forward(self, x, rows):
+        h = x * 2
+        h[rows] = 0.0
+        x[x > 1] = 1.0
+        return h + x
+
+
+def test_mask_assignments_that_are_not_masked_fills_stay_writes():
+    model = MaskAssignmentKept().eval()
+    opt = optimize_strict(model, torch.randn(3, 5), torch.tensor([True, False, True]))
+    assert_matches_eager(opt, model, torch.randn(3, 5) * 2, torch.tensor([False, True, True]), fresh=False)
