@@ -31,11 +31,16 @@ def test_numbers_beside_fp16_with_alpha_and_in_place_rrelu_on_the_gpu():
                          (InPlaceRReLU("nn.RReLU(inplace=True)"), torch.float16)):
         model = model.eval().cuda()
         opt = fxfuse.optimize(model, torch.randn(37, 129, device="cuda", dtype=dtype), strict=True)
-        assert fxfuse.stats(opt)["fused_kernels"] == 1
+        if isinstance(model, InPlaceRReLU):   # (a number beside fp16 with alpha stays the library's add)
+            assert fxfuse.stats(opt)["fused_kernels"] == 1
         for _ in range(3):
             x = torch.randn(37, 129, device="cuda", dtype=dtype)
             with torch.no_grad():
-                torch.testing.assert_close(opt(x), model(x), rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-5)
+                if isinstance(model, HalfMinusNumber):
+                    assert torch.equal(opt(x), model(x))
+                else:
+                    torch.testing.assert_close(opt(x), model(x), rtol=1e-5 if dtype == torch.float32 else 1e-3,
+                                               atol=1e-5)
 
 
 def test_an_fp16_add_with_alpha_does_not_overflow_where_cuda_does_not():
