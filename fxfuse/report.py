@@ -88,6 +88,14 @@ def graph_as_python(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
+def _why_reference(gm) -> str:
+    """Why fused groups run their torch reference: the user's option, or no device to run kernels
+    on (review44g: the option was named where the user had passed nothing, or use_kernels=True)."""
+    if gm.meta.get("fxfuse_warning"):   # (api.build_graph's: the option was auto, or True and not possible)
+        return "no CUDA device, and TRITON_INTERPRET=1 is not set to run the kernels on the CPU"
+    return "option use_kernels=False"
+
+
 def node_table(gm: torch.fx.GraphModule) -> str:
     rows = []
     for node in gm.graph.nodes:
@@ -103,7 +111,7 @@ def node_table(gm: torch.fx.GraphModule) -> str:
             joined = [m.split("=")[0] for m in mod.members if m.endswith(("=stack", "=cat"))]   # join_outputs
             decision = decision or (f"fused {len(mod.members) - len(joined)} pointwise ops" + (
                 f"; writes {', '.join(joined)} itself" if joined else "") + (
-                "" if mod.use_kernel else "; runs the torch reference (option use_kernels=False)"))
+                "" if mod.use_kernel else f"; runs the torch reference ({_why_reference(gm)})"))
         elif meta.get("note"):
             decision = meta["note"]
         elif meta.get("kept"):

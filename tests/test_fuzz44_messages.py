@@ -43,3 +43,20 @@ def test_a_build_shows_no_traced_values(verify, capsys, caplog):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_matches_eager(opt, model, torch.randn(4, 8))
+
+
+def test_explain_says_why_fused_groups_run_their_reference(monkeypatch):
+    """explain() named "option use_kernels=False" where the user passed nothing (no CUDA device,
+    no interpreter) or use_kernels=True that could not run (review44g)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(3, 8)
+    off = " ".join(fxfuse.explain(fxfuse.optimize(model, x, use_kernels=False)).split())
+    assert "runs the torch reference (option" in off and "use_kernels=False)" in off
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for options in ({}, {"use_kernels": True}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = fxfuse.optimize(model, x, **options)
+        text = " ".join(fxfuse.explain(opt).split())
+        assert "runs the torch reference (no CUDA" in text and "use_kernels=False" not in text
+        assert_matches_eager(opt, model, x)
