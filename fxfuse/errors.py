@@ -42,12 +42,13 @@ class FxfuseWarning(UserWarning):
 
 def _internal(frame) -> bool:
     name = frame.f_globals.get("__name__", "")
-    return name == "fxfuse" or name.startswith("fxfuse.") or name == "torch.nn.modules.module"
+    return name in ("fxfuse", "torch") or name.startswith(("fxfuse.", "torch."))   # (review44g: an opt inside
+    #   nn.Sequential, or under torch.jit.trace, was warned at torch's container.py / _trace.py)
 
 
 def warn(message: str, category: type = FxfuseWarning) -> None:
-    """Warn with FxfuseWarning at the user's line: the first frame outside fxfuse and torch's
-    Module.__call__. A fixed stacklevel cannot do it (the same warning comes from optimize()
+    """Warn with FxfuseWarning at the user's line: the first frame outside fxfuse and torch
+    (Module.__call__, a Sequential's forward). A fixed stacklevel cannot do it (the same warning comes from optimize()
     and from a call several frames deeper), and a file:line inside fxfuse or torch would also
     make the default filter (once per location) merge or split warnings arbitrarily."""
     frame, level = sys._getframe(1), 2     # stacklevel 2 is warn()'s caller

@@ -60,3 +60,14 @@ def test_explain_says_why_fused_groups_run_their_reference(monkeypatch):
         text = " ".join(fxfuse.explain(opt).split())
         assert "runs the torch reference (no CUDA" in text and "use_kernels=False" not in text
         assert_matches_eager(opt, model, x)
+
+
+def test_a_fallback_warning_names_the_users_line_through_torch_containers():
+    """From inside nn.Sequential the warning was filed under torch's container.py (review44g)."""
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    outer = nn.Sequential(fxfuse.optimize(inner, torch.randn(3, 8)), nn.Tanh())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outer(torch.randn(3, 8, requires_grad=True))   # grad on: the original runs, one warning
+    mine = [w for w in caught if issubclass(w.category, fxfuse.FxfuseWarning)]
+    assert mine and all(w.filename == __file__ for w in mine), [(w.filename, w.lineno) for w in mine]
