@@ -11,6 +11,8 @@ least one piece is computed by the kernel (the others are its inputs, which it l
 as the copy did), and the joined tensor is laid out contiguously (as torch lays out a stack or
 cat of such pieces).
 """
+import operator
+
 import torch
 import torch.fx
 
@@ -26,6 +28,9 @@ FIXED_DIM = {torch.hstack: 1, torch.column_stack: 1, torch.vstack: 0, torch.row_
 FIXED_DIM.update({getattr(aten, f.__name__).default: d for f, d in list(FIXED_DIM.items())
                   if hasattr(getattr(aten, f.__name__, None), "default")})   # torch.export's spellings
 DIM_NAMES = {"dim": "dim", "axis": "dim"}   # torch.concatenate(tensors, axis=...)
+# the same joins of lower pieces, by each piece's rank: (kind, dim) (fuzz44e: they split a kernel)
+LOW_RANK = {"hstack": {1: ("cat", 0)}, "vstack": {1: ("stack", 0)}, "row_stack": {1: ("stack", 0)},
+            "column_stack": {1: ("stack", 1)}, "dstack": {2: ("stack", 2)}}
 
 
 def _meta(node):
@@ -35,10 +40,14 @@ def _meta(node):
 def join_of(node):
     """(kind, pieces, dim) of a stack or cat node written plainly, else None."""
     if node.op == "call_function" and node.target in FIXED_DIM and len(node.args) == 1 and not node.kwargs \
-            and isinstance(node.args[0], (list, tuple)) and node.args[0] \
-            and all(len(getattr(_meta(p), "shape", ())) > max(FIXED_DIM[node.target], 1) for p in node.args[0]):
-        return "cat", tuple(node.args[0]), FIXED_DIM[node.target]   # (fuzz42g; vstack of 1-D pieces stacks
-        #                                                              them: a cat of [N] wrote past its end, review43k)
+            and isinstance(node.args[0], (list, tuple)) and node.args[0]:
+        ranks = {len(getattr(_meta(p), "shape", ())) for p in node.args[0]}
+        if min(ranks) > max(FIXED_DIM[node.target], 1):
+            return "cat", tuple(node.args[0]), FIXED_DIM[node.target]   # (fuzz42g; vstack of 1-D pieces stacks
+            #                                                              them: a cat of [N] wrote past its end, review43k)
+        name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", "")
+        kind_dim = LOW_RANK.get(name, {}).get(min(ranks)) if len(ranks) == 1 else None
+        return (kind_dim[0], tuple(node.args[0]), kind_dim[1]) if kind_dim else None
     if node.op != "call_function" or node.target not in JOINS or len(node.args) > 2:
         return None
     bound = dict(zip(("tensors", "dim"), node.args))
@@ -52,6 +61,40 @@ def join_of(node):
             or not all(isinstance(p, torch.fx.Node) for p in pieces):
         return None
     return JOINS[node.target], tuple(pieces), dim
+
+
+def cat_of_unsqueezed_as_stack(node) -> bool:
+    """`torch.cat([h[..., None], g[..., None]], -1)` (vstack of `h[None]` pieces, ...) is
+    `torch.stack([h, g], -1)`, which a kernel writes; the cat split it (fuzz44e). Rewritten in
+    place (normalize), so the unsqueezed views go dead; True if it was."""
+    parts = join_of(node)
+    sources = _unsqueezed_sources(parts[1], parts[2]) if parts is not None and parts[0] == "cat" else None
+    if sources is None:
+        return False
+    node.target, node.args, node.kwargs = torch.stack, (list(sources), parts[2]), {}
+    return True
+
+
+def _unsqueezed_sources(pieces, dim):
+    """The sources of pieces that are each an unsqueeze at the cat's dim, else None."""
+    sources = []
+    for p in pieces:
+        meta, src = _meta(p), p.args[0] if p.args else None
+        src_meta = _meta(src)
+        if meta is None or src_meta is None or len(meta.shape) != len(src_meta.shape) + 1:
+            return None
+        d = dim % len(meta.shape)
+        if p.op == "call_method" and p.target == "unsqueeze" or p.op == "call_function" and p.target in (
+                torch.unsqueeze, aten.unsqueeze.default):
+            at = p.args[1] if len(p.args) == 2 and not p.kwargs else p.kwargs.get("dim")
+            ok = type(at) is int and at % len(meta.shape) == d
+        else:   # h[..., None] at the last dim, h[None] at the first
+            index = p.args[1] if p.op == "call_function" and p.target is operator.getitem else False
+            ok = index == (Ellipsis, None) and d == len(meta.shape) - 1 or index in (None, (None,)) and d == 0
+        if not ok:
+            return None
+        sources.append(src)
+    return tuple(sources)
 
 
 def kernel_joins(members, inputs, shape, unsupported_dtypes, mutated) -> list:
@@ -131,13 +174,8 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
                 piece.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
                 piece.meta["tensor_meta"] = out._replace(shape=torch.Size(shape), stride=row_major(shape))
                 new_pieces.append(piece)
-            new_join = g.call_function(join.target, (new_pieces, *join.args[1:]), dict(join.kwargs)) \
-                if join.args and isinstance(join.args[0], (list, tuple)) else None
-        if new_join is None:   # (the pieces given by keyword: join_of took it; left as it is)
-            for piece in reversed(new_pieces):
-                g.erase_node(piece)
-            continue
-        new_join.meta = dict(op.meta)
+            new_join = g.call_function(torch.stack if kind == "stack" else torch.cat, (new_pieces, dim))   # as
+        new_join.meta = dict(op.meta)   # join_of reads it (hstack's cat, a cat of unsqueezed pieces' stack)
         op.replace_all_uses_with(new_join)
         g.erase_node(op)
         g.erase_node(join)

@@ -34,6 +34,7 @@ from .functional_twins import functional_twin, mask_assignment_as_where
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
                            respell_view, whole_slice)
 from .implicit_args import explicit_softmax_dim
+from .join_outputs import cat_of_unsqueezed_as_stack
 from .metadata_spellings import overload_of, where_as_leaky_relu
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
@@ -242,7 +243,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         if fold_pointwise_of_literals(gm, node, POINTWISE):
             continue
-        if copy_as_contiguous(node):
+        if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node):
             continue
         if read_only_clone(node, is_pointwise_target):
             node.replace_all_uses_with(node.args[0])

@@ -101,3 +101,38 @@ def test_mask_assignments_that_are_not_masked_fills_stay_writes():
     model = MaskAssignmentKept().eval()
     opt = optimize_strict(model, torch.randn(3, 5), torch.tensor([True, False, True]))
     assert_matches_eager(opt, model, torch.randn(3, 5) * 2, torch.tensor([False, True, True]), fresh=False)
+
+
+JOIN_PAIRS = {   # name: (spelling, the stack / cat it equals, x's shape); each split a kernel (fuzz44e)
+    "hstack of 1-D": (lambda h, g: torch.hstack([h, g]), lambda h, g: torch.cat([h, g], 0), (5,)),
+    "vstack of 1-D": (lambda h, g: torch.vstack([h, g]), lambda h, g: torch.stack([h, g], 0), (5,)),
+    "row_stack of 1-D": (lambda h, g: torch.row_stack([h, g]), lambda h, g: torch.stack([h, g], 0), (5,)),
+    "column_stack of 1-D": (lambda h, g: torch.column_stack([h, g]), lambda h, g: torch.stack([h, g], 1), (5,)),
+    "dstack of 2-D": (lambda h, g: torch.dstack([h, g]), lambda h, g: torch.stack([h, g], 2), (3, 5)),
+    "cat of h[..., None]": (lambda h, g: torch.cat([h[..., None], g[..., None]], -1),
+                            lambda h, g: torch.stack([h, g], -1), (5, 3)),
+    "cat of unsqueeze(0)": (lambda h, g: torch.cat([h.unsqueeze(0), g.unsqueeze(0)], 0),
+                            lambda h, g: torch.stack([h, g], 0), (5, 3)),
+    "vstack of h[None]": (lambda h, g: torch.vstack([h[None], g[None]]), lambda h, g: torch.stack([h, g], 0), (5, 3)),
+}
+
+
+class Joined(nn.Module):
+    def __init__(self, join):
+        super().__init__()
+        self.join = join
+
+    def forward(self, x):
+        return self.join(torch.sigmoid(x) * 2, torch.tanh(x)) * 3 + 1
+
+
+@pytest.mark.parametrize("name", list(JOIN_PAIRS))
+def test_a_join_spelling_is_written_by_the_kernel_as_its_stack_or_cat(name):
+    spelling, common, shape = JOIN_PAIRS[name]
+    counts = []
+    for join in (spelling, common):
+        model = Joined(join).eval()
+        opt = optimize_strict(model, torch.randn(shape))
+        counts.append((fxfuse.stats(opt)["fused_kernels"], fxfuse.stats(opt)["library_calls"]))
+        assert_matches_eager(opt, model, torch.randn(shape))
+    assert counts[0] == counts[1] == (1, 0), counts
