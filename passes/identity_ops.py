@@ -1,4 +1,5 @@
-"""Ops that return their input itself (normalize drops them, their readers read the input):
+"""Ops that return their input itself (normalize drops them, their readers read the input), and views
+and copies with an uncommon spelling rewritten as the common one fusion reads:
 whole-tensor slices and conversions where nothing changes."""
 import operator
 
@@ -83,8 +84,15 @@ def read_only_clone(node, is_pointwise_target) -> bool:
             or node.graph.owning_module.meta.get("fxfuse_inplace_kept") \
             or any(op_name(u) in METADATA_INPLACE for u in src.users):
         return False
-    return bool(node.users) and all(u.op == "call_function" and is_pointwise_target(u.target)
-                                    and "kept" not in u.meta.get("fxfuse", {}) for u in node.users)
+    return _read_by_pointwise_only(node, is_pointwise_target)
+
+
+def _read_by_pointwise_only(node, is_pointwise_target) -> bool:
+    """node is read, by pointwise ops only, in a graph that keeps no in-place op."""
+    gm = node.graph.owning_module
+    return gm is not None and not gm.meta.get("fxfuse_inplace_kept") and bool(node.users) and all(
+        u.op == "call_function" and is_pointwise_target(u.target) and "kept" not in u.meta.get("fxfuse", {})
+        for u in node.users)
 
 
 def copy_as_contiguous(node) -> bool:
@@ -130,4 +138,50 @@ def respell_view(node) -> bool:
     if meta is None or meta.dtype.is_complex:
         return False
     node.op, node.target, node.args = "call_function", getattr, (h, to[name])
+    return True
+
+
+def squeezed_slice_as_select(node) -> bool:
+    """`h[:, k:k + 1].squeeze(1)`, `h.narrow(1, k, 1).squeeze(1)`: `h.select(1, k)`, one view
+    that fusion reads (fuzz44e: a slice then a squeeze cost a kernel). Rewritten in place."""
+    squeeze = node.op == "call_method" and node.target == "squeeze" or node.target in (torch.squeeze,)
+    if not squeeze or len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], torch.fx.Node) \
+            or type(node.args[1]) is not int or len(node.args[0].users) != 1:
+        return False
+    part, meta = node.args[0], single_tensor_meta(node.args[0])
+    if meta is None or not part.args or not _is_tensor_node(part.args[0]):
+        return False
+    d = node.args[1] % max(len(meta.shape), 1)
+    if op_name(part) == "narrow" and len(part.args) == 4 and not part.kwargs:
+        dim, start, length = part.args[1:]
+        found = type(dim) is int and dim % len(meta.shape) == d and type(start) is int and start >= 0 and length == 1
+    elif part.op == "call_function" and part.target is operator.getitem and isinstance(part.args[1], tuple) \
+            and len(part.args[1]) == d + 1 and all(i == slice(None) for i in part.args[1][:d]):
+        last = part.args[1][d]
+        start = last.start if isinstance(last, slice) else None
+        found = type(start) is int and start >= 0 and last.stop == start + 1 and last.step in (None, 1)
+    else:
+        return False
+    if not found or meta.shape[d] != 1:
+        return False
+    node.op, node.target, node.args = "call_method", "select", (part.args[0], d, start)
+    return True
+
+
+def repeat_as_expand(node, is_pointwise_target) -> bool:
+    """`h.repeat(4, 1, 1)` (or tile) that repeats only size-1 or new dims, read only by pointwise
+    ops in a graph that keeps no in-place op: `h.expand(...)`, which they read without the copy
+    (fuzz44e). Rewritten in place."""
+    if op_name(node) not in ("repeat", "tile") or node.kwargs or len(node.args) < 2 \
+            or not _is_tensor_node(node.args[0]) or not _read_by_pointwise_only(node, is_pointwise_target):
+        return False
+    reps = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)
+    if src is None or out is None or not all(type(r) is int for r in reps) or len(reps) < len(src.shape) \
+            or any(op_name(u) in METADATA_INPLACE for u in node.args[0].users):
+        return False
+    padded = (1,) * (len(reps) - len(src.shape)) + tuple(src.shape)
+    if any(r != 1 and size != 1 for r, size in zip(reps, padded)):
+        return False
+    node.op, node.target, node.args = "call_method", "expand", (node.args[0], *out.shape)
     return True

@@ -32,7 +32,7 @@ from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanc
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
-                           respell_view, whole_slice)
+                           repeat_as_expand, respell_view, squeezed_slice_as_select, whole_slice)
 from .implicit_args import explicit_softmax_dim
 from .join_outputs import cat_of_unsqueezed_as_stack
 from .metadata_spellings import overload_of, where_as_leaky_relu
@@ -243,7 +243,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
         if fold_pointwise_of_literals(gm, node, POINTWISE):
             continue
-        if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node):
+        if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node) or squeezed_slice_as_select(node) \
+                or repeat_as_expand(node, is_pointwise_target):
             continue
         if read_only_clone(node, is_pointwise_target):
             node.replace_all_uses_with(node.args[0])

@@ -33,6 +33,10 @@ PAIRS = {   # name: (spelling, its common form, x's shape, w's shape)
     "torch.atleast_2d(h)": (lambda h: torch.atleast_2d(h), lambda h: h, (5, 3), (3,)),
     "h.type('torch.HalfTensor')": (lambda h: h.type("torch.HalfTensor").float(), lambda h: h.half().float(),
                                    (5, 3), (3,)),
+    "h[:, 1:2].squeeze(-1)": (lambda h: h[:, 1:2].squeeze(-1), lambda h: h[:, 1], (5, 3), (5,)),
+    "h.narrow(1, 2, 1).squeeze(1)": (lambda h: h.narrow(1, 2, 1).squeeze(1), lambda h: h.select(1, 2), (5, 3), (5,)),
+    "h.repeat(4, 1, 1)": (lambda h: h.repeat(4, 1, 1), lambda h: h.expand(4, 5, 3), (5, 3), (3,)),
+    "h.tile((2, 1))": (lambda h: h[:1].tile((2, 1)), lambda h: h[:1].expand(2, 3), (5, 3), (3,)),
 }
 
 
@@ -136,3 +140,18 @@ def test_a_join_spelling_is_written_by_the_kernel_as_its_stack_or_cat(name):
         counts.append((fxfuse.stats(opt)["fused_kernels"], fxfuse.stats(opt)["library_calls"]))
         assert_matches_eager(opt, model, torch.randn(shape))
     assert counts[0] == counts[1] == (1, 0), counts
+
+
+class RepeatKept(nn.Module):
+    """A repeat of a non-unit dim, and one that is returned, stay copies."""
+
+    def forward(self, x):
+        h = torch.relu(x)
+        return h.repeat(2, 1) + 1, h.repeat(3, 1, 1)
+
+
+def test_repeats_that_are_not_expands_stay_copies():
+    model = RepeatKept().eval()
+    opt = optimize_strict(model, torch.randn(5, 3))
+    got = assert_matches_eager(opt, model, torch.randn(5, 3))
+    assert got[1].is_contiguous() and got[1].stride() == (15, 3, 1)
