@@ -1,6 +1,6 @@
-"""Ops that return their input itself (normalize drops them, their readers read the input), and views
-and copies with an uncommon spelling rewritten as the common one fusion reads:
-whole-tensor slices and conversions where nothing changes."""
+"""Ops that return their input itself (whole-tensor slices, conversions where nothing changes:
+normalize drops them, their readers read the input), and views and copies with an uncommon
+spelling rewritten as the common one that fusion reads (ravel, clone, repeat, cat of unsqueezes)."""
 import operator
 
 import torch
