@@ -1,6 +1,6 @@
 """Ops that return their input itself (whole-tensor slices, conversions where nothing changes:
 normalize drops them, their readers read the input), and views and copies with an uncommon
-spelling rewritten as the common one that fusion reads (ravel, clone, repeat, cat of unsqueezes)."""
+spelling rewritten as the common one that fusion reads (ravel, adjoint, clone, repeat, a squeezed slice)."""
 import operator
 
 import torch
