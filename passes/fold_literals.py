@@ -176,3 +176,35 @@ def divide_as_cuda_does(node) -> bool:
         return False
     node.target, node.args = operator.mul, (x, one_over)
     return True
+
+
+LIKE_FACTORIES = {torch.zeros_like: 0, torch.ones_like: 1, torch.full_like: None}   # None: the value is given
+NEW_FACTORIES = {"new_zeros": 0, "new_ones": 1, "new_full": None}
+
+
+def factory_without_template(node) -> bool:
+    """`torch.zeros_like(h)`, `full_like(h, v)`, `h.new_zeros(size)`, `h.new_full(size, v)`: only h's
+    shape, dtype and device are read, which the specialization fixes; as `torch.full(shape, v, ...)`
+    the node no longer reads h, so h need not be stored for it (fuzz44d: it split a kernel).
+    Rewritten in place; True if it was. Not where h's strides would be kept (a non-row-major h)."""
+    from fxfuse.ops import row_major   # (ops imports passes' helpers: late)
+    if node.op == "call_function" and node.target in LIKE_FACTORIES:
+        value = LIKE_FACTORIES[node.target]
+        rest = node.args[1:]
+        if value is None:
+            value, rest = (node.args[1], node.args[2:]) if len(node.args) > 1 else (node.kwargs.get("fill_value"), ())
+    elif node.op == "call_method" and node.target in NEW_FACTORIES and len(node.args) >= 2:
+        value, rest = NEW_FACTORIES[node.target], node.args[2:]
+        if value is None:
+            value, rest = (rest[0], rest[1:]) if rest else (node.kwargs.get("fill_value"), ())
+    else:
+        return False
+    template, meta, device = node.args[0], single_tensor_meta(node), fxfuse_meta(node).get("device")
+    src = single_tensor_meta(template) if isinstance(template, torch.fx.Node) else None
+    if rest or set(node.kwargs) - {"dtype", "fill_value"} or not isinstance(value, (int, float, bool)) \
+            or meta is None or src is None or device is None or tuple(meta.stride) != row_major(meta.shape) \
+            or node.op == "call_function" and tuple(src.stride) != row_major(src.shape):
+        return False
+    node.op, node.target = "call_function", torch.full
+    node.args, node.kwargs = (tuple(meta.shape), value), {"dtype": meta.dtype, "device": device}
+    return True

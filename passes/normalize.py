@@ -27,7 +27,8 @@ from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
 from .detach import _detach_readers, _is_detach
-from .fold_literals import cpu_literal_as_number, divide_as_cuda_does, fold_literal_tensor, fold_pointwise_of_literals
+from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
+                            fold_pointwise_of_literals)
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where
@@ -244,7 +245,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if fold_pointwise_of_literals(gm, node, POINTWISE):
             continue
         if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node) or squeezed_slice_as_select(node) \
-                or repeat_as_expand(node, is_pointwise_target):
+                or repeat_as_expand(node, is_pointwise_target) or factory_without_template(node):
             continue
         if read_only_clone(node, is_pointwise_target):
             node.replace_all_uses_with(node.args[0])

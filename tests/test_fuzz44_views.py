@@ -155,3 +155,43 @@ def test_repeats_that_are_not_expands_stay_copies():
     opt = optimize_strict(model, torch.randn(5, 3))
     got = assert_matches_eager(opt, model, torch.randn(5, 3))
     assert got[1].is_contiguous() and got[1].stride() == (15, 3, 1)
+
+
+FACTORIES_OF_A_SHAPE = {   # each read h (a kernel's value) for its shape only, and split the kernel (fuzz44d)
+    "zeros_like": lambda h, x: (torch.maximum(h, torch.zeros_like(h)) + x) * 0.5,
+    "new_zeros(())": lambda h, x: (torch.max(h, h.new_zeros(())) + x) * 0.5,
+    "full_like": lambda h, x: (torch.maximum(h, torch.full_like(h, 0.25)) + x) * 0.5,
+    "new_full": lambda h, x: (torch.relu(h) + x) * h.new_full(h.shape, 0.5),
+    "ones_like(dtype=)": lambda h, x: (torch.relu(h) + x) * torch.ones_like(h, dtype=torch.float16),
+}
+
+
+class ShapeFactory(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.lin = fn, nn.Linear(17, 17)
+
+    def forward(self, x):
+        return self.fn(self.lin(x), x)
+
+
+@pytest.mark.parametrize("name", list(FACTORIES_OF_A_SHAPE))
+def test_a_factory_of_a_values_shape_does_not_split_its_kernel(name):
+    model = ShapeFactory(FACTORIES_OF_A_SHAPE[name]).eval()
+    opt = optimize_strict(model, torch.randn(3, 17))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert_matches_eager(opt, model, torch.randn(3, 17))
+
+
+class FactoryOfATransposed(nn.Module):
+    def forward(self, x):
+        h = torch.relu(x).t()
+        return torch.zeros_like(h) + h, torch.ones_like(h)   # zeros_like keeps h's (transposed) strides
+
+
+def test_a_factory_keeps_its_templates_strides():
+    model = FactoryOfATransposed().eval()
+    opt = optimize_strict(model, torch.randn(3, 5))
+    got = assert_matches_eager(opt, model, torch.randn(3, 5))
+    with torch.no_grad():
+        assert got[1].stride() == model(torch.randn(3, 5))[1].stride()
