@@ -175,7 +175,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         elif any(m.training != flag for m, flag in self._modes):
             reason = "a submodule's training flag changed since the build (forward() may read it)"
         elif name := reassigned(self._attributes):
-            reason = f"attribute {name!r} of the model was assigned a new value since the build"
+            reason = f"attribute {name!r} of the model was assigned, deleted or changed in place since the build"
         elif self._mutable_defaults and self._defaults_moved():   # fingerprinted again by the next build
             reason = "a list, dict, set or object default of forward() changed since the build"
         elif baked_settings() != self._flags:   # factories and promotion follow the default dtype, and

@@ -71,3 +71,20 @@ def test_a_fallback_warning_names_the_users_line_through_torch_containers():
         outer(torch.randn(3, 8, requires_grad=True))   # grad on: the original runs, one warning
     mine = [w for w in caught if issubclass(w.category, fxfuse.FxfuseWarning)]
     assert mine and all(w.filename == __file__ for w in mine), [(w.filename, w.lineno) for w in mine]
+
+
+class OptionalScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.alpha = nn.Linear(8, 8), 2.0
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * getattr(self, "alpha", 1.0)
+
+
+def test_a_deleted_attribute_rebuilds_and_is_named_as_deleted():
+    model = OptionalScale().eval()
+    opt = optimize_strict(model, torch.randn(3, 8))
+    del model.alpha
+    assert_matches_eager(opt, model, torch.randn(3, 8))
+    assert "was assigned, deleted or changed in place" in " ".join(fxfuse.explain(opt).split())
