@@ -125,8 +125,12 @@ def fresh_constants(out, storages: set, address):
     def small_view(t) -> bool:
         return t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 4096
 
-    whole = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves(out, is_leaf=is_size)
-             if isinstance(t, torch.Tensor) and address(t) in storages and not small_view(t)}
+    constants = [t for t in torch.utils._pytree.tree_leaves(out, is_leaf=is_size)
+                 if isinstance(t, torch.Tensor) and address(t) in storages]
+    keys = collections.Counter(t.untyped_storage()._cdata for t in {id(t): t for t in constants}.values())
+    whole = {t.untyped_storage()._cdata for t in constants   # a storage copied whole where an output covers
+             if not small_view(t) or keys[t.untyped_storage()._cdata] > 1}   # it, or several views share it
+    #                                                           (`c[:16], c[8:24]`: review44h)
 
     def copy(t):
         if address(t) not in storages:

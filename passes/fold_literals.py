@@ -188,6 +188,8 @@ def factory_without_template(node) -> bool:
     the node no longer reads h, so h need not be stored for it (fuzz44d: it split a kernel).
     Rewritten in place; True if it was. Not where h's strides would be kept (a non-row-major h)."""
     from fxfuse.ops import row_major   # (ops imports passes' helpers: late)
+    if not node.args:   # (torch.zeros_like(input=h): left as it is; review44h)
+        return False
     if node.op == "call_function" and node.target in LIKE_FACTORIES:
         value = LIKE_FACTORIES[node.target]
         rest = node.args[1:]

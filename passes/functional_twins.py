@@ -69,6 +69,7 @@ def mask_assignment_as_where(gm, node, order) -> bool:
             or not (isinstance(value, (int, float)) and not isinstance(value, bool) and meta.dtype.is_floating_point
                     or value_meta is not None and value_meta.shape.numel() == 1 and len(value_meta.shape) == 0
                     and value_meta.dtype == meta.dtype) \
+            or any(n != 1 and st != rm for n, st, rm in zip(meta.shape, meta.stride, row_major(meta.shape))) \
             or base in (mask, value) or not _produces_fresh_tensor(base) \
             or not all(u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node] for u in base.users):
         return False

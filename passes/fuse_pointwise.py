@@ -14,6 +14,7 @@ import operator
 import torch
 import torch.fx
 
+from fxfuse.data_dependent import op_name as _op_name
 from fxfuse.ir import IndexMap, IRBuilder
 from fxfuse.kernel import FusedKernel
 from fxfuse.ops import FLOAT_DTYPES, POINTWISE, TRITON_DTYPE, PointwiseOp, as_layout, is_pointwise_target
@@ -195,8 +196,9 @@ def _aliases(gm, write, kept, attributes) -> set:
         if n in out:
             continue
         out.add(n)
-        if n in kept:   # another in-place op: its result is what it writes, not what it reads (fuzz44a:
-            stack.extend(_written_operands(n) or n.all_input_nodes)   # `b[:, 1:] += x[:, :-1]` held x back)
+        if n in kept and _op_name(n) != "set_":   # another in-place op: its result is what it writes, not what
+            stack.extend(_written_operands(n) or n.all_input_nodes)   # it reads (fuzz44a: `b[:, 1:] += x[:, :-1]`
+            #   held x back); h.set_(g) makes h g's alias (review44h)
         elif _may_alias(gm, n, kept):   # a slice aliases its base, not the numbers that bound it
             stack.extend([n.args[0]] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)
                          else n.all_input_nodes)

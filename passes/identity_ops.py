@@ -16,6 +16,31 @@ METADATA_INPLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "
                     "as_strided_", "set_", "detach_", "requires_grad_"}   # in-place ops on a tensor's view of its storage
 
 
+def torch_contiguous(shape, stride) -> bool:
+    """Tensor.is_contiguous() from a shape and strides: size-1 dims' strides do not count, so `.contiguous()`
+    of a [1, N] transpose returns it itself (review44h: read as a copy, it aliased the caller's input)."""
+    expected = 1
+    for size, st in zip(reversed(tuple(shape)), reversed(tuple(stride))):
+        if size == 0:
+            return True
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def positional(node, names: tuple) -> list | None:
+    """node's arguments by position, the keyword ones among `names` (`torch.clone(input=h)`,
+    `h.repeat(repeats=...)`) put in their places; None if a keyword is another or comes twice."""
+    args = list(node.args)
+    for k, name in enumerate(names):
+        if name in node.kwargs:
+            if k != len(args):
+                return None
+            args.append(node.kwargs[name])
+    return args if set(node.kwargs) <= set(names) else None
+
+
 def _is_tensor_node(node) -> bool:
     return isinstance(node, torch.fx.Node) and "tensor_meta" in node.meta
 
@@ -63,8 +88,11 @@ def is_no_op_conversion(node) -> bool:
                 "layout", torch.strided) is torch.strided and not any(a is True for a in node.args[2:])
     plain = all(isinstance(a, (str, torch.device, torch.dtype)) or isinstance(a, torch.fx.Node) and single_tensor_meta(a)
                 is not None for a in node.args[1:])   # .to(x.device, x.dtype), .to(device=.., dtype=..) (review37b)
-    keywords = set(node.kwargs) <= {"device", "dtype", "non_blocking", "memory_format"} and not any(
-        isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+    memory_format = node.kwargs.get("memory_format", torch.preserve_format)   # at 4 and 5 dims eager's
+    keywords = (memory_format is torch.preserve_format or memory_format is torch.contiguous_format   # choice
+                and len(before.shape) not in (4, 5) and torch_contiguous(before.shape, before.stride)) \
+        and set(node.kwargs) <= {"device", "dtype", "non_blocking", "memory_format"} and not any(
+        isinstance(v, torch.fx.Node) for v in node.kwargs.values())   # to copy or not is suggest_memory_format's (review44h)
     return 2 <= len(node.args) + len(node.kwargs) and len(node.args) <= 3 and plain and keywords \
         and len(devices) == 1 and None not in devices
 
@@ -75,11 +103,11 @@ def read_only_clone(node, is_pointwise_target) -> bool:
     ops, in a graph that keeps no in-place op: its readers may read h itself, which is what eager's
     copy holds (fuzz44d, fuzz44e: the copy split a kernel, where `.contiguous()` did not). Not where
     the copy is returned (eager returns fresh memory) or anything may write h."""
+    args = positional(node, ("input", "memory_format"))
     if node.op not in ("call_function", "call_method") or op_name(node) not in ("clone", "lift_fresh_copy") \
-            or len(node.args) != 1 \
-            or set(node.kwargs) - {"memory_format"} or not _is_tensor_node(node.args[0]):
+            or args is None or not 1 <= len(args) <= 2 or not _is_tensor_node(args[0]):
         return False
-    src, out, before = node.args[0], single_tensor_meta(node), single_tensor_meta(node.args[0])
+    src, out, before = args[0], single_tensor_meta(node), single_tensor_meta(args[0])
     if out is None or before is None or tuple(out.stride) != tuple(before.stride) or node.graph.owning_module is None \
             or node.graph.owning_module.meta.get("fxfuse_inplace_kept") \
             or any(op_name(u) in METADATA_INPLACE for u in src.users):
@@ -106,8 +134,8 @@ def copy_as_contiguous(node) -> bool:
         return False
     out, before = single_tensor_meta(node), single_tensor_meta(node.args[0])
     if out is None or before is None or out.dtype != before.dtype or tuple(out.shape) != tuple(before.shape) \
-            or tuple(out.stride) != row_major(out.shape) or tuple(before.stride) == row_major(before.shape):
-        return False
+            or tuple(out.stride) != row_major(out.shape) or torch_contiguous(before.shape, before.stride):
+        return False   # (.contiguous() of a contiguous h is h itself, where the copy is not: review44h)
     node.op, node.target, node.args, node.kwargs = "call_method", "contiguous", (node.args[0],), {}
     return True
 
@@ -126,6 +154,8 @@ def respell_view(node) -> bool:
     """Views with a common spelling that fusion knows, rewritten in place (True if one was):
     `h.ravel()` is `h.reshape(-1)`; of a real h, `h.mH` and `h.adjoint()` are `h.mT`, `h.H` is `h.T`
     (fuzz44e: each split a kernel)."""
+    if node.op == "call_function" and set(node.kwargs) == {"input"} and not node.args:
+        node.args, node.kwargs = (node.kwargs["input"],), {}   # torch.ravel(input=h) (review44h)
     if node.op not in ("call_function", "call_method") or not node.args or not _is_tensor_node(node.args[0]) \
             or node.kwargs:
         return False
@@ -145,13 +175,14 @@ def squeezed_slice_as_select(node) -> bool:
     """`h[:, k:k + 1].squeeze(1)`, `h.narrow(1, k, 1).squeeze(1)`: `h.select(1, k)`, one view
     that fusion reads (fuzz44e: a slice then a squeeze cost a kernel). Rewritten in place."""
     squeeze = node.op == "call_method" and node.target == "squeeze" or node.target in (torch.squeeze,)
-    if not squeeze or len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], torch.fx.Node) \
-            or type(node.args[1]) is not int or len(node.args[0].users) != 1:
+    args = positional(node, ("input", "dim")) if squeeze else None
+    if args is None or len(args) != 2 or not isinstance(args[0], torch.fx.Node) \
+            or type(args[1]) is not int or len(args[0].users) != 1:
         return False
-    part, meta = node.args[0], single_tensor_meta(node.args[0])
+    part, meta = args[0], single_tensor_meta(args[0])
     if meta is None or not part.args or not _is_tensor_node(part.args[0]):
         return False
-    d = node.args[1] % max(len(meta.shape), 1)
+    d = args[1] % max(len(meta.shape), 1)
     if op_name(part) == "narrow" and len(part.args) == 4 and not part.kwargs:
         dim, start, length = part.args[1:]
         found = type(dim) is int and dim % len(meta.shape) == d and type(start) is int and start >= 0 and length == 1
@@ -164,7 +195,7 @@ def squeezed_slice_as_select(node) -> bool:
         return False
     if not found or meta.shape[d] != 1:
         return False
-    node.op, node.target, node.args = "call_method", "select", (part.args[0], d, start)
+    node.op, node.target, node.args, node.kwargs = "call_method", "select", (part.args[0], d, start), {}
     return True
 
 
@@ -172,16 +203,20 @@ def repeat_as_expand(node, is_pointwise_target) -> bool:
     """`h.repeat(4, 1, 1)` (or tile) that repeats only size-1 or new dims, read only by pointwise
     ops in a graph that keeps no in-place op: `h.expand(...)`, which they read without the copy
     (fuzz44e). Rewritten in place."""
-    if op_name(node) not in ("repeat", "tile") or node.kwargs or len(node.args) < 2 \
-            or not _is_tensor_node(node.args[0]) or not _read_by_pointwise_only(node, is_pointwise_target):
-        return False
-    reps = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
-    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)
+    args = positional(node, ("input", "repeats" if op_name(node) == "repeat" else "dims"))
+    if op_name(node) not in ("repeat", "tile") or args is None or len(args) < 2 \
+            or not _is_tensor_node(args[0]) or not _read_by_pointwise_only(node, is_pointwise_target) \
+            or not all(torch_contiguous(m.shape, m.stride) for u in node.users for a in u.all_input_nodes
+                       if a is not node and (m := single_tensor_meta(a)) is not None):
+        return False   # (a reader's other operand in another layout: expand's result follows it, the copy's
+    #                     is row-major; review44h: channels_last came back where eager's is contiguous)
+    reps = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    src, out = single_tensor_meta(args[0]), single_tensor_meta(node)
     if src is None or out is None or not all(type(r) is int for r in reps) or len(reps) < len(src.shape) \
-            or any(op_name(u) in METADATA_INPLACE for u in node.args[0].users):
+            or any(op_name(u) in METADATA_INPLACE for u in args[0].users):
         return False
     padded = (1,) * (len(reps) - len(src.shape)) + tuple(src.shape)
     if any(r != 1 and size != 1 for r, size in zip(reps, padded)):
         return False
-    node.op, node.target, node.args = "call_method", "expand", (node.args[0], *out.shape)
+    node.op, node.target, node.args, node.kwargs = "call_method", "expand", (args[0], *out.shape), {}
     return True
