@@ -414,7 +414,7 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
                 return None
             # fp16/bf16: CUDA computes x + alpha * y in fp32 and rounds once, as add_scaled does (split,
             # y * alpha would round to fp16 first, and may overflow); a number beside a half tensor is
-            # kept as written (eager rounds it to fp16 first: 2.0 - 3 * h reads fp16(0.1) for 0.1).
+            # kept as written (eager rounds it to fp16 first: `torch.rsub(h, 0.1, alpha=3)` reads fp16(0.1)).
             # Eager scales y in the result's dtype (a uint8 y * 3 of its own would wrap around)
             if any(getattr(a.meta.get("tensor_meta"), "dtype", None) in HALF_DTYPES
                    for a in (x, other) if isinstance(a, torch.fx.Node)) and not (
