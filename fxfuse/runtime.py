@@ -251,13 +251,14 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._attributes = plain_attributes(self.original, self._attribute_reads, frozenset(self._written_attributes))
         plain_tensors = [v for v in watched_values(self._attributes) if isinstance(v, torch.Tensor)]
         self._plain_tensors[:] = plain_tensors + contained_tensors(self._attributes)
-        spec.model_tensors += tuple(self._plain_tensors) + held_elsewhere(self.original)   # returned as themselves,
+        elsewhere = held_elsewhere(self.original)
+        spec.model_tensors += tuple(self._plain_tensors) + elsewhere   # returned as themselves,
         #   as eager does (fuzz38f; a module-level tensor or an unregistered module's weight: fuzz44c)
         own = storages((*self.original.parameters(), *self.original.buffers(), *self._plain_tensors))
         self._read_storages |= gm.meta.get("fxfuse_read_storages", frozenset())
         # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a
         # plain tensor attribute too: review38; a module-level tensor, an unregistered weight: review38c)
-        self._model_storages = own | self._read_storages | storages(held_elsewhere(self.original))
+        self._model_storages = own | self._read_storages | storages(elsewhere)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
             self._read_storages, args)

@@ -7,8 +7,9 @@ import torch
 import torch.fx
 
 from fxfuse.node_meta import single_tensor_meta
-from fxfuse.ops import row_major
 from fxfuse.tracing import fxfuse_meta
+
+from .identity_ops import torch_contiguous
 
 aten = torch.ops.aten
 
@@ -17,12 +18,22 @@ FUNCTIONAL_TWINS = {"masked_fill_", "masked_scatter_", "index_fill_", "index_add
                     "scatter_add_", "scatter_reduce_", "tril_", "triu_", "nan_to_num_"}
 
 
+def _fresh_and_contiguous(gm, base, node, order) -> bool:
+    """Whether the in-place `node` may become its out-of-place twin: base is a fresh tensor whose other
+    readers before the write only read it (a view taken after the write reads the result: review35c),
+    laid out contiguously (the twin's result is: a buffer with other strides keeps them, fuzz38h)."""
+    from .normalize import _produces_fresh_tensor, _reads_without_alias
+    meta = single_tensor_meta(base)
+    return meta is not None and torch_contiguous(meta.shape, meta.stride) and _produces_fresh_tensor(base) \
+        and all(u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node] for u in base.users)
+
+
 def functional_twin(gm, node, order) -> bool:
     """`scores.masked_fill_(mask, v)` on a fresh tensor (a matmul's result) that nothing else
     reads as is: the out-of-place `masked_fill`, and later readers of `scores` read its result.
     Kept in place, the write would make everything that may alias `scores` unfusible. torch.export
     spells it aten.index_add_.default & co. (fuzz38d: a GCN's aggregation into torch.zeros)."""
-    from .normalize import _later_readers_read, _produces_fresh_tensor, _reads_without_alias
+    from .normalize import _later_readers_read
     if node.op == "call_method" and node.target in FUNCTIONAL_TWINS:
         twin = node.target[:-1]
     elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
@@ -32,15 +43,8 @@ def functional_twin(gm, node, order) -> bool:
     else:
         return False
     base = node.args[0] if node.args else None
-    meta = single_tensor_meta(base)   # the out-of-place twin returns a contiguous result: a buffer with
-    if twin is None or meta is None or any(n != 1 and st != rm for n, st, rm in zip(   # other strides keeps
-            meta.shape, meta.stride, row_major(meta.shape))):                       # them (fuzz38h)
-        return False
-    if base in node.args[1:] or base in node.kwargs.values():   # sc.masked_scatter_(m, sc): reads what it writes
-        return False
-    if not (isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base)   # a view taken after the
-            and all(u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # write reads
-                    for u in base.users)):                            # the result (review35c)
+    if twin is None or base in node.args[1:] or base in node.kwargs.values() \
+            or not _fresh_and_contiguous(gm, base, node, order):   # sc.masked_scatter_(m, sc): reads what it writes
         return False
     with gm.graph.inserting_after(node):
         new = gm.graph.create_node(node.op, twin, node.args, dict(node.kwargs))
@@ -55,7 +59,7 @@ def mask_assignment_as_where(gm, node, order) -> bool:
     """`h[mask] = v` (torch.export's index_put_(h, [mask], v)) with a bool mask of h's shape and a
     number or one-element value, on a fresh h: `torch.where(mask, v, h)`, as masked_fill_ is read
     (fuzz44e: the write kept everything reading h out of fusion)."""
-    from .normalize import _later_readers_read, _produces_fresh_tensor, _reads_without_alias
+    from .normalize import _later_readers_read
     if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3 and not node.kwargs:
         base, mask, value = node.args
     elif node.op == "call_function" and node.target is aten.index_put_.default and len(node.args) == 3 \
@@ -69,9 +73,7 @@ def mask_assignment_as_where(gm, node, order) -> bool:
             or not (isinstance(value, (int, float)) and not isinstance(value, bool) and meta.dtype.is_floating_point
                     or value_meta is not None and value_meta.shape.numel() == 1 and len(value_meta.shape) == 0
                     and value_meta.dtype == meta.dtype) \
-            or any(n != 1 and st != rm for n, st, rm in zip(meta.shape, meta.stride, row_major(meta.shape))) \
-            or base in (mask, value) or not _produces_fresh_tensor(base) \
-            or not all(u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node] for u in base.users):
+            or base in (mask, value) or not _fresh_and_contiguous(gm, base, node, order):
         return False
     with gm.graph.inserting_after(node):
         new = gm.graph.call_function(torch.where, (mask, value, base))

@@ -97,22 +97,21 @@ def is_no_op_conversion(node) -> bool:
         and len(devices) == 1 and None not in devices
 
 
-def read_only_clone(node, is_pointwise_target) -> bool:
+def read_only_clone(node, is_pointwise_target):
     """`h.clone()` (torch.clone, any memory_format that keeps h's strides; export's lift_fresh_copy of a
     constant) read only by pointwise
     ops, in a graph that keeps no in-place op: its readers may read h itself, which is what eager's
     copy holds (fuzz44d, fuzz44e: the copy split a kernel, where `.contiguous()` did not). Not where
-    the copy is returned (eager returns fresh memory) or anything may write h."""
+    the copy is returned (eager returns fresh memory) or anything may write h. Returns h, else None."""
     args = positional(node, ("input", "memory_format"))
     if node.op not in ("call_function", "call_method") or op_name(node) not in ("clone", "lift_fresh_copy") \
             or args is None or not 1 <= len(args) <= 2 or not _is_tensor_node(args[0]):
-        return False
+        return None
     src, out, before = args[0], single_tensor_meta(node), single_tensor_meta(args[0])
-    if out is None or before is None or tuple(out.stride) != tuple(before.stride) or node.graph.owning_module is None \
-            or node.graph.owning_module.meta.get("fxfuse_inplace_kept") \
+    if out is None or before is None or tuple(out.stride) != tuple(before.stride) \
             or any(op_name(u) in METADATA_INPLACE for u in src.users):
-        return False
-    return _read_by_pointwise_only(node, is_pointwise_target)
+        return None
+    return src if _read_by_pointwise_only(node, is_pointwise_target) else None
 
 
 def _read_by_pointwise_only(node, is_pointwise_target) -> bool:
@@ -154,7 +153,8 @@ def respell_view(node) -> bool:
     """Views with a common spelling that fusion knows, rewritten in place (True if one was):
     `h.ravel()` is `h.reshape(-1)`; of a real h, `h.mH` and `h.adjoint()` are `h.mT`, `h.H` is `h.T`
     (fuzz44e: each split a kernel)."""
-    if node.op == "call_function" and set(node.kwargs) == {"input"} and not node.args:
+    if node.op == "call_function" and node.target in (torch.ravel, torch.adjoint) and set(node.kwargs) == {"input"} \
+            and not node.args:
         node.args, node.kwargs = (node.kwargs["input"],), {}   # torch.ravel(input=h) (review44h)
     if node.op not in ("call_function", "call_method") or not node.args or not _is_tensor_node(node.args[0]) \
             or node.kwargs:

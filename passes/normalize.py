@@ -247,8 +247,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node) or squeezed_slice_as_select(node) \
                 or repeat_as_expand(node, is_pointwise_target) or factory_without_template(node):
             continue
-        if read_only_clone(node, is_pointwise_target):
-            node.replace_all_uses_with(node.args[0])
+        if (source := read_only_clone(node, is_pointwise_target)) is not None:
+            node.replace_all_uses_with(source)
             g.erase_node(node)
             continue
         cpu_literal_as_number(node, POINTWISE)
