@@ -140,8 +140,8 @@ def generate(ir: KernelIR, name: str | None = None) -> tuple:
                 # promotion; Triton's math functions reject int1. where's condition and casts keep it
                 args = [values[a] if a not in is_bool or op.name == "cast" or (op.name == "where" and j == 0)
                         else f"{values[a]}.to(tl.float32)" for j, a in enumerate(ins.args)]
-                if op.returns_bool:
-                    is_bool.add(k)
+                if op.returns_bool or op.name == "cast" and ins.param("dtype") == torch.bool:   # (x.bool() / 3:
+                    is_bool.add(k)                                       # int1 where fp32 was read; fuzz45b)
                 buf.line(f"v{k} = {op.expr(*args, **dict(ins.params))}")
                 vec = any(is_vector[a] for a in ins.args)
             values[k], is_vector[k] = f"v{k}", vec

@@ -210,3 +210,30 @@ def factory_without_template(node) -> bool:
     node.op, node.target = "call_function", torch.full
     node.args, node.kwargs = (tuple(meta.shape), value), {"dtype": meta.dtype, "device": device}
     return True
+
+
+FULLS = {torch.full, torch.ops.aten.full.default}
+
+
+def full_as_expanded_literal(gm, node, is_pointwise_target) -> bool:
+    """`torch.full(shape, v)` (and zeros_like, ones_like, new_full ..., which factory_without_template
+    made full) read only by pointwise ops: a one-element constant expanded to the shape, which the
+    fused kernel reads as a number where it lies, instead of a library call that fills a tensor on
+    every call (stop 44 left it: a launch each)."""
+    from .identity_ops import read_as_broadcast_only
+    if node.op != "call_function" or node.target not in FULLS or len(node.args) != 2 \
+            or not isinstance(node.args[1], (bool, int, float)) or set(node.kwargs) - {"dtype", "device", "layout",
+                                                                                       "pin_memory", "requires_grad"} \
+            or node.kwargs.get("layout") not in (None, torch.strided) or node.kwargs.get("pin_memory") \
+            or node.kwargs.get("requires_grad"):
+        return False
+    meta, device = single_tensor_meta(node), fxfuse_meta(node).get("device")
+    if meta is None or device is None or not read_as_broadcast_only(node, is_pointwise_target):
+        return False
+    value = torch.full((), node.args[1], dtype=meta.dtype, device=device)   # eager's conversion of v
+    name = register_constant(gm, LITERAL_STEM, value)
+    with gm.graph.inserting_before(node):
+        constant = gm.graph.get_attr(name)
+    node.op, node.target, node.args, node.kwargs = "call_method", "expand", (constant, tuple(meta.shape)), {}
+    return True
+

@@ -84,3 +84,88 @@ def mask_assignment_as_where(gm, node, order) -> bool:
     gm.graph.erase_node(node)
     _later_readers_read(base, new, node, order)
     return True
+
+
+WHOLE = (slice(None), Ellipsis)
+
+
+def _everything(index) -> bool:
+    """`:`, `...`, `:, :` (no more dims than the tensor has: eager's error, left to eager)."""
+    if isinstance(index, tuple):
+        return index.count(Ellipsis) <= 1 and all(i in WHOLE for i in index)
+    return index in WHOLE
+
+
+def _whole_write(node):
+    """(dst, value) of a write of all of dst: `dst.copy_(src)` (torch.export's aten.copy_),
+    `dst[:] = v`, `dst[...] = v` (operator.setitem, or __setitem__ where forward() wrote it); else None."""
+    if node.op == "call_method" and node.target == "copy_" and len(node.args) in (2, 3) \
+            and set(node.kwargs) <= {"non_blocking"}:
+        return node.args[:2]
+    if node.op == "call_function" and node.target is aten.copy_.default and len(node.args) in (2, 3) \
+            and set(node.kwargs) <= {"non_blocking"}:
+        return node.args[:2]
+    if (node.op == "call_function" and node.target is operator.setitem or node.op == "call_method"
+            and node.target == "__setitem__") and len(node.args) == 3 and not node.kwargs and _everything(node.args[1]):
+        return node.args[0], node.args[2]
+    return None
+
+
+def _added(gm, node, op, target, args, meta, device):
+    with gm.graph.inserting_before(node):
+        new = gm.graph.create_node(op, target, args, {})
+    new.meta["tensor_meta"] = meta
+    fxfuse_meta(new)["device"] = device
+    return new
+
+
+def whole_write_as_value(gm, node, order) -> bool:
+    """`h.copy_(src)`, `h[:] = v`, `h[...] = v` on a fresh h that nothing reads before as anything
+    but a value: every element is overwritten, so later readers of h read the written value made
+    out of place (src cast to h's dtype, broadcast to h's shape, in h's row-major layout; a number
+    filled), which fusion can take in. Kept in place, the write made everything that may alias h
+    unfusible (stop 44 left `h.copy_(h * 2)`, `torch.empty_like(x).copy_(y)`, `h[:] = v`)."""
+    from fxfuse.ops import cast
+    from .normalize import _later_readers_read
+    pair = _whole_write(node)
+    if pair is None:
+        return False
+    base, value = pair
+    meta, device = single_tensor_meta(base), fxfuse_meta(base).get("device") if isinstance(base, torch.fx.Node) else None
+    if meta is None or device is None or value is base or not _fresh_and_contiguous(gm, base, node, order) \
+            or isinstance(node.args[1], tuple) and len(node.args[1]) - node.args[1].count(Ellipsis) > len(meta.shape):
+        return False
+    if isinstance(value, (bool, int, float)):
+        filled = torch.empty((), dtype=meta.dtype)
+        try:
+            filled[...] = value            # eager's conversion of the number (h[:] = 2.7 of an int h: 2)
+        except (RuntimeError, OverflowError):
+            return False
+        new = _added(gm, node, "call_function", torch.full, (tuple(meta.shape), filled.item()), meta, device)
+        new.kwargs = {"dtype": meta.dtype, "device": device}
+    else:
+        src = single_tensor_meta(value)
+        if src is None or fxfuse_meta(value).get("device") != device:
+            return False
+        try:
+            if torch.broadcast_shapes(src.shape, meta.shape) != meta.shape:
+                return False
+        except RuntimeError:
+            return False
+        new = value
+        if tuple(src.shape) != tuple(meta.shape):
+            pad = len(meta.shape) - len(src.shape)
+            stride = tuple(0 if i < pad or src.shape[i - pad] != meta.shape[i] else src.stride[i - pad]
+                           for i in range(len(meta.shape)))
+            new = _added(gm, node, "call_method", "expand", (new, tuple(meta.shape)),
+                         src._replace(shape=meta.shape, stride=stride), device)
+        if src.dtype != meta.dtype:   # a cast's result is row-major where its operand is (or is expanded)
+            new = _added(gm, node, "call_function", cast, (new, meta.dtype), meta, device)
+        if new.op != "call_function" or new.target is not cast or not torch_contiguous(src.shape, src.stride):
+            # a fresh row-major copy, which read_only_clone or copy_as_contiguous may drop
+            new = _added(gm, node, "call_function", torch.clone, (new,), meta, device)
+            new.kwargs = {"memory_format": torch.contiguous_format}
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    _later_readers_read(base, new, node, order)
+    return True

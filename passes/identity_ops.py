@@ -45,9 +45,12 @@ def _is_tensor_node(node) -> bool:
     return isinstance(node, torch.fx.Node) and "tensor_meta" in node.meta
 
 
+PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t"}
+
+
 def whole_slice(node) -> bool:
-    """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim:
-    h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
+    """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim,
+    a permute that moves nothing: h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
     if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or any(
             u.op == "output" or op_name(u) in METADATA_INPLACE for u in node.users) \
             or any(op_name(u) in METADATA_INPLACE for u in node.args[0].users):
@@ -60,6 +63,9 @@ def whole_slice(node) -> bool:
         return all(i is Ellipsis or isinstance(i, slice) and all(b is None or type(b) is int for b in (
             i.start, i.stop)) and i.step in (None, 1) for i in index)   # (`pe[:, :T]` with T the table's
         #       length, `h[0:4]` of 4 rows: the same shape and strides, so all of it; fuzz43b)
+    if op_name(node) in PERMUTES and node.op in ("call_function", "call_method"):
+        return True   # `g.permute(0, 1)`, `g.transpose(1, 1)`, a swap of two size-1 dims: the same shape and
+        #               strides, and a permute keeps the offset: g itself (fuzz45e: it split a kernel)
     narrow = node.op == "call_method" and node.target == "narrow" or node.target in (torch.narrow, aten.narrow.default)
     if narrow or node.target is aten.slice.Tensor:   # the same shape and strides: all of the dim, step 1
         return all(type(a) is int for a in node.args[1:]) and (narrow or len(node.args) < 5 or node.args[4] == 1)
@@ -120,6 +126,16 @@ def _read_by_pointwise_only(node, is_pointwise_target) -> bool:
     return gm is not None and not gm.meta.get("fxfuse_inplace_kept") and bool(node.users) and all(
         u.op == "call_function" and is_pointwise_target(u.target) and "kept" not in u.meta.get("fxfuse", {})
         for u in node.users)
+
+
+def read_as_broadcast_only(node, is_pointwise_target) -> bool:
+    """node is read by pointwise ops only (_read_by_pointwise_only), whose other operands are all
+    contiguous: an expanded view in node's place then leaves each reader's result row-major, as
+    node's own row-major memory did (a reader's other operand in another layout: an expanded
+    operand's result follows it; review44h: channels_last came back where eager's is contiguous)."""
+    return _read_by_pointwise_only(node, is_pointwise_target) and all(
+        torch_contiguous(m.shape, m.stride) for u in node.users for a in u.all_input_nodes
+        if a is not node and (m := single_tensor_meta(a)) is not None)
 
 
 def copy_as_contiguous(node) -> bool:
@@ -205,11 +221,8 @@ def repeat_as_expand(node, is_pointwise_target) -> bool:
     (fuzz44e). Rewritten in place."""
     args = positional(node, ("input", "repeats" if op_name(node) == "repeat" else "dims"))
     if op_name(node) not in ("repeat", "tile") or args is None or len(args) < 2 \
-            or not _is_tensor_node(args[0]) or not _read_by_pointwise_only(node, is_pointwise_target) \
-            or not all(torch_contiguous(m.shape, m.stride) for u in node.users for a in u.all_input_nodes
-                       if a is not node and (m := single_tensor_meta(a)) is not None):
-        return False   # (a reader's other operand in another layout: expand's result follows it, the copy's
-    #                     is row-major; review44h: channels_last came back where eager's is contiguous)
+            or not _is_tensor_node(args[0]) or not read_as_broadcast_only(node, is_pointwise_target):
+        return False
     reps = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
     src, out = single_tensor_meta(args[0]), single_tensor_meta(node)
     if src is None or out is None or not all(type(r) is int for r in reps) or len(reps) < len(src.shape) \

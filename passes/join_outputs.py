@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from fxfuse.ir import IndexMap
+from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import TRITON_DTYPE, is_pointwise_target, row_major
 from fxfuse.tracing import fxfuse_meta
 
@@ -34,7 +35,9 @@ LOW_RANK = {"hstack": {1: ("cat", 0)}, "vstack": {1: ("stack", 0)}, "row_stack":
 
 
 def _meta(node):
-    return node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    """node's TensorMetadata where it is one tensor (a split's is a tuple of them: fuzz45a, a cat of
+    a chunk's items was an internal error), else None."""
+    return single_tensor_meta(node) if isinstance(node, torch.fx.Node) else None
 
 
 def join_of(node):

@@ -67,11 +67,11 @@ ATEN_TO = {aten._to_copy.default: (), aten.to.dtype: ("dtype", "non_blocking", "
            aten.to.other: ("other", "non_blocking", "copy", "memory_format"), aten.to.dtype_layout: ()}
 
 
-def _conversion(node):
-    """The dtype of x.to(...) (and torch.export's aten.to overloads and _to_copy) where it converts
-    the dtype on x's own device: x.to(dtype), .to(device, dtype), .to(device=, dtype=), .to(other),
-    with non_blocking= or copy= (a copy to x's own dtype stays: eager returns a new tensor). fuzz42c:
-    all but the first were library calls between two kernels."""
+def _to_arguments(node):
+    """(dtype, copies) of x.to(...) (and torch.export's aten.to overloads and _to_copy) where it
+    converts the dtype on x's own device: x.to(dtype), .to(device, dtype), .to(device=, dtype=),
+    .to(other), with non_blocking= or copy=; else None. fuzz42c: all but the first were library
+    calls between two kernels."""
     src, rest = node.args[0], list(node.args[1:])
     if node.op == "call_method":   # Tensor.to's three signatures, told apart by the first argument's type
         names = ("other",) if rest and isinstance(rest[0], torch.fx.Node) else \
@@ -100,9 +100,30 @@ def _conversion(node):
         here = fxfuse_meta(src).get("device")
         if here is None or not isinstance(device, (str, torch.device)) or torch.device(device) != torch.device(here):
             return None
-    if (node.target is aten._to_copy.default or bound.get("copy")) and dtype == source.dtype:
+    return dtype, node.target is aten._to_copy.default or bool(bound.get("copy"))
+
+
+def _conversion(node):
+    """The dtype of a conversion _to_arguments reads, unless it copies to x's own dtype (eager
+    returns a new tensor: copy_to_own_dtype_as_clone reads it)."""
+    found = _to_arguments(node)
+    if found is None or found[1] and found[0] == single_tensor_meta(node.args[0]).dtype:
         return None
-    return dtype
+    return found[0]
+
+
+def copy_to_own_dtype_as_clone(node) -> bool:
+    """`h.to(h.dtype, copy=True)` (torch.export's _to_copy to h's dtype): a copy on h's device, which
+    is `h.clone()` (eager's keeps h's strides too), as read_only_clone reads it (stop 44 left it: it
+    split a kernel). Rewritten in place; True if it was."""
+    if not (node.op == "call_function" and node.target in ATEN_TO or node.op == "call_method" and node.target == "to") \
+            or not node.args:
+        return False
+    found = _to_arguments(node)
+    if found is None or not found[1] or found[0] != single_tensor_meta(node.args[0]).dtype:
+        return False
+    node.op, node.target, node.args, node.kwargs = "call_function", torch.clone, (node.args[0],), {}
+    return True
 
 
 def overload_of(node):

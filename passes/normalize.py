@@ -28,15 +28,15 @@ from fxfuse.tracing import fxfuse_meta
 
 from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
-                            fold_pointwise_of_literals)
+                            fold_pointwise_of_literals, full_as_expanded_literal)
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
-from .functional_twins import functional_twin, mask_assignment_as_where
+from .functional_twins import functional_twin, mask_assignment_as_where, whole_write_as_value
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
                            repeat_as_expand, respell_view, squeezed_slice_as_select, whole_slice)
 from .implicit_args import explicit_softmax_dim
 from .join_outputs import cat_of_unsqueezed_as_stack
-from .metadata_spellings import overload_of, where_as_leaky_relu
+from .metadata_spellings import copy_to_own_dtype_as_clone, overload_of, where_as_leaky_relu
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
                                matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
@@ -189,7 +189,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 _replace(g, node, cast, (src, dtype), {})
             continue
         row = spelling_of(gm, node)
-        if row is None and (functional_twin(gm, node, order) or mask_assignment_as_where(gm, node, order)):
+        if row is None and (functional_twin(gm, node, order) or mask_assignment_as_where(gm, node, order)
+                            or whole_write_as_value(gm, node, order)):
             continue
         if row is None:
             if _mutates(gm, node):   # x.masked_fill_(m, 0), x.zero_(), x[i] = v: fusion must see the write
@@ -245,8 +246,12 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if fold_pointwise_of_literals(gm, node, POINTWISE):
             continue
         if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node) or squeezed_slice_as_select(node) \
-                or repeat_as_expand(node, is_pointwise_target) or factory_without_template(node):
+                or repeat_as_expand(node, is_pointwise_target):
             continue
+        factory_without_template(node)   # (then as torch.full:)
+        if full_as_expanded_literal(gm, node, is_pointwise_target):
+            continue
+        copy_to_own_dtype_as_clone(node)   # (then as a clone:)
         if (source := read_only_clone(node, is_pointwise_target)) is not None:
             node.replace_all_uses_with(source)
             g.erase_node(node)
@@ -275,6 +280,10 @@ def _bool_arithmetic_as_logical(node) -> None:
     if twin is not None and all(_is_tensor_node(a) and a.meta["tensor_meta"].dtype == torch.bool
                                 for a in (*node.args, node)):
         node.target = twin
+    elif node.op == "call_function" and node.target in (operator.xor, torch.bitwise_xor) and len(node.args) == 2 \
+            and not node.kwargs and node.args[1] is True and _is_tensor_node(node.args[0]) \
+            and node.args[0].meta["tensor_meta"].dtype == torch.bool:   # mask ^ True: not mask (fuzz45b: a
+        node.target, node.args = torch.logical_not, node.args[:1]          # library call between kernels)
 
 
 def _is_impure(node) -> bool:

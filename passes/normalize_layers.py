@@ -18,6 +18,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from fxfuse.node_meta import fetch_attr, get_attr_quietly, tensor_meta
 from fxfuse.state_writes import written_attributes
 
+from .contraction_forms import einsum_operands, inner_or_tensordot, stored_weight
 from .spellings import CONV_FUNCTIONS
 
 aten = torch.ops.aten
@@ -37,7 +38,6 @@ MATMULS = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul
            aten.mm, aten.matmul}   # (the packets, no overload named: fuzz43b)
 MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
 ADDMMS = {torch.addmm, aten.addmm.default, aten.addmm}
-EINSUMS = {torch.einsum, aten.einsum.default}
 
 
 def _swaps(dims) -> bool:
@@ -84,14 +84,6 @@ def _transposed_weight(node):
     return None
 
 
-def _stored_weight(node):
-    """W where node is itself a 2-D floating constant of the model (a get_attr), else None."""
-    meta = tensor_meta(node)
-    if meta is None or node.op != "get_attr":
-        return None
-    return node if len(meta.shape) == 2 and meta.dtype.is_floating_point else None
-
-
 def _transposed_copy(gm, w):
     """A get_attr of W.T as a contiguous constant of gm: `x @ W` with W stored [in, out] is
     F.linear(x, W.T). One copy per weight however often the graph reads it; the copy is
@@ -117,39 +109,8 @@ def _weight_operand(other, transposed: bool):
     w = _transposed_weight(other)
     if w is not None:
         return w, transposed
-    w = _stored_weight(other)
+    w = stored_weight(other)
     return (w, not transposed) if w is not None else None
-
-
-def _einsum_operands(node):
-    """(x, weight node for F.linear) where node is an einsum that is a Linear: one operand a 2-D
-    constant W, the other x, the equation contracting x's last index with one of W's and
-    keeping x's other indices in order followed by W's other one (`bi,oi->bo`, `...i,io->...o`,
-    `bsi,oi->bso`, either operand first); else None. W's index order says which way it is
-    stored."""
-    if node.op != "call_function" or node.target not in EINSUMS or node.kwargs or len(node.args) < 2:
-        return None
-    equation, operands = node.args[0], list(node.args[1:])
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation:
-        return None
-    inputs, out = equation.replace(" ", "").split("->")
-    subscripts = inputs.split(",")
-    if len(subscripts) != 2:
-        return None
-    w_at = [i for i, a in enumerate(operands) if _stored_weight(a) is not None]
-    if len(w_at) != 1 or not isinstance(operands[1 - w_at[0]], torch.fx.Node):
-        return None
-    sw, sx = subscripts[w_at[0]], subscripts[1 - w_at[0]]
-    letters = sx.replace("...", "")
-    if len(sw) != 2 or not sx or sx.endswith(".") or len(set(letters)) != len(letters) or len(set(sw)) != 2:
-        return None
-    c = sx[-1]
-    o = sw.replace(c, "", 1)
-    if c not in sw or len(o) != 1 or o in sx or out != sx[:-1] + o:
-        return None
-    return operands[1 - w_at[0]], operands[w_at[0]], sw == o + c
 
 
 def matmul_as_linear(gm, node) -> bool:
@@ -181,9 +142,12 @@ def matmul_as_linear(gm, node) -> bool:
             weight = _weight_operand(args["weight"], transposed=True)
         elif node.kwargs:   # F.linear(input=x, weight=W): the positional form the Linear passes read
             weight = (args["weight"], False)
-    elif (einsum := _einsum_operands(node)) is not None:
+    elif (einsum := einsum_operands(node)) is not None:
         x, w, stored_out_in = einsum
         weight = (w, not stored_out_in)
+    elif (contracted := inner_or_tensordot(node)) is not None:   # torch.inner(x, W), tensordot(x, W, ([-1], [1]))
+        x, other, as_linear = contracted                              # (fuzz45d: not planned as Linears)
+        weight = _weight_operand(other, transposed=as_linear)
     if weight is None:
         return False
     w, copy = weight

@@ -291,15 +291,22 @@ def _masked_fill_view(s, x, y):
     return h + 1
 
 
-@pytest.mark.parametrize("fn", [_masked_fill_view, _zero, _copy, _div_floor_],   # (clamp_min_ has a
-                         ids=["masked_fill_-view", "zero_", "copy_", "div_-floor"])   # canonical form: stop 38)
-def test_unknown_inplace_ops_are_kept_and_respected(fn):
+@pytest.mark.parametrize("fn", [_masked_fill_view, _zero, _div_floor_],   # (clamp_min_ has a canonical form:
+                         ids=["masked_fill_-view", "zero_", "div_-floor"])   # stop 38; copy_ of a whole fresh h
+def test_unknown_inplace_ops_are_kept_and_respected(fn):                     # reads as its value: stop 45)
     model = Fn2(fn).eval()
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     gm = normalized(model, x, y)
     assert gm.meta["fxfuse_inplace_kept"], "the mutation must be visible to fusion"
     opt = fxfuse.optimize(model, (x, y), strict=True)
     assert_matches_eager(opt, model, x, y)
+
+
+def test_a_copy_into_a_whole_fresh_tensor_is_its_value():
+    model = Fn2(_copy).eval()
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    assert not normalized(model, x, y).meta["fxfuse_inplace_kept"]
+    assert_matches_eager(fxfuse.optimize(model, (x, y), strict=True), model, x, y)
 
 
 class Attention(nn.Module):
