@@ -14,7 +14,7 @@ import numbers
 import torch
 
 from .call_context import user_mode_active
-from .concrete_args import (UNBINDABLE, bind_positional, positional_names, restore_argument_containers, same_default,
+from .concrete_args import (UNBINDABLE, bind_positional, keyword_changing_wrapper, positional_names, restore_argument_containers, same_default,
                             watch_argument_containers)
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
@@ -53,6 +53,11 @@ def _bound_keywords(example_input, model) -> tuple:
     """A dict example (`model(**inputs)`, as HF-style code calls) as the positional arguments
     it binds to: calls by keyword bind the same way (runtime.forward), so they find the same
     specialization. A name no parameter takes by position (**kwargs, keyword-only) cannot."""
+    if (wrapper := keyword_changing_wrapper(model.forward)) is not None:
+        raise UnsupportedError(f"example_input is a dict, and {type(model).__name__}.forward is wrapped by {wrapper}, "
+                               "whose own signature takes keywords otherwise than the function it wraps; fxfuse "
+                               "binds keywords to positions, a call the wrapper may treat differently. Pass a tuple "
+                               f"of the arguments in order (parameters: {positional_names(model.forward)})")
     positional = bind_positional(model.forward, (), dict(example_input))
     if positional is UNBINDABLE or positional is None:
         raise UnsupportedError(
@@ -334,10 +339,10 @@ def _compiled(model) -> bool:
 def stats(optimized) -> dict:
     """Counts that tests and benchmarks assert on: fused kernels, library calls, launches."""
     if not isinstance(optimized, OptimizedModule):
-        return {"optimized": False, "fused_kernels": 0, "library_calls": 0, "library_epilogues": 0,
+        return {"optimized": False, "fused_kernels": 0, "library_calls": 0, "views": 0, "library_epilogues": 0,
                 "specializations": 0, "kernel_launches": 0, "reference_fallbacks": 0}
     from fxfuse.passes.linear_epilogue import linear_relu
-    fused = library = epilogues = 0
+    fused = library = epilogues = views = 0
     # the graph that served the latest call (the first built before any): a call with another
     # dtype or a 0-size example built one that fused nothing, and the counts stayed its (fuzz36e)
     current = max(list(optimized._specializations.values()), key=lambda s: s.last_call,
@@ -346,9 +351,11 @@ def stats(optimized) -> dict:
         kind = node_kind(current.gm, node)
         fused += kind == "fused kernel"
         library += kind == "library call"
+        views += kind == "view"
         epilogues += node.target is linear_relu     # library calls with bias and ReLU in cuBLASLt's epilogue
     kernels = list(optimized.fused_kernels())
-    return {"optimized": True, "fused_kernels": fused, "library_calls": library, "library_epilogues": epilogues,
+    return {"optimized": True, "fused_kernels": fused, "library_calls": library, "views": views,
+            "library_epilogues": epilogues,
             "specializations": len(optimized._specializations),
             "kernel_launches": sum(k.launches for k in kernels) + optimized._dropped[1],   # with the dropped
             "reference_fallbacks": sum(k.fallbacks for k in kernels) + optimized._dropped[2]}  # specializations
@@ -370,4 +377,8 @@ def node_kind(gm, node) -> str:
         return "kernel output"     # a view of one split-K GEMM's output, not a call
     if node.op == "call_function" and node.target is collections.OrderedDict:
         return "output container"  # tracing's OrderedDict output (tracing._AutocastWatchingTracer.create_arg)
+    from .report import VIEWS
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS:
+        return "view"              # no call: a view or a tuple's item (fuzz45g: counted as library calls)
     return "library call"

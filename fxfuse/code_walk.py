@@ -76,8 +76,13 @@ def globals_read(cls, levels: int = 2) -> list:
     user's module or class the same code names (`helpers.TABLE`, `helpers.scale(x)`, `Consts.T`).
     Such an attribute is looked up by the names the code uses, so a name used on another object
     too may add a value the code never reads: callers use this to know more, never less."""
-    queue = [(fn, 0) for klass in user_classes(cls) for attr in list(vars(klass).values())
-             for fn in plain_functions(attr)]
+    return globals_read_by([fn for klass in user_classes(cls) for attr in list(vars(klass).values())
+                            for fn in plain_functions(attr)], levels)
+
+
+def globals_read_by(functions, levels: int = 2) -> list:
+    """globals_read's (name, value) pairs for these functions and the helpers they call."""
+    queue = [(fn, 0) for fn in functions]
     found, done = [], set()
     while queue:
         fn, level = queue.pop()

@@ -5,6 +5,7 @@ A call's non-tensor arguments are checked by value on every call (runtime.Optimi
 signature), so the traced graph may treat them as constants: the example's values, and the
 defaults of the parameters the example leaves out (as the call binds them).
 """
+import functools
 import inspect
 import operator
 import sys
@@ -222,6 +223,41 @@ def without_trailing_defaults(forward, args: tuple) -> tuple:
             and same_default(args[-1], params[len(args) - 1].default):
         args.pop()
     return tuple(args)
+
+
+def wrapper_reads_keywords(model, kwargs) -> str | None:
+    """Why a call with `kwargs` runs the original module (keyword_changing_wrapper), else None."""
+    wrapper = keyword_changing_wrapper(model.forward)
+    if wrapper is None:
+        return None
+    return (f"keyword arguments {sorted(kwargs)}: {type(model).__name__}.forward is wrapped by {wrapper}, whose own "
+            "signature takes them otherwise than the function it wraps; fxfuse binds keywords to positions, a call "
+            "the wrapper may treat differently: pass them by position to use the optimized graph")
+
+
+def keyword_changing_wrapper(forward) -> str | None:
+    """The name of a decorator around forward() (functools.wraps) whose own signature is not the
+    function's it wraps (`def w(self, *args, **kw)` that reads or rescales `kw["scale"]`): fxfuse
+    passes keywords by position, and such a wrapper sees another call than eager's (fuzz45c: a
+    silent wrong answer). None where there is none, and for torch's own decorators
+    (`@torch.no_grad()`, `@torch.inference_mode()`), which pass a call on as it comes."""
+    return _keyword_changing_wrapper(getattr(forward, "__func__", forward))
+
+
+@functools.lru_cache(maxsize=256)
+def _keyword_changing_wrapper(fn) -> str | None:
+    from .log import inside_packages
+    while hasattr(fn, "__wrapped__"):
+        code = getattr(fn, "__code__", None)
+        try:
+            own, inner = inspect.signature(fn, follow_wrapped=False), inspect.signature(fn.__wrapped__)
+        except (TypeError, ValueError):
+            return getattr(fn, "__qualname__", type(fn).__name__)
+        if (code is None or not inside_packages(code.co_filename, ("torch",))) and \
+                [(p.name, p.kind) for p in own.parameters.values()] != [(p.name, p.kind) for p in inner.parameters.values()]:
+            return f"{getattr(code, 'co_name', '?')} ({code.co_filename}:{code.co_firstlineno})" if code else repr(fn)
+        fn = fn.__wrapped__
+    return None
 
 
 def bind_positional(forward, args, kwargs):

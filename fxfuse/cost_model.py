@@ -307,8 +307,8 @@ class CostModel:
         if path is None:
             logger.info("no calibration for %s: roofline estimates", device_name or "this device")
             return cls.roofline(device_name, cuda_graphs)
-        path = str(path)
         try:
+            path = os.fsdecode(path)   # (a path-like's str() need not be its path: fuzz45g)
             st = os.stat(path)
             got = _read_file(path, (st.st_mtime_ns, st.st_size))
         except Exception as e:  # noqa: BLE001 -- a path Python cannot use (a NUL byte), JSON nested past the

@@ -31,6 +31,16 @@ class RebuildOnLoad:
         return functools.partial, (operator.setitem, {})
 
 
+def hook_loads(model, hook, handles: list, hooked) -> None:
+    """`hook` on every submodule that has none yet (`hooked`, a WeakSet): a load into any drops the
+    builds, also into one assigned since optimize, whose inference tensors have no version counter
+    to tell (fuzz45c). A TorchScript child gets none: its parent's hook sees its load."""
+    for m in model.modules():
+        if m not in hooked and not isinstance(m, torch.jit.ScriptModule):
+            handles.append(m.register_load_state_dict_post_hook(hook))
+            hooked.add(m)
+
+
 def remove_hooks(handles) -> None:
     for handle in handles:
         handle.remove()

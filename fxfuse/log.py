@@ -78,8 +78,19 @@ def _show_once(caught) -> None:
                 _EMITTED.add(key)
                 module = _module_name(w.filename)   # not module=None: Python then drops the warning (a notebook
                 named = {"module": module} if module is not None else {}   # cell's, exec'd code's; review37c)
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry={}, source=w.source,
-                                       **named)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_registry(module),
+                                       source=w.source, **named)
+
+
+def _registry(module) -> dict:
+    """The module's own `__warningregistry__`, which Python's "once per place" reads: shown from
+    there, the warning is not shown again by forward()'s next eager run (fuzz45d: it was, under the
+    default filter, with registry={})."""
+    namespace = getattr(sys.modules.get(module), "__dict__", None) if module is not None else None
+    if not isinstance(namespace, dict):
+        return {}
+    registry = namespace.setdefault("__warningregistry__", {})
+    return registry if isinstance(registry, dict) else {}
 
 
 def _module_name(filename: str) -> str | None:

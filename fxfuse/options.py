@@ -1,5 +1,6 @@
 """Options of fxfuse.optimize, one frozen dataclass so a specialization can record what built it."""
 import math
+import numbers
 import os
 from dataclasses import dataclass, fields, replace
 
@@ -54,8 +55,9 @@ class Options:
     (None: 3x the classical product's, at least 1e-5 fp32 / 1e-2 fp16, bf16)."""
 
     def __post_init__(self):
-        if self.strassen_levels is None:
-            object.__setattr__(self, "strassen_levels", 2 if self.strassen == "auto" else 1)
+        if self.strassen_levels is None:   # (a str test first: a numpy array's == is no bool; fuzz45g)
+            object.__setattr__(self, "strassen_levels", 2 if isinstance(self.strassen, str) and self.strassen == "auto"
+                               else 1)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Options":
@@ -63,23 +65,23 @@ class Options:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise OptionError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
-        opts = cls(**kwargs)
+        opts = cls(**_as_plain_values(kwargs))
         for name in ("strict", "fuse", "cuda_graphs", "verify"):
             if not isinstance(getattr(opts, name), bool):
                 raise OptionError(f"option {name}={getattr(opts, name)!r}: expected True or False")
         if opts.use_kernels is not None and not isinstance(opts.use_kernels, bool):
             raise OptionError(f"option use_kernels={opts.use_kernels!r}: expected True, False or None")
         for name in ("max_specializations", "strassen_levels"):
-            if isinstance(getattr(opts, name), bool) or not isinstance(getattr(opts, name), int):
+            if type(getattr(opts, name)) is not int:
                 raise OptionError(f"option {name}={getattr(opts, name)!r}: expected an integer")
-        if opts.calibration is not None and not isinstance(opts.calibration, (str, os.PathLike)):
+        if opts.calibration is not None and not isinstance(opts.calibration, str):
             raise OptionError(f"option calibration={opts.calibration!r}: expected a file path or None")
-        if opts.calibration is not None and not str(opts.calibration).strip():
+        if opts.calibration is not None and not opts.calibration.strip():
             raise OptionError("option calibration='': expected a file path, or None for the default")
         if opts.max_specializations < 1:
-            raise OptionError("max_specializations must be at least 1")
+            raise OptionError(f"option max_specializations={opts.max_specializations}: must be at least 1")
         for name in ("strassen", "gemm", "fused_mlp", "tf32x3"):
-            if getattr(opts, name) not in MODES:
+            if not isinstance(getattr(opts, name), str) or getattr(opts, name) not in MODES:
                 raise OptionError(f"option {name}={getattr(opts, name)!r}; expected one of {MODES}")
         forced = [name for name in ("strassen", "gemm", "fused_mlp", "tf32x3") if getattr(opts, name) == "force"]
         if not opts.fuse and forced:   # (fuzz36e: gemm and fused_mlp were dropped in silence, Strassen was not)
@@ -88,10 +90,35 @@ class Options:
         if not 1 <= opts.strassen_levels <= MAX_STRASSEN_LEVELS:
             raise OptionError(f"strassen_levels must be 1..{MAX_STRASSEN_LEVELS}, got {opts.strassen_levels}")
         tol = opts.tolerance   # a negative or nan tolerance would silently reject (or accept) every layer
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
-                                or isinstance(tol, float) and not math.isfinite(tol) or tol < 0):   # (an int is finite)
-            raise OptionError(f"option tolerance={tol!r}: expected a finite number >= 0 (a relative error), or None")
+        if tol is not None and (type(tol) is not float or not math.isfinite(tol) or tol < 0):
+            raise OptionError(f"option tolerance={kwargs['tolerance']!r}: expected a finite number >= 0 (a relative "
+                              "error), or None")
         return opts
 
     def with_(self, **kwargs) -> "Options":
         return replace(self, **kwargs)
+
+
+def _as_plain_values(kwargs: dict) -> dict:
+    """numpy's and other numbers as Python's (`max_specializations=np.int64(2)`, `tolerance=np.float32(1e-3)`:
+    refused, where np.float64 passed as a float subclass; fuzz45g), a path-like calibration as its str
+    (`os.fspath`, not `str()`, which is the path only for pathlib's). Values of other kinds stay, for
+    from_kwargs to name in its error."""
+    plain = dict(kwargs)
+    for name in ("max_specializations", "strassen_levels"):
+        value = plain.get(name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            plain[name] = int(value)
+    tol = plain.get("tolerance")
+    if isinstance(tol, numbers.Real) and not isinstance(tol, bool):
+        try:
+            plain["tolerance"] = float(tol)
+        except OverflowError:   # tolerance=10**400: refused as not finite
+            plain["tolerance"] = math.inf
+    if isinstance(plain.get("calibration"), os.PathLike):
+        try:
+            plain["calibration"] = os.fsdecode(plain["calibration"])
+        except TypeError:   # an __fspath__ that returns no path: refused as no path
+            pass
+    return plain
+

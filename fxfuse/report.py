@@ -110,8 +110,9 @@ def node_table(gm: torch.fx.GraphModule) -> str:
             kernel = mod.kernel_name
             joined = [m.split("=")[0] for m in mod.members if m.endswith(("=stack", "=cat"))]   # join_outputs
             decision = decision or (f"fused {len(mod.members) - len(joined)} pointwise ops" + (
-                f"; writes {', '.join(joined)} itself" if joined else "") + (
-                "" if mod.use_kernel else f"; runs the torch reference ({_why_reference(gm)})"))
+                f"; writes {', '.join(joined)} itself" if joined else ""))
+            if not getattr(mod, "use_kernel", True):   # (a GEMM's, MLP's or Strassen kernel's too: fuzz45g)
+                decision += f"; runs the torch reference ({_why_reference(gm)})"
         elif meta.get("note"):
             decision = meta["note"]
         elif meta.get("kept"):
@@ -135,7 +136,7 @@ def _library_reason(node) -> str:
     if node.target is write_attribute:
         return f"assigns the attribute {node.args[2] if len(node.args) > 2 else ''} each call, as forward() does"
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS:
+    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS:   # (api.node_kind: "view")
         return "a view or an item of a tuple (no kernel; the kernels read it where it lies)"
     if node.op in ("call_function", "call_method") and name.split(".")[0] in RESHAPES:
         return "a view where the strides allow it, else the library's copy"

@@ -42,13 +42,13 @@ from torch.utils.hooks import RemovableHandle
 from .attribute_reads import contained_tensors, merge_reads, plain_attributes, reassigned, watched_values
 from .call_context import (COMPILER, FORWARD_AD, FX_TRACE_STATE, autocast_off, dynamo_traces, functorch_active,
                            holds_proxy, trace_tensors, traced_in_this_thread, user_mode_active)
-from .concrete_args import (UNBINDABLE, bind_positional, mutable_defaults, positional_names,
-                            without_trailing_defaults)
+from .concrete_args import (UNBINDABLE, bind_positional, mutable_defaults, positional_names, without_trailing_defaults,
+                            wrapper_reads_keywords)
 from .delegation import PassesThroughToOriginal
 from .errors import FxfuseWarning, GuardError, UnsupportedError, as_fxfuse_error, warn  # noqa: F401 (re-export)
 from .fingerprint import fingerprint
 from .kernel import FusedKernel
-from .load_hooks import (RebuildOnLoad, keys_named_as_saved, load_drops_specializations, remove_hooks,
+from .load_hooks import (RebuildOnLoad, hook_loads, keys_named_as_saved, load_drops_specializations, remove_hooks,
                          state_dict_as_original)
 from .log import logger, model_warnings_once
 from .mode_watch import (GRAD_REASON, GradRecording, held_elsewhere, training_key, training_reason,
@@ -121,11 +121,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._mutable_defaults = ()        # forward()'s changeable defaults, fingerprinted (_watch_state)
         # the example's trailing defaults left out, as a call's (`optimize(m, (x, 1.0))` for alpha=1.0,
         # then `opt(x)`: a second build of the same graph otherwise, or the original: fuzz41c)
+        self._load_hook, self._load_handles, self._load_hooked = RebuildOnLoad(self), [], weakref.WeakSet()
+        weakref.finalize(self, remove_hooks, self._load_handles)
         self.add_specialization(without_trailing_defaults(model.forward, example_args))
-        hook = RebuildOnLoad(self)
-        handles = [m.register_load_state_dict_post_hook(hook) for m in model.modules()
-                   if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: its parent's hook sees its load
-        weakref.finalize(self, remove_hooks, handles)
         self.register_load_state_dict_pre_hook(load_drops_specializations)
         self.register_state_dict_post_hook(state_dict_as_original)
         self.register_load_state_dict_post_hook(keys_named_as_saved)
@@ -147,6 +145,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._child_list = children_now(self._children)
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
             + tuple(GLOBAL_HOOKS[2:] if GLOBAL_HOOKS is not None else ())   # _hook_added: any() over them
+        hook_loads(model, self._load_hook, self._load_handles, self._load_hooked)
 
     def _state_edited(self) -> None:
         """Drop the specializations if the model changed since the build in a way they baked in:
@@ -315,14 +314,16 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
 
     def __call__(self, *args, **kwargs):
         """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
-        opt nor a global one, no TorchScript tracing, opt not torch.compile'd): a small model's
-        call is bound by the host."""
+        opt, no TorchScript tracing, opt not torch.compile'd): a small model's call is bound by the
+        host. Global module hooks are not run on opt: a call with one set runs the original module,
+        whose call runs them, on it and its submodules, as eager does (fuzz45c: a hook that edits the
+        output was applied twice, once for opt)."""
         d = self.__dict__
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "
                                       "graph's kernels and CUDA graph are not TorchScript)", args, kwargs)
         if (GLOBAL_HOOKS is None or d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
-                or d["_backward_pre_hooks"] or any(GLOBAL_HOOKS) or d.get("_compiled_call_impl") is not None):
+                or d["_backward_pre_hooks"] or d.get("_compiled_call_impl") is not None):
             return super().__call__(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
@@ -336,7 +337,11 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         if dynamo_traces() or COMPILER._is_compiling_flag and trace_tensors(args, kwargs) or BUILDING[0] \
                 and BUILD_LOCK._is_owned() or FX_TRACE_STATE._is_fx_tracing_flag and (holds_proxy(args, kwargs) or traced_in_this_thread()):
             return self.original(*args, **kwargs)
-        if kwargs:  # model(x, scale=3.0): the same call as model(x, 3.0), which is what was traced
+        given = (args, kwargs)   # the call as made: what the original gets where it runs (fuzz45c: a
+        if kwargs:               # with_kwargs hook saw the keywords as positions); model(x, scale=3.0) is
+            #                      the same call as model(x, 3.0), which is what was traced
+            if (why := wrapper_reads_keywords(self.original, kwargs)) is not None:
+                return self._run_original("kwargs:wrapper", why, *given)
             positional = bind_positional(self.original.forward, args, kwargs)
             if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError
                 return self.original(*args, **kwargs)
@@ -346,19 +351,19 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                           "keyword-only or **kwargs parameter of "
                                           f"{type(self.original).__name__}.forward to a value other than its "
                                           "default, or would fill in a default before them that is not a plain "
-                                          "value (a function, a module, a tensor, NaN)", args, kwargs)
+                                          "value (a function, a module, a tensor, NaN)", *given)
             args = positional
         if self._modules["original"].training or self._mode_modules and self._submodule_training():
-            return self._run_original(training_key(self.original), training_reason(self.original), args)
+            return self._run_original(training_key(self.original), training_reason(self.original), *given)
         if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
-            return self._run_original("swapped", SWAPPED, args)
+            return self._run_original("swapped", SWAPPED, *given)
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
-                                      "dtypes it was built with, autocast would change them", args)
+                                      "dtypes it was built with, autocast would change them", *given)
         if RemovableHandle.next_id != self._hook_ids_seen and self._hook_added():
-            return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", args)
+            return self._run_original("hook", f"{self._hooked}, which the optimized graph would not run", *given)
         if self._writes_in_place and share_memory(args, self._model_storages):
-            return self._run_original("aliased", ALIASED, args)
+            return self._run_original("aliased", ALIASED, *given)
         if (self._buffer_versions and moved(self._buffer_versions) or REGISTRATIONS[0] != self._registrations_seen
                 or MODE_CHANGES[0] != self._modes_seen
                 or UNVERSIONED_STEPS[0] != self._steps_seen
@@ -367,21 +372,21 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                 or self._mutable_defaults and self._defaults_moved()):
             self._state_edited()
         if (torch.is_grad_enabled() or self._grad.enables_grad) and self._grad.records(args):
-            return self._run_original("grad", GRAD_REASON, args)
+            return self._run_original("grad", GRAD_REASON, *given)
         if (self._grad.traced_inference is not None or self._grad.input_inference is not None) \
                 and (why := self._grad.inference_reason(args)):
-            return self._run_original("inference", why, args)
+            return self._run_original("inference", why, *given)
         if user_mode_active():
             return self._run_original("mode", "a TorchFunctionMode or TorchDispatchMode is active; eager runs every "
-                                      "op through it, the optimized graph's fused kernels would not", args)
+                                      "op through it, the optimized graph's fused kernels would not", *given)
         if functorch_active() or FORWARD_AD._current_level >= 0:
             return self._run_original("transform", "a torch.func transform (vmap, jvp, jacfwd) or forward-mode AD "
                                       "(torch.autograd.forward_ad) is active; the optimized graph's kernels take "
-                                      "plain tensors and would drop batching and tangents", args)
+                                      "plain tensors and would drop batching and tangents", *given)
         try:
             sig = signature(args)
         except UnsupportedInput as e:   # sparse, nested, a tensor subclass: no kernel was built for it
-            return self._run_original("layout", f"{e}; fxfuse's kernels take plain strided tensors", args)
+            return self._run_original("layout", f"{e}; fxfuse's kernels take plain strided tensors", *given)
         # threads: one call or build at a time. While one thread traces, torch.fx patches nn.Module.__call__
         # process-wide, and a graph's module calls in another thread would be recorded into that trace; a
         # CUDA graph's input binding and replay are one step; and another thread may have built this

@@ -3,12 +3,13 @@ tensor a constant of the graph and runs the write on it once while tracing, so t
 start from the written values (review34b). A tensor the model holds (its attributes, the
 module-level values its code reads) is told apart by its version before the trace: the user may
 have written it before optimize(), and the graph reads it, not a copy."""
+import functools
 import types
 
 import torch
 import torch.fx
 
-from .code_walk import globals_read, plain_functions
+from .code_walk import globals_read, globals_read_by, plain_functions
 from .errors import UnsupportedError
 from .module_state import storage_address
 
@@ -90,6 +91,12 @@ def held_tensors(model) -> list:
             for item in list(vars(value).values())[:256]:
                 visit(item, depth - 1)
 
+    def read_by_code(pairs):
+        for _, value in pairs:
+            visit(value, 2)
+            for bound in _bound_values(value):   # a helper function's tensor default
+                visit(bound, 1)
+
     modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
     for m in modules:
         for value in vars(m).values():
@@ -103,10 +110,10 @@ def held_tensors(model) -> list:
         for fn in [f for attr in list(vars(cls).values()) for f in plain_functions(attr)]:
             for value in _bound_values(fn):   # a tensor default or a closure's tensor (fuzz37j)
                 visit(value, 1)
-        for _, value in globals_read(cls):   # what its code and the module-level helpers it calls read
-            visit(value, 2)
-            for bound in _bound_values(value):   # a helper function's tensor default
-                visit(bound, 1)
+        read_by_code(globals_read(cls))   # what its code and the module-level helpers it calls read
+    # functions the modules hold (`self.fn = add_positions`, a partial of one): what they read too (fuzz45d)
+    read_by_code(globals_read_by([fn for m in modules for value in vars(m).values() for fn in plain_functions(
+        value.func if isinstance(value, functools.partial) else value)]))
     return list(held.values())
 
 

@@ -314,8 +314,10 @@ def test_a_calibration_without_a_device_name_is_refused_once(tmp_path):
     assert seen[0].filename == __file__   # at the caller's line, not inside fxfuse
 
 
-def test_a_huge_integer_tolerance_is_a_number():
-    assert fxfuse.Options.from_kwargs(tolerance=10 ** 400).tolerance == 10 ** 400
+def test_a_huge_integer_tolerance_is_refused_as_not_finite():
+    """Stop 45: it passed (an int is finite) and failed later, formatted as a float (fuzz45g)."""
+    with pytest.raises(fxfuse.OptionError, match="tolerance"):
+        fxfuse.Options.from_kwargs(tolerance=10 ** 400)
 
 
 def convnext_block():   # the reference block: NHWC Linears, layer scale, permute back, residual

@@ -1,0 +1,230 @@
+"""Stop 45: options given as numpy numbers or path-likes, explain() and stats() saying what runs,
+a model's warning shown once per place, tensors read by functions a module holds, decorators on
+forward() that read keywords, global module hooks, loads into submodules assigned after optimize."""
+import functools
+import math
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+from fxfuse.errors import OptionError
+
+from conftest import assert_matches_eager, optimize_strict
+
+
+def _model():
+    return nn.Sequential(nn.Linear(6, 6), nn.ReLU()).eval()
+
+
+@pytest.mark.parametrize("options", [{"max_specializations": np.int64(2)}, {"strassen_levels": np.int32(1)},
+                                     {"tolerance": np.float32(1e-3)}, {"tolerance": np.int64(1)}],
+                         ids=lambda o: f"{next(iter(o))}={type(next(iter(o.values()))).__name__}")
+def test_numpy_numbers_are_taken_as_numbers(options):
+    opt = optimize_strict(_model(), torch.randn(3, 6), **options)
+    value = getattr(opt._options, next(iter(options)))
+    assert type(value) in (int, float) and value == next(iter(options.values()))
+
+
+@pytest.mark.parametrize("options", [{"gemm": np.array(["auto", "off"])}, {"strassen": np.array("auto")},
+                                     {"tolerance": 10 ** 400}, {"tolerance": np.float32("nan")},
+                                     {"max_specializations": np.bool_(True)}, {"max_specializations": 2.0}])
+def test_odd_option_values_are_option_errors(options):
+    with pytest.raises(OptionError, match=next(iter(options))):
+        fxfuse.optimize(_model(), torch.randn(3, 6), **options)
+
+
+class CalibrationPath:
+    """A path-like whose str() is not its path."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __fspath__(self):
+        return self.path
+
+
+def test_a_path_like_calibration_is_read_by_its_path(tmp_path):
+    from fxfuse.cost_model import CALIBRATION_DIR
+    shipped = sorted(CALIBRATION_DIR.glob("*.json"))[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a CalibrationWarning ("cannot read '<...object at 0x..>'") fails
+        opt = fxfuse.optimize(_model(), torch.randn(3, 6), calibration=CalibrationPath(str(shipped)))
+    assert opt._options.calibration == str(shipped)
+
+
+@pytest.mark.parametrize("force", ["gemm", "fused_mlp", "strassen"])
+def test_explain_says_a_generated_gemm_runs_its_torch_reference(force):
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)).eval()
+    opt = optimize_strict(model, torch.randn(4, 16), use_kernels=False, **{force: "force"})
+    text = " ".join(fxfuse.explain(opt).split())
+    kernels = [line for line in fxfuse.explain(opt).splitlines() if " fused kernel " in line]
+    assert kernels and text.count("runs the torch reference (option use_kernels=False)") == len(kernels)
+
+
+def test_views_are_counted_apart_from_library_calls():
+    class Glu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 8)
+
+        def forward(self, x):
+            a, b = self.lin(x).chunk(2, -1)
+            return a * torch.sigmoid(b.t().t())
+
+    opt = optimize_strict(Glu().eval(), torch.randn(3, 6))
+    st = fxfuse.stats(opt)
+    assert st["library_calls"] == 1 and st["views"] >= 3 and st["fused_kernels"] == 1
+    kinds = [line.split()[1] for line in fxfuse.explain(opt).splitlines() if line.startswith(("chunk", "getitem"))]
+    assert kinds and set(kinds) == {"view"}
+
+
+class Warns(nn.Module):
+    def forward(self, x):
+        warnings.warn("deprecated thing used")
+        return x * 2
+
+
+def test_a_models_warning_shown_by_the_build_is_not_shown_again_by_eager():
+    model, x = Warns().eval(), torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        Warns.forward.__globals__.pop("__warningregistry__", None)
+        opt = fxfuse.optimize(model, x)
+        for _ in range(3):
+            opt(x.clone().requires_grad_())   # runs the original (records autograd), as eager would
+            model(x)
+    assert [str(w.message) for w in caught if w.category is UserWarning] == ["deprecated thing used"]
+
+
+TABLE = torch.randn(16, 8)
+with torch.no_grad():
+    TABLE.mul_(0.5)   # its version is 1: written before optimize, long ago
+
+
+def project(x):
+    return torch.relu(x @ TABLE)
+
+
+class HeldHelper(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x) * 2
+
+
+@pytest.mark.parametrize("wrap", ["function", "partial"])
+def test_a_tensor_read_by_a_function_a_module_holds_is_not_taken_for_a_written_constant(wrap):
+    """It was refused as "writes in place into a tensor it makes from constants" (fuzz45d)."""
+    model = HeldHelper(project if wrap == "function" else functools.partial(project)).eval()
+    opt = optimize_strict(model, torch.randn(2, 16))
+    assert_matches_eager(opt, model, torch.randn(2, 16))
+    with torch.no_grad():
+        TABLE.mul_(3)   # edited after optimize: seen
+        x = torch.randn(2, 16)
+        torch.testing.assert_close(opt(x), model(x))
+        TABLE.div_(3)
+
+
+def doubles_scale(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if "scale" in kwargs:
+            kwargs["scale"] = kwargs["scale"] * 2
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    @doubles_scale
+    def forward(self, x, scale=1.0):
+        return torch.relu(self.lin(x)) * scale
+
+
+def test_a_decorator_reading_a_keyword_sees_the_call_as_made():
+    """fxfuse passed `scale=3.0` by position: the wrapper never saw it (3.58 off, no warning)."""
+    model, x = Decorated().eval(), torch.randn(3, 6)
+    opt = fxfuse.optimize(model, x)
+    with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="wrapped by wrapper"):
+        got = opt(x, scale=3.0)
+    torch.testing.assert_close(got, model(x, scale=3.0))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, 3.0), model(x, 3.0))   # by position: the optimized graph
+    with pytest.raises(fxfuse.FxfuseError, match="wrapped by wrapper"):
+        fxfuse.optimize(model, {"x": x, "scale": 3.0})
+
+
+def test_torchs_own_decorators_keep_keyword_calls_optimized():
+    class NoGrad(nn.Module):
+        @torch.no_grad()
+        def forward(self, x, scale=1.0):
+            return torch.sigmoid(x) * scale
+
+    model, x = NoGrad().eval(), torch.randn(3, 6)
+    opt = optimize_strict(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(opt(x, scale=3.0), model(x, scale=3.0))
+
+
+def test_a_keyword_hook_on_the_fallback_gets_the_keywords():
+    class Scaled(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    seen = []
+    model = Scaled().eval()
+    opt = fxfuse.optimize(model, torch.randn(2, 3))
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append((len(args), dict(kwargs))), with_kwargs=True)
+    with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="pre-hook"):
+        opt(torch.randn(2, 3), scale=3.0)
+    assert seen == [(1, {"scale": 3.0})]
+
+
+def test_a_global_hook_runs_once_per_module_as_in_eager():
+    model, x = _model(), torch.randn(3, 6)
+    opt = fxfuse.optimize(model, x)
+    ran = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: ran.append(type(m).__name__) or out * 2)
+    try:
+        with torch.no_grad(), pytest.warns(fxfuse.FxfuseWarning, match="global module forward hook"):
+            got = opt(x)
+        n = len(ran)
+        with torch.no_grad():
+            expected = model(x)
+    finally:
+        handle.remove()
+    assert ran[:n] == ran[n:] == ["Linear", "ReLU", "Sequential"]
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_load_into_a_submodule_assigned_after_optimize_is_seen_under_inference_mode():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn, self.out = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.bn(self.lin(x))))
+
+    with torch.inference_mode():
+        model = Net().eval()
+        x = torch.randn(4, 8)
+        opt = fxfuse.optimize(model, x)
+        model.bn = nn.BatchNorm1d(8).eval()     # seen: the next call rebuilds
+        opt(x)
+        model.bn.load_state_dict({"weight": torch.randn(8), "bias": torch.randn(8), "running_mean": torch.randn(8),
+                                  "running_var": torch.rand(8) + 0.5, "num_batches_tracked": torch.tensor(0)})
+        torch.testing.assert_close(opt(x), model(x))
