@@ -89,7 +89,54 @@ def _verify(model, gm, args, rewind) -> list:
                                   f"{compiling}), or the output turns a last-bit rounding difference into a large "
                                   "one (sin of large values, a comparison or an integer cast of an intermediate), or "
                                   "this is a bug in fxfuse: please report it with explain()")
+    restore_eager_layouts(gm, model, expected, got, graph_args)
     return expected
+
+
+def restore_eager_layouts(gm, model, expected, got, graph_args) -> None:
+    """Outputs the graph lays out otherwise than eager does (fresh tensors, dense in both): the
+    graph returns as_layout(out, eager's strides) instead, a copy where they differ. The rewrites
+    keep eager's layouts themselves (ops.keep_eager_layout); a trace can differ though: torch.export
+    records MultiheadAttention's slow path, whose batch_first result is a transposed view where
+    eager's fast path returns it contiguous (fuzz45f: `opt(x).view(-1)` raised, eager's worked)."""
+    from .ops import as_layout
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves, spec = torch.utils._pytree.tree_flatten(output.args[0])
+    if len(leaves) != len(expected) or len(got) != len(expected):
+        return
+    held = {t.untyped_storage().data_ptr() for t in (*graph_args, *model.parameters(), *model.buffers())
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+    changed = False
+    for k, (leaf, e, g) in enumerate(zip(leaves, expected, got)):
+        if not (isinstance(leaf, torch.fx.Node) and type(e) is torch.Tensor and type(g) is torch.Tensor
+                and e.layout is g.layout is torch.strided and e.shape == g.shape and e.numel() > 1
+                and _dense(e) and _dense(g)) or _strides_that_matter(e) == _strides_that_matter(g) \
+                or g.untyped_storage().data_ptr() in held:
+            continue
+        with gm.graph.inserting_before(output):
+            fixed = gm.graph.call_function(as_layout, (leaf, tuple(e.stride())))
+        meta = leaf.meta.get("tensor_meta")
+        if meta is not None and hasattr(meta, "_replace"):
+            fixed.meta["tensor_meta"] = meta._replace(stride=tuple(e.stride()))
+        fixed.meta.setdefault("fxfuse", {})["note"] = "eager's memory layout of this output restored (the trace's differs)"
+        leaves[k], changed = fixed, True
+    if changed:
+        output.args = (torch.utils._pytree.tree_unflatten(leaves, spec),)
+        gm.recompile()
+
+
+def _strides_that_matter(t) -> tuple:
+    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+def _dense(t) -> bool:
+    """No gaps, no overlaps (no expanded dim): a copy with its strides is a plain tensor."""
+    expected = 1
+    for n, st in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1), key=lambda p: p[1]):
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _torch_random_state(gm: torch.fx.GraphModule):

@@ -113,7 +113,7 @@ def held_tensors(model) -> list:
         read_by_code(globals_read(cls))   # what its code and the module-level helpers it calls read
     # functions the modules hold (`self.fn = add_positions`, a partial of one): what they read too (fuzz45d)
     read_by_code(globals_read_by([fn for m in modules for value in vars(m).values() for fn in plain_functions(
-        value.func if isinstance(value, functools.partial) else value)]))
+        value.func if type(value) is functools.partial else value)]))   # (type(): a dead weakref.proxy raises)
     return list(held.values())
 
 

@@ -163,16 +163,21 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
         if out is None or meta is None or tuple(out.shape) != tuple(meta.shape) or {join, *pieces} & written \
                 or any(_meta(p) is None or _meta(p).dtype != meta.dtype for p in pieces) \
                 or len({tuple(_meta(p).shape) for p in pieces}) != 1 or not any(_computed(p) for p in pieces) \
-                or not all(_computed(p) or p.op in ("placeholder", "get_attr") for p in pieces):
+                or not all(_computed(p) or p.op in ("placeholder", "get_attr") or _slice_of_one(p) for p in pieces):
             continue   # (pieces one kernel computes, so op joins it: no more launches than before)
         d = dim % len(meta.shape)
         others = [a for a in op.args if isinstance(a, torch.fx.Node) and a is not join]
-        if any(_meta(a) is None or not _constant_along(_meta(a).shape, len(meta.shape), d, kind) for a in others):
+        if any(_meta(a) is None for a in others):
+            continue
+        spanning = [a for a in others if not _constant_along(_meta(a).shape, len(meta.shape), d, kind)]
+        if spanning and not _sliceable(spanning, meta, d, len(pieces), out):
             continue
         with g.inserting_before(op):
             new_pieces = []
-            for p in pieces:
-                piece = g.call_function(op.target, tuple(p if a is join else a for a in op.args), dict(op.kwargs))
+            for k, p in enumerate(pieces):
+                parts = {a: _part(g, a, len(meta.shape), d, kind, k, len(pieces), meta) for a in spanning}
+                piece = g.call_function(op.target, tuple(p if a is join else parts.get(a, a) for a in op.args),
+                                        dict(op.kwargs))
                 shape = tuple(_meta(p).shape)
                 piece.meta = {k: v for k, v in op.meta.items() if k != "tensor_meta"}
                 piece.meta["tensor_meta"] = out._replace(shape=torch.Size(shape), stride=row_major(shape))
@@ -188,6 +193,41 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
 
 def _computed(node) -> bool:
     return node.op == "call_function" and is_pointwise_target(node.target)
+
+
+def _slice_of_one(node) -> bool:
+    """`x[..., :h]`, `x.narrow(..)`, `x.select(..)`: a view a kernel reads where it lies (rotate_half's x1)."""
+    return _meta(node) is not None and isinstance(node.args[0] if node.args else None, torch.fx.Node) and (
+        node.op == "call_function" and node.target is operator.getitem
+        or node.op == "call_method" and node.target in ("narrow", "select"))
+
+
+def _sliceable(spanning, meta, d: int, count: int, out) -> bool:
+    """Operands that vary along the joined dim d, each as long there as the join (q * cos +
+    cat((-x2, x1), -1) * sin: rotary's rotate_half; fuzz45a), all row-major as the join and op's
+    result (the pieces' join is row-major: a transposed operand would have laid eager's result out
+    after itself)."""
+    from .identity_ops import torch_contiguous
+    return tuple(out.stride) == row_major(out.shape) and all(
+        torch_contiguous(m.shape, m.stride) and d - (len(meta.shape) - len(m.shape)) >= 0
+        and m.shape[d - (len(meta.shape) - len(m.shape))] == meta.shape[d] for m in map(_meta, spanning))
+
+
+def _part(g, a, ndim: int, d: int, kind: str, k: int, count: int, meta):
+    """The part of operand a that piece k of the join meets: a.narrow(..) for a cat, a.select(..) for a stack."""
+    m = _meta(a)
+    position = d - (ndim - len(m.shape))
+    if kind == "stack":
+        view = g.call_method("select", (a, position, k))
+        shape, stride = m.shape[:position] + m.shape[position + 1:], m.stride[:position] + m.stride[position + 1:]
+    else:
+        size = meta.shape[d] // count
+        view = g.call_method("narrow", (a, position, k * size, size))
+        shape, stride = m.shape[:position] + (size,) + m.shape[position + 1:], tuple(m.stride)
+    view.meta["tensor_meta"] = m._replace(shape=torch.Size(shape), stride=tuple(stride))
+    if "device" in fxfuse_meta(a):
+        fxfuse_meta(view)["device"] = fxfuse_meta(a)["device"]
+    return view
 
 
 def _constant_along(shape, ndim: int, d: int, kind: str) -> bool:

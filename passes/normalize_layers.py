@@ -68,9 +68,11 @@ def _transposed_weight(node):
         or (node.op == "call_method" and node.target == "adjoint" and not rest and real)   # (fuzz43b)
         or (node.op == "call_function" and node.target in (torch.t, aten.t.default, aten.numpy_T.default,
                                                            aten.mT.default, aten.t) and not rest)   # export's W.T, W.mT
-        or (node.op == "call_function" and node.target is torch.adjoint and not rest and real)
+        or (node.op == "call_function" and node.target in (torch.adjoint, aten.adjoint.default, aten.mH.default)
+            and not rest and real)   # (export's W.mH, W.adjoint(): fuzz45d)
         or (node.op == "call_method" and node.target in ("movedim", "moveaxis") and swaps)
-        or (node.op == "call_function" and node.target in (torch.movedim, torch.moveaxis) and swaps)
+        or (node.op == "call_function" and node.target in (torch.movedim, torch.moveaxis, aten.movedim.int,
+                                                           aten.moveaxis.int) and swaps)
         or (node.op == "call_method" and node.target in ("transpose", "swapaxes", "swapdims") and swaps)
         or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes, torch.swapdims,
                                                            aten.transpose.int, aten.swapaxes.default,

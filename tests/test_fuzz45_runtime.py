@@ -228,3 +228,27 @@ def test_a_load_into_a_submodule_assigned_after_optimize_is_seen_under_inference
         model.bn.load_state_dict({"weight": torch.randn(8), "bias": torch.randn(8), "running_mean": torch.randn(8),
                                   "running_var": torch.rand(8) + 0.5, "num_batches_tracked": torch.tensor(0)})
         torch.testing.assert_close(opt(x), model(x))
+
+
+class AttentionBehindASizeBranch(nn.Module):
+    """symbolic_trace fails on the branch: torch.export records MultiheadAttention's slow path,
+    whose batch_first result is a transposed view; eager's fast path returns it contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        if x.shape[0] in (2, 3):
+            return self.attn(x, x, x, need_weights=False)[0] + x
+        return x
+
+
+def test_an_output_the_trace_lays_out_otherwise_gets_eagers_strides():
+    model, x = AttentionBehindASizeBranch().eval(), torch.randn(3, 5, 8)
+    opt = fxfuse.optimize(model, x)
+    assert fxfuse.stats(opt)["optimized"]
+    got = assert_matches_eager(opt, model, x)
+    with torch.no_grad():
+        assert got.stride() == model(x).stride() == (40, 8, 1)
+    got.view(-1)
