@@ -2,8 +2,6 @@
 a model's warning shown once per place, tensors read by functions a module holds, decorators on
 forward() that read keywords, global module hooks, loads into submodules assigned after optimize."""
 import functools
-import math
-import os
 import warnings
 
 import numpy as np
