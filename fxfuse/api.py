@@ -14,7 +14,8 @@ import numbers
 import torch
 
 from .call_context import user_mode_active
-from .concrete_args import (UNBINDABLE, bind_positional, keyword_changing_wrapper, positional_names, restore_argument_containers, same_default,
+from .concrete_args import (UNBINDABLE, bind_positional, keyword_changing_wrapper, positional_names,
+                            restore_argument_containers, same_default,
                             watch_argument_containers)
 from .errors import FxfuseError, UnsupportedError, as_fxfuse_error, warn
 from .kernel import FusedKernel, interpreting, kernels_available
@@ -361,6 +362,16 @@ def stats(optimized) -> dict:
             "reference_fallbacks": sum(k.fallbacks for k in kernels) + optimized._dropped[2]}  # specializations
 
 
+def _gathers(node) -> bool:
+    """`x[idx]`, `x[:, [0, 2]]`, `x[mask]`: indexing by tensors or lists copies (review45h)."""
+    if getattr(node.target, "__name__", node.target) not in ("getitem", "__getitem__") or len(node.args) < 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    from .node_meta import single_tensor_meta
+    return any(isinstance(i, (torch.fx.Node, list)) for i in index) and isinstance(node.args[0], torch.fx.Node) \
+        and single_tensor_meta(node.args[0]) is not None
+
+
 def node_kind(gm, node) -> str:
     from .kernel import FusedKernel
     import operator
@@ -379,6 +390,6 @@ def node_kind(gm, node) -> str:
         return "output container"  # tracing's OrderedDict output (tracing._AutocastWatchingTracer.create_arg)
     from .report import VIEWS
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS:
+    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS and not _gathers(node):
         return "view"              # no call: a view or a tuple's item (fuzz45g: counted as library calls)
     return "library call"

@@ -217,6 +217,8 @@ def without_trailing_defaults(forward, args: tuple) -> tuple:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
         return args
+    if keyword_changing_wrapper(forward) is not None:   # the defaults that count are the wrapper's (review45h)
+        return args
     args = list(args)
     while args and len(args) <= len(params) and params[len(args) - 1].kind in POSITIONAL \
             and params[len(args) - 1].default is not inspect.Parameter.empty \
@@ -241,10 +243,13 @@ def keyword_changing_wrapper(forward) -> str | None:
     passes keywords by position, and such a wrapper sees another call than eager's (fuzz45c: a
     silent wrong answer). None where there is none, and for torch's own decorators
     (`@torch.no_grad()`, `@torch.inference_mode()`), which pass a call on as it comes."""
-    return _keyword_changing_wrapper(getattr(forward, "__func__", forward))
+    fn = getattr(forward, "__func__", forward)
+    try:
+        return _cached_wrapper(fn)
+    except TypeError:   # an unhashable callable (review45h: the cache raised)
+        return _keyword_changing_wrapper(fn)
 
 
-@functools.lru_cache(maxsize=256)
 def _keyword_changing_wrapper(fn) -> str | None:
     from .log import inside_packages
     while hasattr(fn, "__wrapped__"):
@@ -254,10 +259,18 @@ def _keyword_changing_wrapper(fn) -> str | None:
         except (TypeError, ValueError):
             return getattr(fn, "__qualname__", type(fn).__name__)
         if (code is None or not inside_packages(code.co_filename, ("torch",))) and \
-                [(p.name, p.kind) for p in own.parameters.values()] != [(p.name, p.kind) for p in inner.parameters.values()]:
+                [_described(p) for p in own.parameters.values()] != [_described(p) for p in inner.parameters.values()]:
             return f"{getattr(code, 'co_name', '?')} ({code.co_filename}:{code.co_firstlineno})" if code else repr(fn)
         fn = fn.__wrapped__
     return None
+
+
+_cached_wrapper = functools.lru_cache(maxsize=256)(_keyword_changing_wrapper)
+
+
+def _described(p):   # name, kind and default (review45h: `scale=2.0` around `scale=1.0` was taken as the same)
+    plain = p.default is inspect.Parameter.empty or isinstance(p.default, (bool, int, float, str, type(None)))
+    return p.name, p.kind, type(p.default), p.default if plain else id(p.default)
 
 
 def bind_positional(forward, args, kwargs):
@@ -266,6 +279,8 @@ def bind_positional(forward, args, kwargs):
     forward() at all (eager raises its TypeError)."""
     try:
         bound = inspect.signature(forward).bind(*args, **kwargs)
+        if keyword_changing_wrapper(forward) is not None:   # a wrapper's own signature may take fewer
+            inspect.signature(forward, follow_wrapped=False).bind(*args, **kwargs)   # (review45h)
     except TypeError:
         return UNBINDABLE
     given = set(bound.arguments)

@@ -118,7 +118,7 @@ def restore_eager_layouts(gm, model, expected, got, graph_args) -> None:
         meta = leaf.meta.get("tensor_meta")
         if meta is not None and hasattr(meta, "_replace"):
             fixed.meta["tensor_meta"] = meta._replace(stride=tuple(e.stride()))
-        fixed.meta.setdefault("fxfuse", {})["note"] = "eager's memory layout of this output restored (the trace's differs)"
+        fixed.meta.setdefault("fxfuse", {})["note"] = "eager's layout of this output restored (the trace's differs)"
         leaves[k], changed = fixed, True
     if changed:
         output.args = (torch.utils._pytree.tree_unflatten(leaves, spec),)

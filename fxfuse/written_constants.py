@@ -112,9 +112,20 @@ def held_tensors(model) -> list:
                 visit(value, 1)
         read_by_code(globals_read(cls))   # what its code and the module-level helpers it calls read
     # functions the modules hold (`self.fn = add_positions`, a partial of one): what they read too (fuzz45d)
-    read_by_code(globals_read_by([fn for m in modules for value in vars(m).values() for fn in plain_functions(
-        value.func if type(value) is functools.partial else value)]))   # (type(): a dead weakref.proxy raises)
+    read_by_code(globals_read_by([fn for m in modules for value in vars(m).values() for fn in _held_code(value)]))
     return list(held.values())
+
+
+def _held_code(value) -> list:
+    """The functions a value held on a module runs when called: a function, a bound method, a
+    partial's function, a callable object's `__call__` (review45h). type(), not isinstance: a dead
+    weakref.proxy raises on any use."""
+    kind = type(value)
+    if kind is functools.partial:
+        return plain_functions(value.func)
+    if kind in (types.FunctionType, types.MethodType) or issubclass(kind, (torch.nn.Module, type, types.ModuleType)):
+        return plain_functions(value) if kind in (types.FunctionType, types.MethodType) else []
+    return plain_functions(vars(kind).get("__call__")) if "__call__" in vars(kind) else []
 
 
 def _bound_values(fn) -> list:

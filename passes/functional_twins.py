@@ -98,13 +98,20 @@ def _everything(index) -> bool:
 
 def _whole_write(node):
     """(dst, value) of a write of all of dst: `dst.copy_(src)` (torch.export's aten.copy_),
-    `dst[:] = v`, `dst[...] = v` (operator.setitem, or __setitem__ where forward() wrote it); else None."""
+    `dst[:] = v`, `dst[...] = v` (operator.setitem, or __setitem__ where forward() wrote it),
+    `dst.fill_(v)`, `dst.zero_()`; else None."""
     if node.op == "call_method" and node.target == "copy_" and len(node.args) in (2, 3) \
             and set(node.kwargs) <= {"non_blocking"}:
         return node.args[:2]
     if node.op == "call_function" and node.target is aten.copy_.default and len(node.args) in (2, 3) \
             and set(node.kwargs) <= {"non_blocking"}:
         return node.args[:2]
+    if (node.op == "call_method" and node.target == "fill_" or node.op == "call_function"
+            and node.target in (aten.fill_.Scalar, aten.fill_.Tensor)) and len(node.args) == 2 and not node.kwargs:
+        return node.args             # h.fill_(v), export's h[:] = v (review45h)
+    if (node.op == "call_method" and node.target == "zero_" or node.op == "call_function"
+            and node.target is aten.zero_.default) and len(node.args) == 1 and not node.kwargs:
+        return node.args[0], 0
     if (node.op == "call_function" and node.target is operator.setitem or node.op == "call_method"
             and node.target == "__setitem__") and len(node.args) == 3 and not node.kwargs and _everything(node.args[1]):
         return node.args[0], node.args[2]
@@ -131,10 +138,18 @@ def whole_write_as_value(gm, node, order) -> bool:
     if pair is None:
         return False
     base, value = pair
-    meta, device = single_tensor_meta(base), fxfuse_meta(base).get("device") if isinstance(base, torch.fx.Node) else None
+    meta = single_tensor_meta(base)
+    device = fxfuse_meta(base).get("device") if isinstance(base, torch.fx.Node) else None
+    index = node.args[1] if len(node.args) == 3 and isinstance(node.args[1], tuple) else ()
     if meta is None or device is None or value is base or not _fresh_and_contiguous(gm, base, node, order) \
-            or isinstance(node.args[1], tuple) and len(node.args[1]) - node.args[1].count(Ellipsis) > len(meta.shape):
+            or len(index) - index.count(Ellipsis) > len(meta.shape):
         return False
+    from .fold_literals import LITERAL_PREFIX, _lifted_literal, _literal
+    literal = None if not isinstance(value, torch.fx.Node) else _lifted_literal(value) if value.op != "get_attr" else \
+        _literal(value) if value.target.startswith(LITERAL_PREFIX) else None   # (not a tensor the trace read: its
+    #                                                                          value may change in place later)
+    if literal is not None and literal.dim() == 0 and not literal.is_complex():   # export's h[:] = 7.0: fill_ of
+        value = literal.item()                                                     # a lifted constant
     if isinstance(value, (bool, int, float)):
         filled = torch.empty((), dtype=meta.dtype)
         try:

@@ -179,6 +179,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if split_layer(gm, node) or glu_as_gate(gm, node) or prelu_or_rrelu_as_pointwise(gm, node):
             continue
+        if copy_to_own_dtype_as_clone(node):   # a clone: fresh memory an in-place op after it may write
+            continue
         dtype = cast_target(node)
         if dtype is not None:
             src = node.args[0]
@@ -251,7 +253,6 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         factory_without_template(node)   # (then as torch.full:)
         if full_as_expanded_literal(gm, node, is_pointwise_target):
             continue
-        copy_to_own_dtype_as_clone(node)   # (then as a clone:)
         if (source := read_only_clone(node, is_pointwise_target)) is not None:
             node.replace_all_uses_with(source)
             g.erase_node(node)
@@ -271,6 +272,9 @@ def _copies_onto_itself(node) -> bool:
         and node.args[0] is node.args[1] and not node.kwargs
 
 
+XORS = {operator.xor, torch.bitwise_xor, aten.bitwise_xor.Scalar, aten.__xor__.Scalar}
+
+
 def _bool_arithmetic_as_logical(node) -> None:
     """mask_a * mask_b and mask_a + mask_b of two bool tensors are bool results, the logical
     and / or: as those ops they join a kernel (a bool result of * or + is none of the kernel's
@@ -280,10 +284,11 @@ def _bool_arithmetic_as_logical(node) -> None:
     if twin is not None and all(_is_tensor_node(a) and a.meta["tensor_meta"].dtype == torch.bool
                                 for a in (*node.args, node)):
         node.target = twin
-    elif node.op == "call_function" and node.target in (operator.xor, torch.bitwise_xor) and len(node.args) == 2 \
-            and not node.kwargs and node.args[1] is True and _is_tensor_node(node.args[0]) \
-            and node.args[0].meta["tensor_meta"].dtype == torch.bool:   # mask ^ True: not mask (fuzz45b: a
-        node.target, node.args = torch.logical_not, node.args[:1]          # library call between kernels)
+    elif node.op == "call_function" and node.target in XORS and len(node.args) == 2 and not node.kwargs \
+            and True in [a is True for a in node.args]:
+        mask = node.args[0] if node.args[1] is True else node.args[1]   # mask ^ True, True ^ mask: not mask
+        if _is_tensor_node(mask) and mask.meta["tensor_meta"].dtype == torch.bool:   # (fuzz45b, review45h: a
+            node.target, node.args = torch.logical_not, (mask,)                       # library call between kernels)
 
 
 def _is_impure(node) -> bool:

@@ -17,8 +17,8 @@ FILLS = {
     "ones_like*3": lambda x: torch.ones_like(x) * 3,
     "full_like": lambda x: torch.full_like(x, 0.25),
     "new_full": lambda x: x.new_full((x.shape[-1],), -2.0),
-    "torch.full row": lambda x: torch.full((x.shape[-1],), 0.5),
-    "torch.full int fill": lambda x: torch.full((1, x.shape[-1]), 3, dtype=x.dtype),
+    "torch.full row": lambda x: torch.full((x.shape[-1],), 0.5, device=x.device),
+    "torch.full int fill": lambda x: torch.full((1, x.shape[-1]), 3, dtype=x.dtype, device=x.device),
     "new_ones": lambda x: x.new_ones(x.shape[0], 1),
 }
 
@@ -324,3 +324,36 @@ def test_a_join_times_a_transposed_operand_keeps_eagers_layout():
     got = assert_matches_eager(opt, model, x, s)
     with torch.no_grad():
         assert got.stride() == model(x, s).stride()
+
+
+NUMBER_WRITES = {
+    "h[:] = 7.0 (export's fill_)": lambda x: (lambda h: (h.__setitem__(slice(None), 7.0), h + x)[1])(x * 1),
+    "fill_": lambda x: (lambda h: (h.fill_(7.0), h + x)[1])(x * 1),
+    "zero_": lambda x: (lambda h: (h.zero_(), h + x)[1])(x * 1),
+    "to(copy=True) then mul_": lambda x: (lambda y: (y.mul_(x), y + 1)[1])(x.sigmoid().to(x.dtype, copy=True)),
+    "True ^ mask": lambda x: (True ^ (x > 0)) * x,
+}
+
+
+@pytest.mark.parametrize("name", list(NUMBER_WRITES))
+def test_numbers_written_over_a_fresh_tensor_and_xor_spellings_join_the_kernel(name):
+    """review45h: each kept a library call (fill_, zero_, export's h[:] = v as aten.fill_.Tensor; a
+    copy by `to` written in place; `True ^ mask`)."""
+    model = WholeWrite(lambda x, y: NUMBER_WRITES[name](x) * y).eval()
+    x, y = torch.randn(3, 17), torch.randn(3, 17)
+    opt = optimize_strict(model, x, y)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, model, x, y)
+
+
+class ExportedXor(nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 2:        # symbolic_trace fails here: torch.export traces it (aten.__xor__.Scalar)
+            return ((x > 0) ^ True) * x
+        return x
+
+
+def test_an_exported_xor_with_true_joins_the_kernel():
+    opt = optimize_strict(ExportedXor().eval(), torch.randn(3, 17))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, ExportedXor().eval(), torch.randn(3, 17))

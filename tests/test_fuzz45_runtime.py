@@ -250,3 +250,82 @@ def test_an_output_the_trace_lays_out_otherwise_gets_eagers_strides():
     with torch.no_grad():
         assert got.stride() == model(x).stride() == (40, 8, 1)
     got.view(-1)
+
+
+def other_default(fn):
+    @functools.wraps(fn)
+    def wrapper(self, x, scale=2.0):   # the names and kinds of forward's, another default
+        return fn(self, x, scale)
+    return wrapper
+
+
+def fewer_parameters(fn):
+    @functools.wraps(fn)
+    def wrapper(self, x):
+        return fn(self, x, 2.0)
+    return wrapper
+
+
+class WrappedDefault(nn.Module):
+    @other_default
+    def forward(self, x, scale=1.0):
+        return x * scale
+
+
+class WrappedFewer(nn.Module):
+    @fewer_parameters
+    def forward(self, x, scale=1.0):
+        return x * scale
+
+
+def test_a_wrappers_own_defaults_and_parameters_are_the_calls():
+    """review45h: `opt(x, 1.0)` was trimmed to `opt(x)` by the wrapped function's default (the
+    wrapper's is 2.0); `opt(x, 1.0)` of a wrapper taking x alone returned a number where eager raises."""
+    x = torch.randn(3, 5)
+    model = WrappedDefault().eval()
+    opt = fxfuse.optimize(model, (x, 1.0))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, 1.0), model(x, 1.0))
+        torch.testing.assert_close(opt(x), model(x))
+    fewer = WrappedFewer().eval()
+    opt = fxfuse.optimize(fewer, x)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), fewer(x))
+        with pytest.raises(TypeError):
+            opt(x, 1.0)
+
+
+class CallableForward:
+    __hash__ = None   # unhashable
+
+    def __call__(self, x):
+        return x * 2
+
+
+def test_an_unhashable_forward_with_a_dict_example_gets_the_documented_error():
+    model = nn.Module()
+    model.forward = CallableForward()
+    with pytest.raises(fxfuse.FxfuseError):
+        fxfuse.optimize(model, {"x": torch.randn(3)}, strict=True)
+
+
+class Gathers(nn.Module):
+    def forward(self, x, idx):
+        return x[idx] * 2, x[:, [0, 2, 4]] + 1
+
+
+def test_a_gather_by_index_is_a_library_call_not_a_view():
+    opt = optimize_strict(Gathers().eval(), torch.randn(6, 8), torch.tensor([0, 3, 5]))
+    assert fxfuse.stats(opt)["library_calls"] == 2 and fxfuse.stats(opt)["views"] == 0
+    assert "gather" in fxfuse.explain(opt)
+
+
+class AddTable:
+    def __call__(self, x):
+        return x + TABLE[0]
+
+
+def test_a_tensor_read_by_a_callable_object_a_module_holds_is_not_a_written_constant():
+    model = HeldHelper(AddTable()).eval()
+    opt = optimize_strict(model, torch.randn(2, 8))
+    assert_matches_eager(opt, model, torch.randn(2, 8))
