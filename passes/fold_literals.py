@@ -197,6 +197,8 @@ def factory_without_template(node) -> bool:
             value, rest = (node.args[1], node.args[2:]) if len(node.args) > 1 else (node.kwargs.get("fill_value"), ())
     elif node.op == "call_method" and node.target in NEW_FACTORIES and len(node.args) >= 2:
         value, rest = NEW_FACTORIES[node.target], node.args[2:]
+        if value is not None and all(type(a) is int for a in node.args[1:]):
+            rest = ()   # h.new_ones(n, 1): the sizes one by one
         if value is None:
             value, rest = (rest[0], rest[1:]) if rest else (node.kwargs.get("fill_value"), ())
     else:

@@ -33,7 +33,8 @@ class Filled(nn.Module):
 
 
 def _fills_left(opt) -> list:
-    return [n for n in optimized_graph(opt).graph.nodes if n.op == "call_function" and "full" in str(n.target)]
+    return [n for n in optimized_graph(opt).graph.nodes if n.op in ("call_function", "call_method")
+            and any(name in str(n.target) for name in ("full", "zeros", "ones"))]
 
 
 @pytest.mark.parametrize("name", list(FILLS))
