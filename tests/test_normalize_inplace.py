@@ -291,9 +291,9 @@ def _masked_fill_view(s, x, y):
     return h + 1
 
 
-@pytest.mark.parametrize("fn", [_masked_fill_view, _zero, _div_floor_],   # (clamp_min_ has a canonical form:
-                         ids=["masked_fill_-view", "zero_", "div_-floor"])   # stop 38; copy_ of a whole fresh h
-def test_unknown_inplace_ops_are_kept_and_respected(fn):                     # reads as its value: stop 45)
+@pytest.mark.parametrize("fn", [_masked_fill_view, _div_floor_],   # (clamp_min_ has a canonical form: stop 38;
+                         ids=["masked_fill_-view", "div_-floor"])   # copy_ and zero_ of a whole fresh h read as
+def test_unknown_inplace_ops_are_kept_and_respected(fn):            # their values: stop 45)
     model = Fn2(fn).eval()
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     gm = normalized(model, x, y)
@@ -302,8 +302,9 @@ def test_unknown_inplace_ops_are_kept_and_respected(fn):                     # r
     assert_matches_eager(opt, model, x, y)
 
 
-def test_a_copy_into_a_whole_fresh_tensor_is_its_value():
-    model = Fn2(_copy).eval()
+@pytest.mark.parametrize("fn", [_copy, _zero], ids=["copy_", "zero_"])
+def test_a_write_of_a_whole_fresh_tensor_is_its_value(fn):
+    model = Fn2(fn).eval()
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     assert not normalized(model, x, y).meta["fxfuse_inplace_kept"]
     assert_matches_eager(fxfuse.optimize(model, (x, y), strict=True), model, x, y)
