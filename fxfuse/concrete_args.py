@@ -61,6 +61,10 @@ def split_concrete(model: torch.nn.Module, example_args: tuple):
         return None, example_args, False
     concrete = {params[k]: a for k, a in enumerate(example_args) if not isinstance(a, torch.Tensor)}
     given = set(params[:len(example_args)])
+    if keyword_changing_wrapper(model.forward) is not None:   # the call binds the wrapper's own defaults
+        own = inspect.signature(model.forward, follow_wrapped=False).parameters   # (review45i: `scale=-0.0`
+        signature = {n: own[n] if n in own and own[n].default is not inspect.Parameter.empty else p   # around
+                     for n, p in signature.items()}                                                # scale=0.0)
     for name, p in signature.items():   # left out: their defaults, as the call binds them
         if name not in given and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) \
                 and p.default is not inspect.Parameter.empty and constant_default(p.default):
@@ -227,10 +231,15 @@ def without_trailing_defaults(forward, args: tuple) -> tuple:
     return tuple(args)
 
 
-def wrapper_reads_keywords(model, kwargs) -> str | None:
-    """Why a call with `kwargs` runs the original module (keyword_changing_wrapper), else None."""
+def wrapper_reads_keywords(model, args, kwargs) -> str | None:
+    """Why a call with `kwargs` runs the original module (keyword_changing_wrapper), else None
+    (also where the wrapper cannot take the call: bind_positional then finds eager's TypeError)."""
     wrapper = keyword_changing_wrapper(model.forward)
     if wrapper is None:
+        return None
+    try:
+        inspect.signature(model.forward, follow_wrapped=False).bind(*args, **kwargs)
+    except (TypeError, ValueError):
         return None
     return (f"keyword arguments {sorted(kwargs)}: {type(model).__name__}.forward is wrapped by {wrapper}, whose own "
             "signature takes them otherwise than the function it wraps; fxfuse binds keywords to positions, a call "
@@ -269,8 +278,8 @@ _cached_wrapper = functools.lru_cache(maxsize=256)(_keyword_changing_wrapper)
 
 
 def _described(p):   # name, kind and default (review45h: `scale=2.0` around `scale=1.0` was taken as the same)
-    plain = p.default is inspect.Parameter.empty or isinstance(p.default, (bool, int, float, str, type(None)))
-    return p.name, p.kind, type(p.default), p.default if plain else id(p.default)
+    plain = isinstance(p.default, (bool, int, float, str, type(None)))   # repr: -0.0 is not 0.0 (review45i)
+    return p.name, p.kind, type(p.default), repr(p.default) if plain else id(p.default)
 
 
 def bind_positional(forward, args, kwargs):

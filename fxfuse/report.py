@@ -125,7 +125,8 @@ def node_table(gm: torch.fx.GraphModule) -> str:
 
 
 VIEWS = {"view", "unflatten", "transpose", "permute", "squeeze", "unsqueeze", "expand", "split", "chunk", "unbind",
-         "narrow", "select", "t", "detach", "view_as", "expand_as", "getitem", "__getitem__", "movedim", "swapaxes"}
+         "narrow", "select", "t", "detach", "view_as", "expand_as", "getitem", "__getitem__", "movedim", "swapaxes",
+         "slice"}   # (torch.export's aten.slice.Tensor)
 RESHAPES = {"reshape", "flatten", "contiguous"}   # views where the strides allow, else copies
 
 

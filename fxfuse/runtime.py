@@ -340,7 +340,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         given = (args, kwargs)   # the call as made: what the original gets where it runs (fuzz45c: a
         if kwargs:               # with_kwargs hook saw the keywords as positions); model(x, scale=3.0) is
             #                      the same call as model(x, 3.0), which is what was traced
-            if (why := wrapper_reads_keywords(self.original, kwargs)) is not None:
+            if (why := wrapper_reads_keywords(self.original, args, kwargs)) is not None:
                 return self._run_original("kwargs:wrapper", why, *given)
             positional = bind_positional(self.original.forward, args, kwargs)
             if positional is UNBINDABLE:   # an unknown keyword, a parameter given twice: eager's TypeError

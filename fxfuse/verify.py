@@ -106,6 +106,10 @@ def restore_eager_layouts(gm, model, expected, got, graph_args) -> None:
         return
     held = {t.untyped_storage().data_ptr() for t in (*graph_args, *model.parameters(), *model.buffers())
             if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+    returned = collections.Counter(t.untyped_storage().data_ptr() for t in got
+                                   if type(t) is torch.Tensor and t.layout is torch.strided)
+    held |= {ptr for ptr, n in returned.items() if n > 1}   # outputs sharing memory (`o, o, o[0]`): a copy
+    #                                                         of one would part them (review45i)
     changed = False
     for k, (leaf, e, g) in enumerate(zip(leaves, expected, got)):
         if not (isinstance(leaf, torch.fx.Node) and type(e) is torch.Tensor and type(g) is torch.Tensor

@@ -87,7 +87,8 @@ def held_tensors(model) -> list:
             for item in (value.values() if isinstance(value, dict) else value):
                 visit(item, depth - 1)
         elif depth and type(getattr(value, "__dict__", None)) is dict and not isinstance(
-                value, (torch.nn.Module, type, types.ModuleType)) and not callable(value):
+                value, (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType,
+                        functools.partial)):   # a callable object's attributes too (review45i)
             for item in list(vars(value).values())[:256]:
                 visit(item, depth - 1)
 
@@ -121,11 +122,12 @@ def _held_code(value) -> list:
     partial's function, a callable object's `__call__` (review45h). type(), not isinstance: a dead
     weakref.proxy raises on any use."""
     kind = type(value)
-    if kind is functools.partial:
+    if issubclass(kind, functools.partial):
         return plain_functions(value.func)
     if kind in (types.FunctionType, types.MethodType) or issubclass(kind, (torch.nn.Module, type, types.ModuleType)):
         return plain_functions(value) if kind in (types.FunctionType, types.MethodType) else []
-    return plain_functions(vars(kind).get("__call__")) if "__call__" in vars(kind) else []
+    call = getattr(kind, "__call__", None)   # (its own or a base class's)
+    return plain_functions(call) if isinstance(call, types.FunctionType) else []
 
 
 def _bound_values(fn) -> list:

@@ -198,7 +198,8 @@ def _computed(node) -> bool:
 def _slice_of_one(node) -> bool:
     """`x[..., :h]`, `x.narrow(..)`, `x.select(..)`: a view a kernel reads where it lies (rotate_half's x1)."""
     return _meta(node) is not None and isinstance(node.args[0] if node.args else None, torch.fx.Node) and (
-        node.op == "call_function" and node.target is operator.getitem
+        node.op == "call_function" and node.target in (operator.getitem, aten.slice.Tensor, aten.select.int,
+                                                       aten.narrow.default)   # (export's: review45i)
         or node.op == "call_method" and node.target in ("narrow", "select"))
 
 

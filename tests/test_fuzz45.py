@@ -358,3 +358,17 @@ def test_an_exported_xor_with_true_joins_the_kernel():
     opt = optimize_strict(ExportedXor().eval(), torch.randn(3, 17))
     assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
     assert_matches_eager(opt, ExportedXor().eval(), torch.randn(3, 17))
+
+
+class ExportedRotary(nn.Module):
+    def forward(self, q, cos, sin):
+        if q.shape[0] in (2, 3):    # symbolic_trace fails: torch.export traces (aten.slice.Tensor pieces)
+            return q * cos + rotate_half(q) * sin
+        return q
+
+
+def test_an_exported_rotate_half_is_one_kernel():
+    model, shapes = ExportedRotary().eval(), [(2, 6, 16), (6, 16), (6, 16)]
+    opt = optimize_strict(model, *[torch.randn(*s) for s in shapes])
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    assert_matches_eager(opt, model, *[torch.randn(*s) for s in shapes])

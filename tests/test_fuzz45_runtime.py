@@ -333,3 +333,70 @@ def test_a_tensor_read_by_a_callable_object_a_module_holds_is_not_a_written_cons
     model = HeldHelper(AddTable()).eval()
     opt = optimize_strict(model, torch.randn(2, 8))
     assert_matches_eager(opt, model, torch.randn(2, 8))
+
+
+G = torch.ones(4).mul_(2)   # built in place at import
+
+
+class CallsG:
+    def __call__(self, x):
+        return x * G
+
+
+class InheritsCall(CallsG):
+    pass
+
+
+class OwnTable:
+    def __init__(self):
+        self.t = torch.ones(4).mul_(3)
+
+    def __call__(self, x):
+        return x * self.t
+
+
+class PartialSubclass(functools.partial):
+    pass
+
+
+def times_g(x, k):
+    return x * G * k
+
+
+@pytest.mark.parametrize("make", [InheritsCall, OwnTable, lambda: PartialSubclass(times_g, k=2)],
+                         ids=["inherited __call__", "own attribute", "partial subclass"])
+def test_callable_objects_a_module_holds_are_walked(make):
+    """review45i: refused as writing into a tensor forward() makes from constants."""
+    model = HeldHelper(make()).eval()
+    opt = optimize_strict(model, torch.randn(3, 4))
+    assert_matches_eager(opt, model, torch.randn(3, 4))
+
+
+def negative_zero_default(fn):
+    @functools.wraps(fn)
+    def wrapper(self, x, scale=-0.0):
+        return fn(self, x, scale)
+    return wrapper
+
+
+class NegativeZero(nn.Module):
+    @negative_zero_default
+    def forward(self, x, scale=0.0):
+        return 1.0 / (x * scale)
+
+
+def test_a_wrappers_negative_zero_default_is_its_own():
+    model, x = NegativeZero().eval(), torch.tensor([1.0, -2.0, 3.0, -4.0])
+    opt = fxfuse.optimize(model, x, verify=False)
+    with torch.no_grad():
+        for args in [(x,), (x, 0.0), (x, -0.0)]:
+            assert torch.equal(opt(*args), model(*args))
+
+
+def test_a_keyword_a_wrapper_does_not_take_raises_eagers_error_without_a_warning():
+    x = torch.randn(3, 5)
+    opt = fxfuse.optimize(WrappedFewer().eval(), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            opt(x, scale=3.0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxfuse
-from test_fuzz45 import BOOL_READERS, FILLS, WHOLE_WRITES, Filled, WholeWrite
+from test_fuzz45 import BOOL_READERS, FILLS, NUMBER_WRITES, WHOLE_WRITES, Filled, RotaryHalf, WholeWrite
 from test_fuzz45_runtime import AttentionBehindASizeBranch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32")]   # skipped without CUDA (conftest)
@@ -29,7 +29,8 @@ def test_filled_tensors_are_constants_in_the_kernel_on_the_gpu(dtype):
 
 def test_whole_writes_and_bool_casts_on_the_gpu():
     cases = [WholeWrite(w) for w in WHOLE_WRITES.values()] + \
-        [WholeWrite(lambda x, y, f=f: f(x) + y) for f in BOOL_READERS.values()]
+        [WholeWrite(lambda x, y, f=f: f(x) + y) for f in BOOL_READERS.values()] + \
+        [WholeWrite(lambda x, y, f=f: f(x) * y) for f in NUMBER_WRITES.values()]
     for model in cases:
         model = model.eval().cuda()
         opt = fxfuse.optimize(model, [torch.randn(37, 129, device="cuda") for _ in range(2)], strict=True)
@@ -45,3 +46,12 @@ def test_an_attention_output_keeps_eagers_layout_on_the_gpu():
         got, expected = opt(x), model(x)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert got.stride() == expected.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotate_half_is_one_kernel_on_the_gpu(dtype):
+    model = RotaryHalf().eval().cuda()
+    shapes = [(2, 4, 33, 64), (33, 64), (33, 64)]
+    opt = fxfuse.optimize(model, [torch.randn(*s, device="cuda").to(dtype) for s in shapes], strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    _same(opt, model, *shapes, dtype=dtype, rtol=1e-3, atol=1e-3)
