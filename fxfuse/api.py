@@ -388,8 +388,13 @@ def node_kind(gm, node) -> str:
         return "kernel output"     # a view of one split-K GEMM's output, not a call
     if node.op == "call_function" and node.target is collections.OrderedDict:
         return "output container"  # tracing's OrderedDict output (tracing._AutocastWatchingTracer.create_arg)
-    from .report import VIEWS
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS and not _gathers(node):
+    if is_view(node):
         return "view"              # no call: a view or a tuple's item (fuzz45g: counted as library calls)
     return "library call"
+
+
+def is_view(node) -> bool:
+    """A view or a tuple's item, which calls nothing (report.VIEWS; a gather by index is no view)."""
+    from .report import VIEWS
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS and not _gathers(node)

@@ -8,7 +8,7 @@ import torch
 import torch.fx
 from tabulate import tabulate
 
-from .api import _gathers, node_kind
+from .api import _gathers, is_view, node_kind
 from .cost_model import CANDIDATES
 from .kernel import FusedKernel
 from .ops import row_major
@@ -137,10 +137,10 @@ def _library_reason(node) -> str:
     if node.target is write_attribute:
         return f"assigns the attribute {node.args[2] if len(node.args) > 2 else ''} each call, as forward() does"
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS:   # (api.node_kind: "view")
-        if _gathers(node):
-            return "indexing by a tensor or list: the library's gather (a copy)"
+    if is_view(node):   # (api.node_kind: "view")
         return "a view or an item of a tuple (no kernel; the kernels read it where it lies)"
+    if _gathers(node):
+        return "indexing by a tensor or list: the library's gather (a copy)"
     if node.op in ("call_function", "call_method") and name.split(".")[0] in RESHAPES:
         return "a view where the strides allow it, else the library's copy"
     if node.op == "call_module":

@@ -313,11 +313,9 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             warn(message)
 
     def __call__(self, *args, **kwargs):
-        """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on
-        opt, no TorchScript tracing, opt not torch.compile'd): a small model's call is bound by the
-        host. Global module hooks are not run on opt: a call with one set runs the original module,
-        whose call runs them, on it and its submodules, as eager does (fuzz45c: a hook that edits the
-        output was applied twice, once for opt)."""
+        """nn.Module.__call__ minus two Python frames when nothing can hook the call (no hook on opt,
+        no TorchScript tracing, opt not torch.compile'd): a small model's call is bound by the host.
+        Not global hooks: with one set, the original runs, and runs them as eager does (fuzz45c)."""
         d = self.__dict__
         if torch._C._get_tracing_state():   # the guards would read traced sizes: trace the original
             return self._run_original("jit", "torch.jit.trace records the original module (the optimized "

@@ -124,8 +124,10 @@ def _held_code(value) -> list:
     kind = type(value)
     if issubclass(kind, functools.partial):
         return plain_functions(value.func)
-    if kind in (types.FunctionType, types.MethodType) or issubclass(kind, (torch.nn.Module, type, types.ModuleType)):
-        return plain_functions(value) if kind in (types.FunctionType, types.MethodType) else []
+    if kind in (types.FunctionType, types.MethodType):
+        return plain_functions(value)
+    if issubclass(kind, (torch.nn.Module, type, types.ModuleType)):   # (walked as modules and classes)
+        return []
     call = getattr(kind, "__call__", None)   # (its own or a base class's)
     return plain_functions(call) if isinstance(call, types.FunctionType) else []
 

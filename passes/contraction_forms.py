@@ -16,6 +16,8 @@ def stored_weight(node):
     if meta is None or node.op != "get_attr":
         return None
     return node if len(meta.shape) == 2 and meta.dtype.is_floating_point else None
+
+
 INNERS = {torch.inner, aten.inner.default}
 TENSORDOTS = {torch.tensordot, aten.tensordot.default}
 

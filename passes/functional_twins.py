@@ -100,11 +100,8 @@ def _whole_write(node):
     """(dst, value) of a write of all of dst: `dst.copy_(src)` (torch.export's aten.copy_),
     `dst[:] = v`, `dst[...] = v` (operator.setitem, or __setitem__ where forward() wrote it),
     `dst.fill_(v)`, `dst.zero_()`; else None."""
-    if node.op == "call_method" and node.target == "copy_" and len(node.args) in (2, 3) \
-            and set(node.kwargs) <= {"non_blocking"}:
-        return node.args[:2]
-    if node.op == "call_function" and node.target is aten.copy_.default and len(node.args) in (2, 3) \
-            and set(node.kwargs) <= {"non_blocking"}:
+    if (node.op == "call_method" and node.target == "copy_" or node.op == "call_function"
+            and node.target is aten.copy_.default) and len(node.args) in (2, 3) and set(node.kwargs) <= {"non_blocking"}:
         return node.args[:2]
     if (node.op == "call_method" and node.target == "fill_" or node.op == "call_function"
             and node.target in (aten.fill_.Scalar, aten.fill_.Tensor)) and len(node.args) == 2 and not node.kwargs:

@@ -170,7 +170,7 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
         if any(_meta(a) is None for a in others):
             continue
         spanning = [a for a in others if not _constant_along(_meta(a).shape, len(meta.shape), d, kind)]
-        if spanning and not _sliceable(spanning, meta, d, len(pieces), out):
+        if spanning and not _sliceable(spanning, meta, d, out):
             continue
         with g.inserting_before(op):
             new_pieces = []
@@ -203,7 +203,7 @@ def _slice_of_one(node) -> bool:
         or node.op == "call_method" and node.target in ("narrow", "select"))
 
 
-def _sliceable(spanning, meta, d: int, count: int, out) -> bool:
+def _sliceable(spanning, meta, d: int, out) -> bool:
     """Operands that vary along the joined dim d, each as long there as the join (q * cos +
     cat((-x2, x1), -1) * sin: rotary's rotate_half; fuzz45a), all row-major as the join and op's
     result (the pieces' join is row-major: a transposed operand would have laid eager's result out
