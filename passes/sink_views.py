@@ -25,7 +25,7 @@ from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target, row_major
 
 from .fuse_pointwise import _mutated_values
-from .join_outputs import pointwise_into_joins
+from .join_outputs import join_of, pointwise_into_joins
 from .normalize_layers import register_constant
 
 aten = torch.ops.aten
@@ -91,9 +91,11 @@ def _operand_plan(operand, view, source, before, written=frozenset()):
         existing = next((u for u in operand.users if reshape_source(u) is operand
                          and tuple(_meta(u).shape) == src_shape and _precedes(u, before)), None)
         if existing is None and before is not None and _joins_only(operand, before) and (_joins_only(
-                source, view) or source.target == "contiguous" and len(source.users) == 1) \
+                source, view) or source.target == "contiguous" and len(source.users) == 1
+                or join_of(source) is not None and set(source.users) == {view}) \
                 and _hoistable(operand, src_shape, written):   # (a library result's view
-            return "hoist", operand          # is read as it is) computed at source's shape, its operands reshaped
+            return "hoist", operand          # is read as it is; a stack's pieces take op in) computed at
+            #                                  source's shape, its operands reshaped
         return ("keep", existing) if existing is not None else ("reshape", operand)
     regrouped = _regrouped(shape, view_shape, src_shape)
     return ("regroup", (operand, regrouped)) if regrouped is not None else None
@@ -145,6 +147,10 @@ def _hoistable(node, shape, written, depth: int = 0) -> bool:
     own = tuple(_meta(node).shape)
     for a in node.args:
         meta = _meta(a) if isinstance(a, torch.fx.Node) else None
+        if meta is not None and meta.shape and tuple(meta.shape) != own and a not in written \
+                and not is_pointwise_target(a.target) and _regrouped(tuple(meta.shape), own, shape) is not None:
+            continue   # a broadcast operand read where it lies (GPT-J's `q * cos` next to rotate_every_two's
+            #            flattened stack); a computed one would be a reshape between two kernels
         if isinstance(a, torch.fx.Node) and (meta is None or meta.shape and (
                 tuple(meta.shape) != own or not _contiguous(meta) or a in written
                 or _joins_only(a, node) and a.op == "call_function" and not _hoistable(a, shape, written, depth + 1))):
@@ -162,6 +168,11 @@ def _hoisted(g, node, shape, made):
         meta = _meta(a) if isinstance(a, torch.fx.Node) else None
         if meta is None or not meta.shape:
             args.append(a)
+        elif tuple(meta.shape) != tuple(_meta(node).shape):   # a broadcast operand, regrouped (_hoistable)
+            if a not in made:
+                made[a] = _moved_operand(g, ("regroup", (a, _regrouped(tuple(meta.shape), tuple(_meta(node).shape),
+                                                                        shape))), None)
+            args.append(made[a])
         elif _joins_only(a, node) and a.op == "call_function":
             args.append(_hoisted(g, a, shape, made))
         else:
