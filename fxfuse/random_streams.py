@@ -115,3 +115,28 @@ def _held_generators(model) -> list:
 
 def _numpy_state_moved(now, before) -> bool:
     return any((a != b).any() if hasattr(a, "any") else a != b for a, b in zip(now, before))
+
+
+
+def torch_states() -> tuple:
+    """torch's default generators' states: the CPU one, and each CUDA device's where CUDA is initialized."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return (torch.get_rng_state(), *cuda)
+
+
+def refuse_frozen_draws(before: tuple) -> None:
+    """symbolic_trace runs a random factory whose arguments are no traced values (`torch.rand(4, 8)`,
+    `torch.rand(())`, `torch.empty(4).uniform_()`) on the spot, and the graph keeps that draw as a
+    constant: every call then added the same noise, and a branch on `torch.rand(()) < 0.5` took one
+    way for ever (fuzz46g: silently wrong; verify passed, as it starts from the trace's state). A trace
+    that moved torch's default generators (since `before`, torch_states) raises TraceError, with the
+    generators put back: torch.export records such draws as nodes."""
+    from .errors import TraceError
+    now = torch_states()
+    if all(torch.equal(a, b) for a, b in zip(now, before)):
+        return
+    torch.set_rng_state(before[0])
+    for device, state in enumerate(before[1:]):
+        torch.cuda.set_rng_state(state, device)
+    raise TraceError("forward() draws random numbers at trace time (a random factory or in-place fill that reads "
+                     "no input, such as torch.rand(4, 8)): torch.fx would keep that one draw")

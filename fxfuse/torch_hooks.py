@@ -25,6 +25,8 @@ def _counting_swaps(reparametrize):
     (review33b)."""
     @contextlib.contextmanager
     def swapped(*args, **kwargs):
+        if len(args) >= 2:
+            args = (args[0], _through_original(args[0], args[1]), *args[2:])
         entry = [args[0] if args else kwargs.get("module")]   # a list: removed by identity, not ==
         REPARAMETRIZING[1].append(entry)   # O(1) here: the modules are walked only when an optimized
         REPARAMETRIZING[0] += 1            # module is called meanwhile (fuzz33n: 12-96 us per call otherwise)
@@ -42,6 +44,34 @@ def _counting_swaps(reparametrize):
                     break
     swapped.fxfuse_counts_swaps = True
     return swapped
+
+
+def _through_original(module, tensors):
+    """functional_call's tensors by the names torch knows: `opt.state_dict()` names a weight
+    `l1.weight` (opt answers `opt.l1` through delegation) where torch's names are
+    `original.l1.weight`. Given as they came, strict=True refused opt's own state_dict, a tied
+    weight (embedding and head) was swapped under one of its names only, and a weight given under
+    both names was left swapped for good (fuzz46c). Keys under an optimized module are named
+    through its `original`; a key named both ways is taken once, as `original.` names it."""
+    from .runtime import OptimizedModule   # (runtime imports this module)
+    if not isinstance(module, torch.nn.Module) or not isinstance(tensors, dict):
+        return tensors
+    prefixes = sorted((name + "." if name else "" for name, m in module.named_modules(remove_duplicate=False)
+                       if isinstance(m, OptimizedModule)), key=len)
+    if not prefixes:
+        return tensors
+    known = {name for name, _ in module.named_parameters(remove_duplicate=False)} | \
+        {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    renamed = {}
+    for key, value in tensors.items():
+        name = key
+        for prefix in prefixes:   # outer first: an optimized module inside another is under its `original.`
+            rest = name[len(prefix):]
+            if name.startswith(prefix) and not rest.startswith("original.") and prefix + "original." + rest in known:
+                name = prefix + "original." + rest
+        if name == key or name not in tensors:
+            renamed[name] = value
+    return renamed
 
 
 def swapped_now(*modules) -> bool:

@@ -29,6 +29,7 @@ from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .attribute_writes import assigned_first, plan_attribute_writes
 from .mode_watch import mode_functions_imported, watching_mode_reads
+from .random_streams import refuse_frozen_draws, torch_states
 from .torch_hooks import REPARAMETRIZED
 from .module_state import dead_proxies_hidden, version
 from .node_meta import ancestors, fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
@@ -343,6 +344,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     _check_traceable_forward(model)
     before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
         if isinstance(model, torch.nn.Module) else {}
+    generators = torch_states()
     with quiet_this_thread(logs=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
         warnings.showwarning = _without_proxies(warnings.showwarning)
@@ -384,6 +386,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         gm.meta["fxfuse_attribute_writes"] = written
         gm.meta["fxfuse_proxy_attributes"] = [a for a in assigned if a not in {
             f"{type(m).__name__}.{k}" for m, k, _ in written}]
+    refuse_frozen_draws(generators)
     if swallowed is not None:   # the trace got past it: forward() caught the tracer's error
         if not swallowed[1]:   # at a branch on a size: torch.export specializes on it (_trace)
             raise TraceError(f"forward() catches the error symbolic_trace raised{swallowed[0]}, a branch on a size")

@@ -65,3 +65,37 @@ def test_broadcast_operand_next_to_a_flattened_stack(computed):
     opt = optimize_strict(model, x, w)
     assert fxfuse.stats(opt)["fused_kernels"] == (2 if computed else 1), fxfuse.explain(opt)
     assert_matches_eager(opt, model, x, w)
+
+
+class MaskedScores(nn.Module):
+    """HF-style: an int64 attention mask compared with a number (fuzz46h: a library call)."""
+    def __init__(self, compare):
+        super().__init__()
+        self.compare = compare
+
+    def forward(self, s, mask):
+        return torch.softmax(s.masked_fill(self.compare(mask), -1e9) * 0.5 + 1, -1)
+
+
+@pytest.mark.parametrize("compare", [lambda m: m == 0, lambda m: m != 0, lambda m: m > 0, lambda m: 1 >= m,
+                                     lambda m: m.lt(-3), lambda m: m == 2 ** 24 - 1],
+                         ids=["eq0", "ne0", "gt0", "rge1", "lt-3", "eq2**24-1"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_an_integer_mask_compared_with_a_number_is_fused(compare, dtype):
+    s, mask = torch.randn(2, 8), torch.randint(-5, 5, (2, 8), dtype=dtype)
+    model = MaskedScores(compare).eval()
+    opt = optimize_strict(model, s, mask)
+    assert fxfuse.stats(opt)["library_calls"] == 1, fxfuse.explain(opt)   # the softmax
+    assert_matches_eager(opt, model, s, mask, fresh=False)
+    big = torch.tensor([[2 ** 24 - 1, 2 ** 24, 2 ** 24 + 1, -(2 ** 31), 2 ** 31 - 1, 0, -1, 1]], dtype=dtype)
+    assert_matches_eager(opt, model, torch.randn(1, 8), big, fresh=False)
+
+
+def test_an_integer_compared_with_a_number_fp32_cannot_hold_stays_in_the_library():
+    class M(nn.Module):
+        def forward(self, s, ids):
+            return s * (ids == 2 ** 24 + 1)
+    s, ids = torch.randn(1, 4), torch.tensor([[2 ** 24, 2 ** 24 + 1, 2 ** 24 + 2, 3]])
+    model = M().eval()
+    opt = optimize_strict(model, s, ids)
+    assert_matches_eager(opt, model, s, ids, fresh=False)

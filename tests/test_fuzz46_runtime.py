@@ -1,0 +1,136 @@
+"""Stop 46, runtime and tracing: a random draw symbolic_trace would freeze goes to torch.export (or the
+original); functional_call takes opt's state_dict names (tied weights, strict=True, both spellings)."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import fxfuse
+
+
+class Noise(nn.Module):
+    """Noise of a fixed shape: `torch.rand(4, 8)` reads no input, so torch.fx ran it at trace time."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.rand(4, 8)
+
+
+class RandomFlip(nn.Module):
+    """Test-time augmentation: a branch on a draw."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if torch.rand(()) < 0.5:
+            h = h.flip(-1)
+        return h
+
+
+class FilledNoise(nn.Module):
+    def forward(self, x):
+        return x * torch.empty(4, 8).uniform_(-1, 1) + 1
+
+
+@pytest.mark.parametrize("model_class", [Noise, RandomFlip, FilledNoise])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_draw_that_reads_no_input_is_drawn_on_every_call(model_class, verify):
+    model, x = model_class().eval(), torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, verify=verify)
+    assert len([w for w in caught if "fxfuse" in str(w.message)]) <= 1
+    outputs = set()
+    with torch.no_grad():
+        for seed in range(8):
+            torch.manual_seed(seed)
+            got, after_opt = opt(x), torch.rand(1)
+            torch.manual_seed(seed)
+            expected, after_eager = model(x), torch.rand(1)
+            torch.testing.assert_close(got, expected)
+            assert torch.equal(after_opt, after_eager)   # the caller's stream moves as eager's does
+            outputs.add(tuple(got.flatten()[:4].tolist()))
+    assert len(outputs) > 1
+
+
+def test_noise_of_a_fixed_shape_is_still_optimized():
+    opt = fxfuse.optimize(Noise().eval(), torch.randn(4, 8), strict=True)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(7, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def _optimized(model, example):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fxfuse.optimize(model, example)
+
+
+def test_functional_call_swaps_a_tied_weight_under_opts_state_dict_name():
+    model, ids = Tied().eval(), torch.randint(0, 10, (3, 4))
+    opt = _optimized(model, ids)
+    swapped = model.emb.weight.detach() * 2
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = functional_call(model, {"emb.weight": swapped}, (ids,))
+        torch.testing.assert_close(functional_call(opt, {"emb.weight": swapped}, (ids,)), expected)
+        torch.testing.assert_close(functional_call(opt, {"original.emb.weight": swapped}, (ids,)), expected)
+
+
+def test_functional_call_strict_takes_opts_own_state_dict():
+    model, x = TwoLayers().eval(), torch.randn(3, 7)
+    opt = _optimized(model, x)
+    params = {k: v * 2 for k, v in opt.state_dict().items()}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(functional_call(opt, params, (x,), strict=True),
+                                   functional_call(model, params, (x,), strict=True))
+
+
+def test_functional_call_with_both_spellings_leaves_the_model_as_it_was():
+    model, x = TwoLayers().eval(), torch.randn(3, 7)
+    opt = _optimized(model, x)
+    weight, values = model.l1.weight, model.l1.weight.detach().clone()
+    params = {k: v * 2 for k, v in opt.state_dict().items()}
+    params.update({k: v * 3 for k, v in opt.named_parameters()})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        functional_call(opt, params, (x,))
+    assert model.l1.weight is weight and torch.equal(model.l1.weight, values)
+    assert isinstance(model.l1.weight, nn.Parameter)
+
+
+def test_functional_call_of_a_parent_holding_opt():
+    inner = TwoLayers().eval()
+    x = torch.randn(3, 7)
+    parent = nn.Sequential(nn.Identity(), _optimized(inner, x)).eval()
+    params = {k: v * 2 for k, v in parent.state_dict().items()}
+    reference = nn.Sequential(nn.Identity(), inner)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(functional_call(parent, params, (x,), strict=True),
+                                   functional_call(reference, params, (x,), strict=True))
