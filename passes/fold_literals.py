@@ -215,24 +215,27 @@ def factory_without_template(node) -> bool:
 
 
 FULLS = {torch.full, torch.ops.aten.full.default}
+# `torch.zeros(b, d)`, `torch.ones((n,))`: a scan's initial state (Mamba, RWKV; fuzz46a), sizes only
+ZEROS_ONES = {torch.zeros: 0, torch.ones: 1, torch.ops.aten.zeros.default: 0, torch.ops.aten.ones.default: 1}
 
 
 def full_as_expanded_literal(gm, node, is_pointwise_target) -> bool:
-    """`torch.full(shape, v)` (and zeros_like, ones_like, new_full ..., which factory_without_template
-    made full) read only by pointwise ops: a one-element constant expanded to the shape, which the
+    """`torch.full(shape, v)`, `torch.zeros(shape)`, `torch.ones(shape)` (and zeros_like, ones_like,
+    new_full ..., which factory_without_template made full) read only by pointwise ops: a one-element constant expanded to the shape, which the
     fused kernel reads as a number where it lies, instead of a library call that fills a tensor on
     every call (stop 44 left it: a launch each)."""
     from .identity_ops import read_as_broadcast_only
-    if node.op != "call_function" or node.target not in FULLS or len(node.args) != 2 \
-            or not isinstance(node.args[1], (bool, int, float)) or set(node.kwargs) - {"dtype", "device", "layout",
-                                                                                       "pin_memory", "requires_grad"} \
+    if node.op != "call_function" or node.target not in FULLS and node.target not in ZEROS_ONES \
+            or node.target in FULLS and (len(node.args) != 2 or not isinstance(node.args[1], (bool, int, float))) \
+            or set(node.kwargs) - {"dtype", "device", "layout", "pin_memory", "requires_grad", "size"} \
             or node.kwargs.get("layout") not in (None, torch.strided) or node.kwargs.get("pin_memory") \
             or node.kwargs.get("requires_grad"):
         return False
     meta, device = single_tensor_meta(node), fxfuse_meta(node).get("device")
     if meta is None or device is None or not read_as_broadcast_only(node, is_pointwise_target):
         return False
-    value = torch.full((), node.args[1], dtype=meta.dtype, device=device)   # eager's conversion of v
+    number = node.args[1] if node.target in FULLS else ZEROS_ONES[node.target]
+    value = torch.full((), number, dtype=meta.dtype, device=device)   # eager's conversion of v
     name = register_constant(gm, LITERAL_STEM, value)
     with gm.graph.inserting_before(node):
         constant = gm.graph.get_attr(name)

@@ -16,6 +16,12 @@ aten = torch.ops.aten
 
 FUNCTIONAL_TWINS = {"masked_fill_", "masked_scatter_", "index_fill_", "index_add_", "index_copy_", "scatter_",
                     "scatter_add_", "scatter_reduce_", "tril_", "triu_", "nan_to_num_"}
+# in-place math with no pointwise row of fxfuse's (fuzz46e: `h.fmod_(0.7)` kept the op after it out of
+# any kernel): twins only on a floating h whose other operands are numbers or tensors of h's dtype,
+# where the out-of-place result has h's dtype as the write does
+MATH_TWINS = {"fmod_", "remainder_", "hypot_", "copysign_", "xlogy_", "heaviside_", "div_", "logit_", "sinh_",
+              "cosh_", "tan_", "atan_", "asin_", "acos_", "asinh_", "acosh_", "atanh_", "atan2_", "arctan2_",
+              "ldexp_", "nextafter_", "i0_", "lgamma_", "digamma_", "erfinv_", "sinc_", "deg2rad_", "rad2deg_"}
 
 
 def _fresh_and_contiguous(gm, base, node, order) -> bool:
@@ -34,7 +40,9 @@ def functional_twin(gm, node, order) -> bool:
     Kept in place, the write would make everything that may alias `scores` unfusible. torch.export
     spells it aten.index_add_.default & co. (fuzz38d: a GCN's aggregation into torch.zeros)."""
     from .normalize import _later_readers_read
-    if node.op == "call_method" and node.target in FUNCTIONAL_TWINS:
+    if node.op == "call_method" and node.target in MATH_TWINS and _keeps_dtype(node):
+        twin = node.target[:-1]
+    elif node.op == "call_method" and node.target in FUNCTIONAL_TWINS:
         twin = node.target[:-1]
     elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
             and node.target.overloadpacket.__name__ in FUNCTIONAL_TWINS:
@@ -52,6 +60,19 @@ def functional_twin(gm, node, order) -> bool:
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     _later_readers_read(base, new, node, order)
+    return True
+
+
+def _keeps_dtype(node) -> bool:
+    """Whether the out-of-place twin of in-place math `node` gives its base's (floating) dtype."""
+    meta = single_tensor_meta(node.args[0]) if node.args else None
+    if meta is None or not meta.dtype.is_floating_point:
+        return False
+    for a in (*node.args[1:], *node.kwargs.values()):
+        other = single_tensor_meta(a) if isinstance(a, torch.fx.Node) else None
+        if isinstance(a, torch.fx.Node) and (other is None or other.dtype != meta.dtype) \
+                or not isinstance(a, (torch.fx.Node, bool, int, float, str, type(None))):
+            return False
     return True
 
 

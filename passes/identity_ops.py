@@ -132,7 +132,12 @@ def read_as_broadcast_only(node, is_pointwise_target) -> bool:
     """node is read by pointwise ops only (_read_by_pointwise_only), whose other operands are all
     contiguous: an expanded view in node's place then leaves each reader's result row-major, as
     node's own row-major memory did (a reader's other operand in another layout: an expanded
-    operand's result follows it; review44h: channels_last came back where eager's is contiguous)."""
+    operand's result follows it; review44h: channels_last came back where eager's is contiguous). A 0-d
+    node takes no part in a result's layout: its readers may read anything (fuzz46d: GPT-2's
+    `torch.where(self.bias[.., :k], w, torch.full([], min))` reads a sliced mask)."""
+    meta = single_tensor_meta(node)
+    if meta is not None and not meta.shape:
+        return _read_by_pointwise_only(node, is_pointwise_target)
     return _read_by_pointwise_only(node, is_pointwise_target) and all(
         torch_contiguous(m.shape, m.stride) for u in node.users for a in u.all_input_nodes
         if a is not node and (m := single_tensor_meta(a)) is not None)

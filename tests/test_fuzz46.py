@@ -99,3 +99,111 @@ def test_an_integer_compared_with_a_number_fp32_cannot_hold_stays_in_the_library
     model = M().eval()
     opt = optimize_strict(model, s, ids)
     assert_matches_eager(opt, model, s, ids, fresh=False)
+
+
+ZEROS_ONES = {
+    "zeros varargs": lambda x: torch.zeros(x.shape[0], x.shape[1]) + 0.5,
+    "zeros tuple": lambda x: torch.zeros((x.shape[0], x.shape[1]), dtype=x.dtype),
+    "zeros size=": lambda x: torch.zeros(size=(1, x.shape[1])) - 2,
+    "ones shape": lambda x: torch.ones(x.shape) * 3,
+    "ones row": lambda x: torch.ones(x.shape[-1], device=x.device),
+}
+
+
+class ScanState(nn.Module):
+    """An SSM's initial state: `h = torch.zeros(b, d)`, then pointwise updates (fuzz46a)."""
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def forward(self, x):
+        h = self.state(x)
+        return torch.sigmoid(x) * h + x
+
+
+@pytest.mark.parametrize("name", list(ZEROS_ONES))
+def test_zeros_and_ones_read_by_pointwise_ops_are_constants(name):
+    model, x = ScanState(ZEROS_ONES[name]).eval(), torch.randn(3, 5)
+    opt = optimize_strict(model, x)
+    stats = fxfuse.stats(opt)
+    assert stats["fused_kernels"] == 1 and stats["library_calls"] == 0, fxfuse.explain(opt)
+    assert_matches_eager(opt, model, x)
+
+
+def test_zeros_written_in_place_or_returned_stay_tensors():
+    class M(nn.Module):
+        def forward(self, x):
+            h = torch.zeros(x.shape[0], 4)
+            h[:, 1] = x[:, 0]
+            z = torch.ones(2, 2)
+            return h * 2, z
+    model, x = M().eval(), torch.randn(3, 5)
+    opt = optimize_strict(model, x)
+    got = assert_matches_eager(opt, model, x)
+    got[1].add_(1)   # a tensor of its own, as eager's
+    assert torch.equal(opt(x)[1], torch.ones(2, 2))
+
+
+class GPT2CausalMask(nn.Module):
+    """HF GPT-2: a sliced bool buffer, and the fill value as a 0-d torch.full (fuzz46d)."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(8, 8, dtype=torch.bool)).view(1, 1, 8, 8), persistent=False)
+
+    def forward(self, w):
+        ql, kl = w.size(-2), w.size(-1)
+        mask = self.bias[:, :, kl - ql:kl, :kl]
+        fill = torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+        return torch.where(mask, w * 2, fill)
+
+
+def test_gpt2_causal_mask_fill_is_a_constant():
+    model, w = GPT2CausalMask().eval(), torch.randn(2, 3, 5, 6)
+    opt = optimize_strict(model, w)
+    stats = fxfuse.stats(opt)
+    assert stats["fused_kernels"] == 1 and stats["library_calls"] == 0, fxfuse.explain(opt)
+    assert_matches_eager(opt, model, w)
+
+
+MATH_WRITES = {
+    "fmod_": lambda h: h.fmod_(0.7),
+    "remainder_": lambda h: h.remainder_(0.3),
+    "sinh_": lambda h: h.sinh_(),
+    "atan_": lambda h: h.atan_(),
+    "hypot_": lambda h: h.hypot_(h * 0 + 0.5),
+    "copysign_": lambda h: h.copysign_(-1.0),
+    "div_ floor": lambda h: h.div_(0.4, rounding_mode="floor"),
+    "logit_ eps": lambda h: h.sigmoid().logit_(1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(MATH_WRITES))
+def test_in_place_math_on_a_fresh_tensor_lets_the_next_op_fuse(name):
+    class M(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            h = MATH_WRITES[name](h) if name == "logit_ eps" else (MATH_WRITES[name](h), h)[1]
+            return h + 1
+    model, x = M().eval(), torch.randn(4, 6)
+    opt = optimize_strict(model, x)
+    assert not [n for n in opt_graph_nodes(opt) if str(n.target).endswith("_")], fxfuse.explain(opt)
+    assert_matches_eager(opt, model, x)
+
+
+def opt_graph_nodes(opt):
+    from conftest import optimized_graph
+    return [n for n in optimized_graph(opt).graph.nodes if n.op in ("call_method", "call_function")]
+
+
+def test_in_place_math_that_would_promote_stays_in_place():
+    class M(nn.Module):
+        def forward(self, x, y):
+            h = x * 2
+            h.fmod_(y)   # fp64 y: the write keeps h's fp32, the out-of-place fmod would be fp64
+            return h + 1
+    model = M().eval()
+    x, y = torch.randn(4, 6), torch.rand(4, 6, dtype=torch.float64) + 0.5
+    opt = optimize_strict(model, x, y)
+    assert any(str(n.target) == "fmod_" for n in opt_graph_nodes(opt))
+    got = assert_matches_eager(opt, model, x, y)
+    assert got.dtype == torch.float32
