@@ -454,6 +454,10 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
             out = getattr(node.meta.get("tensor_meta"), "dtype", None)   # maximum, then minimum: promoted a
             operands = {getattr(b.meta.get("tensor_meta"), "dtype", None)
                         for b in (x, lo, hi) if isinstance(b, torch.fx.Node)}
+            one = [b for b in (lo, hi) if b is not None]
+            if out is not None and len(one) == 1 and isinstance(one[0], torch.fx.Node) and operands != {out}:
+                return (torch.maximum if lo is not None else torch.minimum), (x, one[0]), {}   # one bound of
+                #   another dtype: eager's clamp promotes as maximum / minimum does, NaNs and zeros alike (fuzz46b)
             if out is None or operands != {out} or not out.is_floating_point and any(isinstance(b, float)
                                                                                       for b in (lo, hi)):
                 return None   # pair at a time; clamp all three at once (review39: 0-dim fp16 x, int16 and fp32 bounds)

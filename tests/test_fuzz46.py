@@ -207,3 +207,21 @@ def test_in_place_math_that_would_promote_stays_in_place():
     assert any(str(n.target) == "fmod_" for n in opt_graph_nodes(opt))
     got = assert_matches_eager(opt, model, x, y)
     assert got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bound", ["min", "max"])
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.float32, torch.float16),
+                                    (torch.float32, torch.float64)], ids=str)
+def test_clamp_by_one_tensor_of_another_dtype_is_fused(bound, dtypes):
+    class M(nn.Module):
+        def forward(self, x, t):
+            return (x * 1.5).clamp(**{bound: t}) + 1
+    x = torch.randn(4, 8).to(dtypes[0])
+    t = torch.randn(()).to(dtypes[1])
+    model = M().eval()
+    opt = optimize_strict(model, x, t)
+    if dtypes[1] != torch.float64:   # (a 0-d fp64 beside fp32 is read as fp32, beside fp16 it stays out)
+        assert fxfuse.stats(opt)["library_calls"] == 0, fxfuse.explain(opt)
+    x[0, :3] = torch.tensor([float("nan"), 0.0, -0.0])
+    got = assert_matches_eager(opt, model, x, t, fresh=False, equal_nan=True, rtol=1e-3, atol=1e-3)
+    assert got.dtype == model(x, t).dtype
