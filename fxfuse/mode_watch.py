@@ -332,15 +332,28 @@ def _closure_values(cls) -> list:
     return found
 
 
+def _forward_defaults(cls) -> list:
+    """(name, value) of forward()'s default values (`def forward(self, x, w=SCALE)`)."""
+    forward = getattr(cls, "forward", None)
+    return [("default", v) for v in (*(getattr(forward, "__defaults__", None) or ()),
+                                     *(getattr(forward, "__kwdefaults__", None) or {}).values())]
+
+
 def held_elsewhere(model: torch.nn.Module) -> tuple:
     """Tensors forward() may read besides its parameters, buffers and attributes: unregistered
     modules' parameters and module-level tensors. A trace folds what it computes from them into
     constants, so the aliasing guard names them all (review38c)."""
     global_tensors = {}
     for cls in {type(m) for m in model.modules()}:   # the names the model's own code loads: not every tensor
-        for _, value in globals_read(cls) + _closure_values(cls):   # of a script's globals (an example input:
-            if isinstance(value, torch.Tensor):                     # fuzz38j); a closure's cells (fuzz44c)
+        for _, value in globals_read(cls) + _closure_values(cls) + _forward_defaults(cls):   # of a script's
+            if isinstance(value, torch.Tensor):   # globals (an example input: fuzz38j); a closure's cells (fuzz44c)
                 global_tensors[id(value)] = value
+            for cell in getattr(value, "__closure__", None) or () if inspect.isfunction(value) else ():
+                try:   # a module-level function's cells (`scale = make_scale(C)`: fuzz46c)
+                    if isinstance(cell.cell_contents, torch.Tensor):
+                        global_tensors[id(cell.cell_contents)] = cell.cell_contents
+                except ValueError:   # an empty cell
+                    pass
     return unregistered_parameters(model) + tuple(global_tensors.values())
 
 
@@ -354,7 +367,7 @@ class GradRecording:
         self.model = model
         self.plain_tensors = plain_tensors   # the plain tensor attributes the traces read (`self.T`), kept current
         self.reads_grad_mode = False   # forward() asks torch.is_grad_enabled() (any build; kept)
-        self.unregistered = ()         # parameters of modules the model holds unregistered (note_build)
+        self.unregistered = ()         # tensors the model holds unregistered (note_build: held_elsewhere)
         self.traced_inference = None   # forward() asks torch.is_inference_mode_enabled(): its answer then
         self.input_inference = None    # forward() may ask an input's is_inference(): the example's answers
         self.forget_builds()
@@ -373,8 +386,9 @@ class GradRecording:
             #                                     profiler or coverage tool kept the names from being recorded)
             self.input_inference = _inference_inputs(args)
         # those the traces read (`read`: storages): a teacher model held in a list, unused, does not
-        # make each call with grad on run the original (review38c)
-        self.unregistered = tuple(p for p in unregistered_parameters(self.model) if storage_address(p) in read)
+        # make each call with grad on run the original (review38c); module-level tensors, closure cells
+        # and forward()'s defaults too, whose flags may turn on after optimize() (fuzz46c)
+        self.unregistered = tuple(p for p in held_elsewhere(self.model) if storage_address(p) in read)
         flags = self._flags()
         if flags != self.flags:   # what earlier builds saw held for other flags (a model frozen since)
             self.forget_builds()

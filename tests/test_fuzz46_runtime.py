@@ -134,3 +134,52 @@ def test_functional_call_of_a_parent_holding_opt():
         warnings.simplefilter("ignore")
         torch.testing.assert_close(functional_call(parent, params, (x,), strict=True),
                                    functional_call(reference, params, (x,), strict=True))
+
+
+GLOBAL_SCALE = torch.ones(5)
+
+
+def _make_scale():
+    cell = torch.ones(5)
+    return (lambda h: h * cell), cell
+
+
+CLOSURE_SCALE, CLOSURE_CELL = _make_scale()
+DEFAULT_SCALE = torch.ones(5)
+
+
+class ScaledByHeldTensor(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(7, 5), kind
+
+    def forward(self, x, w=DEFAULT_SCALE):
+        h = torch.relu(self.lin(x))
+        if self.kind == "global":
+            return h * GLOBAL_SCALE
+        if self.kind == "closure":
+            return CLOSURE_SCALE(h)
+        return h * w
+
+
+@pytest.mark.parametrize("kind, tensor", [("global", GLOBAL_SCALE), ("closure", CLOSURE_CELL),
+                                          ("default", DEFAULT_SCALE)])
+def test_a_held_tensor_unfrozen_after_optimize_records_autograd(kind, tensor):
+    model, x = ScaledByHeldTensor(kind).eval().requires_grad_(False), torch.randn(3, 7)
+    opt = fxfuse.optimize(model, x)
+    with torch.no_grad():
+        opt(x)
+    try:
+        tensor.requires_grad_(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = opt(x)
+        assert out.requires_grad and len(caught) == 1
+        out.sum().backward()
+        expected = tensor.grad.clone()
+        tensor.grad = None
+        model(x).sum().backward()
+        torch.testing.assert_close(tensor.grad, expected)
+    finally:
+        tensor.requires_grad_(False)
+        tensor.grad = None
