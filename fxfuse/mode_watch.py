@@ -21,7 +21,7 @@ import torch
 
 from .code_walk import globals_read, plain_functions, user_classes
 from .errors import FxfuseWarning
-from .module_state import WEAK_PROXIES, forward_globals, mode_free, plain_object, storage_address
+from .module_state import WEAK_PROXIES, forward_globals, mode_free, plain_object, storage_address, storages
 from .written_constants import held_tensors
 
 _PASSES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes", "")   # fxfuse.passes
@@ -217,14 +217,22 @@ def training_submodule(model) -> str | None:
     return None
 
 
+def _training_held(model) -> str | None:
+    """training_submodule, or else a module the model holds unregistered that the graph reads
+    (runtime watches those: a frozen encoder kept in a list, put in training mode; fuzz46c)."""
+    found = training_submodule(model)
+    held = (h for h in unregistered_modules(model) if any(m.training and not mode_free(m) for m in h.modules()))
+    return found if found is not None else next((f"{type(h).__name__} (held unregistered)" for h in held), None)
+
+
 def training_key(model) -> str:
     """The warning's key: one warning per submodule found in training mode (review43c: a later
     train() of another submodule ran the original silently)."""
-    return f"train:{training_submodule(model)}"
+    return f"train:{_training_held(model)}"
 
 
 def training_reason(model) -> str:
-    where = training_submodule(model)
+    where = _training_held(model)
     what = "the module is" if where is None or where == type(model).__name__ else f"its submodule {where} is"
     return (f"{what} in training mode; fxfuse's graphs are eval-mode graphs (Dropout removed, BatchNorm "
             "folded). Call .eval() to use them")
@@ -298,14 +306,22 @@ def unregistered_parameters(model: torch.nn.Module) -> tuple:
     object.__setattr__): unfrozen after optimize(), eager records autograd through them (fuzz38a,
     review38c: the graph ran on, and the weight's .grad stayed None). A bounded walk: four levels,
     64 items a container, 4096 objects."""
-    registered, found, seen = {id(p) for p in model.parameters()}, {}, set()
+    registered = {id(p) for p in model.parameters()}
+    return tuple({id(p): p for m in unregistered_modules(model) for p in m.parameters()
+                  if id(p) not in registered}.values())
+
+
+def unregistered_modules(model: torch.nn.Module) -> tuple:
+    """The modules the model holds without registering them (unregistered_parameters' walk)."""
+    own, found, seen = {id(m) for m in model.modules()}, {}, set()
 
     def walk(value, depth):
         if id(value) in seen or len(seen) > 4096 or type(value) in WEAK_PROXIES:   # a dead one raises
             return
         seen.add(id(value))
         if isinstance(value, torch.nn.Module):
-            found.update((id(p), p) for p in value.parameters() if id(p) not in registered)
+            if id(value) not in own:
+                found[id(value)] = value
         elif depth < 4:
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
                 else vars(value).values() if plain_object(value) else ()
@@ -315,7 +331,20 @@ def unregistered_parameters(model: torch.nn.Module) -> tuple:
         for name, value in vars(m).items():
             if name not in ("_parameters", "_buffers", "_modules"):
                 walk(value, 0)
+    for cls in {type(m) for m in model.modules()}:   # a module-level one forward() reads (fuzz46c)
+        for _, value in globals_read(cls):
+            if isinstance(value, torch.nn.Module) and id(value) not in own:
+                found[id(value)] = value
     return tuple(found.values())
+
+
+def watched_modules(model: torch.nn.Module, read: frozenset) -> tuple:
+    """The model's modules, and those of each module it holds unregistered whose tensors' storages the
+    graph reads (`read`): a frozen encoder kept in a list, then replaced, given new weights or put in
+    training mode, was not seen (fuzz46c); an unused teacher held so stays out."""
+    held = (m for h in unregistered_modules(model) if storages((*h.parameters(), *h.buffers())) & read
+            for m in h.modules())
+    return tuple(dict.fromkeys((*model.modules(), *held)))
 
 
 def _closure_values(cls) -> list:

@@ -77,13 +77,14 @@ for _register in ("register_module_parameter_registration_hook", "register_modul
         getattr(torch.nn.modules.module, _register)(_count_registration)
 
 
-def structure(model: torch.nn.Module) -> list:
-    """Every submodule's parameters, buffers and children, by identity: what a build baked in
+def structure(modules) -> list:
+    """Each module's parameters, buffers and children (the model's modules and those it holds
+    unregistered), by identity: what a build baked in
     (`model.lin = nn.Linear(...)` or a new Parameter after optimize() makes it stale); and the
     storage of each parameter and buffer: torch.nn.utils.prune.remove puts the same Parameter
     back with its .data replaced, which no version counter sees (runtime compares this only
     after a registration somewhere, so a plain `p.data = ...` stays unseen: documented)."""
-    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), _addresses(m)) for m in model.modules()
+    return [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), _addresses(m)) for m in modules
             if not isinstance(m, torch.jit.ScriptModule)]   # a TorchScript child: run as one opaque call
 
 

@@ -52,7 +52,7 @@ from .load_hooks import (RebuildOnLoad, hook_loads, keys_named_as_saved, load_dr
                          state_dict_as_original)
 from .log import logger, model_warnings_once
 from .mode_watch import (GRAD_REASON, GradRecording, held_elsewhere, training_key, training_reason,
-                         training_submodule)
+                         training_submodule, watched_modules)
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, children_now, forward_hook_owner,
                            mode_free, moved, share_memory, storage_address, storages, structure, structure_changed,
                            version, watch_entries)
@@ -135,10 +135,11 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         and each buffer's version counter (BatchNorm statistics move in place when the original
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
-        self._mode_modules = tuple(m for m in model.modules() if m is not model and not mode_free(m))
-        self._buffer_versions = watch_entries(model, model.buffers())
-        self._structure, self._registrations_seen = structure(model), REGISTRATIONS[0]
-        self._modes, self._modes_seen = tuple((m, m.training) for m in model.modules()), MODE_CHANGES[0]
+        modules = watched_modules(model, self._read_storages)   # with those it holds unregistered that it reads
+        self._mode_modules = tuple(m for m in modules if m is not model and not mode_free(m))
+        self._buffer_versions = watch_entries(model, (b for m in modules for b in m.buffers(recurse=False)))
+        self._structure, self._registrations_seen = structure(modules), REGISTRATIONS[0]
+        self._modes, self._modes_seen = tuple((m, m.training) for m in modules), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
         self._mutable_defaults = mutable_defaults(model)
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
@@ -241,8 +242,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # tensor forward() made cannot reach them: fuzz39e, `opt(x, x)` of a mask filled in place was refused)
         self._writes_in_place |= writes_an_input(gm, ("placeholder", "get_attr"))
         self._specializations[spec.signature] = spec
-        if first:
-            self._watch_state()   # after the build: its checks run the original once
         # plain attributes the traces read: assigned anew after optimize() (or a tensor one
         # written in place) they rebuild, and so do the model tensors only copies of are read
         self._attribute_reads = merge_reads(self._attribute_reads,
@@ -258,6 +257,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a
         # plain tensor attribute too: review38; a module-level tensor, an unregistered weight: review38c)
         self._model_storages = own | self._read_storages | storages(elsewhere)
+        if first:
+            self._watch_state()   # after the build (its checks run the original once): the storages it read
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
             self._read_storages, args)

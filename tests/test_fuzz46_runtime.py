@@ -183,3 +183,57 @@ def test_a_held_tensor_unfrozen_after_optimize_records_autograd(kind, tensor):
     finally:
         tensor.requires_grad_(False)
         tensor.grad = None
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(7, 8), nn.BatchNorm1d(8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.bn(self.l1(x))))
+
+
+class HoldsFrozen(nn.Module):
+    """A frozen encoder kept out of state_dict() and parameters() in a plain list; an unused teacher too."""
+    def __init__(self, encoder, teacher=None):
+        super().__init__()
+        self.frozen, self.teacher = [encoder], [teacher]
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.sigmoid(self.frozen[0](x)))
+
+
+UNREGISTERED_EDITS = {
+    "submodule replaced": lambda e: setattr(e, "l2", nn.Linear(8, 5).eval()),
+    "parameter replaced": lambda e: setattr(e.l1, "weight", nn.Parameter(torch.randn(8, 7))),
+    "load_state_dict(assign=True)": lambda e: e.load_state_dict(Encoder().state_dict(), assign=True),
+    "bias = None": lambda e: setattr(e.l1, "bias", None),
+    "train()": lambda e: e.train(),
+}
+
+
+@pytest.mark.parametrize("name", list(UNREGISTERED_EDITS))
+def test_edits_of_a_module_held_unregistered_are_seen(name):
+    encoder = Encoder().eval()
+    model, x = HoldsFrozen(encoder).eval(), torch.randn(3, 7)
+    opt = fxfuse.optimize(model, x)
+    UNREGISTERED_EDITS[name](encoder)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = opt(x)
+        torch.testing.assert_close(got, model(x))
+    assert len(caught) == (1 if name == "train()" else 0), [str(w.message) for w in caught]
+
+
+def test_an_unused_teacher_in_training_mode_does_not_stop_the_graph():
+    teacher = Encoder().train()
+    model, x = HoldsFrozen(Encoder().eval(), teacher).eval(), torch.randn(3, 7)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        teacher.eval()
+        teacher.train()
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["kernel_launches"] >= 2
