@@ -130,10 +130,11 @@ def refuse_frozen_draws(before: tuple) -> None:
     constant: every call then added the same noise, and a branch on `torch.rand(()) < 0.5` took one
     way for ever (fuzz46g: silently wrong; verify passed, as it starts from the trace's state). A trace
     that moved torch's default generators (since `before`, torch_states) raises TraceError, with the
-    generators put back: torch.export records such draws as nodes."""
+    generators put back: torch.export records such draws as nodes. Only while this is the process's
+    one thread (another thread's draws would read as the trace's, and be rewound: RandomStreams)."""
     from .errors import TraceError
     now = torch_states()
-    if all(torch.equal(a, b) for a, b in zip(now, before)):
+    if threading.active_count() != 1 or all(torch.equal(a, b) for a, b in zip(now, before)):
         return
     torch.set_rng_state(before[0])
     for device, state in enumerate(before[1:]):
