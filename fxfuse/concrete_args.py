@@ -295,9 +295,10 @@ def bind_positional(forward, args, kwargs):
     given = set(bound.arguments)
     bound.apply_defaults()   # model(x, scale=3.0) past a defaulted y: model(x, None, 3.0)
     params = bound.signature.parameters
-    if not all(name in given or constant_default(bound.arguments[name]) for name in
-               list(bound.arguments)[:len(bound.args)]):
-        return None           # a default filled in before a keyword is not a constant (a function, a tensor)
+    order = [name for name in bound.arguments if params[name].kind in POSITIONAL]
+    last = max((k for k, name in enumerate(order) if name in given), default=-1)   # (fuzz46g: not those after
+    if not all(name in given or constant_default(bound.arguments[name]) for name in order[:last + 1]):   # it,
+        return None           # nor *args') a default filled in before a keyword is not a constant (a function, a tensor)
     if not all(name in params and same_default(value, params[name].default)
                for name, value in bound.kwargs.items()):   # **kwargs entries are not parameters
         return None           # a keyword-only parameter given a value the traced graph does not have

@@ -237,3 +237,36 @@ def test_an_unused_teacher_in_training_mode_does_not_stop_the_graph():
         teacher.train()
         torch.testing.assert_close(opt(x), model(x))
     assert fxfuse.stats(opt)["kernel_launches"] >= 2
+
+
+class DefaultAfterKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, dims=(1,), t=torch.ones(8) * 2):
+        return (self.lin(x) * t).sum(dims)
+
+
+class StarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, *xs, scale=1.0, **kw):
+        return sum(self.lin(t) for t in xs) * scale
+
+
+@pytest.mark.parametrize("model_class, example, call_args, call_kwargs", [
+    (DefaultAfterKeyword, 1, 1, {"dims": (0,)}),
+    (StarArgs, 3, 3, {"scale": 1.0}),
+], ids=["tensor default after the keyword", "*args and a keyword at its default"])
+def test_keyword_calls_that_leave_only_trailing_defaults_run_the_graph(model_class, example, call_args, call_kwargs):
+    model = model_class().eval()
+    xs = [torch.randn(4, 8) for _ in range(example)]
+    opt = fxfuse.optimize(model, tuple(xs) if example > 1 else xs[0], strict=True)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(*xs[:call_args], **call_kwargs), model(*xs[:call_args], **call_kwargs))
+    assert not caught, [str(w.message) for w in caught]
+    assert fxfuse.stats(opt)["kernel_launches"] >= 1
