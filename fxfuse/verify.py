@@ -78,7 +78,7 @@ def _verify(model, gm, args, rewind) -> list:
                         "graph stays finite (fused kernels keep intermediates in fp32); fxfuse cannot check "
                         "the rewrite on it: optimize with an example input whose eager result is finite")
                 compiling = ("; here: torch.compiler.is_compiling(), which the graph was traced with True "
-                             "(explain)") if gm.meta.get("fxfuse_traced_as_compiling") else ""
+                             "(explain)") if gm.meta.get("fxfuse_traced_as_compiling") else _traced_type_test(gm)
                 if share_memory(args) and writes_an_input(gm):   # (x, x) as the example of a forward()
                     #                                                   writing one of them (fuzz39e)
                     raise UnsupportedError(f"output {k}: {problem}; the example's inputs share memory and "
@@ -91,6 +91,20 @@ def _verify(model, gm, args, rewind) -> list:
                                   "this is a bug in fxfuse: please report it with explain()")
     restore_eager_layouts(gm, model, expected, got, graph_args)
     return expected
+
+
+def _traced_type_test(gm) -> str:
+    """The likely trace-fixed branch, from the names forward()'s code reads (fuzz46g): an exact type
+    test (`type(x) is torch.Tensor`), which the tracers answer with their own types (a Proxy, a
+    FakeTensor), or torch.fx's own is-tracing question."""
+    reads = gm.meta.get("fxfuse_trace", {}).get("attribute_reads", {})
+    names = set(reads.get("code_names", ()) or reads.get("names", ()) or ())
+    if names & {"is_fx_tracing", "Proxy"}:
+        return "; here maybe torch.fx's is_fx_tracing() or an isinstance() test for a Proxy, true while tracing"
+    if names & {"type", "__class__"} and "Tensor" in names:
+        return ("; here maybe an exact type test (`type(x) is torch.Tensor`, `x.__class__`), which the tracers answer "
+                "with their own tensor types: `isinstance(x, torch.Tensor)` is answered as eager answers it")
+    return ""
 
 
 def restore_eager_layouts(gm, model, expected, got, graph_args) -> None:

@@ -270,3 +270,19 @@ def test_keyword_calls_that_leave_only_trailing_defaults_run_the_graph(model_cla
         torch.testing.assert_close(opt(*xs[:call_args], **call_kwargs), model(*xs[:call_args], **call_kwargs))
     assert not caught, [str(w.message) for w in caught]
     assert fxfuse.stats(opt)["kernel_launches"] >= 1
+
+
+class ExactTypeTest(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if type(x) is not torch.Tensor:   # a Proxy or FakeTensor while tracing
+            x = torch.zeros_like(x)
+        return self.lin(x)
+
+
+def test_a_refusal_for_an_exact_type_test_names_it():
+    with pytest.raises(fxfuse.FxfuseError, match=r"type\(x\) is torch.Tensor"):
+        fxfuse.optimize(ExactTypeTest().eval(), torch.randn(4, 8), strict=True)
