@@ -221,7 +221,8 @@ def _training_held(model) -> str | None:
     """training_submodule, or else a module the model holds unregistered that the graph reads
     (runtime watches those: a frozen encoder kept in a list, put in training mode; fuzz46c)."""
     found = training_submodule(model)
-    held = (h for h in unregistered_modules(model) if any(m.training and not mode_free(m) for m in h.modules()))
+    held = (h for h in unregistered_modules(model) if all(m is not model for m in h.modules())
+            and any(m.training and not mode_free(m) for m in h.modules()))
     return found if found is not None else next((f"{type(h).__name__} (held unregistered)" for h in held), None)
 
 
@@ -342,8 +343,9 @@ def watched_modules(model: torch.nn.Module, read: frozenset) -> tuple:
     """The model's modules, and those of each module it holds unregistered whose tensors' storages the
     graph reads (`read`): a frozen encoder kept in a list, then replaced, given new weights or put in
     training mode, was not seen (fuzz46c); an unused teacher held so stays out."""
-    held = (m for h in unregistered_modules(model) if storages((*h.parameters(), *h.buffers())) & read
-            for m in h.modules())
+    own = storages((*model.parameters(), *model.buffers()))   # (review46r: a child's back-reference to its
+    held = (m for h in unregistered_modules(model) if storages((*h.parameters(), *h.buffers())) - own & read
+            for m in h.modules())                             # parent holds the child's own weights too)
     return tuple(dict.fromkeys((*model.modules(), *held)))
 
 

@@ -51,27 +51,36 @@ def _through_original(module, tensors):
     `l1.weight` (opt answers `opt.l1` through delegation) where torch's names are
     `original.l1.weight`. Given as they came, strict=True refused opt's own state_dict, a tied
     weight (embedding and head) was swapped under one of its names only, and a weight given under
-    both names was left swapped for good (fuzz46c). Keys under an optimized module are named
-    through its `original`; a key named both ways is taken once, as `original.` names it."""
+    both names was left swapped for good (fuzz46c). A key that names a tensor as state_dict() does
+    (every optimized module's `original.` left out, at any depth; the model's own submodule named
+    `original` kept: review46r) is renamed to torch's name; a tensor given both ways is taken once,
+    under torch's name."""
     from .runtime import OptimizedModule   # (runtime imports this module)
-    if not isinstance(module, torch.nn.Module) or not isinstance(tensors, dict):
+    if not isinstance(module, torch.nn.Module) or not isinstance(tensors, dict) or not any(
+            isinstance(m, OptimizedModule) for m in module.modules()):
         return tensors
-    prefixes = sorted((name + "." if name else "" for name, m in module.named_modules(remove_duplicate=False)
-                       if isinstance(m, OptimizedModule)), key=len)
-    if not prefixes:
-        return tensors
-    known = {name for name, _ in module.named_parameters(remove_duplicate=False)} | \
-        {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    torch_names = [name for name, _ in module.named_parameters(remove_duplicate=False)] + \
+        [name for name, _ in module.named_buffers(remove_duplicate=False)]
+    as_saved = {_saved_name(module, name, OptimizedModule): name for name in torch_names}
     renamed = {}
     for key, value in tensors.items():
-        name = key
-        for prefix in prefixes:   # outer first: an optimized module inside another is under its `original.`
-            rest = name[len(prefix):]
-            if name.startswith(prefix) and not rest.startswith("original.") and prefix + "original." + rest in known:
-                name = prefix + "original." + rest
-        if name == key or name not in tensors:
+        name = as_saved.get(key, key)
+        if name == key or name not in renamed:   # (one given under torch's own name wins)
             renamed[name] = value
     return renamed
+
+
+def _saved_name(root, name: str, wrapper) -> str:
+    """A parameter's or buffer's torch name as state_dict() gives it: each `original` segment
+    that follows an optimized module (`wrapper`) left out."""
+    parts, kept, m = name.split("."), [], root
+    for part in parts[:-1]:
+        if isinstance(m, wrapper) and part == "original":
+            m = m._modules.get("original")
+            continue
+        kept.append(part)
+        m = getattr(m, "_modules", {}).get(part)
+    return ".".join(kept + parts[-1:])
 
 
 def swapped_now(*modules) -> bool:

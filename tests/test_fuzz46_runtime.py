@@ -286,3 +286,72 @@ class ExactTypeTest(nn.Module):
 def test_a_refusal_for_an_exact_type_test_names_it():
     with pytest.raises(fxfuse.FxfuseError, match=r"type\(x\) is torch.Tensor"):
         fxfuse.optimize(ExactTypeTest().eval(), torch.randn(4, 8), strict=True)
+
+
+class HasAnOriginal(nn.Module):
+    """A model whose own submodule is called `original`, as the optimized wrapper's is (review46r)."""
+    def __init__(self):
+        super().__init__()
+        self.original = nn.Linear(8, 8, bias=False)
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return torch.relu(self.original(x)) @ self.weight
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.l1(x))
+
+
+class HoldsOptimized(nn.Module):
+    def __init__(self, x):
+        super().__init__()
+        self.inner = _optimized(Inner().eval(), x)
+        self.l3 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.l3(self.inner(x)).sigmoid()
+
+
+@pytest.mark.parametrize("make", [lambda x: HasAnOriginal(), HoldsOptimized], ids=["own original", "nested opt"])
+def test_functional_call_with_state_dict_keys_matches_the_model(make):
+    x = torch.randn(3, 8)
+    model = make(x).eval()
+    opt = _optimized(model, x)
+    params = {k: torch.randn_like(v) for k, v in opt.state_dict().items()}
+    assert set(params) == set(model.state_dict())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(functional_call(opt, params, (x,), strict=True),
+                                   functional_call(model, params, (x,), strict=True))
+
+
+def test_a_childs_back_reference_to_its_parent_is_not_watched():
+    class Child(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x))
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child, self.other = Child(), nn.Dropout(0.5)
+            self.child.parent = [self]
+
+    parent = Parent()
+    child, x = parent.child.eval(), torch.randn(3, 8)
+    opt = fxfuse.optimize(child, x, strict=True)
+    parent.train()
+    child.eval()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(x), child(x))
+    assert not caught, [str(w.message) for w in caught]
