@@ -59,6 +59,20 @@ def _produces_fresh_tensor(node) -> bool:
         or node.target in FRESH_FUNCTIONS)
 
 
+WHOLE_VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
+               "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims"}
+
+
+def _whole_view_of_fresh(node) -> bool:
+    """node views all of a fresh tensor nothing else reads (ConvNeXt's layer scale `y = fc(h).permute(0, 3,
+    1, 2); y.mul_(gamma); y += x`: fuzz46a, no kernel at all): a write into it reaches no other reader, so
+    it reads as a fresh tensor in the view's layout."""
+    src = node.args[0] if node.op == "call_method" and node.target in WHOLE_VIEWS and node.args else None
+    src_meta, meta = single_tensor_meta(src), single_tensor_meta(node)
+    return src_meta is not None and meta is not None and _produces_fresh_tensor(src) and set(src.users) == {node} \
+        and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()
+
+
 def _converts(cast_node) -> bool:
     """A cast to another dtype allocates (to() of the same dtype returns its input: an alias)."""
     src = cast_node.args[0] if cast_node.args else None
@@ -212,7 +226,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if row.inplace or _inplace_flag(row, node):
             base = node.args[0] if node.args else node.kwargs.get("input")
-            safe = isinstance(base, torch.fx.Node) and _produces_fresh_tensor(base) and all(   # a view taken
+            safe = isinstance(base, torch.fx.Node) and (_produces_fresh_tensor(base) or _whole_view_of_fresh(base)) \
+                and all(   # a view taken
                 u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # after the write
                 for u in base.users)   # reads the result like any later reader (fuzz35e: y[:, None] after y.clamp_)
             if not safe:

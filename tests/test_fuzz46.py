@@ -225,3 +225,38 @@ def test_clamp_by_one_tensor_of_another_dtype_is_fused(bound, dtypes):
     x[0, :3] = torch.tensor([float("nan"), 0.0, -0.0])
     got = assert_matches_eager(opt, model, x, t, fresh=False, equal_nan=True, rtol=1e-3, atol=1e-3)
     assert got.dtype == model(x, t).dtype
+
+
+class ConvNeXtLayerScale(nn.Module):
+    """timm's ConvNeXt block tail: Linear on channels-last, permuted back, scaled and added in place."""
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.gamma = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        y = self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        y.mul_(self.gamma.reshape(1, -1, 1, 1))
+        y += x
+        return y
+
+
+def test_in_place_layer_scale_on_a_permuted_linear_output_is_fused():
+    model, x = ConvNeXtLayerScale().eval(), torch.randn(2, 8, 3, 5)
+    opt = optimize_strict(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    got = assert_matches_eager(opt, model, x)
+    assert got.stride() == model(x).stride()
+
+
+def test_in_place_write_into_a_view_whose_source_is_read_elsewhere_stays():
+    class M(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            y = h.t()
+            y.mul_(3)
+            return h + 1, y   # h sees the write
+    model, x = M().eval(), torch.randn(4, 5)
+    opt = optimize_strict(model, x)
+    got = assert_matches_eager(opt, model, x)
+    assert got[1].stride() == model(x)[1].stride()

@@ -280,15 +280,16 @@ def _copy(s, x, y):
 
 
 def _div_floor_(s, x, y):
-    h = x * 2
-    h.div_(0.7, rounding_mode="floor")    # a known spelling with no canonical form
-    return h + 1
+    h = (x * 10).long()
+    h.div_(3, rounding_mode="floor")      # a known spelling with no canonical form (on a float h, stop 46's
+    return h + 1                          # out-of-place twin)
 
 
 def _masked_fill_view(s, x, y):
-    h = (x * 2).t()                       # a view: the write must stay in place
-    h.masked_fill_(y.t() > 0, 0.0)
-    return h + 1
+    g = x * 2
+    h = g.t()                             # a view of a tensor read elsewhere: the write must stay in place
+    h.masked_fill_(y.t() > 0, 0.0)        # (a view of a fresh tensor nothing else reads is one: stop 46)
+    return h + 1 + g.t()
 
 
 @pytest.mark.parametrize("fn", [_masked_fill_view, _div_floor_],   # (clamp_min_ has a canonical form: stop 38;
