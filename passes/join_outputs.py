@@ -191,6 +191,43 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     return moved
 
 
+def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
+    """`torch.cat([relu(a), relu(b)], 1)` as `relu(torch.cat([a, b], 1))` where every piece is the same
+    one-operand pointwise op (same arguments besides its operand, the operand's dtype kept) of a
+    library result read only there: one kernel after the cat, where each piece was a kernel of its
+    own (fuzz46a: SqueezeNet's Fire, Inception and DenseNet branches). Not where a piece's operand
+    is computed by a pointwise op (a kernel that writes the join does better) or anything is written
+    in place. Returns whether one moved."""
+    g, moved = gm.graph, False
+    for join in list(g.nodes):
+        parts = join_of(join)
+        meta = _meta(join)
+        if parts is None or meta is None or join in written or len(parts[1]) < 2:
+            continue
+        kind, pieces, dim = parts
+        first = pieces[0]
+        if not all(p.op == "call_function" and p.target is first.target and is_pointwise_target(p.target)
+                   and p.args[1:] == first.args[1:] and p.kwargs == first.kwargs and len(p.users) == 1
+                   and p not in written and isinstance(p.args[0], torch.fx.Node) and p.args[0] not in written
+                   and not _computed(p.args[0]) and p.args[0].op != "get_attr"
+                   and _meta(p.args[0]) is not None and _meta(p.args[0]).dtype == _meta(p).dtype == meta.dtype
+                   and not any(isinstance(a, torch.fx.Node) for a in (*p.args[1:], *p.kwargs.values()))
+                   for p in pieces) or len(set(pieces)) != len(pieces):
+            continue
+        sources = [p.args[0] for p in pieces]
+        with g.inserting_before(join):
+            inner = g.call_function(torch.stack if kind == "stack" else torch.cat, (sources, dim))
+            outer = g.call_function(first.target, (inner, *first.args[1:]), dict(first.kwargs))
+        inner.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in join.meta.items()}
+        outer.meta = dict(join.meta)
+        join.replace_all_uses_with(outer)
+        g.erase_node(join)
+        for p in pieces:
+            g.erase_node(p)
+        moved = True
+    return moved
+
+
 def _computed(node) -> bool:
     return node.op == "call_function" and is_pointwise_target(node.target)
 

@@ -4,6 +4,7 @@ regrouped as [.., d/2, 2]."""
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 import fxfuse
 
@@ -260,3 +261,29 @@ def test_in_place_write_into_a_view_whose_source_is_read_elsewhere_stays():
     opt = optimize_strict(model, x)
     got = assert_matches_eager(opt, model, x)
     assert got[1].stride() == model(x)[1].stride()
+
+
+@pytest.mark.parametrize("op", [torch.relu, lambda h: h * 0.5, torch.sigmoid, lambda h: F.gelu(h, approximate="tanh")],
+                         ids=["relu", "scale", "sigmoid", "gelu"])
+@pytest.mark.parametrize("join", ["cat", "stack"])
+def test_the_same_activation_of_each_piece_runs_once_after_the_join(op, join):
+    class M(nn.Module):
+        def forward(self, a, b, c):
+            pieces = [op(a @ a.transpose(-1, -2)), op(b.mm(b.t())), op(torch.mm(c, c.t()))]
+            return torch.cat(pieces, 1) if join == "cat" else torch.stack(pieces, -1)
+    model = M().eval()
+    args = [torch.randn(4, 3) for _ in range(3)]
+    opt = optimize_strict(model, *args)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    assert_matches_eager(opt, model, *args)
+
+
+def test_pieces_of_other_ops_or_read_elsewhere_stay():
+    class M(nn.Module):
+        def forward(self, a, b):
+            ra, rb = torch.relu(a.mm(a.t())), torch.relu(b.mm(b.t()))
+            return torch.cat([ra, torch.sigmoid(b.mm(b.t()))], 1), torch.cat([ra, rb], 0), rb * 2
+    model = M().eval()
+    args = [torch.randn(4, 3), torch.randn(4, 3)]
+    opt = optimize_strict(model, *args)
+    assert_matches_eager(opt, model, *args)
