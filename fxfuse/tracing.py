@@ -386,7 +386,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         gm.meta["fxfuse_attribute_writes"] = written
         gm.meta["fxfuse_proxy_attributes"] = [a for a in assigned if a not in {
             f"{type(m).__name__}.{k}" for m, k, _ in written}]
-    refuse_frozen_draws(generators)
+    refuse_frozen_draws(generators, gm, model)
     if swallowed is not None:   # the trace got past it: forward() caught the tracer's error
         if not swallowed[1]:   # at a branch on a size: torch.export specializes on it (_trace)
             raise TraceError(f"forward() catches the error symbolic_trace raised{swallowed[0]}, a branch on a size")
