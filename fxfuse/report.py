@@ -154,9 +154,9 @@ PLAN_COLUMNS = CANDIDATES   # library, gemm, gemm_x3, strassen1, strassen2, mlp
 FORCED_NOTES = {   # options whose "force" acts after the plan, whatever it chose (explain's plan table)
     "strassen": "strassen='force': the Strassen pass rewrites every Linear it can, whatever this table chose",
     "gemm": "gemm='force' overrides this table's choice: every Linear the fused-MLP and Strassen passes "
-            "leave becomes a generated GEMM (the node table shows what was built)",
+            "leave becomes a generated GEMM where it is legal (the node table shows what was built)",
     "fused_mlp": "fused_mlp='force' overrides this table's choice: every chain that fits one kernel becomes a "
-                 "fused MLP (the node table shows what was built)",
+                 "fused MLP where it is legal (the node table shows what was built)",
     "tf32x3": "tf32x3='force': gemm_x3 is legal without a calibration (priced by the roofline) and every "
               "generated fp32 GEMM runs as 3xTF32 where its guard passes",
 }
