@@ -191,6 +191,81 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     return moved
 
 
+def pointwise_groups_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
+    """pointwise_into_joins for a group of pointwise ops that read the join several times and end in
+    one result: `h * torch.sigmoid(h)`, `sigmoid(h) + tanh(h)` after `h = torch.cat([..])` (fuzz46h: a
+    second kernel over the joined tensor). Each op of the group is computed per piece, and the group's
+    one result read elsewhere is the join of its pieces. Returns whether one moved."""
+    g, moved = gm.graph, False
+    for join in list(g.nodes):
+        parts = join_of(join)
+        meta = _meta(join)
+        if parts is None or meta is None or join in written or len(join.users) < 1:
+            continue
+        kind, pieces, dim = parts
+        if {join, *pieces} & written or any(_meta(p) is None or _meta(p).dtype != meta.dtype for p in pieces) \
+                or len({tuple(_meta(p).shape) for p in pieces}) != 1 or not any(_computed(p) for p in pieces) \
+                or not all(_computed(p) or p.op in ("placeholder", "get_attr") or _slice_of_one(p) for p in pieces):
+            continue
+        d = dim % len(meta.shape)
+        group, spanning = _group_reading(join, meta, d, kind, written)
+        if group is None:
+            continue
+        ends = [n for n in group if any(u not in group for u in n.users)]
+        if ends != group[-1:] or not set(join.users) <= set(group):
+            continue   # (several results would make several joins; the last op is the one read elsewhere)
+        with g.inserting_before(ends[0]):
+            new_pieces = []
+            for k, p in enumerate(pieces):
+                made = {join: p}
+                made.update({a: _part(g, a, len(meta.shape), d, kind, k, len(pieces), meta) for a in spanning})
+                for n in group:
+                    made[n] = g.call_function(n.target, tuple(made.get(a, a) if isinstance(a, torch.fx.Node) else a
+                                                              for a in n.args), dict(n.kwargs))
+                    shape = tuple(_meta(p).shape)
+                    made[n].meta = {key: v for key, v in n.meta.items() if key != "tensor_meta"}
+                    made[n].meta["tensor_meta"] = _meta(n)._replace(shape=torch.Size(shape), stride=row_major(shape))
+                new_pieces.append(made[ends[0]])
+            new_join = g.call_function(torch.stack if kind == "stack" else torch.cat, (new_pieces, dim))
+        new_join.meta = dict(ends[0].meta)
+        ends[0].replace_all_uses_with(new_join)
+        for n in reversed(group):
+            g.erase_node(n)
+        g.erase_node(join)
+        moved = True
+    return moved
+
+
+def _group_reading(join, meta, d: int, kind: str, written: set):
+    """(the pointwise ops that read `join` or each other, in graph order; their operands that vary along
+    d), or (None, None) where a reader of the join cannot move: another op, another shape, a keyword
+    tensor, an operand neither constant along d nor sliceable."""
+    group, spanning, node = [], [], join.next
+    inside = {join}
+    while node.op != "output":
+        reads = [a for a in node.all_input_nodes if a in inside]
+        if reads:
+            out = _meta(node)
+            if node.op != "call_function" or not is_pointwise_target(node.target) or node in written \
+                    or out is None or tuple(out.shape) != tuple(meta.shape) \
+                    or any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
+                if join in reads:
+                    return None, None
+                node = node.next   # a reader of the group's result (a Linear after `h * sigmoid(h)`)
+                continue
+            others = [a for a in node.args if isinstance(a, torch.fx.Node) and a not in inside]
+            if any(_meta(a) is None for a in others):
+                return None, None
+            span = [a for a in others if not _constant_along(_meta(a).shape, len(meta.shape), d, kind)]
+            if span and not _sliceable(span, meta, d, out):
+                return None, None
+            spanning += [a for a in span if a not in spanning]
+            group.append(node)
+            inside.add(node)
+        node = node.next
+    return group, spanning
+
+
 def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     """`torch.cat([relu(a), relu(b)], 1)` as `relu(torch.cat([a, b], 1))` where every piece is the same
     one-operand pointwise op (same arguments besides its operand, the operand's dtype kept) of a

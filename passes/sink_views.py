@@ -25,7 +25,7 @@ from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target, row_major
 
 from .fuse_pointwise import _mutated_values
-from .join_outputs import join_of, pointwise_into_joins, pointwise_out_of_joins
+from .join_outputs import join_of, pointwise_groups_into_joins, pointwise_into_joins, pointwise_out_of_joins
 from .normalize_layers import register_constant
 
 aten = torch.ops.aten
@@ -396,7 +396,8 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 node.replace_all_uses_with(z)
                 g.erase_node(node)
                 changed = True
-        changed = pointwise_out_of_joins(gm, written) or pointwise_into_joins(gm, written) or changed
+        changed = pointwise_out_of_joins(gm, written) or pointwise_into_joins(gm, written) \
+            or pointwise_groups_into_joins(gm, written) or changed
     for node in list(g.nodes):   # constants read as their [n] views ("flat") now
         if node.op == "get_attr" and not node.users:
             g.erase_node(node)

@@ -296,3 +296,54 @@ def test_a_force_that_does_not_apply_says_why_on_the_node(force):
     report = fxfuse.explain(opt)
     assert fxfuse.stats(opt)["fused_kernels"] == 0
     assert f"{next(iter(force))}='force' not applied: torch.float64" in " ".join(report.split()), report
+
+
+READS_OF_A_JOIN = {
+    "h * sigmoid(h)": lambda h: h * torch.sigmoid(h),
+    "h * h": lambda h: h * h,
+    "sigmoid(h) + tanh(h)": lambda h: torch.sigmoid(h) + torch.tanh(h),
+    "where(h > 0, h, 0.1 * h)": lambda h: torch.where(h > 0, h, 0.1 * h),
+}
+
+
+@pytest.mark.parametrize("name", list(READS_OF_A_JOIN))
+@pytest.mark.parametrize("join", ["cat", "stack"])
+def test_ops_reading_a_kernel_written_join_several_times_run_per_piece(name, join):
+    class M(nn.Module):
+        def forward(self, x, w):
+            pieces = [x * 2, x.sin()]
+            h = torch.cat(pieces, -1) if join == "cat" else torch.stack(pieces, 1)
+            return READS_OF_A_JOIN[name](h) + w
+    x = torch.randn(3, 4)
+    w = torch.randn(3, 8) if join == "cat" else torch.randn(3, 2, 4)
+    model = M().eval()
+    opt = optimize_strict(model, x, w)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    assert_matches_eager(opt, model, x, w)
+
+
+def test_a_join_read_by_a_group_then_a_linear():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 5)
+
+        def forward(self, x):
+            h = torch.cat([x * 2, x.cos()], -1)
+            a = h * torch.sigmoid(h)
+            return self.lin(a), a.sum(-1)
+    model, x = M().eval(), torch.randn(3, 4)
+    opt = optimize_strict(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    assert_matches_eager(opt, model, x)
+
+
+def test_a_join_also_read_by_a_library_op_or_with_two_results_stays():
+    class M(nn.Module):
+        def forward(self, x):
+            h = torch.cat([x * 2, x.cos()], -1)
+            s = torch.sigmoid(h)
+            return h * s, s + 1, h.sum(0)
+    model, x = M().eval(), torch.randn(3, 4)
+    opt = optimize_strict(model, x)
+    assert_matches_eager(opt, model, x)
