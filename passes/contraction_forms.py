@@ -1,9 +1,12 @@
 """Contractions of an activation with a 2-D weight that are a Linear in another spelling
 (`torch.einsum("bi,oi->bo", x, W)`, `torch.inner(x, W)`, `torch.tensordot(x, W, ([-1], [1]))`):
 normalize_layers.matmul_as_linear reads each as F.linear, so the Linear passes plan it."""
+import operator
+
 import torch
 
-from fxfuse.node_meta import tensor_meta
+from fxfuse.node_meta import fxfuse_meta, meta_tensor, tensor_meta
+from fxfuse.shape_propagation import tensor_metadata
 
 aten = torch.ops.aten
 
@@ -39,6 +42,63 @@ def inner_or_tensordot(node):
             or dims[0][0] % max(len(x_meta.shape), 1) != len(x_meta.shape) - 1 or dims[1][0] not in (0, 1, -1, -2):
         return None
     return x, other, dims[1][0] % 2 == 1
+
+
+def _equation(node):
+    """(input subscripts, output subscript, operands) of an einsum node written plainly, else None."""
+    if node.op != "call_function" or node.target not in EINSUMS or node.kwargs or len(node.args) < 2:
+        return None
+    equation, operands = node.args[0], list(node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "->" not in equation or not all(isinstance(o, torch.fx.Node) for o in operands):
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    return (subscripts, out, operands) if len(subscripts) == len(operands) else None
+
+
+def einsum_as_product(gm, node) -> bool:
+    """`torch.einsum("bld,dn->bldn", delta, A)` (Mamba's discretization: no index summed) as the
+    broadcast product of its operands, each permuted and unsqueezed into the output's index order:
+    pointwise ops a kernel fuses, where the library einsum split it (fuzz46a). Only where eager's
+    result is row-major (the product is laid out so: a contiguous() after it), the operands share
+    one dtype and no letter repeats within a subscript. Rewritten in place; True if it was."""
+    from fxfuse.ops import row_major   # (ops imports passes' helpers: late)
+    parsed = _equation(node)
+    if parsed is None:
+        return False
+    subscripts, out, operands = parsed
+    metas, meta = [tensor_meta(o) for o in operands], tensor_meta(node)
+    if len(operands) < 2 or "." in out or any("." in sub or len(set(sub)) != len(sub) for sub in subscripts) \
+            or len(set(out)) != len(out) or set("".join(subscripts)) != set(out) or meta is None \
+            or None in metas or len({m.dtype for m in metas}) != 1 or tuple(meta.stride) != row_major(meta.shape) \
+            or any(len(m.shape) != len(sub) for m, sub in zip(metas, subscripts)) \
+            or any(m.shape[i] != meta.shape[out.index(c)] for m, sub in zip(metas, subscripts) for i, c in enumerate(sub)):
+        return False
+    g, product, device = gm.graph, None, fxfuse_meta(node).get("device")
+
+    def made(kind, target, args, value):   # a node with its meta (the value a meta tensor's op gives)
+        new = g.create_node(kind, target, args)
+        new.meta["tensor_meta"] = tensor_metadata(value)
+        if device is not None:
+            fxfuse_meta(new)["device"] = device
+        return new, value
+    with g.inserting_before(node):
+        for operand, meta_in, sub in zip(operands, metas, subscripts):
+            order = sorted(range(len(sub)), key=lambda i: out.index(sub[i]))
+            view, value = operand, meta_tensor(meta_in)
+            if order != sorted(order):
+                view, value = made("call_method", "permute", (view, *order), value.permute(*order))
+            for position, c in enumerate(out):
+                if c not in sub:
+                    view, value = made("call_method", "unsqueeze", (view, position), value.unsqueeze(position))
+            product = (view, value) if product is None else \
+                made("call_function", operator.mul, (product[0], view), product[1] * value)
+        laid, _ = made("call_method", "contiguous", (product[0],), product[1].contiguous())
+    node.replace_all_uses_with(laid)
+    g.erase_node(node)
+    return True
 
 
 def einsum_operands(node):

@@ -26,6 +26,7 @@ from fxfuse.ops import (POINTWISE, add_number_scaled, add_scaled, cast, is_point
 from fxfuse.state_writes import AUGMENTED_NAMES, KEYWORD_OPERATORS, VIEW_METHODS, schema_writes
 from fxfuse.tracing import fxfuse_meta
 
+from .contraction_forms import einsum_as_product
 from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
                             fold_pointwise_of_literals, full_as_expanded_literal)
@@ -189,7 +190,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 or node.op == "call_module" and node.target == "_guards_fn" and not node.users):
             g.erase_node(node)  # torch.export's dtype/device/shape checks: the runtime guards those on every call
             continue
-        if fold_constant_slice(gm, node) or matmul_as_linear(gm, node) or fold_literal_tensor(gm, node):
+        if fold_constant_slice(gm, node) or matmul_as_linear(gm, node) or fold_literal_tensor(gm, node) \
+                or einsum_as_product(gm, node):
             continue
         if split_layer(gm, node) or glu_as_gate(gm, node) or prelu_or_rrelu_as_pointwise(gm, node):
             continue

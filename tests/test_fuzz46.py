@@ -347,3 +347,35 @@ def test_a_join_also_read_by_a_library_op_or_with_two_results_stays():
     model, x = M().eval(), torch.randn(3, 4)
     opt = optimize_strict(model, x)
     assert_matches_eager(opt, model, x)
+
+
+EINSUM_PRODUCTS = {
+    "bld,dn->bldn": [(2, 3, 4), (4, 5)],
+    "bld,bln,bld->bldn": [(2, 3, 4), (2, 3, 5), (2, 3, 4)],
+    "i,j->ij": [(3,), (4,)],
+    "bi,j->bij": [(2, 3), (4,)],
+    "ij,jk->ikj": [(2, 3), (3, 4)],      # eager's result is not row-major either
+    "ij,j->ji": [(2, 3), (3,)],          # eager's result is not row-major: stays an einsum
+    "ij,jk->ik": [(2, 3), (3, 4)],       # a contraction: not a product
+    "ii->i": [(3, 3)],
+    "...i,i->...i": [(2, 3), (3,)],
+}
+
+
+@pytest.mark.parametrize("equation", list(EINSUM_PRODUCTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_einsum_that_sums_nothing_is_a_fused_product(equation, dtype):
+    class M(nn.Module):
+        def forward(self, *xs):
+            return torch.exp(torch.einsum(equation, *xs) * 0.5)
+    args = [torch.randn(*s).to(dtype) for s in EINSUM_PRODUCTS[equation]]
+    model = M().eval()
+    opt = optimize_strict(model, *args)
+    inputs, out = equation.split("->")
+    sums_nothing = "." not in equation and set(inputs.replace(",", "")) == set(out) and equation not in (
+        "ij,j->ji", "ii->i", "ij,jk->ikj")
+    if sums_nothing:
+        assert fxfuse.stats(opt)["library_calls"] == 0, fxfuse.explain(opt)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    got = assert_matches_eager(opt, model, *args, rtol=tol, atol=tol)
+    assert got.stride() == model(*args).stride()
