@@ -343,10 +343,9 @@ def watched_modules(model: torch.nn.Module, read: frozenset) -> tuple:
     """The model's modules, and those of each module it holds unregistered whose tensors' storages the
     graph reads (`read`): a frozen encoder kept in a list, then replaced, given new weights or put in
     training mode, was not seen (fuzz46c); an unused teacher held so stays out."""
-    own = storages((*model.parameters(), *model.buffers()))   # (review46r: a child's back-reference to its
-    held = (m for h in unregistered_modules(model) if storages((*h.parameters(), *h.buffers())) - own & read
-            for m in h.modules())                             # parent holds the child's own weights too)
-    return tuple(dict.fromkeys((*model.modules(), *held)))
+    held = (m for h in unregistered_modules(model) if all(m is not model for m in h.modules())   # (review46r:
+            and storages((*h.parameters(), *h.buffers())) & read for m in h.modules())   # not a child's back-
+    return tuple(dict.fromkeys((*model.modules(), *held)))                              # reference to its parent)
 
 
 def _closure_values(cls) -> list:

@@ -124,7 +124,7 @@ def torch_states() -> tuple:
     return (torch.get_rng_state(), *cuda)
 
 
-def refuse_frozen_draws(before: tuple, gm, model) -> None:
+def refuse_frozen_draws(before: tuple, gm, model, retrace) -> None:
     """symbolic_trace runs a random factory whose arguments are no traced values (`torch.rand(4, 8)`,
     `torch.rand(())`, `torch.empty(4).uniform_()`) on the spot, and the graph keeps that draw as a
     constant: every call then added the same noise, and a branch on `torch.rand(()) < 0.5` took one
@@ -132,8 +132,9 @@ def refuse_frozen_draws(before: tuple, gm, model) -> None:
     that moved torch's default generators (since `before`, torch_states) raises TraceError, with the
     generators put back: torch.export records such draws as nodes. Only while this is the process's
     one thread (another thread's draws would read as the trace's, and be rewound: RandomStreams), and
-    not where each constant the graph holds stays held by a module after the trace: a
-    `functools.cached_property` that draws once is a memo eager reads too."""
+    not where each constant the graph holds stays held by a module after the trace and a second trace
+    (`retrace`) draws nothing: a `functools.cached_property` that drew once is a memo eager reads
+    too (review46i: not beside a random branch, which draws again)."""
     from .errors import TraceError
     now = torch_states()
     if threading.active_count() != 1 or all(torch.equal(a, b) for a, b in zip(now, before)):
@@ -143,7 +144,9 @@ def refuse_frozen_draws(before: tuple, gm, model) -> None:
     held = {id(v) for m in model.modules() for k, v in vars(m).items() if not k.startswith("_tensor_constant")} \
         if isinstance(model, torch.nn.Module) else set()   # (torch.fx sets its constants on the root too)
     if constants and all(id(c) in held for c in constants):
-        return
+        retrace()
+        if all(torch.equal(a, b) for a, b in zip(torch_states(), now)):
+            return
     torch.set_rng_state(before[0])
     for device, state in enumerate(before[1:]):
         torch.cuda.set_rng_state(state, device)

@@ -366,15 +366,15 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         finally:
             tracer.refusals.clear()   # their frames: a failed trace must not keep its callers alive (fuzz30)
             assigned, proxies = _undo_proxy_attributes(model, before)
+        def retrace():
+            again = _AutocastWatchingTracer()
+            again.proxy_buffer_attributes = proxy_buffers
+            try:
+                return again.trace(model, concrete_args=concrete)
+            finally:
+                again.refusals.clear()
+                _undo_proxy_attributes(model, before)
         if proxies:   # tensor attributes forward() assigned: written back where assigned before any read
-            def retrace():
-                again = _AutocastWatchingTracer()
-                again.proxy_buffer_attributes = proxy_buffers
-                try:
-                    return again.trace(model, concrete_args=concrete)
-                finally:
-                    again.refusals.clear()
-                    _undo_proxy_attributes(model, before)
             proxies = assigned_first(model, proxies, retrace, graph)
         if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
             one_placeholder_per_parameter(graph, model, concrete)
@@ -386,7 +386,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         gm.meta["fxfuse_attribute_writes"] = written
         gm.meta["fxfuse_proxy_attributes"] = [a for a in assigned if a not in {
             f"{type(m).__name__}.{k}" for m, k, _ in written}]
-    refuse_frozen_draws(generators, gm, model)
+        refuse_frozen_draws(generators, gm, model, retrace)
     if swallowed is not None:   # the trace got past it: forward() caught the tracer's error
         if not swallowed[1]:   # at a branch on a size: torch.export specializes on it (_trace)
             raise TraceError(f"forward() catches the error symbolic_trace raised{swallowed[0]}, a branch on a size")

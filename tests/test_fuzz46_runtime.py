@@ -1,5 +1,7 @@
 """Stop 46, runtime and tracing: a random draw symbolic_trace would freeze goes to torch.export (or the
 original); functional_call takes opt's state_dict names (tied weights, strict=True, both spellings)."""
+import copy
+import functools
 import warnings
 
 import pytest
@@ -355,3 +357,47 @@ def test_a_childs_back_reference_to_its_parent_is_not_watched():
         warnings.simplefilter("always")
         torch.testing.assert_close(opt(x), child(x))
     assert not caught, [str(w.message) for w in caught]
+
+
+class MemoAndRandomBranch(nn.Module):
+    """A deterministic memo beside a random branch (review46i): the branch still draws on every call."""
+    @functools.cached_property
+    def scale(self):
+        return torch.linspace(0.5, 1.5, 17)
+
+    def forward(self, x):
+        if torch.rand(()) < 0.5:
+            return x * self.scale
+        return x - self.scale
+
+
+def test_a_memo_does_not_hide_a_random_branch():
+    model, x = MemoAndRandomBranch().eval(), torch.randn(3, 17)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(model, x, verify=False)
+    with torch.no_grad():
+        for seed in range(6):
+            torch.manual_seed(seed)
+            got = opt(x)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(got, reference(x))
+    assert len(caught) == 1
+
+
+def test_a_wrapper_held_unregistered_around_a_registered_layer_is_watched():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(6, 6)
+            self.helper = [nn.Sequential(self.enc, nn.ReLU())]
+
+        def forward(self, x):
+            return self.helper[0](x) * 2
+    model, x = M().eval(), torch.randn(3, 6)
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        opt(x)
+        model.helper[0][1] = nn.Tanh()
+        torch.testing.assert_close(opt(x), model(x))
