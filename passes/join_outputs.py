@@ -281,18 +281,22 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
             continue
         kind, pieces, dim = parts
         first = pieces[0]
-        if not all(p.op == "call_function" and p.target is first.target and is_pointwise_target(p.target)
-                   and p.args[1:] == first.args[1:] and p.kwargs == first.kwargs and len(p.users) == 1
-                   and p not in written and isinstance(p.args[0], torch.fx.Node) and p.args[0] not in written
-                   and not _computed(p.args[0]) and p.args[0].op != "get_attr"
-                   and _meta(p.args[0]) is not None and _meta(p.args[0]).dtype == _meta(p).dtype == meta.dtype
-                   and not any(isinstance(a, torch.fx.Node) for a in (*p.args[1:], *p.kwargs.values()))
-                   for p in pieces) or len(set(pieces)) != len(pieces):
+        at = [i for i, a in enumerate(first.args) if isinstance(a, torch.fx.Node)]   # the one tensor operand
+        if len(at) != 1 or not all(    # (`1 - h`, `2 / h` too: review46i)
+                p.op == "call_function" and p.target is first.target and is_pointwise_target(p.target)
+                and len(p.args) == len(first.args) and p.args[:at[0]] == first.args[:at[0]]
+                and p.args[at[0] + 1:] == first.args[at[0] + 1:] and p.kwargs == first.kwargs and len(p.users) == 1
+                and p not in written and isinstance(p.args[at[0]], torch.fx.Node) and p.args[at[0]] not in written
+                and not _computed(p.args[at[0]]) and p.args[at[0]].op != "get_attr"
+                and _meta(p.args[at[0]]) is not None and _meta(p.args[at[0]]).dtype == _meta(p).dtype == meta.dtype
+                and not any(isinstance(v, torch.fx.Node) for v in p.kwargs.values())
+                for p in pieces) or len(set(pieces)) != len(pieces):
             continue
-        sources = [p.args[0] for p in pieces]
+        sources = [p.args[at[0]] for p in pieces]
         with g.inserting_before(join):
             inner = g.call_function(torch.stack if kind == "stack" else torch.cat, (sources, dim))
-            outer = g.call_function(first.target, (inner, *first.args[1:]), dict(first.kwargs))
+            outer = g.call_function(first.target, (*first.args[:at[0]], inner, *first.args[at[0] + 1:]),
+                                    dict(first.kwargs))
         inner.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in join.meta.items()}
         outer.meta = dict(join.meta)
         join.replace_all_uses_with(outer)

@@ -61,14 +61,18 @@ def _produces_fresh_tensor(node) -> bool:
 
 
 WHOLE_VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
-               "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims"}
+               "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "T", "mT"}
 
 
 def _whole_view_of_fresh(node) -> bool:
     """node views all of a fresh tensor nothing else reads (ConvNeXt's layer scale `y = fc(h).permute(0, 3,
     1, 2); y.mul_(gamma); y += x`: fuzz46a, no kernel at all): a write into it reaches no other reader, so
     it reads as a fresh tensor in the view's layout."""
-    src = node.args[0] if node.op == "call_method" and node.target in WHOLE_VIEWS and node.args else None
+    name = node.target if node.op == "call_method" else node.args[1] if node.op == "call_function" \
+        and node.target is getattr and len(node.args) == 2 else getattr(node.target, "__name__", None) \
+        if node.op == "call_function" and getattr(torch, getattr(node.target, "__name__", ""), None) is node.target \
+        else None   # y.permute(..), torch.permute(y, ..), y.T (review46i)
+    src = node.args[0] if name in WHOLE_VIEWS and node.args and isinstance(node.args[0], torch.fx.Node) else None
     src_meta, meta = single_tensor_meta(src), single_tensor_meta(node)
     return src_meta is not None and meta is not None and _produces_fresh_tensor(src) and set(src.users) == {node} \
         and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()

@@ -242,6 +242,27 @@ class ConvNeXtLayerScale(nn.Module):
         return y
 
 
+@pytest.mark.parametrize("view", [lambda y: y.permute(1, 0), lambda y: torch.permute(y, (1, 0)), lambda y: y.T,
+                                  lambda y: torch.transpose(y, 0, 1), lambda y: torch.movedim(y, 0, 1)],
+                         ids=["permute", "torch.permute", "T", "torch.transpose", "torch.movedim"])
+def test_in_place_ops_on_a_whole_view_of_a_fresh_tensor_are_fused(view):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+
+        def forward(self, x):
+            y = view(self.lin(x))
+            y.mul_(2)
+            y += x[:, :4].t()
+            return y
+    model, x = M().eval(), torch.randn(5, 6)
+    opt = optimize_strict(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    got = assert_matches_eager(opt, model, x)
+    assert got.stride() == model(x).stride()
+
+
 def test_in_place_layer_scale_on_a_permuted_linear_output_is_fused():
     model, x = ConvNeXtLayerScale().eval(), torch.randn(2, 8, 3, 5)
     opt = optimize_strict(model, x)
@@ -263,8 +284,8 @@ def test_in_place_write_into_a_view_whose_source_is_read_elsewhere_stays():
     assert got[1].stride() == model(x)[1].stride()
 
 
-@pytest.mark.parametrize("op", [torch.relu, lambda h: h * 0.5, torch.sigmoid, lambda h: F.gelu(h, approximate="tanh")],
-                         ids=["relu", "scale", "sigmoid", "gelu"])
+@pytest.mark.parametrize("op", [torch.relu, lambda h: h * 0.5, torch.sigmoid, lambda h: F.gelu(h, approximate="tanh"),
+                                lambda h: 1 - h], ids=["relu", "scale", "sigmoid", "gelu", "1 - h"])
 @pytest.mark.parametrize("join", ["cat", "stack"])
 def test_the_same_activation_of_each_piece_runs_once_after_the_join(op, join):
     class M(nn.Module):
