@@ -91,7 +91,17 @@ def part_of_fresh_tuple(node) -> bool:
     packet = getattr(getattr(src, "target", None), "overloadpacket", None)   # export's aten.topk.default
     return (src.target in FRESH_TUPLES + tuple(
         getattr(torch, t) for t in FRESH_TUPLES) or getattr(packet, "__name__", None) in FRESH_TUPLES) and (
-        node.target is operator.getitem or node.args[1] in ("values", "indices"))
+        node.target is operator.getitem or node.args[1] in ("values", "indices")) and not any(
+        u is not node and _tuple_part(u) == _tuple_part(node) for u in src.users)   # (review46i: `r[0]` read twice
+    #                                                                               is one tensor, written through either)
+
+
+def _tuple_part(node):
+    """0 or 1 for a read of a (values, indices) result's part (`r[0]`, `r.values`), else None."""
+    if node.op != "call_function" or node.target not in (operator.getitem, getattr) or len(node.args) < 2:
+        return None
+    return {0: 0, 1: 1, -2: 0, -1: 1, "values": 0, "indices": 1}.get(node.args[1]) \
+        if isinstance(node.args[1], (int, str)) else None
 
 
 def advanced_index(node) -> bool:

@@ -400,3 +400,17 @@ def test_an_einsum_that_sums_nothing_is_a_fused_product(equation, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     got = assert_matches_eager(opt, model, *args, rtol=tol, atol=tol)
     assert got.stride() == model(*args).stride()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_write_into_a_tuple_part_read_twice_is_seen_by_both_reads(verify):
+    class M(nn.Module):
+        def forward(self, x):
+            r = (x @ x.t()).topk(2, -1)
+            r[0].mul_(2)
+            v = r.values.unsqueeze(0)
+            v.add_(1)
+            return r[0] + 1, r.values * 3
+    model, x = M().eval(), torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x, verify=verify, strict=True)
+    assert_matches_eager(opt, model, x)
