@@ -59,7 +59,7 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, childr
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
-                             describe_mismatch, signature, unit_strides_alike, writes_an_input)
+                             describe_mismatch, reads_unit_strides, signature, unit_strides_alike, writes_an_input)
 from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
@@ -78,14 +78,6 @@ MAX_MISSES_KEPT = 32
 REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts towards the "keep changing" warning,
 REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change per call; a few edits by hand
 #                            between calls, as when tuning a model interactively, are no reason to warn)
-
-
-def _reads_strides(trace: dict) -> bool:
-    """Whether a specialization may depend on the strides of size-1 dims: torch.export specializes
-    on a stride forward() reads without leaving a node (review41b: `if x.stride(0) == 1`), and
-    symbolic_trace's `x.stride(0)` folds to the example's number."""
-    names = trace.get("attribute_reads", {}).get("code_names", {"stride"})
-    return trace.get("tracer") != "torch.fx.symbolic_trace" or bool({"stride", "is_contiguous"} & names)
 
 
 class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
@@ -429,7 +421,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             if sig in self._failed_builds:
                 return self._run_original(*self._failed_builds[sig], args)
         alike = unit_strides_alike(sig, {s: spec for s, spec in self._specializations.items()
-                                         if not _reads_strides(spec.gm.meta.get("fxfuse_trace", {}))})
+                                         if not reads_unit_strides(spec)})
         if alike is not None:   # a batch-1 row made as `col.T`: strides (1, 1) where the build had (8, 1)
             if len(self._trimmed) < MAX_MISSES_KEPT:   # (fuzz41c: a second build of the same graph, or the
                 self._trimmed[full] = (alike, len(args))   # original once the slots were used up)

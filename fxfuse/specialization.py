@@ -61,6 +61,31 @@ def unit_strides_alike(sig: tuple, built) -> tuple | None:
     return next((s for s in built if len(s) == len(sig) and canonical(s) == wanted), None)
 
 
+LAYOUT_WORDS = ("conv", "pool", "interpolate", "upsample", "norm", "pixel_", "grid_sample", "fold")
+
+
+def reads_unit_strides(spec) -> bool:
+    """Whether a specialization may depend on the strides of size-1 dims: torch.export specializes on a
+    stride forward() reads (review41b: `if x.stride(0) == 1`), symbolic_trace folds `x.stride(0)`, a conv
+    picks its output's layout from them (fuzz46l: a [1, L, C] input unsqueezed to 4-D)."""
+    trace = spec.gm.meta.get("fxfuse_trace", {})
+    names = trace.get("attribute_reads", {}).get("code_names", {"stride"})
+    return trace.get("tracer") != "torch.fx.symbolic_trace" or bool({"stride", "is_contiguous"} & names) \
+        or picks_layouts(spec.gm)
+
+
+def picks_layouts(gm) -> bool:
+    """Whether a graph holds an op that picks its output's memory format from its input's strides,
+    those of size-1 dims included (a conv, pooling, a normalization), by name: conservative."""
+    for node in gm.graph.nodes:
+        target = type(gm.get_submodule(node.target)).__name__ if node.op == "call_module" else \
+            node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if node.op in ("call_function", "call_method", "call_module") and any(
+                word in target.lower() for word in LAYOUT_WORDS):
+            return True
+    return False
+
+
 def const_text(a) -> str:
     """A constant argument's repr, and its value where its type subclasses a number or str: such a
     subclass's repr may not show the value (`class Scale(float): __repr__ = ...`: review39b)."""

@@ -401,3 +401,30 @@ def test_a_wrapper_held_unregistered_around_a_registered_layer_is_watched():
         opt(x)
         model.helper[0][1] = nn.Tanh()
         torch.testing.assert_close(opt(x), model(x))
+
+
+class ConvOverTokens(nn.Module):
+    """[B, L, C] tokens through a conv as a 1-row image: the conv's output layout follows the input's
+    size-1 batch stride, and a write through `h.reshape(-1)` reaches h or a copy by that layout."""
+    def __init__(self, write):
+        super().__init__()
+        self.conv, self.write = nn.Conv2d(4, 6, (1, 3), padding=(0, 1)), write
+
+    def forward(self, x):
+        h = self.conv(x.transpose(1, 2).unsqueeze(2))
+        if self.write:
+            h.reshape(-1).add_(1.0)
+        return torch.relu(h)
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_a_batch_stride_a_conv_reads_is_not_taken_as_alike(write):
+    model = ConvOverTokens(write).eval()
+    contiguous, strided = torch.randn(1, 8, 4), torch.randn(8, 4, 1).permute(2, 0, 1)
+    for example, call in ((contiguous, strided), (strided, contiguous)):
+        opt = fxfuse.optimize(model, example)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, expected = opt(call), model(call)
+        torch.testing.assert_close(got, expected)
+        assert got.stride() == expected.stride()
