@@ -57,7 +57,9 @@ def _produces_fresh_tensor(node) -> bool:
         return isinstance(node.graph.owning_module.get_submodule(node.target), FRESH_MODULES)
     return node.op == "call_function" and node.kwargs.get("out") is None and (   # out=: the result IS `out`
         (is_pointwise_target(node.target) and (node.target is not cast or _converts(node)))
-        or node.target in FRESH_FUNCTIONS)
+        or node.target in FRESH_FUNCTIONS or node.target is torch.einsum and (len(node.args) > 2 or len(
+            node.args) == 2 and isinstance(node.args[1], (list, tuple)) and len(node.args[1]) > 1))   # two
+    #     operands or more: a contraction or a product, new memory (fuzz46j: AutoInt's `scores /= c`)
 
 
 WHOLE_VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
@@ -72,10 +74,25 @@ def _whole_view_of_fresh(node) -> bool:
         and node.target is getattr and len(node.args) == 2 else getattr(node.target, "__name__", None) \
         if node.op == "call_function" and getattr(torch, getattr(node.target, "__name__", ""), None) is node.target \
         else None   # y.permute(..), torch.permute(y, ..), y.T (review46i)
-    src = node.args[0] if name in WHOLE_VIEWS and node.args and isinstance(node.args[0], torch.fx.Node) else None
+    src = node.args[0] if (name in WHOLE_VIEWS or _unit_index(node)) and node.args \
+        and isinstance(node.args[0], torch.fx.Node) else None
     src_meta, meta = single_tensor_meta(src), single_tensor_meta(node)
-    return src_meta is not None and meta is not None and _produces_fresh_tensor(src) and set(src.users) == {node} \
-        and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()
+    return src_meta is not None and meta is not None and set(src.users) == {node} \
+        and (_produces_fresh_tensor(src) or _whole_view_of_fresh(src)) \
+        and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()   # (a view of a whole
+    #                                                                                   view too: fuzz46j)
+
+
+def _unit_index(node) -> bool:
+    """`y[None]`, `y[:, None]`, `t[0]` of a size-1 dim: an index that adds or drops size-1 dims only."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    meta = single_tensor_meta(node.args[0])
+    if meta is None or sum(i is Ellipsis for i in index) > 0 or len([i for i in index if i is not None]) > len(meta.shape):
+        return False
+    dims = [i for i in index if i is not None]
+    return all(i == slice(None) or type(i) is int and i in (0, -1) and meta.shape[k] == 1 for k, i in enumerate(dims))
 
 
 def _converts(cast_node) -> bool:

@@ -414,3 +414,35 @@ def test_a_write_into_a_tuple_part_read_twice_is_seen_by_both_reads(verify):
     model, x = M().eval(), torch.randn(3, 8)
     opt = fxfuse.optimize(model, x, verify=verify, strict=True)
     assert_matches_eager(opt, model, x)
+
+
+@pytest.mark.parametrize("view", [lambda y: y[None], lambda y: y[:, None], lambda y: y.t().unsqueeze(-1),
+                                  lambda y: y[None][0]], ids=["y[None]", "y[:, None]", "t().unsqueeze", "y[None][0]"])
+def test_in_place_ops_through_unit_indexes_and_view_chains_are_fused(view):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+
+        def forward(self, x):
+            y = view(self.lin(x))
+            y.mul_(3)
+            return torch.sigmoid(y)
+    model, x = M().eval(), torch.randn(5, 6)
+    opt = optimize_strict(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    got = assert_matches_eager(opt, model, x)
+    assert got.stride() == model(x).stride()
+
+
+def test_a_scale_in_place_after_an_einsum_is_fused():
+    class M(nn.Module):
+        def forward(self, q, k):
+            scores = torch.einsum("bnik,bnjk->bnij", q, k)
+            scores /= 2.0
+            return torch.softmax(scores, -1)
+    model = M().eval()
+    q, k = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    opt = optimize_strict(model, q, k)
+    assert fxfuse.stats(opt)["library_calls"] <= 2, fxfuse.explain(opt)
+    assert_matches_eager(opt, model, q, k)
