@@ -74,7 +74,8 @@ def einsum_as_product(gm, node) -> bool:
             or len(set(out)) != len(out) or set("".join(subscripts)) != set(out) or meta is None \
             or None in metas or len({m.dtype for m in metas}) != 1 or tuple(meta.stride) != row_major(meta.shape) \
             or any(len(m.shape) != len(sub) for m, sub in zip(metas, subscripts)) \
-            or any(m.shape[i] != meta.shape[out.index(c)] for m, sub in zip(metas, subscripts) for i, c in enumerate(sub)):
+            or any(m.shape[i] != meta.shape[out.index(c)]
+                   for m, sub in zip(metas, subscripts) for i, c in enumerate(sub)):
         return False
     g, product, device = gm.graph, None, fxfuse_meta(node).get("device")
 

@@ -92,8 +92,8 @@ def part_of_fresh_tuple(node) -> bool:
     return (src.target in FRESH_TUPLES + tuple(
         getattr(torch, t) for t in FRESH_TUPLES) or getattr(packet, "__name__", None) in FRESH_TUPLES) and (
         node.target is operator.getitem or node.args[1] in ("values", "indices")) and not any(
-        u is not node and _tuple_part(u) == _tuple_part(node) for u in src.users)   # (review46i: `r[0]` read twice
-    #                                                                               is one tensor, written through either)
+        u is not node and _tuple_part(u) == _tuple_part(node) for u in src.users)   # (review46i: `r[0]` read
+    #                                                                         twice is one tensor, written through either)
 
 
 def _tuple_part(node):

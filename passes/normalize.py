@@ -89,9 +89,9 @@ def _unit_index(node) -> bool:
         return False
     index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     meta = single_tensor_meta(node.args[0])
-    if meta is None or sum(i is Ellipsis for i in index) > 0 or len([i for i in index if i is not None]) > len(meta.shape):
-        return False
     dims = [i for i in index if i is not None]
+    if meta is None or Ellipsis in dims or len(dims) > len(meta.shape):
+        return False
     return all(i == slice(None) or type(i) is int and i in (0, -1) and meta.shape[k] == 1 for k, i in enumerate(dims))
 
 
