@@ -122,8 +122,11 @@ def fuse_gemm(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     changed = False
     for start in list(g.nodes):
         if getattr(start, "_erased", False) or _linear_parts(start) is None or not isinstance(start.args[0], torch.fx.Node) \
-                or not hasattr(_tmeta(start.args[0]), "shape") or start.args[0] in mutated \
-                or _tmeta(start.args[0]).dtype not in GEMM_DTYPES:
+                or not hasattr(_tmeta(start.args[0]), "shape") or start.args[0] in mutated:
+            continue
+        if _tmeta(start.args[0]).dtype not in GEMM_DTYPES:
+            if mode == "force":   # (fuzz46f: the node said "cost model: library" only)
+                _note(start, f"no fused GEMM: {_tmeta(start.args[0]).dtype} (the kernels take fp32, fp16 and bf16)")
             continue
         region = _EpilogueRegion(gm, start, mutated)
         if not region.joins(start):

@@ -366,6 +366,8 @@ def fuse_mlp(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                     fxfuse_meta(n)["fused_mlp"] = f"not a fused MLP: {reason}"
                     if planned_choice(n) is None:     # else the plan's own decision line says it
                         fxfuse_meta(n)["decision"] = fxfuse_meta(n)["fused_mlp"]
+                    elif mode == "force":             # (and why the force did not take it: fuzz46f)
+                        fxfuse_meta(n)["decision"] += f"; {fxfuse_meta(n)['fused_mlp']}"
             if not region.drop_last_linear():
                 break
         if not region.nodes or not ok:   # a chain starting at a later Linear may still qualify

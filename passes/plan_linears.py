@@ -394,11 +394,7 @@ def plan_linears(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule
                 "reasons": dict(plan.reasons),
             }
             fxfuse_meta(node)["plan"] = record
-            unforced = [f"; {option}='force' not applied: {plan.reasons[c]}" for c, option in
-                        (("gemm", "gemm"), ("mlp", "fused_mlp")) if getattr(options, option, None) == "force"
-                        and plan.reasons.get(c) and plan.choice == "library"]   # (fuzz46f: fp64 read as
-            #                                                                         the cost model's choice)
-            fxfuse_meta(node)["decision"] = f"cost model: {plan.choice} (plan table below){''.join(unforced)}"
+            fxfuse_meta(node)["decision"] = f"cost model: {plan.choice} (plan table below)"
             plans_meta.append(record)      # explain() reads it here: rewrites erase the Linear nodes
     return gm
 
