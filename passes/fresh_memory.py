@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxfuse.kernel import FusedKernel
+from fxfuse.node_meta import single_tensor_meta
 
 aten = torch.ops.aten
 
@@ -112,3 +113,36 @@ def advanced_index(node) -> bool:
     return any(isinstance(i, list) and all(type(v) in (int, bool) for v in i)   # [0, slice(None)]: a view
                or isinstance(i, torch.fx.Node) and len(getattr(i.meta.get("tensor_meta"), "shape", ())) > 0
                for i in index)   # a 0-d integer tensor indexes as a number does: a view (review35c)
+
+
+WHOLE_VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
+               "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "T", "mT"}
+
+
+def whole_view_of_fresh(node, produces_fresh_tensor) -> bool:
+    """node views all of a fresh tensor nothing else reads (ConvNeXt's layer scale `y = fc(h).permute(0, 3,
+    1, 2); y.mul_(gamma); y += x`: fuzz46a, no kernel at all): a write into it reaches no other reader, so
+    it reads as a fresh tensor in the view's layout. `produces_fresh_tensor`: normalize's test of fresh memory."""
+    name = node.target if node.op == "call_method" else node.args[1] if node.op == "call_function" \
+        and node.target is getattr and len(node.args) == 2 else getattr(node.target, "__name__", None) \
+        if node.op == "call_function" and getattr(torch, getattr(node.target, "__name__", ""), None) is node.target \
+        else None   # y.permute(..), torch.permute(y, ..), y.T (review46i)
+    src = node.args[0] if (name in WHOLE_VIEWS or _unit_index(node)) and node.args \
+        and isinstance(node.args[0], torch.fx.Node) else None
+    src_meta, meta = single_tensor_meta(src), single_tensor_meta(node)
+    return src_meta is not None and meta is not None and set(src.users) == {node} \
+        and (produces_fresh_tensor(src) or whole_view_of_fresh(src, produces_fresh_tensor)) \
+        and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()   # (a view of a whole
+    #                                                                                   view too: fuzz46j)
+
+
+def _unit_index(node) -> bool:
+    """`y[None]`, `y[:, None]`, `t[0]` of a size-1 dim: an index that adds or drops size-1 dims only."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    meta = single_tensor_meta(node.args[0])
+    dims = [i for i in index if i is not None]
+    if meta is None or Ellipsis in dims or len(dims) > len(meta.shape):
+        return False
+    return all(i == slice(None) or type(i) is int and i in (0, -1) and meta.shape[k] == 1 for k, i in enumerate(dims))

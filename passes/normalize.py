@@ -31,7 +31,7 @@ from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
                             fold_pointwise_of_literals, full_as_expanded_literal)
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
-                           part_of_fresh_tuple)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
+                           part_of_fresh_tuple, whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where, whole_write_as_value
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
                            repeat_as_expand, respell_view, squeezed_slice_as_select, whole_slice)
@@ -60,39 +60,6 @@ def _produces_fresh_tensor(node) -> bool:
         or node.target in FRESH_FUNCTIONS or node.target is torch.einsum and (len(node.args) > 2 or len(
             node.args) == 2 and isinstance(node.args[1], (list, tuple)) and len(node.args[1]) > 1))   # two
     #     operands or more: a contraction or a product, new memory (fuzz46j: AutoInt's `scores /= c`)
-
-
-WHOLE_VIEWS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "unsqueeze", "squeeze",
-               "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "T", "mT"}
-
-
-def _whole_view_of_fresh(node) -> bool:
-    """node views all of a fresh tensor nothing else reads (ConvNeXt's layer scale `y = fc(h).permute(0, 3,
-    1, 2); y.mul_(gamma); y += x`: fuzz46a, no kernel at all): a write into it reaches no other reader, so
-    it reads as a fresh tensor in the view's layout."""
-    name = node.target if node.op == "call_method" else node.args[1] if node.op == "call_function" \
-        and node.target is getattr and len(node.args) == 2 else getattr(node.target, "__name__", None) \
-        if node.op == "call_function" and getattr(torch, getattr(node.target, "__name__", ""), None) is node.target \
-        else None   # y.permute(..), torch.permute(y, ..), y.T (review46i)
-    src = node.args[0] if (name in WHOLE_VIEWS or _unit_index(node)) and node.args \
-        and isinstance(node.args[0], torch.fx.Node) else None
-    src_meta, meta = single_tensor_meta(src), single_tensor_meta(node)
-    return src_meta is not None and meta is not None and set(src.users) == {node} \
-        and (_produces_fresh_tensor(src) or _whole_view_of_fresh(src)) \
-        and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()   # (a view of a whole
-    #                                                                                   view too: fuzz46j)
-
-
-def _unit_index(node) -> bool:
-    """`y[None]`, `y[:, None]`, `t[0]` of a size-1 dim: an index that adds or drops size-1 dims only."""
-    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
-        return False
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    meta = single_tensor_meta(node.args[0])
-    dims = [i for i in index if i is not None]
-    if meta is None or Ellipsis in dims or len(dims) > len(meta.shape):
-        return False
-    return all(i == slice(None) or type(i) is int and i in (0, -1) and meta.shape[k] == 1 for k, i in enumerate(dims))
 
 
 def _converts(cast_node) -> bool:
@@ -249,7 +216,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if row.inplace or _inplace_flag(row, node):
             base = node.args[0] if node.args else node.kwargs.get("input")
-            safe = isinstance(base, torch.fx.Node) and (_produces_fresh_tensor(base) or _whole_view_of_fresh(base)) \
+            safe = isinstance(base, torch.fx.Node) and (_produces_fresh_tensor(base) or whole_view_of_fresh(base, _produces_fresh_tensor)) \
                 and all(   # a view taken
                 u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # after the write
                 for u in base.users)   # reads the result like any later reader (fuzz35e: y[:, None] after y.clamp_)
