@@ -221,9 +221,10 @@ def _training_held(model) -> str | None:
     """training_submodule, or else a module the model holds unregistered that the graph reads
     (runtime watches those: a frozen encoder kept in a list, put in training mode; fuzz46c)."""
     found = training_submodule(model)
-    held = (h for h in unregistered_modules(model) if all(m is not model for m in h.modules())
-            and any(m.training and not mode_free(m) for m in h.modules()))
-    return found if found is not None else next((f"{type(h).__name__} (held unregistered)" for h in held), None)
+    if found is not None:
+        return found
+    return next((f"{type(h).__name__} (held unregistered)" for h in _held_apart(model)
+                 if any(m.training and not mode_free(m) for m in h.modules())), None)
 
 
 def training_key(model) -> str:
@@ -343,22 +344,29 @@ def watched_modules(model: torch.nn.Module, read: frozenset) -> tuple:
     """The model's modules, and those of each module it holds unregistered whose tensors' storages the
     graph reads (`read`): a frozen encoder kept in a list, then replaced, given new weights or put in
     training mode, was not seen (fuzz46c); an unused teacher held so stays out."""
-    held = (m for h in unregistered_modules(model) if all(m is not model for m in h.modules())   # (review46r:
-            and storages((*h.parameters(), *h.buffers())) & read for m in h.modules())   # not a child's back-
-    return tuple(dict.fromkeys((*model.modules(), *held)))                              # reference to its parent)
+    held = (m for h in _held_apart(model) if storages((*h.parameters(), *h.buffers())) & read for m in h.modules())
+    return tuple(dict.fromkeys((*model.modules(), *held)))
+
+
+def _held_apart(model) -> list:
+    """unregistered_modules, less those holding the model (review46r: a child's back-reference to its parent)."""
+    return [h for h in unregistered_modules(model) if all(m is not model for m in h.modules())]
 
 
 def _closure_values(cls) -> list:
     """(index, value) of the cells the methods of cls close over (a class made in a factory)."""
+    return [found for klass in user_classes(cls) for attr in list(vars(klass).values())
+            for fn in plain_functions(attr) for found in _cells(fn)]
+
+
+def _cells(fn) -> list:
+    """(index, value) of a function's filled closure cells."""
     found = []
-    for klass in user_classes(cls):
-        for attr in list(vars(klass).values()):
-            for fn in plain_functions(attr):
-                for k, cell in enumerate(getattr(fn, "__closure__", None) or ()):
-                    try:
-                        found.append((k, cell.cell_contents))
-                    except ValueError:   # an empty cell
-                        pass
+    for k, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+        try:
+            found.append((k, cell.cell_contents))
+        except ValueError:   # an empty cell
+            pass
     return found
 
 
@@ -378,12 +386,9 @@ def held_elsewhere(model: torch.nn.Module) -> tuple:
         for _, value in globals_read(cls) + _closure_values(cls) + _forward_defaults(cls):   # of a script's
             if isinstance(value, torch.Tensor):   # globals (an example input: fuzz38j); a closure's cells (fuzz44c)
                 global_tensors[id(value)] = value
-            for cell in getattr(value, "__closure__", None) or () if inspect.isfunction(value) else ():
-                try:   # a module-level function's cells (`scale = make_scale(C)`: fuzz46c)
-                    if isinstance(cell.cell_contents, torch.Tensor):
-                        global_tensors[id(cell.cell_contents)] = cell.cell_contents
-                except ValueError:   # an empty cell
-                    pass
+            for _, cell in _cells(value) if inspect.isfunction(value) else ():   # a module-level function's cells
+                if isinstance(cell, torch.Tensor):                               # (`scale = make_scale(C)`: fuzz46c)
+                    global_tensors[id(cell)] = cell
     return unregistered_parameters(model) + tuple(global_tensors.values())
 
 

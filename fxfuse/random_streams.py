@@ -30,9 +30,7 @@ class RandomStreams:
         self.alone = threading.active_count() == 1
         if not self.alone:
             return
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
+        self.torch = torch_states()
         self.python = random.getstate()
         numpy = sys.modules.get("numpy")
         self.numpy = numpy.random.get_state() if numpy is not None else None
@@ -47,9 +45,7 @@ class RandomStreams:
                 _set_state(g, state)
         if not self.alone:
             return drawn
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+        set_torch_states(self.torch)
         moved = []
         if random.getstate() != self.python:
             moved.append("Python's random module")
@@ -117,11 +113,17 @@ def _numpy_state_moved(now, before) -> bool:
     return any((a != b).any() if hasattr(a, "any") else a != b for a, b in zip(now, before))
 
 
-
 def torch_states() -> tuple:
     """torch's default generators' states: the CPU one, and each CUDA device's where CUDA is initialized."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return (torch.get_rng_state(), *cuda)
+
+
+def set_torch_states(states: tuple) -> None:
+    """Put torch's default generators back to torch_states()."""
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(list(states[1:]))
 
 
 def refuse_frozen_draws(before: tuple, gm, model, retrace) -> None:
@@ -147,8 +149,6 @@ def refuse_frozen_draws(before: tuple, gm, model, retrace) -> None:
         retrace()
         if all(torch.equal(a, b) for a, b in zip(torch_states(), now)):
             return
-    torch.set_rng_state(before[0])
-    for device, state in enumerate(before[1:]):
-        torch.cuda.set_rng_state(state, device)
+    set_torch_states(before)
     raise TraceError("forward() draws random numbers at trace time (a random factory or in-place fill that reads "
                      "no input, such as torch.rand(4, 8)): torch.fx would keep that one draw")

@@ -60,7 +60,7 @@ from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
                              describe_mismatch, reads_unit_strides, signature, unit_strides_alike, writes_an_input)
-from .torch_hooks import MODE_CHANGES, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
+from .torch_hooks import MODE_CHANGES, OPTIMIZED, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
 from .tracing import autocast_enabled, clone_args
 
 
@@ -115,6 +115,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # then `opt(x)`: a second build of the same graph otherwise, or the original: fuzz41c)
         self._load_hook, self._load_handles, self._load_hooked = RebuildOnLoad(self), [], weakref.WeakSet()
         weakref.finalize(self, remove_hooks, self._load_handles)
+        OPTIMIZED.add(self)   # (functional_call renames keys only where one lives: torch_hooks)
         self.add_specialization(without_trailing_defaults(model.forward, example_args))
         self.register_load_state_dict_pre_hook(load_drops_specializations)
         self.register_state_dict_post_hook(state_dict_as_original)
@@ -129,7 +130,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         model = self.original
         modules = watched_modules(model, self._read_storages)   # with those it holds unregistered that it reads
         self._mode_modules = tuple(m for m in modules if m is not model and not mode_free(m))
-        self._buffer_versions = watch_entries(model, (b for m in modules for b in m.buffers(recurse=False)))
+        self._buffer_versions = watch_entries(model, dict.fromkeys(b for m in modules for b in m.buffers(recurse=False)))
         self._structure, self._registrations_seen = structure(modules), REGISTRATIONS[0]
         self._modes, self._modes_seen = tuple((m, m.training) for m in modules), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]

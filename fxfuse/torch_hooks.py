@@ -7,6 +7,7 @@ call (one integer compare each while nothing happens).
 """
 import contextlib
 import functools
+import weakref
 
 import torch
 
@@ -14,6 +15,7 @@ from .module_state import REGISTRATIONS
 
 REPARAMETRIZING = [0, []]   # functional_call swaps in progress (any thread), and a [module] entry for each
 REPARAMETRIZED = [0]        # functional_call swaps begun, in this process (tracing: one inside forward())
+OPTIMIZED = weakref.WeakSet()   # the process's live OptimizedModules (runtime adds each)
 
 
 def _counting_swaps(reparametrize):
@@ -56,8 +58,8 @@ def _through_original(module, tensors):
     `original` kept: review46r) is renamed to torch's name; a tensor given both ways is taken once,
     under torch's name."""
     from .runtime import OptimizedModule   # (runtime imports this module)
-    if not isinstance(module, torch.nn.Module) or not isinstance(tensors, dict) or not any(
-            isinstance(m, OptimizedModule) for m in module.modules()):
+    if not OPTIMIZED or not isinstance(module, torch.nn.Module) or not isinstance(tensors, dict) or not any(
+            isinstance(m, OptimizedModule) for m in module.modules()):   # (a swap costs O(1) without fxfuse)
         return tensors
     torch_names = [name for name, _ in module.named_parameters(remove_duplicate=False)] + \
         [name for name, _ in module.named_buffers(remove_duplicate=False)]

@@ -108,17 +108,10 @@ def einsum_operands(node):
     keeping x's other indices in order followed by W's other one (`bi,oi->bo`, `...i,io->...o`,
     `bsi,oi->bso`, either operand first); else None. W's index order says which way it is
     stored."""
-    if node.op != "call_function" or node.target not in EINSUMS or node.kwargs or len(node.args) < 2:
+    parsed = _equation(node)
+    if parsed is None or len(parsed[2]) != 2:
         return None
-    equation, operands = node.args[0], list(node.args[1:])
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation:
-        return None
-    inputs, out = equation.replace(" ", "").split("->")
-    subscripts = inputs.split(",")
-    if len(subscripts) != 2:
-        return None
+    subscripts, out, operands = parsed
     w_at = [i for i, a in enumerate(operands) if stored_weight(a) is not None]
     if len(w_at) != 1 or not isinstance(operands[1 - w_at[0]], torch.fx.Node):
         return None

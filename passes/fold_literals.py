@@ -221,9 +221,9 @@ ZEROS_ONES = {torch.zeros: 0, torch.ones: 1, torch.ops.aten.zeros.default: 0, to
 
 def full_as_expanded_literal(gm, node, is_pointwise_target) -> bool:
     """`torch.full(shape, v)`, `torch.zeros(shape)`, `torch.ones(shape)` (and zeros_like, ones_like,
-    new_full ..., which factory_without_template made full) read only by pointwise ops: a one-element constant expanded to the shape, which the
-    fused kernel reads as a number where it lies, instead of a library call that fills a tensor on
-    every call (stop 44 left it: a launch each)."""
+    new_full ..., which factory_without_template made full) read only by pointwise ops: a one-element
+    constant expanded to the shape, which the fused kernel reads as a number where it lies, instead of a
+    library call that fills a tensor on every call (stop 44 left it: a launch each)."""
     from .identity_ops import read_as_broadcast_only
     if node.op != "call_function" or node.target not in FULLS and node.target not in ZEROS_ONES \
             or node.target in FULLS and (len(node.args) != 2 or not isinstance(node.args[1], (bool, int, float))) \

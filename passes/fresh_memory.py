@@ -123,17 +123,25 @@ def whole_view_of_fresh(node, produces_fresh_tensor) -> bool:
     """node views all of a fresh tensor nothing else reads (ConvNeXt's layer scale `y = fc(h).permute(0, 3,
     1, 2); y.mul_(gamma); y += x`: fuzz46a, no kernel at all): a write into it reaches no other reader, so
     it reads as a fresh tensor in the view's layout. `produces_fresh_tensor`: normalize's test of fresh memory."""
-    name = node.target if node.op == "call_method" else node.args[1] if node.op == "call_function" \
-        and node.target is getattr and len(node.args) == 2 else getattr(node.target, "__name__", None) \
-        if node.op == "call_function" and getattr(torch, getattr(node.target, "__name__", ""), None) is node.target \
-        else None   # y.permute(..), torch.permute(y, ..), y.T (review46i)
-    src = node.args[0] if (name in WHOLE_VIEWS or _unit_index(node)) and node.args \
+    src = node.args[0] if (_view_name(node) in WHOLE_VIEWS or _unit_index(node)) and node.args \
         and isinstance(node.args[0], torch.fx.Node) else None
     src_meta, meta = single_tensor_meta(src), single_tensor_meta(node)
     return src_meta is not None and meta is not None and set(src.users) == {node} \
         and (produces_fresh_tensor(src) or whole_view_of_fresh(src, produces_fresh_tensor)) \
         and src_meta.dtype == meta.dtype and src_meta.shape.numel() == meta.shape.numel()   # (a view of a whole
     #                                                                                   view too: fuzz46j)
+
+
+def _view_name(node):
+    """The name of the view node takes: `y.permute(..)`, `torch.permute(y, ..)`, `y.T` (review46i); else None."""
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return None
+    if node.target is getattr and len(node.args) == 2:
+        return node.args[1]
+    name = getattr(node.target, "__name__", "")
+    return name if getattr(torch, name, None) is node.target else None
 
 
 def _unit_index(node) -> bool:

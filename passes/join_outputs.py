@@ -160,11 +160,8 @@ def pointwise_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
         join = joins[0]
         kind, pieces, dim = join_of(join)
         out, meta = _meta(op), _meta(join)
-        if out is None or meta is None or tuple(out.shape) != tuple(meta.shape) or {join, *pieces} & written \
-                or any(_meta(p) is None or _meta(p).dtype != meta.dtype for p in pieces) \
-                or len({tuple(_meta(p).shape) for p in pieces}) != 1 or not any(_computed(p) for p in pieces) \
-                or not all(_computed(p) or p.op in ("placeholder", "get_attr") or _slice_of_one(p) for p in pieces):
-            continue   # (pieces one kernel computes, so op joins it: no more launches than before)
+        if out is None or meta is None or tuple(out.shape) != tuple(meta.shape) or not _takes_ops(join, written):
+            continue
         d = dim % len(meta.shape)
         others = [a for a in op.args if isinstance(a, torch.fx.Node) and a is not join]
         if any(_meta(a) is None for a in others):
@@ -198,15 +195,10 @@ def pointwise_groups_into_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     one result read elsewhere is the join of its pieces. Returns whether one moved."""
     g, moved = gm.graph, False
     for join in list(g.nodes):
-        parts = join_of(join)
         meta = _meta(join)
-        if parts is None or meta is None or join in written or len(join.users) < 1:
+        if join_of(join) is None or meta is None or not join.users or not _takes_ops(join, written):
             continue
-        kind, pieces, dim = parts
-        if {join, *pieces} & written or any(_meta(p) is None or _meta(p).dtype != meta.dtype for p in pieces) \
-                or len({tuple(_meta(p).shape) for p in pieces}) != 1 or not any(_computed(p) for p in pieces) \
-                or not all(_computed(p) or p.op in ("placeholder", "get_attr") or _slice_of_one(p) for p in pieces):
-            continue
+        kind, pieces, dim = join_of(join)
         d = dim % len(meta.shape)
         group, spanning = _group_reading(join, meta, d, kind, written)
         if group is None:
@@ -305,6 +297,17 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
             g.erase_node(p)
         moved = True
     return moved
+
+
+def _takes_ops(join, written: set) -> bool:
+    """Whether pointwise ops after `join` can run per piece: pieces of one shape and the join's dtype, one
+    of them computed by a kernel (so the ops join it: no more launches than before), the others inputs,
+    constants or slices, and nothing written in place."""
+    kind, pieces, dim = join_of(join)
+    meta = _meta(join)
+    return not {join, *pieces} & written and all(_meta(p) is not None and _meta(p).dtype == meta.dtype for p in pieces) \
+        and len({tuple(_meta(p).shape) for p in pieces}) == 1 and any(_computed(p) for p in pieces) \
+        and all(_computed(p) or p.op in ("placeholder", "get_attr") or _slice_of_one(p) for p in pieces)
 
 
 def _computed(node) -> bool:

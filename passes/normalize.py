@@ -216,8 +216,9 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         if row.inplace or _inplace_flag(row, node):
             base = node.args[0] if node.args else node.kwargs.get("input")
-            safe = isinstance(base, torch.fx.Node) and (_produces_fresh_tensor(base) or whole_view_of_fresh(base, _produces_fresh_tensor)) \
-                and all(   # a view taken
+            fresh = isinstance(base, torch.fx.Node) and (
+                _produces_fresh_tensor(base) or whole_view_of_fresh(base, _produces_fresh_tensor))
+            safe = fresh and all(   # a view taken
                 u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # after the write
                 for u in base.users)   # reads the result like any later reader (fuzz35e: y[:, None] after y.clamp_)
             if not safe:
