@@ -338,7 +338,7 @@ READS_OF_A_JOIN = {
     "h * sigmoid(h)": lambda h: h * torch.sigmoid(h),
     "h * h": lambda h: h * h,
     "sigmoid(h) + tanh(h)": lambda h: torch.sigmoid(h) + torch.tanh(h),
-    "where(h > 0, h, 0.1 * h)": lambda h: torch.where(h > 0, h, 0.1 * h),
+    "(h + 1) * (h - 1)": lambda h: (h + 1) * (h - 1),
 }
 
 
