@@ -373,6 +373,53 @@ def _linear_past_view(gm, node, written) -> bool:
     return True
 
 
+def _reshapes_out_of_join(gm: torch.fx.GraphModule, join, written: set) -> bool:
+    """`torch.cat([a.reshape(s), b.reshape(s)], d)` as `torch.cat([a, b], i).reshape(...)` where the
+    dims before d hold as many elements as a's dims before i (then both joins lay every element out
+    at the same place): the kernel computing a and b writes the join itself, where it wrote a and b
+    for a library cat to copy (fuzz46a: NeRF's `(x[:, None] * freqs[:, None]).reshape(B, -1)` before
+    `sin(cat([xb, xb + pi / 2], -1))`). Only where each piece reshapes a tensor of one shape, one of
+    them computed by a pointwise op, and nothing involved is written in place."""
+    parts = join_of(join)
+    meta = _meta(join)
+    if parts is None or meta is None or join in written or tuple(meta.stride) != row_major(meta.shape):
+        return False
+    kind, pieces, dim = parts
+    sources = [reshape_source(p) for p in pieces]
+    if any(s is None for s in sources) or {*pieces, *sources} & written \
+            or not any(s.op == "call_function" and is_pointwise_target(s.target) for s in sources):
+        return False
+    src_shapes = {tuple(_meta(s).shape) for s in sources}
+    view_shapes = {tuple(_meta(p).shape) for p in pieces}
+    if len(src_shapes) != 1 or len(view_shapes) != 1 or any(_meta(p).dtype != meta.dtype for p in pieces):
+        return False
+    (src_shape,), (view_shape,) = src_shapes, view_shapes
+    ndim = len(view_shape) + (kind == "stack")
+    if not -ndim <= dim < ndim:
+        return False
+    outer = math.prod(view_shape[:dim % ndim])
+    at = [i for i in range(len(src_shape) + (kind == "stack")) if math.prod(src_shape[:i]) == outer]
+    if not at:
+        return False
+    joined_shape = list(src_shape)
+    if kind == "stack":
+        joined_shape.insert(at[0], len(pieces))
+    else:
+        joined_shape[at[0]] *= len(pieces)
+    with gm.graph.inserting_before(join):
+        inner = gm.graph.call_function(torch.stack if kind == "stack" else torch.cat, (sources, at[0]))
+        view = gm.graph.call_method("reshape", (inner, tuple(meta.shape)))
+    inner.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in join.meta.items()}
+    inner.meta["tensor_meta"] = meta._replace(shape=torch.Size(joined_shape), stride=row_major(joined_shape))
+    view.meta = dict(join.meta)
+    join.replace_all_uses_with(view)
+    gm.graph.erase_node(join)
+    for p in dict.fromkeys(pieces):
+        if not p.users:
+            gm.graph.erase_node(p)
+    return True
+
+
 def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     _copying_reshapes_spelled_out(gm, _mutated_values(gm))
@@ -383,7 +430,7 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         for node in list(g.nodes):
             if node.op == "call_function" and is_pointwise_target(node.target) and _sink_one(gm, node, written):
                 changed = True
-            elif _linear_past_view(gm, node, written):
+            elif _linear_past_view(gm, node, written) or _reshapes_out_of_join(gm, node, written):
                 changed = True
             elif (z := _round_trip(node, written)) is not None:
                 inner = node.args[0]

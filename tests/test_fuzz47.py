@@ -1,0 +1,100 @@
+"""Stop 47: a join of reshaped kernel results is written by the kernel (NeRF's positional
+encoding reshapes `x[:, None] * freqs[:, None]` before `sin(cat([xb, xb + pi / 2], -1))`)."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fxfuse
+
+from conftest import assert_matches_eager, optimize_strict
+
+
+class NeRFEncoding(nn.Module):
+    def __init__(self, bands=4):
+        super().__init__()
+        self.register_buffer("freqs", 2.0 ** torch.arange(float(bands)))
+
+    def forward(self, x):
+        xb = (x[:, None, :] * self.freqs[:, None]).reshape(x.shape[0], -1)
+        return torch.sin(torch.cat([xb, xb + 0.5 * math.pi], -1))
+
+
+class ReshapedJoin(nn.Module):
+    """Pieces `f(x)` and `g(x)` of x's shape, reshaped to `view`, joined by `kind` along `dim`."""
+    def __init__(self, view, kind, dim):
+        super().__init__()
+        self.view, self.kind, self.dim = view, kind, dim
+
+    def forward(self, x):
+        a = (x * 2).reshape(self.view)
+        b = torch.sigmoid(x).view(self.view)
+        joined = torch.stack([a, b], self.dim) if self.kind == "stack" else torch.cat([a, b], self.dim)
+        return joined - 1
+
+
+def test_nerf_encoding_is_one_kernel():
+    model = NeRFEncoding().eval()
+    x = torch.randn(5, 3)
+    opt = optimize_strict(model, x)
+    for _ in range(3):
+        assert_matches_eager(opt, model, x)
+    stats = fxfuse.stats(opt)
+    assert stats["fused_kernels"] == 1 and stats["library_calls"] == 1, stats   # the final reshape
+
+
+@pytest.mark.parametrize("shape, view, kind, dim, kernels", [
+    ((5, 4, 3), (5, 12), "cat", -1, 1),        # the merged dims' outer one: cat along x's dim 1
+    ((5, 4, 3), (5, 12), "cat", 0, 1),
+    ((5, 12), (5, 4, 3), "cat", 1, 1),         # a split: cat along its outer part
+    ((5, 12), (5, 4, 3), "cat", 2, 2),         # inner part of a split: no such dim of x, two kernels
+    ((6, 4), (4, 6), "cat", 1, 2),             # 4 rows of x are not 6: stays
+    ((6, 4), (4, 6), "cat", 0, 1),
+    ((2, 3, 4), (6, 4), "stack", 1, 1),        # a stack after 6 elements: after x's first two dims
+    ((2, 3, 4), (6, 4), "stack", -1, 1),
+    ((2, 3, 4), (24,), "stack", 0, 1),
+    ((1, 3, 1, 4), (3, 4), "cat", 1, 1),        # size-1 dims on the way
+])
+def test_reshaped_pieces_of_a_kernel_join_where_they_lie(shape, view, kind, dim, kernels):
+    model = ReshapedJoin(view, kind, dim).eval()
+    x = torch.randn(shape)
+    opt = optimize_strict(model, x)
+    for _ in range(3):
+        assert_matches_eager(opt, model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == kernels, fxfuse.explain(opt)
+
+
+class ReshapedJoinReadTwice(nn.Module):
+    def forward(self, x):
+        a = torch.relu(x).flatten(1)
+        b = (x * 3).flatten(1)
+        return torch.cat([a, b], 1) * 2, a + 1
+
+
+def test_a_reshaped_piece_read_elsewhere_stays_right():
+    model = ReshapedJoinReadTwice().eval()
+    x = torch.randn(3, 4, 5)
+    opt = optimize_strict(model, x)
+    for _ in range(3):
+        assert_matches_eager(opt, model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+
+
+class ReshapedJoinWrittenAfter(nn.Module):
+    """The source written in place after the reshapes: the join must read it before the write."""
+    def forward(self, x):
+        h = x * 2
+        a = h.reshape(x.shape[0], -1)
+        b = (h + 1).reshape(x.shape[0], -1)
+        out = torch.cat([a, b], 1)
+        h.add_(100)
+        return out, h
+
+
+def test_a_source_written_after_the_join_stays_right():
+    model = ReshapedJoinWrittenAfter().eval()
+    x = torch.randn(3, 2, 4)
+    opt = optimize_strict(model, x)
+    for _ in range(3):
+        assert_matches_eager(opt, model, x)
