@@ -25,6 +25,7 @@ from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target, row_major
 
 from .fuse_pointwise import _mutated_values
+from .identity_ops import repeat_as_expand
 from .join_outputs import join_of, pointwise_groups_into_joins, pointwise_into_joins, pointwise_out_of_joins
 from .normalize_layers import register_constant
 
@@ -448,6 +449,8 @@ def sink_views(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     for node in list(g.nodes):   # constants read as their [n] views ("flat") now
         if node.op == "get_attr" and not node.users:
             g.erase_node(node)
+        else:   # a repeat that a reshape stood between it and its pointwise readers (fuzz46j: Squeezeformer's
+            repeat_as_expand(node, is_pointwise_target)   # `h[:, :, None].repeat(1, 1, 2, 1).flatten(1, 2) + y`)
     g.lint()
     gm.recompile()
     return gm

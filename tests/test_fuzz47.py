@@ -98,3 +98,24 @@ def test_a_source_written_after_the_join_stays_right():
     opt = optimize_strict(model, x)
     for _ in range(3):
         assert_matches_eager(opt, model, x)
+
+
+class SqueezeformerUpsample(nn.Module):
+    """Squeezeformer's time upsampling: every frame repeated twice, then the residual add."""
+    def __init__(self, width=8):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x, residual):
+        h = self.proj(x)
+        return torch.relu(h.unsqueeze(2).repeat(1, 1, 2, 1).flatten(1, 2) + residual)
+
+
+def test_a_repeat_read_through_a_flatten_is_no_copy():
+    model = SqueezeformerUpsample().eval()
+    x, residual = torch.randn(2, 5, 8), torch.randn(2, 10, 8)
+    opt = optimize_strict(model, x, residual)
+    for _ in range(3):
+        assert_matches_eager(opt, model, x, residual)
+    assert "repeat" not in fxfuse.explain(opt).split("def forward")[1].split("\n\n")[0]
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
