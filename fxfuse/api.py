@@ -27,7 +27,7 @@ from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
 from .tracing import autocast_enabled, clone_args, trace
-from .verify import _differs_at_all, _torch_random_state, _verify
+from .verify import _differs_at_all, _differs_beyond_rounding, _torch_random_state, _verify
 from .verify import _as_accurate_as_eager, _loosest_tolerance, _mismatch  # noqa: F401 (tests import them from api)
 
 
@@ -219,7 +219,8 @@ def _build_graph(model, args: tuple, options: Options, warning):
         gm.meta["fxfuse_read_storages"] = frozenset(traced) - {None}
         derived = any(t.is_floating_point() and storage_address(t) not in traced for t in tensors_read(gm))
         snapshots = gm.meta.get("fxfuse_snapshots", False)   # values taken from traced tensors (fold_literals)
-        gm.meta["fxfuse_copied"] = tuple(traced_reads) if derived or snapshots else ()   # from any of them
+        gm.meta["fxfuse_copied"] = (tuple(traced_reads) if derived or snapshots else ()) \
+            + gm.meta.get("fxfuse_fold_sources", ())   # from any of them; what the trace computed from (fuzz47g)
         gm.meta["fxfuse_options"] = options
         gm.meta["fxfuse_warning"] = warning   # OptimizedModule warns once, not once per specialization
         if options.verify:
@@ -236,7 +237,8 @@ def _build_graph(model, args: tuple, options: Options, warning):
                 gm = build_graph(model, args, classical)
                 gm.meta["fxfuse_classical_because"] = str(e)
             else:
-                probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_at_all, rewind)
+                probe_mode_dependence(model, args, expected, gm.meta["fxfuse_trace"], _differs_beyond_rounding,
+                                      rewind)
         rewind = _torch_random_state(gm)   # a dict that only gained keys: another eager run tells a memo
         snapshot.moved_by(lambda: (options.verify or model(*clone_args(args)), model(*clone_args(args))))
         rewind()                           # from a counter or a log (without verify, one run fills it first)

@@ -49,13 +49,15 @@ def watching_mode_reads():
             return real[kind]()
         return watched
 
-    torch.is_grad_enabled = watching("grad")
-    torch.is_inference_mode_enabled = watching("inference")
+    for namespace in (torch, torch._C):   # (`torch._C.is_grad_enabled()`: the same function, fuzz47g)
+        namespace.is_grad_enabled = watching("grad")
+        namespace.is_inference_mode_enabled = watching("inference")
     try:
         yield reads
     finally:
-        torch.is_grad_enabled = real["grad"]
-        torch.is_inference_mode_enabled = real["inference"]
+        for namespace in (torch, torch._C):
+            namespace.is_grad_enabled = real["grad"]
+            namespace.is_inference_mode_enabled = real["inference"]
 
 
 def mode_functions_imported(model) -> set:

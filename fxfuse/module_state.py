@@ -202,6 +202,10 @@ def same_attr(a, b, depth: int = 0) -> bool:
         return float.__repr__(a) == float.__repr__(b)   # -0.0 is not 0.0 (a baked 0.0 would lose a sign), nan is nan
     if type(a) is not type(b):
         return False
+    if isinstance(a, complex):   # (0j == -0j)
+        return same_attr(a.real, b.real) and same_attr(a.imag, b.imag)
+    if type(a).__module__ == "numpy" and getattr(a, "ndim", None) == 0 and hasattr(a, "tobytes"):
+        return a.tobytes() == b.tobytes()   # np.float32(-0.0) == 0.0 (fuzz47g), nan is nan
     if depth > 6 and (isinstance(a, (tuple, list, dict)) or plain_object(a)):
         return False
     if isinstance(a, (tuple, list)):

@@ -61,7 +61,8 @@ def unit_strides_alike(sig: tuple, built) -> tuple | None:
     return next((s for s in built if len(s) == len(sig) and canonical(s) == wanted), None)
 
 
-LAYOUT_WORDS = ("conv", "pool", "interpolate", "upsample", "norm", "pixel_", "grid_sample", "fold")
+LAYOUT_WORDS = ("conv", "pool", "interpolate", "upsample", "norm", "pixel_", "grid_sample", "fold", "pad", "roll")
+#                                                   (pad and roll keep a channels_last input so: fuzz47g)
 
 
 def reads_unit_strides(spec) -> bool:

@@ -29,6 +29,7 @@ from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .attribute_writes import assigned_first, plan_attribute_writes
 from .mode_watch import mode_functions_imported, watching_mode_reads
+from .fold_sources import FoldSources
 from .random_streams import refuse_frozen_draws, torch_states
 from .torch_hooks import REPARAMETRIZED
 from .module_state import dead_proxies_hidden, version
@@ -353,7 +354,8 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         swallowed = None
         swaps = REPARAMETRIZED[0]   # (torch.export swaps the module's tensors itself: counted here only)
         try:
-            graph = tracer.trace(model, concrete_args=concrete)
+            with FoldSources() as folds:   # the real tensors ops ran on while tracing: their results are constants
+                graph = tracer.trace(model, concrete_args=concrete)
             swallowed = tracer.swallowed()
             if REPARAMETRIZED[0] != swaps:   # the graph reads the module's own tensors, not the swapped ones
                 raise UnsupportedError(   # (fuzz41a: verify=False silently wrong)
@@ -384,6 +386,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         gm = torch.fx.GraphModule(tracer.root, graph, name)
         written = plan_attribute_writes(gm, model, proxies)   # scratch attributes, written back per call
         gm.meta["fxfuse_attribute_writes"] = written
+        gm.meta["fxfuse_fold_sources"] = folds.sources()
         gm.meta["fxfuse_proxy_attributes"] = [a for a in assigned if a not in {
             f"{type(m).__name__}.{k}" for m, k, _ in written}]
         refuse_frozen_draws(generators, gm, model, retrace)

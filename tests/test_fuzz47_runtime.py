@@ -1,0 +1,180 @@
+"""Stop 47 (fuzz47g): what a build depends on that a later call could change unseen."""
+import dataclasses
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import fxfuse
+
+from conftest import optimize_strict
+
+
+def four():
+    return torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def closing_over(t):
+    def helper(x):
+        return x * t.exp()
+    return helper
+
+
+@dataclasses.dataclass
+class Config:
+    w: torch.Tensor
+
+
+class Holder(nn.Module):
+    """forward() computes from a tensor the trace does not proxy: symbolic_trace ran `.exp()` (or
+    `.item()`) once and kept its result as a constant."""
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        if kind == "dict":
+            self.cfg = {"w": four()}
+        elif kind == "namespace":
+            self.cfg = types.SimpleNamespace(w=four())
+        elif kind == "dataclass":
+            self.cfg = Config(four())
+        elif kind == "tuple":
+            self.cfg = (four(),)
+        elif kind == "closure":
+            self.t = four()   # also a plain attribute: the closure reads it, the graph holds exp() of it
+            self.helper = closing_over(self.t)
+        elif kind == "unregistered module":
+            self.cfg = [nn.Linear(4, 4)]
+        elif kind == "item":
+            self.cfg = {"scale": torch.tensor(0.5)}
+        elif kind == "parameters()":
+            self.w = nn.Parameter(four())
+
+    def held(self):
+        return {"dict": lambda: self.cfg["w"], "namespace": lambda: self.cfg.w, "dataclass": lambda: self.cfg.w,
+                "tuple": lambda: self.cfg[0], "closure": lambda: self.t,
+                "unregistered module": lambda: self.cfg[0].weight, "item": lambda: self.cfg["scale"],
+                "parameters()": lambda: self.w}[self.kind]()
+
+    def forward(self, x):
+        if self.kind == "closure":
+            return self.helper(x) + 1
+        if self.kind == "unregistered module":
+            return x * self.cfg[0].weight.exp().sum(0) + 1
+        if self.kind == "item":
+            return x * self.cfg["scale"].item() + 1
+        if self.kind == "parameters()":
+            return x * next(self.parameters()).exp() + 1
+        return x * self.held().exp() + 1
+
+
+@pytest.mark.parametrize("kind", ["dict", "namespace", "dataclass", "tuple", "closure", "unregistered module",
+                                  "item", "parameters()"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_tensor_the_trace_computed_from_is_watched(kind, verify):
+    model = Holder(kind).eval()
+    x = torch.randn(3, 4)
+    opt = fxfuse.optimize(model, x, verify=verify, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.held().mul_(-1)
+        y = torch.randn(3, 4)
+        torch.testing.assert_close(opt(y), model(y))
+    assert fxfuse.stats(opt)["optimized"]
+
+
+class Reciprocal(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return 1.0 / (x * self.scale) + 1
+
+
+@pytest.mark.parametrize("zero, negative_zero", [(np.float32(0.0), np.float32(-0.0)), (np.float16(0.0), np.float16(-0.0))])
+def test_a_numpy_scalar_or_complex_attribute_changed_to_negative_zero_rebuilds(zero, negative_zero):
+    model = Reciprocal(zero).eval()
+    x = torch.rand(2, 3) + 0.5
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        opt(x)
+        model.scale = negative_zero
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_complex_and_numpy_attributes_compare_by_sign_of_zero():
+    from fxfuse.module_state import same_attr
+    assert not same_attr(0j, -0j) and not same_attr(complex(1, 0.0), complex(1, -0.0)) and same_attr(1j, 1j)
+    assert not same_attr(np.float32(0.0), np.float32(-0.0)) and same_attr(np.float32("nan"), np.float32("nan"))
+    assert not same_attr(np.float32(1.0), np.float64(1.0))
+
+
+class GradBranchThroughC(nn.Module):
+    def forward(self, x):
+        if torch._C.is_grad_enabled():
+            return x * 2 + 1
+        return x * 3 + 1
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_grad_mode_branch_through_torch_C_is_seen(verify):
+    model = GradBranchThroughC().eval()
+    x = torch.randn(4, 3)
+    opt = fxfuse.optimize(model, x, verify=verify)
+    y = torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.enable_grad():
+            torch.testing.assert_close(opt(y), model(y))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(y), model(y))
+
+
+class PadOfAView(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):   # [1, L, C] -> [1, C, 1, L]: channels_last or not by x.stride(0)
+        h = x.permute(0, 2, 1).unsqueeze(2)
+        h = F.pad(h, (1, 1)) if self.op == "pad" else torch.roll(h, 1, -1)
+        return h * 2 + 1
+
+
+@pytest.mark.parametrize("op", ["pad", "roll"])
+def test_pad_and_roll_output_strides_follow_a_size_1_stride(op):
+    model = PadOfAView(op).eval()
+    opt = optimize_strict(model, torch.randn(1, 5, 4))
+    other = torch.randn(5, 4).unsqueeze(0).as_strided((1, 5, 4), (1, 4, 1))
+    with torch.no_grad():
+        got, expected = opt(other), model(other)
+    torch.testing.assert_close(got, expected)
+    assert got.stride() == expected.stride()
+
+
+class LSTMThenAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h, _ = self.rnn(x)
+        return self.mha(h, h, h, need_weights=False)[0] * 2
+
+
+def test_rounding_between_modes_in_torch_is_no_mode_dependence():
+    torch.manual_seed(0)
+    model = LSTMThenAttention().eval()
+    x = torch.randn(2, 5, 8)
+    opt = optimize_strict(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            y = torch.randn(2, 5, 8)
+            torch.testing.assert_close(opt(y), model(y))
+    assert not opt._original_calls.get("inference"), dict(opt._original_calls)
