@@ -90,24 +90,44 @@ def compile_flags_as_eager(asked: list):
     """torch.compiler.is_compiling() and is_exporting() answer False, as in eager, while torch.export
     traces the model for fxfuse (each call noted in `asked`): a forward() branching on them was
     traced down its compile-only branch, refused with an unclear reason, or with verify=False
-    silently wrong (fuzz38e)."""
-    saved = {name: getattr(torch.compiler, name) for name in ("is_compiling", "is_exporting")
-             if hasattr(torch.compiler, name)}
+    silently wrong (fuzz38e). The functions' code is swapped, not the attributes: a name bound by
+    `from torch.compiler import is_compiling` and the old aliases (`torch._dynamo.is_compiling()`,
+    `torch._utils.is_compiling()`, which call through) answer so too (fuzz47d)."""
+    functions = {name: getattr(torch.compiler, name) for name in ("is_compiling", "is_exporting")}
+    saved = {name: (f, f.__code__, type(f)(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__))
+             for name, f in functions.items() if type(f) is type(_ask_compiling) and not f.__code__.co_freevars}
+    aliases = {getattr(getattr(sys.modules.get(m), "is_compiling", None), "__code__", None)
+               for m in ("torch._dynamo", "torch._dynamo.external_utils", "torch._utils")} - {None}
 
-    def as_in_eager(original):
-        def answer() -> bool:   # torch's own code gets torch's answer: it picks its paths by it (review38c)
-            if sys._getframe(1).f_globals.get("__name__", "").startswith(("torch.", "fxfuse.")):
-                return original()
-            asked.append(True)
-            return False
-        return answer
-    for name, original in saved.items():
-        setattr(torch.compiler, name, as_in_eager(original))
+    def answer(name: str) -> bool:   # torch's own code gets torch's answer: it picks its paths by it (review38c)
+        frame = sys._getframe(2)     # (1: the swapped function, 2: its caller; past the aliases)
+        while frame is not None and frame.f_code in aliases:
+            frame = frame.f_back
+        if frame is not None and frame.f_globals.get("__name__", "").startswith(("torch.", "fxfuse.")):
+            return saved[name][2]()
+        asked.append(True)
+        return False
+
+    for name, (f, _, _) in saved.items():
+        f.__globals__[ANSWER] = answer
+        f.__code__ = (_ask_compiling if name == "is_compiling" else _ask_exporting).__code__
     try:
         yield
     finally:
-        for name, function in saved.items():
-            setattr(torch.compiler, name, function)
+        for f, code, _ in saved.values():
+            f.__code__ = code
+            f.__globals__.pop(ANSWER, None)
+
+
+ANSWER = "_fxfuse_compile_flag_as_eager"   # looked up in torch.compiler's globals by the swapped code
+
+
+def _ask_compiling():
+    return _fxfuse_compile_flag_as_eager("is_compiling")   # noqa: F821 -- torch.compiler's global then
+
+
+def _ask_exporting():
+    return _fxfuse_compile_flag_as_eager("is_exporting")   # noqa: F821
 
 
 def quiet_export(model, args):

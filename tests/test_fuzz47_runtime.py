@@ -6,6 +6,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
+import torch._utils
 from torch import nn
 import torch.nn.functional as F
 
@@ -178,3 +180,36 @@ def test_rounding_between_modes_in_torch_is_no_mode_dependence():
             y = torch.randn(2, 5, 8)
             torch.testing.assert_close(opt(y), model(y))
     assert not opt._original_calls.get("inference"), dict(opt._original_calls)
+
+
+def _is_compiling_spellings():
+    from torch.compiler import is_compiling
+    return {"torch._dynamo": lambda: torch._dynamo.is_compiling(), "bound name": lambda: is_compiling(),
+            "torch._utils": lambda: torch._utils.is_compiling(), "torch.compiler": lambda: torch.compiler.is_compiling()}
+
+
+class CompileOnlyBranch(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.lin, self.spelling = nn.Linear(4, 4), spelling
+
+    def forward(self, x):
+        h = torch.stack([self.lin(row) for row in x])   # iterating a tensor: symbolic_trace fails, torch.export traces
+        if _is_compiling_spellings()[self.spelling]():  # eager: False
+            h = h * 0
+        return h.relu()
+
+
+@pytest.mark.parametrize("spelling", ["torch._dynamo", "bound name", "torch._utils", "torch.compiler"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_every_spelling_of_is_compiling_answers_as_eager_while_exporting(spelling, verify):
+    torch.manual_seed(0)
+    model = CompileOnlyBranch(spelling).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # torch._utils.is_compiling is deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        opt = fxfuse.optimize(model, torch.randn(3, 4), verify=verify, strict=True)
+        with torch.no_grad():
+            y = torch.randn(3, 4)
+            torch.testing.assert_close(opt(y), model(y))
+    assert torch.compiler.is_compiling() is False and torch._dynamo.is_compiling() is False
