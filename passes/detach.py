@@ -54,12 +54,16 @@ def _is_detach(node) -> bool:
 def _keeps_the_alias(user, depth: int = 0) -> bool:
     """Returned, or stored on the module by the graph's write-back (`self.last = x.detach()`:
     eager's attribute is no input that requires grad: review41c), also through views and casts
-    that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d)."""
+    that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d) and ops that
+    normalize removes as returning it (nn.Identity, eval Dropout, `torch.positive`: fuzz47f)."""
     from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
     if user.op == "output" or user.op == "call_function" and user.target is write_attribute:
         return True
+    from .normalize import _is_identity   # (normalize imports this module)
     aliasing = user.op == "call_method" and user.target in ALIASING_METHODS or \
-        user.op == "call_function" and user.target in VIEW_FUNCTIONS
+        user.op == "call_function" and user.target in VIEW_FUNCTIONS \
+        or user.op in ("call_function", "call_method", "call_module") and (
+            _detach_source(user) is not None or _is_identity(user.graph.owning_module, user))
     return aliasing and depth < 8 and any(_keeps_the_alias(u, depth + 1) for u in user.users)
 
 

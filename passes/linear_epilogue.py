@@ -118,7 +118,8 @@ def _lone(add) -> bool:
 
 def _linear_bias_pairs(gm):
     """(F.linear(x, W), its bias add): a bias the model holds ([N]), or, in fp16/bf16, any bias
-    of a Linear, addmm or F.linear (normalize's LINEAR_BIAS: an input, a computed one, [1, N])."""
+    of a Linear, addmm or F.linear (normalize's LINEAR_BIAS: an input, a computed one, [1, N]). Not
+    a 0-d one (a dot product plus a number: fuzz47f)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is F.linear and len(node.args) == 2 \
                 and not node.kwargs and len(node.users) == 1:
@@ -127,7 +128,7 @@ def _linear_bias_pairs(gm):
                     and isinstance(add.args[1], torch.fx.Node):
                 bias_meta = add.args[1].meta.get("tensor_meta")
                 out = node.meta.get("tensor_meta")
-                if bias_meta is None or out is None or bias_meta.dtype != out.dtype \
+                if bias_meta is None or out is None or not out.shape or bias_meta.dtype != out.dtype \
                         or bias_meta.shape.numel() != out.shape[-1] or bias_meta.shape[-1:] != out.shape[-1:]:
                     continue
                 if _held_bias(add) or _rounds_once(add):

@@ -1,5 +1,6 @@
 """Stop 47: a join of reshaped kernel results is written by the kernel (NeRF's positional
 encoding reshapes `x[:, None] * freqs[:, None]` before `sin(cat([xb, xb + pi / 2], -1))`)."""
+import copy
 import math
 
 import pytest
@@ -119,3 +120,88 @@ def test_a_repeat_read_through_a_flatten_is_no_copy():
         assert_matches_eager(opt, model, x, residual)
     assert "repeat" not in fxfuse.explain(opt).split("def forward")[1].split("\n\n")[0]
     assert fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+class ScoreWithScalarBias(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.w, self.b, self.spelling = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(())), spelling
+
+    def forward(self, x):
+        if self.spelling == "bias=":
+            return torch.sigmoid(nn.functional.linear(x, self.w, self.b))
+        return torch.sigmoid(nn.functional.linear(x, self.w).add(self.b))
+
+
+@pytest.mark.parametrize("spelling", ["bias=", "add"])
+def test_a_dot_product_plus_a_0d_bias_is_optimized(spelling):
+    model = ScoreWithScalarBias(spelling).eval()
+    x = torch.randn(8)
+    opt = optimize_strict(model, x)
+    for _ in range(3):
+        assert_matches_eager(opt, model, x)
+
+
+class DetachedThroughAnIdentity(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.id, self.drop = kind, nn.Identity(), nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = x * 2
+        d = h.detach()
+        d = {"identity": self.id, "dropout": self.drop, "positive": torch.positive,
+             "F.dropout": lambda t: nn.functional.dropout(t, 0.1, training=False), "real": lambda t: t.real}[self.kind](d)
+        return h, d
+
+
+@pytest.mark.parametrize("kind", ["identity", "dropout", "F.dropout", "positive", "real"])
+def test_a_returned_detach_through_an_identity_op_stays_its_own_tensor(kind):
+    model = DetachedThroughAnIdentity(kind).eval()
+    x = torch.randn(4, 8)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        h, d = opt(x)
+    assert d is not h
+    d.unsqueeze_(0)
+    assert h.shape == (4, 8)
+
+
+class DetachedInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.id = nn.Identity()
+
+    def forward(self, x):
+        return self.id(x.detach())
+
+
+def test_a_returned_detach_of_the_input_is_not_the_input():
+    opt = optimize_strict(DetachedInput().eval(), torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        out = opt(x)
+    assert out is not x
+    out.unsqueeze_(0)
+    assert x.shape == (4, 8)
+
+
+def test_a_lone_batchnorm_subtracts_the_mean_first():
+    """Raw features around 1000 with a spread of 0.1: x * scale + shift cancelled two large rounded
+    terms (20x eager's error on the CPU; verify refused the model as a bug in fxfuse)."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(16).eval()
+    with torch.no_grad():
+        bn.running_mean.fill_(1000.1)
+        bn.running_var.fill_(0.01)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    model = nn.Sequential(bn, nn.ReLU()).eval()
+    x = 1000.1 + 0.1 * torch.randn(64, 16)
+    opt = fxfuse.optimize(model, x, verify=False)
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())
+        error = (opt(x).double() - exact).abs().max() / exact.abs().max()
+    assert error < 1e-6, error
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    assert fxfuse.optimize(model, x, strict=True) is not None   # verify accepts it
