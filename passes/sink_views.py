@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from fxfuse.node_meta import fetch_attr, fxfuse_meta, single_tensor_meta as _meta
 from fxfuse.ops import is_pointwise_target, row_major
+from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
 
 from .fuse_pointwise import _mutated_values
 from .identity_ops import repeat_as_expand
@@ -238,6 +239,9 @@ def _sink_one(gm, op, written: set) -> bool:
     source = reshape_source(view)
     if not _contiguous(_meta(source)) or source in written:
         return False    # the reshape copies: op(source) would keep source's layout, not the row-major one assumed
+    if any(_computed_through_library(a, source) for a in op.args if isinstance(a, torch.fx.Node) and a is not view):
+        return False    # op runs after that library op: it joins no kernel of source's, and moving it
+        #                 would only cut it from its other operand's (fuzz47a: OPT's flattened residual + fc2)
     plans = _plans(op, view, source, written)
     if plans is not None and any(how == "reshape" and _joins_only(x, op) for how, x in plans):
         return False    # `sigmoid(x) * softmax(o).view(b, t, d)`: the reshape of sigmoid's result would cut
@@ -287,6 +291,32 @@ def _plans(op, view, source, written):
         return None
     plans = [_operand_plan(a, view, source, op, written) for a in op.args]
     return None if None in plans else plans
+
+
+def _computed_through_library(operand, source, cap: int = 256) -> bool:
+    """Whether operand is computed from source through an op that is no pointwise op and no view
+    (a LayerNorm, a Linear): `(h.reshape(-1, c) + fc2(ln(h.reshape(-1, c))))`. Looked for among
+    operand's nearest `cap` ancestors (beyond them: no)."""
+    seen, queue = {operand}, [operand]
+    while queue and len(seen) < cap:
+        node = queue.pop()
+        for a in node.all_input_nodes:
+            if a not in seen and a is not source:
+                seen.add(a)
+                queue.append(a)
+    if len(seen) >= cap:
+        return False
+    reaches = {}
+
+    def reaches_source(node) -> bool:
+        if node not in reaches:
+            reaches[node] = False   # (a cycle cannot be: the graph is a DAG)
+            reaches[node] = any(a is source or a in seen and reaches_source(a) for a in node.all_input_nodes)
+        return reaches[node]
+    return any(reaches_source(n) and not (n.op == "call_function" and is_pointwise_target(n.target))
+               and reshape_source(n) is None and n.op not in ("placeholder", "get_attr")
+               and not (n.op == "call_method" and n.target in VIEW_METHODS or n.op == "call_function"
+                        and n.target in VIEW_FUNCTIONS) for n in seen)
 
 
 def _joins_only(operand, op) -> bool:

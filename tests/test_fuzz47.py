@@ -205,3 +205,37 @@ def test_a_lone_batchnorm_subtracts_the_mean_first():
     assert error < 1e-6, error
     assert fxfuse.stats(opt)["fused_kernels"] == 1
     assert fxfuse.optimize(model, x, strict=True) is not None   # verify accepts it
+
+
+class OPTFlatResidualMLP(nn.Module):
+    """HF OPTDecoderLayer: the residual stream flattened before the MLP, viewed back after it."""
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.ln = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    def forward(self, x, y):
+        h = x + y
+        shape = h.shape
+        h = h.reshape(-1, h.size(-1))
+        residual = h
+        h = self.fc2(torch.relu(self.fc1(self.ln(h))))
+        return (residual + h).view(shape)
+
+
+class OPT3D(OPTFlatResidualMLP):
+    def forward(self, x, y):
+        h = x + y
+        return h + self.fc2(torch.relu(self.fc1(self.ln(h))))
+
+
+def test_a_flattened_residual_add_joins_the_bias_add_of_the_last_linear():
+    counts = {}
+    for cls in (OPTFlatResidualMLP, OPT3D):
+        torch.manual_seed(0)
+        model = cls().eval()
+        x, y = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+        opt = optimize_strict(model, x, y)
+        for _ in range(2):
+            assert_matches_eager(opt, model, x, y)
+        counts[cls.__name__] = fxfuse.stats(opt)["fused_kernels"]
+    assert counts["OPTFlatResidualMLP"] == counts["OPT3D"], counts
