@@ -280,6 +280,22 @@ def _drop_expand_before_pointwise(gm, written, options) -> None:
             gm.graph.erase_node(node)
 
 
+def _one_view_per_source(gm, written) -> None:
+    """Identical permutes and unit views of one tensor read by pointwise ops only, as one node: each
+    hoist made its own (`c = e.cos().unsqueeze(1); s = e.sin().unsqueeze(1)` read by q and k, GQA's
+    rotary), and kernels reading two nodes were not taken as siblings of one input (fuzz47a: cos and sin
+    in two kernels). Not where a view is returned or written: eager's are distinct tensor objects."""
+    kept = {}
+    for node in list(gm.graph.nodes):
+        if not (_is_permute(node) or is_unit_view(node)) or node in written or node.args[0] in written:
+            continue
+        key = (node.op, node.target, repr(node.args), repr(node.kwargs))
+        first = kept.setdefault(key, node)
+        if first is not node and all(u.op == "call_function" and is_pointwise_target(u.target) for u in node.users):
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+
+
 def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
     g = gm.graph
     _drop_contiguous_before_pointwise(gm, _mutated_values(gm), options)
@@ -294,6 +310,7 @@ def hoist_permutes(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModu
                 _hoist(gm, op, chain)   # the new permutes carry their meta: the op before may move next
                 changed = True
                 break   # the graph changed under the loop: look again
+    _one_view_per_source(gm, _mutated_values(gm))
     g.lint()
     gm.recompile()
     return gm

@@ -239,3 +239,34 @@ def test_a_flattened_residual_add_joins_the_bias_add_of_the_last_linear():
             assert_matches_eager(opt, model, x, y)
         counts[cls.__name__] = fxfuse.stats(opt)["fused_kernels"]
     assert counts["OPTFlatResidualMLP"] == counts["OPT3D"], counts
+
+
+class GQARotary(nn.Module):
+    """q with 4 heads, k with 2 (GQA): cos and sin of one tensor, each broadcast to both."""
+    def forward(self, e, q, k):
+        c = e.cos().unsqueeze(1)
+        s = e.sin().unsqueeze(1)
+        return q * c + q * s, k * c + k * s
+
+
+def test_cos_and_sin_of_one_tensor_read_by_two_kernels_are_one_kernel():
+    model = GQARotary().eval()
+    args = (torch.randn(2, 5, 4), torch.randn(2, 4, 5, 4), torch.randn(2, 2, 5, 4))
+    opt = optimize_strict(model, *args)
+    for _ in range(2):
+        assert_matches_eager(opt, model, *args)
+    assert fxfuse.stats(opt)["fused_kernels"] == 3, fxfuse.explain(opt)
+
+
+class TwoReturnedUnitViews(nn.Module):
+    def forward(self, e):
+        return e.unsqueeze(1), e.unsqueeze(1), e.cos().unsqueeze(1) * 2
+
+
+def test_returned_identical_views_stay_distinct_tensors():
+    opt = optimize_strict(TwoReturnedUnitViews().eval(), torch.randn(3, 4))
+    with torch.no_grad():
+        a, b, _ = opt(torch.randn(3, 4))
+    assert a is not b
+    a.squeeze_(1)
+    assert b.shape == (3, 1, 4)
