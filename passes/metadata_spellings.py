@@ -52,6 +52,12 @@ def cast_target(node):
         return CAST_METHODS[node.target]
     if node.target == "type" and len(node.args) + len(node.kwargs) == 2 and set(node.kwargs) <= {"dtype"}:
         dtype = node.args[1] if len(node.args) == 2 else node.kwargs["dtype"]   # h.type(dtype=...) (fuzz43b)
+        if isinstance(dtype, torch.fx.Node) and dtype.op == "call_method" and dtype.target == "type" \
+                and len(dtype.args) == 1 and not dtype.kwargs:   # m.type(x.type()): sparsemax's (fuzz47a)
+            other, devices = dtype.args[0], {fxfuse_meta(n).get("device") for n in (node.args[0], dtype.args[0])
+                                             if isinstance(n, torch.fx.Node)}
+            meta = single_tensor_meta(other)
+            return meta.dtype if meta is not None and len(devices) == 1 and None not in devices else None
         if isinstance(dtype, str):   # h.type("torch.HalfTensor") on the CPU, "torch.cuda.HalfTensor" on CUDA (fuzz44d)
             device = getattr(fxfuse_meta(node.args[0]).get("device"), "type", None) \
                 if isinstance(node.args[0], torch.fx.Node) else None

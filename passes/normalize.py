@@ -187,12 +187,15 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             continue
         dtype = cast_target(node)
         if dtype is not None:
-            src = node.args[0]
+            src, named = node.args[0], [a for a in node.args[1:] if isinstance(a, torch.fx.Node)]
             if _is_tensor_node(src) and src.meta["tensor_meta"].dtype == dtype:
                 node.replace_all_uses_with(src)  # a no-op conversion returns its input
                 g.erase_node(node)
             else:
                 _replace(g, node, cast, (src, dtype), {})
+            for a in named:   # m.type(x.type()): the type name, read by nothing else now
+                if not a.users and a.op == "call_method" and a.target == "type":
+                    g.erase_node(a)
             continue
         row = spelling_of(gm, node)
         if row is None and (functional_twin(gm, node, order) or mask_assignment_as_where(gm, node, order)

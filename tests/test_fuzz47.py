@@ -270,3 +270,20 @@ def test_returned_identical_views_stay_distinct_tensors():
     assert a is not b
     a.squeeze_(1)
     assert b.shape == (3, 1, 4)
+
+
+class CastToTypeOf(nn.Module):
+    """sparsemax's `torch.gt(bound, cs).type(input.type())`."""
+    def forward(self, a, b, x):
+        return torch.gt(a, b).type(x.type()) * x + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_cast_to_another_tensors_type_name_is_fused(dtype):
+    model = CastToTypeOf().eval()
+    args = (torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5, dtype=dtype))
+    opt = optimize_strict(model, *args)
+    for _ in range(2):
+        assert_matches_eager(opt, model, *args)
+    stats = fxfuse.stats(opt)
+    assert stats["fused_kernels"] == 1 and stats["library_calls"] == 0, fxfuse.explain(opt)
