@@ -278,12 +278,12 @@ class CastToTypeOf(nn.Module):
         return torch.gt(a, b).type(x.type()) * x + 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_cast_to_another_tensors_type_name_is_fused(dtype):
     model = CastToTypeOf().eval()
     args = (torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5, dtype=dtype))
     opt = optimize_strict(model, *args)
     for _ in range(2):
-        assert_matches_eager(opt, model, *args)
+        assert_matches_eager(opt, model, *args, rtol=1e-3, atol=1e-3)
     stats = fxfuse.stats(opt)
     assert stats["fused_kernels"] == 1 and stats["library_calls"] == 0, fxfuse.explain(opt)
