@@ -10,6 +10,7 @@ normalize pass can fold them into constants.
 """
 import contextlib
 import inspect
+import re
 import time
 import traceback
 import warnings
@@ -192,6 +193,14 @@ def _trace(model, example_args, concrete, held):
             elif "in output, which is not a known type" in str(export_error):   # a dataclass / own class (fuzz40b)
                 advice_first = ("torch.export takes only outputs of types torch's pytree knows: return a tuple, dict "
                                 "or NamedTuple, or register the output's class (torch.utils._pytree.register_dataclass)")
+            elif "DataDependent" in type(export_error).__name__ and "int(" in export_where:
+                advice_first = ("forward() converts a tensor to a Python int (`int(t)`, `int(t.item())`): torch.export "
+                                "keeps `t.item()` as a symbolic size, but int() asks for its value. Write `t.item()` "
+                                "where a size or an index needs the number")   # (fuzz47c, fuzz47d)
+            elif "DataDependent" in type(export_error).__name__ and re.search(r"\][^=]*=[^=]", export_where):
+                advice_first = ("forward() assigns into a tensor at a 0-d integer tensor index (`h[i] = v`), which "
+                                "torch.export reads as a value: `h[i.view(1)] = v` writes the same and both tracers "
+                                "follow it")   # (fuzz47c)
             else:
                 advice_first = None
             advice = advice_first or ("forward() runs autograd (torch.autograd.grad or backward()), which fxfuse's inference "

@@ -1,5 +1,6 @@
 """Stop 47 (fuzz47g): what a build depends on that a later call could change unseen."""
 import dataclasses
+import re
 import types
 import warnings
 
@@ -213,3 +214,24 @@ def test_every_spelling_of_is_compiling_answers_as_eager_while_exporting(spellin
             y = torch.randn(3, 4)
             torch.testing.assert_close(opt(y), model(y))
     assert torch.compiler.is_compiling() is False and torch._dynamo.is_compiling() is False
+
+
+class IntOfATensorAsASize(nn.Module):
+    def forward(self, x, m):
+        return x[:, :int(m.sum())] * 2
+
+
+class AssignAtA0dIndex(nn.Module):
+    def forward(self, x, i):
+        h = x * 2
+        h[i] = 0.0
+        return h
+
+
+@pytest.mark.parametrize("model, args, advice", [
+    (IntOfATensorAsASize(), (torch.randn(3, 8), torch.tensor([1, 1, 0])), "Write `t.item()`"),
+    (AssignAtA0dIndex(), (torch.randn(3, 4), torch.tensor(1)), "`h[i.view(1)] = v`"),
+])
+def test_a_refusal_at_a_data_dependent_int_names_the_spelling_that_works(model, args, advice):
+    with pytest.raises(fxfuse.FxfuseError, match=re.escape(advice)):
+        fxfuse.optimize(model.eval(), args, strict=True)
