@@ -126,7 +126,8 @@ def node_table(gm: torch.fx.GraphModule) -> str:
 
 VIEWS = {"view", "unflatten", "transpose", "permute", "squeeze", "unsqueeze", "expand", "split", "chunk", "unbind",
          "narrow", "select", "t", "detach", "view_as", "expand_as", "getitem", "__getitem__", "movedim", "swapaxes",
-         "slice"}   # (torch.export's aten.slice.Tensor)
+         "slice", "tensor_split", "hsplit", "vsplit", "dsplit", "split_with_sizes", "moveaxis", "swapdims",
+         "diagonal", "adjoint", "mT", "mH", "T", "H"}   # (torch.export's aten.slice.Tensor; splits: fuzz47f)
 RESHAPES = {"reshape", "flatten", "contiguous"}   # views where the strides allow, else copies
 
 
