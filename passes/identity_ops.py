@@ -1,10 +1,12 @@
 """Ops that return their input itself (whole-tensor slices, conversions where nothing changes:
 normalize drops them, their readers read the input), and views and copies with an uncommon
-spelling rewritten as the common one that fusion reads (ravel, adjoint, clone, repeat, a squeezed slice)."""
+spelling rewritten as the common one that fusion reads (ravel, adjoint, clone, repeat, a squeezed slice,
+pixel shuffles)."""
 import operator
 
 import torch
 import torch.fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from fxfuse.data_dependent import op_name
 from fxfuse.node_meta import single_tensor_meta
@@ -238,3 +240,46 @@ def repeat_as_expand(node, is_pointwise_target) -> bool:
         return False
     node.op, node.target, node.args, node.kwargs = "call_method", "expand", (args[0], *out.shape), {}
     return True
+
+
+PIXEL_SHUFFLES = {torch.nn.functional.pixel_shuffle: True, torch.nn.functional.pixel_unshuffle: False,
+                  torch.pixel_shuffle: True, torch.pixel_unshuffle: False}
+
+
+def pixel_shuffle_as_views(gm, node) -> bool:
+    """`F.pixel_shuffle(h, r)` (or unshuffle, or nn.PixelShuffle) of a row-major 4-D h as the view,
+    permute and reshape it is: a kernel reads the permute where it lies and a pointwise op after it
+    joins h's kernel, where the library's copy split them (fuzz47e: ESPCN's conv, act, shuffle, act).
+    The reshape copies into row-major memory, as torch's shuffle does for such an h."""
+    if node.op == "call_module" and type(gm.get_submodule(node.target)) in (torch.nn.PixelShuffle, torch.nn.PixelUnshuffle):
+        mod = gm.get_submodule(node.target)
+        up, r = isinstance(mod, torch.nn.PixelShuffle), getattr(mod, "upscale_factor", getattr(mod, "downscale_factor", 0))
+    elif node.op == "call_function" and node.target in PIXEL_SHUFFLES and len(node.args) == 2 and not node.kwargs:
+        up, r = PIXEL_SHUFFLES[node.target], node.args[1]
+    else:
+        return False
+    h = node.args[0] if len(node.args) >= 1 else None
+    meta, out = single_tensor_meta(h), single_tensor_meta(node)
+    if meta is None or out is None or len(meta.shape) != 4 or type(r) is not int or r < 1 \
+            or tuple(meta.stride) != row_major(meta.shape) or tuple(out.stride) != row_major(out.shape):
+        return False
+    n, c, height, width = meta.shape
+    if up:
+        steps = ((n, c // (r * r), r, r, height, width), (0, 1, 4, 2, 5, 3))
+    else:
+        steps = ((n, c, height // r, r, width // r, r), (0, 1, 3, 5, 2, 4))
+    g = gm.graph
+    with g.inserting_before(node):
+        view = g.call_method("view", (h, steps[0]))
+        permute = g.call_method("permute", (view, steps[1]))
+        reshape = g.call_method("reshape", (permute, tuple(out.shape)))
+    t = torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta").view(steps[0])
+    view.meta["tensor_meta"] = _extract_tensor_metadata(t)
+    permute.meta["tensor_meta"] = _extract_tensor_metadata(t.permute(steps[1]))
+    reshape.meta = dict(node.meta)
+    for new in (view, permute):
+        new.meta["fxfuse"] = dict(fxfuse_meta(node))
+    node.replace_all_uses_with(reshape)
+    g.erase_node(node)
+    return True
+

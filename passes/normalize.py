@@ -33,8 +33,8 @@ from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple, whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where, whole_write_as_value
-from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, read_only_clone,
-                           repeat_as_expand, respell_view, squeezed_slice_as_select, whole_slice)
+from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, pixel_shuffle_as_views,
+                           read_only_clone, repeat_as_expand, respell_view, squeezed_slice_as_select, whole_slice)
 from .implicit_args import explicit_softmax_dim
 from .join_outputs import cat_of_unsqueezed_as_stack
 from .metadata_spellings import copy_to_own_dtype_as_clone, overload_of, where_as_leaky_relu
@@ -169,6 +169,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
             keywords_to_positions(gm, node)   # self.lin(input=x): as self.lin(x), for the layer passes
         explicit_softmax_dim(gm, node)
         respell_view(node)
+        if pixel_shuffle_as_views(gm, node):
+            continue
         if _is_identity(gm, node):
             node.replace_all_uses_with(node.args[0])
             g.erase_node(node)

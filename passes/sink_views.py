@@ -410,14 +410,15 @@ def _reshapes_out_of_join(gm: torch.fx.GraphModule, join, written: set) -> bool:
     at the same place): the kernel computing a and b writes the join itself, where it wrote a and b
     for a library cat to copy (fuzz46a: NeRF's `(x[:, None] * freqs[:, None]).reshape(B, -1)` before
     `sin(cat([xb, xb + pi / 2], -1))`). Only where each piece reshapes a tensor of one shape, one of
-    them computed by a pointwise op, and nothing involved is written in place."""
+    them computed by a pointwise op, all row-major (a cat keeps channels_last pieces so: review47r1), and
+    nothing involved is written in place."""
     parts = join_of(join)
     meta = _meta(join)
     if parts is None or meta is None or join in written or tuple(meta.stride) != row_major(meta.shape):
         return False
     kind, pieces, dim = parts
     sources = [reshape_source(p) for p in pieces]
-    if any(s is None for s in sources) or {*pieces, *sources} & written \
+    if any(s is None or not _contiguous(_meta(s)) for s in sources) or {*pieces, *sources} & written \
             or not any(s.op == "call_function" and is_pointwise_target(s.target) for s in sources):
         return False
     src_shapes = {tuple(_meta(s).shape) for s in sources}

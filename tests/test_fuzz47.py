@@ -287,3 +287,54 @@ def test_a_cast_to_another_tensors_type_name_is_fused(dtype):
         assert_matches_eager(opt, model, *args, rtol=1e-3, atol=1e-3)
     stats = fxfuse.stats(opt)
     assert stats["fused_kernels"] == 1 and stats["library_calls"] == 0, fxfuse.explain(opt)
+
+
+class ShuffleBetweenActivations(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.conv = kind, nn.Conv2d(3, 12, 3, padding=1)
+        self.module = nn.PixelShuffle(2) if kind == "module" else nn.PixelUnshuffle(2)
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(self.conv(x))
+        y = {"shuffle": lambda: torch.nn.functional.pixel_shuffle(h, 2), "module": lambda: self.module(h),
+             "unshuffle": lambda: torch.nn.functional.pixel_unshuffle(h, 2), "returned": lambda: torch.pixel_shuffle(h, 2),
+             "unshuffle module": lambda: self.module(h)}[self.kind]()
+        return y if self.kind == "returned" else torch.relu(y)
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "module", "unshuffle", "unshuffle module", "returned"])
+def test_a_pixel_shuffle_between_pointwise_ops_is_no_copy(kind):
+    model = ShuffleBetweenActivations(kind).eval()
+    x = torch.randn(2, 3, 6, 4)
+    opt = optimize_strict(model, x)
+    for _ in range(2):
+        got = assert_matches_eager(opt, model, x)
+    with torch.no_grad():
+        assert got.stride() == model(x).stride()
+    assert fxfuse.stats(opt)["fused_kernels"] == 1, fxfuse.explain(opt)
+    assert "shuffle" not in fxfuse.explain(opt).split("def forward")[1].split("\n\n")[0]
+
+
+class ChannelsLastPiecesFlattened(nn.Module):
+    """The pieces' sources are channels_last (a permuted NHWC input): a cat of them would be too."""
+    def __init__(self, view_after):
+        super().__init__()
+        self.view_after = view_after
+
+    def forward(self, x):
+        h = x.permute(0, 3, 1, 2) * 2
+        out = torch.cat([h.flatten(2), (h + 1).flatten(2)], 1)
+        return out.view(x.shape[0], -1) if self.view_after else out
+
+
+@pytest.mark.parametrize("view_after", [False, True])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_join_of_flattened_channels_last_results_keeps_eager_strides(view_after, verify):
+    model = ChannelsLastPiecesFlattened(view_after).eval()
+    x = torch.randn(2, 2, 5, 3)
+    opt = fxfuse.optimize(model, x, verify=verify, strict=True)
+    got = assert_matches_eager(opt, model, x)
+    with torch.no_grad():
+        assert got.stride() == model(x).stride()
+    got.view(-1)
