@@ -235,3 +235,37 @@ class AssignAtA0dIndex(nn.Module):
 def test_a_refusal_at_a_data_dependent_int_names_the_spelling_that_works(model, args, advice):
     with pytest.raises(fxfuse.FxfuseError, match=re.escape(advice)):
         fxfuse.optimize(model.eval(), args, strict=True)
+
+
+class ReadsLive(nn.Module):
+    """Held tensors the graph reads live (an alias or a metadata read at trace time): an in-place update
+    between calls needs no rebuild (review47r2: an EMA model rebuilt on every call)."""
+    def __init__(self, how):
+        super().__init__()
+        self.cfg, self.how, self.lin = {"w": torch.randn(16)}, how, nn.Linear(16, 16)
+
+    def forward(self, x):
+        w = self.cfg["w"]
+        if self.how == "float":
+            w = w.float()
+        elif self.how == "slice":
+            w = w[:16]
+        elif self.how == "dtype":
+            x = x.to(next(self.parameters()).dtype)
+        return self.lin(x) * w
+
+
+@pytest.mark.parametrize("how", ["float", "slice", "dtype"])
+def test_a_held_tensor_read_live_is_no_reason_to_rebuild(how):
+    model = ReadsLive(how).eval()
+    x = torch.randn(3, 16)
+    opt = optimize_strict(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            for _ in range(4):
+                model.cfg["w"].add_(0.01)
+                for p in model.parameters():
+                    p.mul_(0.999)
+                torch.testing.assert_close(opt(x), model(x))
+    assert opt._dropped[0] == 0
