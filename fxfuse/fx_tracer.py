@@ -32,6 +32,10 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
 
 
     def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
+        if k == "grad_fn":   # None in every call a graph runs (one that records autograd runs the original):
+            return None      # a Proxy is never None, so `if h.grad_fn is not None` took the training way (fuzz47j)
+        if k == "grad":      # a parameter's leftover gradient, a value no graph node holds: torch.export reads it
+            raise torch.fx.proxy.TraceError("forward() reads a tensor's .grad, which symbolic_trace cannot follow")
         attribute = _AugmentedAttribute(self, k)
         if k in VIEW_ATTRIBUTES:   # recorded now: torch.fx records an attribute where it is first used, so
             attribute.node         # `v = h.data; h.t_(); v + 1` read h after its transpose (fuzz43h)

@@ -23,7 +23,8 @@ from fxfuse.tracing import fxfuse_meta
 
 aten = torch.ops.aten
 JOINS = {torch.stack: "stack", torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
-         aten.stack.default: "stack", aten.cat.default: "cat", aten.concat.default: "cat"}
+         aten.stack.default: "stack", aten.cat.default: "cat", aten.concat.default: "cat",
+         **{p.default: "cat" for p in (getattr(aten, "concatenate", None),) if p is not None}}   # (export: fuzz47i)
 # cat along a fixed dim where every piece has at least that many dims + 1 (lower ones are reshaped first)
 FIXED_DIM = {torch.hstack: 1, torch.column_stack: 1, torch.vstack: 0, torch.row_stack: 0, torch.dstack: 2}
 FIXED_DIM.update({getattr(aten, f.__name__).default: d for f, d in list(FIXED_DIM.items())
@@ -263,8 +264,8 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     one-operand pointwise op (same arguments besides its operand, the operand's dtype kept) of a
     library result read only there: one kernel after the cat, where each piece was a kernel of its
     own (fuzz46a: SqueezeNet's Fire, Inception and DenseNet branches). Not where a piece's operand
-    is computed by a pointwise op (a kernel that writes the join does better) or anything is written
-    in place. Returns whether one moved."""
+    is computed by a pointwise op, an input, a constant or a slice or item (a kernel that writes the
+    join does better: fuzz47i) or anything is written in place. Returns whether one moved."""
     g, moved = gm.graph, False
     for join in list(g.nodes):
         parts = join_of(join)
@@ -279,7 +280,8 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
                 and len(p.args) == len(first.args) and p.args[:at[0]] == first.args[:at[0]]
                 and p.args[at[0] + 1:] == first.args[at[0] + 1:] and p.kwargs == first.kwargs and len(p.users) == 1
                 and p not in written and isinstance(p.args[at[0]], torch.fx.Node) and p.args[at[0]] not in written
-                and not _computed(p.args[at[0]]) and p.args[at[0]].op != "get_attr"
+                and not _computed(p.args[at[0]]) and p.args[at[0]].op not in ("get_attr", "placeholder")
+                and not _slice_of_one(p.args[at[0]]) and p.args[at[0]].target is not operator.getitem
                 and _meta(p.args[at[0]]) is not None and _meta(p.args[at[0]]).dtype == _meta(p).dtype == meta.dtype
                 and not any(isinstance(v, torch.fx.Node) for v in p.kwargs.values())
                 for p in pieces) or len(set(pieces)) != len(pieces):

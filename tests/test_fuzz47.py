@@ -338,3 +338,45 @@ def test_a_join_of_flattened_channels_last_results_keeps_eager_strides(view_afte
     with torch.no_grad():
         assert got.stride() == model(x).stride()
     got.view(-1)
+
+
+class SameActivationOfInputs(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "input twice":
+            return torch.cat([x.sin(), x.sin()], 1) * 2
+        a, b = (x + 1).chunk(2, 1)
+        return torch.cat([a.exp(), b.exp()], 1)
+
+
+@pytest.mark.parametrize("kind", ["input twice", "chunks of a kernel result"])
+def test_a_join_of_one_activation_of_inputs_or_slices_is_written_by_the_kernel(kind):
+    model = SameActivationOfInputs(kind).eval()
+    x = torch.randn(3, 8)
+    opt = optimize_strict(model, x)
+    assert_matches_eager(opt, model, x)
+    stats = fxfuse.stats(opt)
+    assert stats["fused_kernels"] == 1 and stats["library_calls"] == 0, fxfuse.explain(opt)
+
+
+class GradFnBranch(nn.Module):
+    def __init__(self, read):
+        super().__init__()
+        self.fc, self.read = nn.Linear(8, 8), read
+
+    def forward(self, x):
+        h = self.fc(x)
+        flag = h.grad_fn is not None if self.read == "grad_fn" else self.fc.weight.grad is not None
+        return h * 2 if flag else h * 3
+
+
+@pytest.mark.parametrize("read", ["grad_fn", "grad"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_branch_on_grad_fn_or_grad_follows_eager(read, verify):
+    model = GradFnBranch(read).eval()
+    x = torch.randn(4, 8)
+    opt = fxfuse.optimize(model, x, verify=verify, strict=True)
+    assert_matches_eager(opt, model, x)
