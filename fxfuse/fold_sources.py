@@ -29,11 +29,23 @@ def _storage(t: torch.Tensor):
         return None
 
 
+AUGMENTED = {f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+                                           "lshift", "rshift", "matmul")}
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in AUGMENTED
+
+
 class FoldSources(TorchFunctionMode):
-    """`with FoldSources() as folds: tracer.trace(...)`; then `folds.sources()`."""
+    """`with FoldSources() as folds: tracer.trace(...)`; then `folds.sources()`. Also notes the
+    parameters an op wrote in place while tracing (`for p in self.parameters(): p.data.mul_(0.5)`: no
+    graph node, no version counter through `.data`; fuzz47j): `restore()` puts their values back."""
 
     def __init__(self):
         super().__init__()
+        self.written = {}    # id -> (parameter, its value before the trace's first write, the op's name)
         self._read = {}      # id -> tensor: a held tensor whose value an op read at trace time
         self._made = set()   # ids of the tensors ops made (ids only: temporaries are not kept alive;
         #                      a tensor alive before the trace cannot share an id with one made during it)
@@ -41,12 +53,19 @@ class FoldSources(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, (torch.Tensor, torch.fx.Proxy))]
-        if not leaves or any(isinstance(a, torch.fx.Proxy) for a in leaves) or isinstance(out, torch.fx.Proxy):
+        if not leaves or any(isinstance(a, torch.fx.Proxy) for a in leaves):
+            out = func(*args, **kwargs)
             self._note_made(out, ())
             return out       # a factory, or a graph node computed on every call
         held = [t for a in leaves for t in self._held(a)]
+        if _in_place(func) and args and isinstance(args[0], torch.Tensor):
+            for t in self._held(args[0]):
+                if isinstance(t, torch.nn.Parameter) and id(t) not in self.written:
+                    self.written[id(t)] = (t, t.detach().clone(), getattr(func, "__name__", "?"))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.fx.Proxy):
+            return out
         results = [o for o in (tree_leaves(out) if isinstance(out, (tuple, list)) else (out,))
                    if isinstance(o, torch.Tensor)]
         storages = {_storage(a) for a in leaves} - {None}
@@ -76,3 +95,8 @@ class FoldSources(TorchFunctionMode):
 
     def sources(self) -> tuple:
         return tuple(self._read.values())
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, value, _ in self.written.values():
+                t.data.copy_(value)

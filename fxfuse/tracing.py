@@ -364,7 +364,17 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         swaps = REPARAMETRIZED[0]   # (torch.export swaps the module's tensors itself: counted here only)
         try:
             with FoldSources() as folds:   # the real tensors ops ran on while tracing: their results are constants
-                graph = tracer.trace(model, concrete_args=concrete)
+                try:
+                    graph = tracer.trace(model, concrete_args=concrete)
+                finally:
+                    folds.restore()   # parameters written through real tensors (`p.data.mul_`): as they were
+            if folds.written:
+                names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
+                t, _, op = next(iter(folds.written.values()))
+                raise UnsupportedError(
+                    f"forward() writes the parameter {names.get(id(t), 'of the model')} in place while it runs "
+                    f"({op} on it or its .data): eager changes the weights on every call, which a traced graph does "
+                    "not repeat, so the original module runs (its parameters as they were before optimize)")
             swallowed = tracer.swallowed()
             if REPARAMETRIZED[0] != swaps:   # the graph reads the module's own tensors, not the swapped ones
                 raise UnsupportedError(   # (fuzz41a: verify=False silently wrong)

@@ -269,3 +269,29 @@ def test_a_held_tensor_read_live_is_no_reason_to_rebuild(how):
                     p.mul_(0.999)
                 torch.testing.assert_close(opt(x), model(x))
     assert opt._dropped[0] == 0
+
+
+class WritesItsParameters(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.fc, self.spelling = nn.Linear(8, 8), spelling
+
+    def forward(self, x):
+        for p in self.parameters():
+            if self.spelling == ".data":
+                p.data.mul_(0.5)
+            else:
+                with torch.no_grad():
+                    p.mul_(0.5)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("spelling", [".data", "no_grad"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_forward_writing_its_parameters_is_refused_and_they_stay(spelling, verify):
+    model = WritesItsParameters(spelling).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fxfuse.FxfuseError, match="writes the parameter|changes the module's state"):
+        fxfuse.optimize(model, torch.randn(4, 8), verify=verify, strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
