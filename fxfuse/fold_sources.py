@@ -9,17 +9,38 @@ value with no warning (fuzz47g). This mode records, during the trace, the real t
 values such ops read and that the trace did not make itself; the runtime watches their version
 counters as it does the tensors the passes folded copies of, and rebuilds when one moves.
 
-Only value reads count: an op whose result shares its input's memory (a slice, `.float()` of an
-fp32 tensor, `.detach()`) is an alias the graph reads live, and a metadata read (`.dtype`,
-`.shape`, `.dim()`: transformers' `next(self.parameters()).dtype`) reads no value; watching
-those rebuilt on every in-place update of a tensor read live (review47r2: an EMA model).
+Only value reads count: a result that is no alias of the input, or one that is no tensor (`.item()`,
+`torch.equal`, `f"{t:.4f}"`, `t in s`). An op whose result shares its input's memory (a slice,
+`.float()` of an fp32 tensor, `.detach()`) is an alias the graph reads live, and a metadata read
+(`.dtype`, `.shape`, `.dim()`: transformers' `next(self.parameters()).dtype`) or a factory shaped like
+a tensor (`zeros_like`) reads no value; watching those rebuilt on every in-place update of a tensor read
+live (review47r2, review47r4: an EMA model).
 """
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-VALUE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
-               torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.__complex__, torch.Tensor.numpy}
+# what reads no value: metadata (a result that is no tensor) and factories shaped like a tensor
+METADATA = {"dtype", "shape", "device", "layout", "dim", "ndim", "ndimension", "size", "numel", "nelement", "stride",
+            "is_contiguous", "requires_grad", "is_leaf", "element_size", "storage_offset", "is_floating_point",
+            "is_complex", "is_signed", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_inference",
+            "get_device", "names", "grad_fn", "__len__", "data_ptr", "untyped_storage", "_version", "itemsize",
+            "nbytes", "is_nested", "is_mkldnn", "__hash__", "output_nr"}
+LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+                  "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", "")
+    return getattr(getattr(func, "__self__", None), "__name__", name) if name in ("__get__", "__set__") else name
+
+
+def _unwrapped(t):
+    """The tensor under torch.func's wrappers (vmap's batched tensors, grad's): the held one (review47r4)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    while functorch is not None and isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
 
 
 def _storage(t: torch.Tensor):
@@ -46,6 +67,7 @@ class FoldSources(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.written = {}    # id -> (parameter, its value before the trace's first write, the op's name)
+        self.grad_read = False
         self._read = {}      # id -> tensor: a held tensor whose value an op read at trace time
         self._made = set()   # ids of the tensors ops made (ids only: temporaries are not kept alive;
         #                      a tensor alive before the trace cannot share an id with one made during it)
@@ -70,7 +92,10 @@ class FoldSources(TorchFunctionMode):
                    if isinstance(o, torch.Tensor)]
         storages = {_storage(a) for a in leaves} - {None}
         aliases = [o for o in results if _storage(o) in storages]
-        if func in VALUE_READS or any(o not in aliases for o in results):
+        name = _name(func)
+        if name == "grad":
+            self.grad_read = True   # a gradient changes with no version counter: refused (review47r4)
+        if name not in LIKE_FACTORIES and (any(o not in aliases for o in results) or not results and name not in METADATA):
             for t in held:   # a value computed from them (or read as a number) becomes a constant
                 self._read.setdefault(id(t), t)
         for o in results:
@@ -81,7 +106,7 @@ class FoldSources(TorchFunctionMode):
         """The held tensors a is (or is an alias of); none for what the trace made."""
         if id(a) in self._alias:
             return self._alias[id(a)]
-        return [] if id(a) in self._made else [a]
+        return [] if id(a) in self._made else [_unwrapped(a)]
 
     def _note_made(self, out, held) -> None:
         for o in tree_leaves(out) if isinstance(out, (tuple, list)) else (out,):

@@ -32,10 +32,8 @@ class _AugmentedAssignmentProxy(torch.fx.Proxy):
 
 
     def __getattr__(self, k):   # `t = v.T; t -= c`: torch.fx's Attribute proxy has no `-=` either (fuzz35a)
-        if k == "grad_fn":   # None in every call a graph runs (one that records autograd runs the original):
-            return None      # a Proxy is never None, so `if h.grad_fn is not None` took the training way (fuzz47j)
-        if k == "grad":      # a parameter's leftover gradient, a value no graph node holds: torch.export reads it
-            raise torch.fx.proxy.TraceError("forward() reads a tensor's .grad, which symbolic_trace cannot follow")
+        if k in GRAD_ATTRIBUTES:
+            return _grad_attribute(k, self.node)
         attribute = _AugmentedAttribute(self, k)
         if k in VIEW_ATTRIBUTES:   # recorded now: torch.fx records an attribute where it is first used, so
             attribute.node         # `v = h.data; h.t_(); v + 1` read h after its transpose (fuzz43h)
@@ -58,13 +56,33 @@ _AugmentedAssignmentProxy.__name__ = _AugmentedAssignmentProxy.__qualname__ = "P
 
 
 VIEW_ATTRIBUTES = {"data", "T", "mT", "H", "mH", "real", "imag"}   # attributes that are tensors (views)
+GRAD_ATTRIBUTES = {"grad_fn", "grad"}
+
+
+def _grad_attribute(k, node):
+    """h.grad_fn of a value forward() computes is None in every call a graph runs (one that records autograd
+    runs the original): a Proxy is never None, so `if h.grad_fn is not None` took the training way (fuzz47j).
+    An input's (or a view's of one) comes from the caller: refused, as a `.grad`, which changes with no
+    version counter (zero_grad, a backward pass; review47r4: torch.export kept the build's)."""
+    while node.op == "call_function" and node.target in (getattr, operator.getitem) \
+            or node.op == "call_method" and node.target in ("view", "reshape", "transpose", "permute", "t"):
+        if not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    if k == "grad_fn" and node.op not in ("placeholder", "get_attr"):
+        return None
+    if k == "grad_fn":
+        raise UnsupportedError("forward() reads an input's .grad_fn, which depends on how the caller made it: a "
+                           "traced graph would keep the example's, so the original module runs")
+    raise UnsupportedError("forward() reads a tensor's .grad, which changes with no version counter (zero_grad, a "
+                           "backward pass): a traced graph would keep its value at the build, so the original module runs")
 
 
 class _AugmentedAttribute(torch.fx.proxy.Attribute):
     """torch.fx's proxy of an attribute (`v.T`, `v.mT`), recording augmented assignments too."""
 
     def __getattr__(self, k):
-        return _AugmentedAttribute(self, k)
+        return _grad_attribute(k, self.node) if k in GRAD_ATTRIBUTES else _AugmentedAttribute(self, k)   # (`y.T.grad_fn`)
 
     __hash__ = _AugmentedAssignmentProxy.__hash__   # `x.dtype in {...}` (torch.fx's own: by identity)
 

@@ -193,11 +193,11 @@ def _trace(model, example_args, concrete, held):
             elif "in output, which is not a known type" in str(export_error):   # a dataclass / own class (fuzz40b)
                 advice_first = ("torch.export takes only outputs of types torch's pytree knows: return a tuple, dict "
                                 "or NamedTuple, or register the output's class (torch.utils._pytree.register_dataclass)")
-            elif "DataDependent" in type(export_error).__name__ and "int(" in export_where:
+            elif "DataDependent" in type(export_error).__name__ and re.search(r"\bint\(", export_where):
                 advice_first = ("forward() converts a tensor to a Python int (`int(t)`, `int(t.item())`): torch.export "
                                 "keeps `t.item()` as a symbolic size, but int() asks for its value. Write `t.item()` "
                                 "where a size or an index needs the number")   # (fuzz47c, fuzz47d)
-            elif "DataDependent" in type(export_error).__name__ and re.search(r"\][^=]*=[^=]", export_where):
+            elif "DataDependent" in type(export_error).__name__ and re.search(r"\]\s*[-+*/]?=[^=]", export_where):
                 advice_first = ("forward() assigns into a tensor at a 0-d integer tensor index (`h[i] = v`), which "
                                 "torch.export reads as a value: `h[i.view(1)] = v` writes the same and both tracers "
                                 "follow it")   # (fuzz47c)
@@ -368,6 +368,10 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
                     graph = tracer.trace(model, concrete_args=concrete)
                 finally:
                     folds.restore()   # parameters written through real tensors (`p.data.mul_`): as they were
+            if folds.grad_read:
+                raise UnsupportedError("forward() reads a tensor's .grad, which changes with no version counter "
+                                       "(zero_grad, a backward pass): a traced graph would keep its value at the build, "
+                                       "so the original module runs")   # (review47r4)
             if folds.written:
                 names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
                 t, _, op = next(iter(folds.written.values()))

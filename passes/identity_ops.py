@@ -268,12 +268,14 @@ def pixel_shuffle_as_views(gm, node) -> bool:
         steps = ((n, c // (r * r), r, r, height, width), (0, 1, 4, 2, 5, 3))
     else:
         steps = ((n, c, height // r, r, width // r, r), (0, 1, 3, 5, 2, 4))
+    t = torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta").view(steps[0])
+    if t.permute(steps[1]).reshape(tuple(out.shape))._is_view():
+        return False   # r == 1, or 1 x 1 maps: the reshape would alias h, where torch's shuffle copies (review47r3)
     g = gm.graph
     with g.inserting_before(node):
         view = g.call_method("view", (h, steps[0]))
         permute = g.call_method("permute", (view, steps[1]))
         reshape = g.call_method("reshape", (permute, tuple(out.shape)))
-    t = torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta").view(steps[0])
     view.meta["tensor_meta"] = _extract_tensor_metadata(t)
     permute.meta["tensor_meta"] = _extract_tensor_metadata(t.permute(steps[1]))
     reshape.meta = dict(node.meta)

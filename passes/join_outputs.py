@@ -264,8 +264,8 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     one-operand pointwise op (same arguments besides its operand, the operand's dtype kept) of a
     library result read only there: one kernel after the cat, where each piece was a kernel of its
     own (fuzz46a: SqueezeNet's Fire, Inception and DenseNet branches). Not where a piece's operand
-    is computed by a pointwise op, an input, a constant or a slice or item (a kernel that writes the
-    join does better: fuzz47i) or anything is written in place. Returns whether one moved."""
+    is computed by a pointwise op or a constant, where the pieces read one tensor (`x.sin()` twice) or
+    slices of one kernel's result (one kernel writes the join; fuzz47i), or anything is written in place. Returns whether one moved."""
     g, moved = gm.graph, False
     for join in list(g.nodes):
         parts = join_of(join)
@@ -280,13 +280,15 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
                 and len(p.args) == len(first.args) and p.args[:at[0]] == first.args[:at[0]]
                 and p.args[at[0] + 1:] == first.args[at[0] + 1:] and p.kwargs == first.kwargs and len(p.users) == 1
                 and p not in written and isinstance(p.args[at[0]], torch.fx.Node) and p.args[at[0]] not in written
-                and not _computed(p.args[at[0]]) and p.args[at[0]].op not in ("get_attr", "placeholder")
-                and not _slice_of_one(p.args[at[0]]) and p.args[at[0]].target is not operator.getitem
+                and not _computed(p.args[at[0]]) and p.args[at[0]].op != "get_attr"
                 and _meta(p.args[at[0]]) is not None and _meta(p.args[at[0]]).dtype == _meta(p).dtype == meta.dtype
                 and not any(isinstance(v, torch.fx.Node) for v in p.kwargs.values())
                 for p in pieces) or len(set(pieces)) != len(pieces):
             continue
         sources = [p.args[at[0]] for p in pieces]
+        wholes = {_whole_of(s) for s in sources}
+        if len(set(sources)) == 1 or len(wholes) == 1 and _computed(next(iter(wholes))):
+            continue   # `x.sin()` twice, a kernel result's chunks: one kernel computes them and writes the join
         with g.inserting_before(join):
             inner = g.call_function(torch.stack if kind == "stack" else torch.cat, (sources, dim))
             outer = g.call_function(first.target, (*first.args[:at[0]], inner, *first.args[at[0] + 1:]),
@@ -299,6 +301,18 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
             g.erase_node(p)
         moved = True
     return moved
+
+
+def _whole_of(node):
+    """The tensor node slices or takes an item of (a chunk's: `(x + 1).chunk(2)[0]`), else node."""
+    for _ in range(2):
+        if isinstance(node, torch.fx.Node) and (_slice_of_one(node) or node.op == "call_function"
+                                                and node.target is operator.getitem) and node.args:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") and \
+                getattr(node.target, "__name__", node.target) in ("chunk", "split", "unbind", "tensor_split"):
+            node = node.args[0]
+    return node
 
 
 def _takes_ops(join, written: set) -> bool:

@@ -239,7 +239,8 @@ def _sink_one(gm, op, written: set) -> bool:
     source = reshape_source(view)
     if not _contiguous(_meta(source)) or source in written:
         return False    # the reshape copies: op(source) would keep source's layout, not the row-major one assumed
-    if any(_computed_through_library(a, source) for a in op.args if isinstance(a, torch.fx.Node) and a is not view):
+    if any(_computed_through_library(a, source) for a in op.args    # (a view of one moves along: review47r3)
+           if isinstance(a, torch.fx.Node) and a is not view and reshape_source(a) is None):
         return False    # op runs after that library op: it joins no kernel of source's, and moving it
         #                 would only cut it from its other operand's (fuzz47a: OPT's flattened residual + fc2)
     plans = _plans(op, view, source, written)

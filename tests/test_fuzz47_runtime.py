@@ -295,3 +295,81 @@ def test_a_forward_writing_its_parameters_is_refused_and_they_stay(spelling, ver
         fxfuse.optimize(model, torch.randn(4, 8), verify=verify, strict=True)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class NonTensorValueRead(nn.Module):
+    """Value reads whose result is no tensor (review47r4)."""
+    def __init__(self, how):
+        super().__init__()
+        self.cfg, self.how = {"w": torch.ones(4)}, how
+
+    def forward(self, x):
+        w = self.cfg["w"]
+        flag = {"equal": lambda: torch.equal(w, torch.ones(4)), "allclose": lambda: torch.allclose(w, torch.ones(4)),
+                "format": lambda: f"{w[0]:.4f}" == "1.0000", "contains": lambda: 1.0 in w}[self.how]()
+        return x * 2 if flag else x * 3
+
+
+@pytest.mark.parametrize("how", ["equal", "allclose", "format", "contains"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_value_read_with_no_tensor_result_is_watched(how, verify):
+    model = NonTensorValueRead(how).eval()
+    x = torch.randn(3, 4)
+    opt = fxfuse.optimize(model, x, verify=verify)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.cfg["w"].mul_(-1)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class ShapedLikeALiveTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.zeros_like(self.lin.weight[0]) + self.lin.weight.new_ones(8)
+
+
+def test_a_factory_shaped_like_a_live_tensor_reads_no_value():
+    model = ShapedLikeALiveTensor().eval()
+    x = torch.randn(3, 8)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        for _ in range(4):
+            for p in model.parameters():
+                p.mul_(0.999)
+            torch.testing.assert_close(opt(x), model(x))
+    assert opt._dropped[0] == 0
+
+
+class GradAttributes(nn.Module):
+    def __init__(self, read):
+        super().__init__()
+        self.lin, self.read = nn.Linear(4, 4), read
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.read == "T.grad_fn":
+            flag = y.T.grad_fn is not None
+        elif self.read == "loop .grad":
+            flag = any(p.grad is not None for p in self.parameters())
+        else:
+            flag = x.grad is not None
+        return y * 2 if flag else y * 3
+
+
+@pytest.mark.parametrize("read", ["T.grad_fn", "loop .grad", "input .grad"])
+def test_grad_reads_follow_eager_or_refuse(read):
+    model = GradAttributes(read).eval()
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fxfuse.optimize(model, x, verify=False)
+    if read != "T.grad_fn":
+        assert not fxfuse.stats(opt)["optimized"]   # a gradient changes with no version counter
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        torch.testing.assert_close(opt(x), model(x))

@@ -66,8 +66,8 @@ def test_the_kernel_writes_the_stack_or_cat(name):
 
 
 class PiecesOfTwoKernels(nn.Module):
-    def forward(self, x):   # relu(x^T) and x^T * 2 are two kernels: the second's result comes later
-        return torch.cat([x.t().relu(), x.t() * 2], -1)
+    def forward(self, x):   # relu(x^T) and flip(x)^T * 2 are two kernels: the second's result comes later
+        return torch.cat([x.t().relu(), x.flip(0).t() * 2], -1)   # (x.t() twice is one view now: one kernel)
 
 
 class PieceWrittenLater(nn.Module):
