@@ -10,6 +10,7 @@ import torch
 import torch._dynamo
 import torch._utils
 from torch import nn
+from torch.compiler import is_compiling
 import torch.nn.functional as F
 
 import fxfuse
@@ -183,8 +184,7 @@ def test_rounding_between_modes_in_torch_is_no_mode_dependence():
     assert not opt._original_calls.get("inference"), dict(opt._original_calls)
 
 
-def _is_compiling_spellings():
-    from torch.compiler import is_compiling
+def _is_compiling_spellings():   # `is_compiling` bound at import, before fxfuse's export trace (module top)
     return {"torch._dynamo": lambda: torch._dynamo.is_compiling(), "bound name": lambda: is_compiling(),
             "torch._utils": lambda: torch._utils.is_compiling(), "torch.compiler": lambda: torch.compiler.is_compiling()}
 
