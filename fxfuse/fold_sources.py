@@ -25,7 +25,8 @@ METADATA = {"dtype", "shape", "device", "layout", "dim", "ndim", "ndimension", "
             "is_contiguous", "requires_grad", "is_leaf", "element_size", "storage_offset", "is_floating_point",
             "is_complex", "is_signed", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_inference",
             "get_device", "names", "grad_fn", "__len__", "data_ptr", "untyped_storage", "_version", "itemsize",
-            "nbytes", "is_nested", "is_mkldnn", "__hash__", "output_nr"}
+            "nbytes", "is_nested", "is_mkldnn", "__hash__", "output_nr", "type", "_base", "dim_order", "storage"}
+NOT_WRITES = {"requires_grad_", "detach_", "share_memory_", "retain_grad", "rename_"}   # autograd or naming state
 LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
                   "new_zeros", "new_ones", "new_empty", "new_full"}
 
@@ -54,9 +55,19 @@ AUGMENTED = {f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floord
                                            "lshift", "rshift", "matmul")}
 
 
-def _in_place(func) -> bool:
-    name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.endswith("__") or name in AUGMENTED
+def _written(func, args, kwargs) -> list:
+    """The tensors func writes: an in-place op's first argument (every tensor of a _foreach_ op's list), an
+    `out=`, `t[i] = v`, `t.data = v` (review47r5)."""
+    name, raw = _name(func), getattr(func, "__name__", "")
+    targets = list(tree_leaves(kwargs.get("out"))) if kwargs.get("out") is not None else []
+    if args and (name.endswith("_") and not name.endswith("__") and name not in NOT_WRITES or name in AUGMENTED
+                 or raw in ("__setitem__", "__set__")):
+        targets += tree_leaves(args[0])
+    return [t for t in targets if isinstance(t, torch.Tensor)]
+
+
+def _is_metadata(name: str) -> bool:
+    return name in METADATA or name.startswith("is_") and name != "is_nonzero"
 
 
 class FoldSources(TorchFunctionMode):
@@ -81,25 +92,28 @@ class FoldSources(TorchFunctionMode):
             self._note_made(out, ())
             return out       # a factory, or a graph node computed on every call
         held = [t for a in leaves for t in self._held(a)]
-        if _in_place(func) and args and isinstance(args[0], torch.Tensor):
-            for t in self._held(args[0]):
+        for target in _written(func, args, kwargs):
+            for t in self._held(target):
                 if isinstance(t, torch.nn.Parameter) and id(t) not in self.written:
-                    self.written[id(t)] = (t, t.detach().clone(), getattr(func, "__name__", "?"))
+                    self.written[id(t)] = (t, t.detach().clone(), _name(func))
         out = func(*args, **kwargs)
         if isinstance(out, torch.fx.Proxy):
             return out
         results = [o for o in (tree_leaves(out) if isinstance(out, (tuple, list)) else (out,))
                    if isinstance(o, torch.Tensor)]
         storages = {_storage(a) for a in leaves} - {None}
-        aliases = [o for o in results if _storage(o) in storages]
+        aliases = {id(o) for o in results if _storage(o) in storages}   # (by identity: `in` on tensors compares)
         name = _name(func)
+        if name == "new_tensor":   # the data's value, not self's
+            held = [t for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor) for t in self._held(a)]
         if name == "grad":
             self.grad_read = True   # a gradient changes with no version counter: refused (review47r4)
-        if name not in LIKE_FACTORIES and (any(o not in aliases for o in results) or not results and name not in METADATA):
+        if name not in LIKE_FACTORIES and (any(id(o) not in aliases for o in results)
+                                           or not results and not _is_metadata(name)):
             for t in held:   # a value computed from them (or read as a number) becomes a constant
                 self._read.setdefault(id(t), t)
         for o in results:
-            self._note_made(o, held if o in aliases else ())
+            self._note_made(o, held if id(o) in aliases else ())
         return out
 
     def _held(self, a) -> list:

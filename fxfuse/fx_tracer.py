@@ -60,22 +60,15 @@ GRAD_ATTRIBUTES = {"grad_fn", "grad"}
 
 
 def _grad_attribute(k, node):
-    """h.grad_fn of a value forward() computes is None in every call a graph runs (one that records autograd
-    runs the original): a Proxy is never None, so `if h.grad_fn is not None` took the training way (fuzz47j).
-    An input's (or a view's of one) comes from the caller: refused, as a `.grad`, which changes with no
-    version counter (zero_grad, a backward pass; review47r4: torch.export kept the build's)."""
-    while node.op == "call_function" and node.target in (getattr, operator.getitem) \
-            or node.op == "call_method" and node.target in ("view", "reshape", "transpose", "permute", "t"):
-        if not isinstance(node.args[0], torch.fx.Node):
-            break
-        node = node.args[0]
-    if k == "grad_fn" and node.op not in ("placeholder", "get_attr"):
+    """A parameter's or buffer's grad_fn is None. Any other `.grad_fn`, and any `.grad`, is refused: a Proxy is
+    never None, so `if h.grad_fn is not None` took the training way (fuzz47j); an input's depends on how the
+    caller made it, also through `.float()` or a no-op `.to` (review47r5); a `.grad` changes with no version
+    counter (zero_grad, a backward pass; review47r4: torch.export kept the build's)."""
+    if k == "grad_fn" and node.op == "get_attr":
         return None
-    if k == "grad_fn":
-        raise UnsupportedError("forward() reads an input's .grad_fn, which depends on how the caller made it: a "
-                           "traced graph would keep the example's, so the original module runs")
-    raise UnsupportedError("forward() reads a tensor's .grad, which changes with no version counter (zero_grad, a "
-                           "backward pass): a traced graph would keep its value at the build, so the original module runs")
+    raise UnsupportedError(f"forward() reads a tensor's .{k}, which depends on how the caller made or trained it "
+                           "(and a .grad changes with no version counter): a traced graph would keep its value at "
+                           "the build, so the original module runs")
 
 
 class _AugmentedAttribute(torch.fx.proxy.Attribute):
