@@ -61,7 +61,7 @@ def _written(func, args, kwargs) -> list:
     name, raw = _name(func), getattr(func, "__name__", "")
     targets = list(tree_leaves(kwargs.get("out"))) if kwargs.get("out") is not None else []
     if args and (name.endswith("_") and not name.endswith("__") and name not in NOT_WRITES or name in AUGMENTED
-                 or raw in ("__setitem__", "__set__")):
+                 or raw == "__setitem__" or raw == "__set__" and name == "data"):   # (not `p.requires_grad = False`)
         targets += tree_leaves(args[0])
     return [t for t in targets if isinstance(t, torch.Tensor)]
 

@@ -433,6 +433,7 @@ class FreezesInForward(nn.Module):
 
     def forward(self, x):
         self.backbone.requires_grad_(False)
+        self.head.bias.requires_grad = False
         w = self.head.weight
         return self.head(self.backbone(x)) * (1.0 if w.is_conj() or w.type() == "x" else 2.0)
 
