@@ -25,15 +25,17 @@ METADATA = {"dtype", "shape", "device", "layout", "dim", "ndim", "ndimension", "
             "is_contiguous", "requires_grad", "is_leaf", "element_size", "storage_offset", "is_floating_point",
             "is_complex", "is_signed", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_inference",
             "get_device", "names", "grad_fn", "__len__", "data_ptr", "untyped_storage", "_version", "itemsize",
-            "nbytes", "is_nested", "is_mkldnn", "__hash__", "output_nr", "type", "_base", "dim_order", "storage"}
+            "nbytes", "is_nested", "is_mkldnn", "__hash__", "output_nr", "type", "_base", "dim_order", "result_type",
+            "__dlpack_device__", "can_cast", "promote_types"}
 NOT_WRITES = {"requires_grad_", "detach_", "share_memory_", "retain_grad", "rename_"}   # autograd or naming state
 LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
                   "new_zeros", "new_ones", "new_empty", "new_full"}
 
 
 def _name(func) -> str:
-    name = getattr(func, "__name__", "")
-    return getattr(getattr(func, "__self__", None), "__name__", name) if name in ("__get__", "__set__") else name
+    name = getattr(func, "__name__", "")   # (an aten overload's is "mul_.Tensor": review47r6)
+    name = getattr(getattr(func, "__self__", None), "__name__", name) if name in ("__get__", "__set__") else name
+    return name.split(".")[0]
 
 
 def _unwrapped(t):
@@ -60,9 +62,10 @@ def _written(func, args, kwargs) -> list:
     `out=`, `t[i] = v`, `t.data = v` (review47r5)."""
     name, raw = _name(func), getattr(func, "__name__", "")
     targets = list(tree_leaves(kwargs.get("out"))) if kwargs.get("out") is not None else []
-    if args and (name.endswith("_") and not name.endswith("__") and name not in NOT_WRITES or name in AUGMENTED
-                 or raw == "__setitem__" or raw == "__set__" and name == "data"):   # (not `p.requires_grad = False`)
-        targets += tree_leaves(args[0])
+    first = args[0] if args else kwargs.get("input", kwargs.get("self", kwargs.get("tensor")))
+    if first is not None and (name.endswith("_") and not name.endswith("__") and name not in NOT_WRITES
+                              or name in AUGMENTED or raw == "__setitem__" or raw == "__set__" and name == "data"):
+        targets += tree_leaves(first)   # (not `p.requires_grad = False`; `torch.neg_(input=p)`: review47r6)
     return [t for t in targets if isinstance(t, torch.Tensor)]
 
 
@@ -104,12 +107,11 @@ class FoldSources(TorchFunctionMode):
         storages = {_storage(a) for a in leaves} - {None}
         aliases = {id(o) for o in results if _storage(o) in storages}   # (by identity: `in` on tensors compares)
         name = _name(func)
-        if name == "new_tensor":   # the data's value, not self's
+        if name == "new_tensor" or name in LIKE_FACTORIES:   # self's shape only; a fill value's value (review47r6)
             held = [t for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor) for t in self._held(a)]
         if name == "grad":
             self.grad_read = True   # a gradient changes with no version counter: refused (review47r4)
-        if name not in LIKE_FACTORIES and (any(id(o) not in aliases for o in results)
-                                           or not results and not _is_metadata(name)):
+        if any(id(o) not in aliases for o in results) or not results and not _is_metadata(name):
             for t in held:   # a value computed from them (or read as a number) becomes a constant
                 self._read.setdefault(id(t), t)
         for o in results:

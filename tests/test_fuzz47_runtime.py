@@ -449,3 +449,51 @@ def test_requires_grad_off_and_metadata_reads_are_no_state_writes_nor_value_read
             torch.testing.assert_close(opt(x), model(x))
     assert opt._dropped[0] == 0
 
+
+
+class WritesThroughAten(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.fc, self.spelling = nn.Linear(8, 8), spelling
+
+    def forward(self, x):
+        for p in self.parameters():
+            if self.spelling == "aten":
+                torch.ops.aten.mul_.Tensor(p.data, torch.tensor(0.5))
+            else:
+                torch.neg_(input=p.data)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("spelling", ["aten", "input="])
+def test_parameter_writes_through_aten_or_a_keyword_are_refused_and_undone(spelling):
+    model = WritesThroughAten(spelling).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fxfuse.FxfuseError):
+        fxfuse.optimize(model, torch.randn(4, 8), strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class FillFromAHeldValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cfg = nn.Linear(4, 4), {"s": torch.tensor(2.0)}
+
+    def forward(self, x):
+        w = self.lin.weight
+        kind = torch.result_type(w, 1.0)
+        return self.lin(x) + torch.full_like(x, self.cfg["s"]).to(kind)
+
+
+def test_a_fill_value_is_watched_and_result_type_is_metadata():
+    model = FillFromAHeldValue().eval()
+    x = torch.randn(3, 4)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        for p in model.lin.parameters():
+            p.mul_(0.999)
+        torch.testing.assert_close(opt(x), model(x))
+        assert opt._dropped[0] == 0
+        model.cfg["s"].mul_(-3)
+        torch.testing.assert_close(opt(x), model(x))
