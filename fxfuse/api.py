@@ -397,6 +397,9 @@ def node_kind(gm, node) -> str:
 
 def is_view(node) -> bool:
     """A view or a tuple's item, which calls nothing (report.VIEWS; a gather by index is no view)."""
+    from .fx_tracer import VIEW_ATTRIBUTES
     from .report import VIEWS
+    if node.op == "call_function" and node.target is getattr:   # `x.mT`, `x.data` (review: were library calls)
+        return len(node.args) > 1 and node.args[1] in VIEW_ATTRIBUTES
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return node.op in ("call_function", "call_method") and name.split(".")[0] in VIEWS and not _gathers(node)

@@ -66,9 +66,12 @@ def _grad_attribute(k, node):
     counter (zero_grad, a backward pass; review47r4: torch.export kept the build's)."""
     if k == "grad_fn" and node.op == "get_attr":
         return None
-    raise UnsupportedError(f"forward() reads a tensor's .{k}, which depends on how the caller made or trained it "
-                           "(and a .grad changes with no version counter): a traced graph would keep its value at "
-                           "the build, so the original module runs")
+    raise UnsupportedError(GRAD_READ_REFUSAL.format(k))
+
+
+GRAD_READ_REFUSAL = ("forward() reads a tensor's .{}, which depends on how the caller made or trained it (and a .grad "
+                     "changes with no version counter: zero_grad, a backward pass): a traced graph would keep its value "
+                     "at the build, so the original module runs")   # (also tracing's, for `.grad` of a held tensor)
 
 
 class _AugmentedAttribute(torch.fx.proxy.Attribute):

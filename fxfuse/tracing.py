@@ -24,8 +24,8 @@ from .concrete_args import (check_exported, drop_value_checks, inline_disabled_a
                             one_placeholder_per_parameter, sizes_returned_as_sizes, split_concrete)
 from .errors import TraceError, UnsupportedError
 from .export_asserts import users_checks
-from .fx_tracer import (AutocastInForward, _AutocastWatchingTracer, _failing_line, _swallowed_refusal,
-                        autocast_enabled)  # noqa: F401 (autocast_enabled re-exported: api, runtime)
+from .fx_tracer import (GRAD_READ_REFUSAL, AutocastInForward, _AutocastWatchingTracer, _failing_line,
+                        _swallowed_refusal, autocast_enabled)  # noqa: F401 (autocast_enabled re-exported: api, runtime)
 from .log import logger, quiet_this_thread
 from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
 from .attribute_writes import assigned_first, plan_attribute_writes
@@ -369,9 +369,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
                 finally:
                     folds.restore()   # parameters written through real tensors (`p.data.mul_`): as they were
             if folds.grad_read:
-                raise UnsupportedError("forward() reads a tensor's .grad, which changes with no version counter "
-                                       "(zero_grad, a backward pass): a traced graph would keep its value at the build, "
-                                       "so the original module runs")   # (review47r4)
+                raise UnsupportedError(GRAD_READ_REFUSAL.format("grad"))   # (review47r4)
             if folds.written:
                 names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
                 t, _, op = next(iter(folds.written.values()))
