@@ -46,6 +46,13 @@ def _unwrapped(t):
     return t
 
 
+def _traced(a) -> bool:
+    """A graph value: symbolic_trace's Proxy, or torch.export's fake (and functional) tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(a, (torch.fx.Proxy, FakeTensor, FunctionalTensor))
+
+
 def _storage(t: torch.Tensor):
     try:
         return t.untyped_storage().data_ptr()
@@ -78,24 +85,31 @@ class FoldSources(TorchFunctionMode):
     parameters an op wrote in place while tracing (`for p in self.parameters(): p.data.mul_(0.5)`: no
     graph node, no version counter through `.data`; fuzz47j): `restore()` puts their values back."""
 
-    def __init__(self):
+    def __init__(self, numbers_only_apart_from=None):
+        """`numbers_only_apart_from`: for torch.export, which runs forward() on fake tensors but also touches
+        the real example inputs, parameters and buffers itself (these are its tensors; pass them) and
+        keeps a held tensor a torch op reads as a constant the graph reads live: only reads that make a
+        Python number (`w.tolist()`, `float(w)`) of another held tensor count, and no writes."""
         super().__init__()
+        self._numbers_only = numbers_only_apart_from is not None
+        self._made = {id(t) for t in numbers_only_apart_from or ()}
         self.written = {}    # id -> (parameter, its value before the trace's first write, the op's name)
         self.grad_read = False
         self._read = {}      # id -> tensor: a held tensor whose value an op read at trace time
-        self._made = set()   # ids of the tensors ops made (ids only: temporaries are not kept alive;
-        #                      a tensor alive before the trace cannot share an id with one made during it)
+        # self._made: ids of the tensors ops made (ids only: temporaries are not kept alive;
+        #             a tensor alive before the trace cannot share an id with one made during it)
         self._alias = {}     # id -> the held tensors an op's result is a view or the same tensor of
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = [a for a in tree_leaves((args, kwargs)) if isinstance(a, (torch.Tensor, torch.fx.Proxy))]
-        if not leaves or any(isinstance(a, torch.fx.Proxy) for a in leaves):
+        if not leaves or any(_traced(a) for a in leaves):
             out = func(*args, **kwargs)
             self._note_made(out, ())
             return out       # a factory, or a graph node computed on every call
         held = [t for a in leaves for t in self._held(a)]
-        for target in _written(func, args, kwargs):
+        written = _written(func, args, kwargs) if not self._numbers_only else []
+        for target in written:
             for t in self._held(target):
                 if isinstance(t, torch.nn.Parameter) and id(t) not in self.written:
                     self.written[id(t)] = (t, t.detach().clone(), _name(func))
@@ -111,11 +125,13 @@ class FoldSources(TorchFunctionMode):
             held = [t for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor) for t in self._held(a)]
         if name == "grad":
             self.grad_read = True   # a gradient changes with no version counter: refused (review47r4)
-        if any(id(o) not in aliases for o in results) or not results and not _is_metadata(name):
+        computed = any(id(o) not in aliases for o in results) and not self._numbers_only
+        if computed or not results and not _is_metadata(name):
             for t in held:   # a value computed from them (or read as a number) becomes a constant
                 self._read.setdefault(id(t), t)
-        for o in results:
-            self._note_made(o, held if id(o) in aliases else ())
+        for o in results:   # a view carries the held tensors it shares memory with; a write, all it read
+            self._note_made(o, () if id(o) not in aliases else held if written else
+                            [t for t in held if _storage(t) == _storage(o)])   # (`ones(6).to(t)`: fuzz48d)
         return out
 
     def _held(self, a) -> list:

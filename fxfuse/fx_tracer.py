@@ -5,6 +5,7 @@ catches the tracer's error is refused (fuzz40e)."""
 import collections
 import contextlib
 import functools
+import inspect
 import math
 import operator
 import traceback
@@ -263,6 +264,19 @@ class _AutocastWatchingTracer(torch.fx.Tracer):
         if "forward" in vars(m):   # a forward set on the instance (a monkeypatch, a LoRA-style wrapper):
             return False           # a leaf would be rewritten by its type, so trace what the call runs
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        """nn.MultiheadAttention called with need_weights=False returns (output, None): a Proxy in place of
+        the None took `if w is None` the other way (fuzz48g)."""
+        out = super().call_module(m, forward, args, kwargs)
+        if isinstance(m, torch.nn.MultiheadAttention) and isinstance(out, torch.fx.Proxy):
+            try:
+                bound = inspect.signature(m.forward).bind(*args, **kwargs)
+            except TypeError:
+                return out
+            if bound.arguments.get("need_weights", True) is False:
+                return out[0], None
+        return out
 
     def create_arg(self, a):
         """torch.fx records an OrderedDict (torchvision's backbones return one) as a plain dict:

@@ -118,16 +118,47 @@ def moved(watched: tuple) -> bool:
     """Whether a watched tensor (watch_entries) changed in place since the build, or the
     _parameters / _buffers entry that held it holds another tensor now: learn2learn's MAML
     writes fast weights there, which fires no hook (fuzz38a: the graph's copies went stale)."""
-    for t, seen, holder, key in watched:
+    for t, seen, holder, key, _ in watched:
         if t._version != seen or holder is not None and holder.get(key) is not t:
             return True
     return False
 
 
+def swapped(watched: tuple) -> bool:
+    """Whether a watched tensor lies elsewhere now: torch.utils.swap_tensors gives the object another's
+    memory and version counter (fuzz48d: a dict's tensor the trace computed from). Checked only after
+    a swap or registration moved REGISTRATIONS (torch_hooks counts swaps)."""
+    return any(storage_address(t) != address for t, *_, address in watched)
+
+
 def watch_entries(model: torch.nn.Module, tensors) -> tuple:
-    """(tensor, version, the dict of the model that holds it or None, its key) for moved()."""
+    """(tensor, version, the dict of the model that holds it or None, its key, its storage) for moved()."""
     holders = {id(v): (d, k) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()}
-    return tuple((t, t._version, *holders.get(id(t), (None, None))) for t in tensors if version(t) is not None)
+    return tuple((t, t._version, *holders.get(id(t), (None, None)), storage_address(t)) for t in tensors
+                 if version(t) is not None)
+
+
+def overlapping(watched, candidates) -> list:
+    """The candidates whose memory overlaps a watched tensor's though they are other tensor objects, with
+    version counters of their own: `self.pd = self.p.data` read at trace time, then `p.mul_(2)` (fuzz48d)."""
+    spans = {}
+    for t in watched:
+        if isinstance(t, torch.Tensor) and (address := storage_address(t)) is not None:
+            spans.setdefault(address, []).append(_span(t))
+    ids = {id(t) for t in watched}
+    return [c for c in candidates if isinstance(c, torch.Tensor) and id(c) not in ids
+            and (address := storage_address(c)) in spans and any(_overlap(_span(c), s) for s in spans[address])]
+
+
+def _span(t: torch.Tensor) -> tuple:
+    """The bytes of its storage a tensor can reach: [start, end)."""
+    start = t.storage_offset() * t.element_size()
+    reach = sum((size - 1) * abs(step) for size, step in zip(t.shape, t.stride()))
+    return start, start + (reach + 1) * t.element_size()
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def version(t: torch.Tensor) -> int | None:

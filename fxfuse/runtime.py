@@ -37,6 +37,7 @@ import weakref
 from collections import Counter
 
 import torch
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from .attribute_reads import contained_tensors, merge_reads, plain_attributes, reassigned, watched_values
@@ -54,8 +55,8 @@ from .log import logger, model_warnings_once
 from .mode_watch import (GRAD_REASON, GradRecording, held_elsewhere, training_key, training_reason,
                          training_submodule, watched_modules)
 from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, children_now, forward_hook_owner,
-                           mode_free, moved, share_memory, storage_address, storages, structure, structure_changed,
-                           version, watch_entries)
+                           mode_free, moved, overlapping, share_memory, storage_address, storages, structure,
+                           structure_changed, swapped, version, watch_entries)
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
@@ -79,6 +80,9 @@ REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts toward
 REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change per call; a few edits by hand
 #                            between calls, as when tuning a model interactively, are no reason to warn)
 
+
+PARAMETRIZE_CACHED = ("torch.nn.utils.parametrize.cached() is on: eager computes each parametrized weight once and "
+                      "reuses it, the optimized graph would compute it at every read")
 
 class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
@@ -106,6 +110,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
+        self._parametrized = False         # a module of it is parametrized (_watch_state)
         self._model_storages = self._read_storages = frozenset()   # the aliasing guard's (add_specialization)
         self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
         self._grad = GradRecording(model, self._plain_tensors)   # what the builds' probes found about autograd,
@@ -122,19 +127,21 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self.register_load_state_dict_post_hook(keys_named_as_saved)
         self._passing_through = True   # from here, a write of the original's names is the original's
 
-    def _watch_state(self) -> None:
+    def _watch_state(self, computed_from=frozenset()) -> None:
         """What forward() checks per call besides the guards, kept short for the hot path: the
         submodules whose mode may matter (all but the types below, whose forward ignores it)
         and each buffer's version counter (BatchNorm statistics move in place when the original
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
-        modules = watched_modules(model, self._read_storages)   # with those it holds unregistered that it reads
+        modules = watched_modules(model, self._read_storages | computed_from)   # and those it holds unregistered
+        #                                                                          that the graph reads
         self._mode_modules = tuple(m for m in modules if m is not model and not mode_free(m))
         self._buffer_versions = watch_entries(model, dict.fromkeys(b for m in modules for b in m.buffers(recurse=False)))
         self._structure, self._registrations_seen = structure(modules), REGISTRATIONS[0]
         self._modes, self._modes_seen = tuple((m, m.training) for m in modules), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
         self._mutable_defaults = mutable_defaults(model)
+        self._parametrized = any(parametrize.is_parametrized(m) for m in modules)   # (parametrize.cached())
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
         self._child_list = children_now(self._children)
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
@@ -163,7 +170,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                                                for t, *_ in self._buffer_versions):
             reason = ("a fused optimizer step (fused=True: no version counter sees its writes) changed a parameter "
                       "the graph holds a copy of")
-        elif registered and structure_changed(self._structure):
+        elif registered and (structure_changed(self._structure) or swapped(self._buffer_versions)):
             reason = "a parameter, buffer or submodule of the model was replaced since the build"
         elif any(m.training != flag for m, flag in self._modes):
             reason = "a submodule's training flag changed since the build (forward() may read it)"
@@ -250,14 +257,17 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a
         # plain tensor attribute too: review38; a module-level tensor, an unregistered weight: review38c)
         self._model_storages = own | self._read_storages | storages(elsewhere)
-        if first:
-            self._watch_state()   # after the build (its checks run the original once): the storages it read
+        if first:   # after the build (its checks run the original once): the storages it read or computed from
+            self._watch_state(storages(gm.meta.get("fxfuse_fold_sources", ())))   # (fuzz48d: a listed encoder's bias)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
             self._read_storages, args)
         watched = {id(t) for t, *_ in self._buffer_versions}
+        copied = gm.meta.get("fxfuse_copied", ())
         self._buffer_versions += watch_entries(self.original, (t for t in dict.fromkeys(
-            (*gm.meta.get("fxfuse_copied", ()), *plain_tensors)) if id(t) not in watched))
+            (*copied, *plain_tensors, *overlapping(copied, (*self.original.parameters(), *self.original.buffers(),
+                                                            *self._plain_tensors, *elsewhere))))
+            if id(t) not in watched))   # (an alias with a counter of its own: `self.pd = self.p.data`, fuzz48d)
         # not a child module: a GraphModule shares the original's submodules, and every parameter
         # under two names reads as tied weights to torch.func.functional_call, which then leaves
         # the temporary tensors in the model after the call
@@ -349,6 +359,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original(training_key(self.original), training_reason(self.original), *given)
         if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
             return self._run_original("swapped", SWAPPED, *given)
+        if parametrize._cache_enabled and self._parametrized:   # (fuzz48c: a noisy weight read twice)
+            return self._run_original("parametrize", PARAMETRIZE_CACHED, *given)
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "
                                       "dtypes it was built with, autocast would change them", *given)

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 from torch.nn.utils import parametrize
 
 from .call_context import quiet_export
@@ -264,10 +265,16 @@ def _only_passes_through(params) -> bool:
 
 def _exported(model, example_args) -> torch.fx.GraphModule:
     """torch.export's graph of model, with shapes."""
-    with users_checks() as checks:
-        program, compiling = quiet_export(model, tuple(example_args))
+    own = tree_leaves(example_args) + (list(model.parameters()) + list(model.buffers())
+                                       if isinstance(model, torch.nn.Module) else [])
+    with users_checks() as checks, FoldSources(own) as folds:   # Python reads of held values (`w.tolist()`: fuzz48d)
+        try:
+            program, compiling = quiet_export(model, tuple(example_args))
+        finally:
+            folds.restore()
     gm = program.module()
     gm.meta["fxfuse_traced_as_compiling"] = compiling
+    gm.meta["fxfuse_fold_sources"] = folds.sources()
     check_exported(gm)
     _specialize_values(gm, example_args)
     inline_disabled_autocast(gm)

@@ -32,6 +32,7 @@ from fxfuse.ops import FLOAT_DTYPES, POINTWISE, cast, is_pointwise_target, keep_
 from fxfuse.precision import matmul_allows_tf32
 from fxfuse.tracing import fetch_attr as _fetch, fxfuse_meta, tensor_meta as _tmeta
 
+from .eager_rounding import number_literal
 from .fuse_pointwise import _mutated_values, why_not_fusible
 from .plan_linears import planned_choice
 
@@ -288,7 +289,7 @@ def _lower(gm, region: _Region):
                     vectors.append(_fetch(gm, a.target))
                     operands.append(("vector", len(vectors) - 1))
                 else:
-                    operands.append(("number", a))
+                    operands.append(("number", number_literal(a, node)))   # as eager reads it (fuzz48f)
             params = dict(zip(op.params, node.args[op.nargs:]))
             params.update(node.kwargs)
             steps.append(Pointwise(len(widths), op.name, tuple(operands), tuple(sorted(params.items()))))

@@ -1,6 +1,10 @@
 """Stop 48: helper findings and small mends (each test fails on the code before its fix)."""
+import warnings
+
+import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 import fxfuse
 
@@ -48,3 +52,204 @@ def test_a_held_fill_value_read_while_tracing_is_watched():
         model.cfg["s"].mul_(-3)            # its value was read: the next call must see it
         x2 = torch.randn(3, 4)
         torch.testing.assert_close(opt(x2), model(x2))
+
+
+# fuzz48d: what the trace computed from held tensors, watched in more ways
+
+OTHER = nn.Linear(6, 6)
+
+
+class ReadsAListedEncodersBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.others = [OTHER]   # not registered
+
+    def forward(self, x):
+        return x * self.others[0].bias.exp()
+
+
+class ReadsADataAlias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.rand(6) + 0.5)
+        self.pd = self.p.data   # the parameter's memory, a version counter of its own
+
+    def forward(self, x):
+        return x * self.pd.exp()
+
+
+class ReadsADictTensor(nn.Module):
+    def __init__(self, loop=False):
+        super().__init__()
+        self.cfg, self.loop = {"w": torch.rand(6) + 0.5, "ema": torch.rand(6)}, loop
+
+    def forward(self, x):
+        out = 0
+        if self.loop:
+            for i in range(len(x)):   # symbolic_trace cannot: torch.export traces it
+                out = out + x[i]
+        return x * torch.tensor(self.cfg["w"].tolist()) + out
+
+
+class UsesATemplate(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.cfg, self.spelling = {"ema": torch.rand(6)}, spelling
+
+    def forward(self, x):
+        t = self.cfg["ema"]
+        made = {"type_as": lambda: torch.ones(6).type_as(t).cumsum(0), "to": lambda: torch.ones(6).to(t).cumsum(0),
+                "view_as": lambda: torch.arange(6.0).view_as(t).exp(),
+                "expand_as": lambda: torch.ones(1).expand_as(t).cumsum(0)}[self.spelling]()
+        return (x + made) * t
+
+
+def _edited_then_equal(model, edit, x, **options):
+    opt = fxfuse.optimize(model, x, **options)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        opt(x)
+        edit(model)
+        x2 = torch.randn_like(x)
+        torch.testing.assert_close(opt(x2), model(x2))
+    return opt
+
+
+def test_a_listed_encoders_parameter_replaced_after_a_trace_time_read_is_seen():
+    opt = _edited_then_equal(ReadsAListedEncodersBias().eval(), lambda m: setattr(
+        OTHER, "bias", nn.Parameter(torch.rand(6) + 2)), torch.randn(3, 6))
+    assert opt._dropped[0] == 1
+
+
+def test_an_alias_with_a_counter_of_its_own_is_watched_through_its_owner():
+    _edited_then_equal(ReadsADataAlias().eval(), lambda m: m.p.mul_(2), torch.randn(3, 6))
+
+
+def test_swap_tensors_on_a_held_tensor_read_while_tracing_is_seen():
+    _edited_then_equal(ReadsADictTensor().eval(), lambda m: torch.utils.swap_tensors(
+        m.cfg["w"], torch.rand(6) + 2), torch.randn(3, 6))
+
+
+def test_a_python_read_of_a_held_tensor_on_the_export_path_is_watched():
+    opt = _edited_then_equal(ReadsADictTensor(loop=True).eval(), lambda m: m.cfg["w"].mul_(2), torch.randn(3, 6))
+    assert opt._dropped[0] == 1
+
+
+@pytest.mark.parametrize("spelling", ["type_as", "to", "view_as", "expand_as"])
+def test_a_held_tensor_used_as_a_template_rebuilds_nothing(spelling):
+    model = UsesATemplate(spelling).eval()
+    x = torch.randn(3, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = fxfuse.optimize(model, x, verify=False)
+        with torch.no_grad():
+            for _ in range(4):
+                model.cfg["ema"].mul_(0.9).add_(0.1)   # an EMA between calls: the graph reads it live
+                torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["optimized"] and opt._dropped[0] == 0
+
+
+# fuzz48f: a number in a generated GEMM's or fused MLP's epilogue, as eager reads it
+
+class RsubAfterLinear(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.l, self.c = nn.Linear(16, 16), c
+
+    def forward(self, x):
+        return torch.rsub(self.l(x), self.c, alpha=2)
+
+
+@pytest.mark.parametrize("options", [{"gemm": "force"}, {"fused_mlp": "force"}])
+@pytest.mark.parametrize("c,bias", [(0.1, 0.05), (3.5e38, 1e37)])
+def test_epilogue_numbers_round_as_eager_reads_them(options, c, bias):
+    model = RsubAfterLinear(c).eval()
+    with torch.no_grad():
+        model.l.weight.zero_()
+        model.l.bias.fill_(bias)   # the product is the bias exactly: eager gives 0 (inf), unrounded -1.5e-9 (3.3e38)
+    x = torch.randn(4, 16)
+    opt = fxfuse.optimize(model, x, **options)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 0
+    with torch.no_grad():
+        assert torch.equal(opt(x), model(x))
+
+
+# fuzz48h: an fp16 bias the model adds itself stays out of the library GEMM (eager rounds the product first)
+
+class HandBiasLone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.W, self.b = nn.Parameter(torch.ones(4, 8)), nn.Parameter(torch.full((4,), -20000.0))
+
+    def forward(self, x):
+        return x @ self.W.T + self.b
+
+
+def test_an_fp16_product_past_the_range_stays_inf_before_the_models_bias():
+    model = HandBiasLone().eval().half()
+    opt = fxfuse.optimize(model, torch.randn(3, 8).half())
+    x = torch.full((3, 8), 9000.0).half()   # product 72000 > 65504: inf in eager
+    x[1] = 1.0
+    xr = (torch.randn(64, 8) * 3000).half()
+    with torch.no_grad():
+        assert torch.equal(opt(x), model(x)) and torch.equal(opt(xr), model(xr))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1   # the add, in a kernel
+
+
+# fuzz48g: nn.MultiheadAttention(need_weights=False) gives None weights while tracing too
+
+class AttentionWeightsMaybe(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.m, self.spelling = nn.MultiheadAttention(16, 2, batch_first=True), spelling
+
+    def forward(self, x):
+        o, w = self.m(x, x, x, need_weights=False)
+        if self.spelling == "branch":
+            if w is None:
+                return o
+            return o, w
+        return o if w is None else o * 2
+
+
+@pytest.mark.parametrize("spelling", ["branch", "value"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_attention_weights_not_asked_for_are_none(spelling, verify):
+    model = AttentionWeightsMaybe(spelling).eval()
+    x = torch.randn(2, 5, 16)
+    opt = fxfuse.optimize(model, x, verify=verify)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        x2 = torch.randn_like(x)
+        got = opt(x2)
+        assert isinstance(got, torch.Tensor)
+        torch.testing.assert_close(got, model(x2))
+
+
+# fuzz48c: inside parametrize.cached(), eager computes a parametrized weight once
+
+class Noise(nn.Module):
+    def forward(self, w):
+        return w + torch.randn_like(w)
+
+
+class ReadsTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l1(x) - self.l1(x)
+
+
+def test_parametrize_cached_runs_the_original():
+    model = ReadsTwice()
+    parametrize.register_parametrization(model.l1, "weight", Noise())
+    model.eval()
+    x = torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x, verify=False)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad(), parametrize.cached(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(opt(x), torch.zeros(3, 8))   # one noisy weight for both reads
+    assert any("parametrize.cached()" in str(w.message) for w in caught)
