@@ -300,7 +300,8 @@ _TABLE = [
     _op("tanh", torch.tanh, 1, lambda a: f"_tanh({a})"),
     _op("gelu", F.gelu, 1, lambda a, approximate="none": (
         f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))" if approximate == "none" else
-        f"(0.5 * {a} * (1.0 + _tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))"),
+        f"({a} * _sigmoid(1.5957691216057308 * ({a} + 0.044715 * {a} * {a} * {a})))"),   # 0.5 (1 + tanh u) =
+    #   sigmoid(2u), without 1 + tanh's cancellation in the negative tail (fuzz48h: 4x eager's error there)
         ("approximate",), approximate="none"),
     _op("silu", F.silu, 1, lambda a: f"({a} * _sigmoid({a}))"),
     _op("mish", F.mish, 1, lambda a: f"({a} * _tanh(_softplus({a}, 1.0, 20.0)))"),

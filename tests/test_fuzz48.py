@@ -253,3 +253,18 @@ def test_parametrize_cached_runs_the_original():
         warnings.simplefilter("always")
         assert torch.equal(opt(x), torch.zeros(3, 8))   # one noisy weight for both reads
     assert any("parametrize.cached()" in str(w.message) for w in caught)
+
+
+# fuzz48h: the fused tanh-GELU keeps its negative tail (0.5 (1 + tanh u) cancelled there)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tanh_gelu_negative_tail_as_accurate_as_eager(dtype):
+    model = nn.Sequential(nn.Identity(), nn.GELU(approximate="tanh")).eval()
+    x = torch.linspace(-5.0, -3.5, 257).to(dtype)
+    opt = optimize_strict(model, x * 1.0001)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        want = torch.nn.functional.gelu(x.double(), approximate="tanh")
+        err_opt = ((opt(x).double() - want).abs() / want.abs()).mean()
+        err_eager = ((model(x).double() - want).abs() / want.abs()).mean()
+    assert err_opt <= 1.5 * err_eager + 1e-6
