@@ -140,6 +140,8 @@ def _view_name(node):
         return None
     if node.target is getattr and len(node.args) == 2:
         return node.args[1]
+    if isinstance(node.target, torch._ops.OpOverload):   # torch.export's aten.view.default (fuzz48g)
+        return node.target.overloadpacket.__name__
     name = getattr(node.target, "__name__", "")
     return name if getattr(torch, name, None) is node.target else None
 

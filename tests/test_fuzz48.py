@@ -268,3 +268,34 @@ def test_tanh_gelu_negative_tail_as_accurate_as_eager(dtype):
         err_opt = ((opt(x).double() - want).abs() / want.abs()).mean()
         err_eager = ((model(x).double() - want).abs() / want.abs()).mean()
     assert err_opt <= 1.5 * err_eager + 1e-6
+
+
+# fuzz48g: on the torch.export path an in-place op on a whole view of a fresh tensor fuses, as under torch.fx
+
+class ScoresEditedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(5))
+
+    def forward(self, q, k):
+        y = torch.bmm(q, k.transpose(1, 2)).view(2, 2, 5, 5)
+        y.mul_(self.g)
+        y.masked_fill_(self.g > 0, -1e4)
+        return y.softmax(-1)
+
+
+class ScoresEditedInPlaceExported(ScoresEditedInPlace):
+    def forward(self, *a):   # *args: traced by torch.export
+        return ScoresEditedInPlace.forward(self, *a)
+
+
+@pytest.mark.parametrize("cls", [ScoresEditedInPlace, ScoresEditedInPlaceExported])
+def test_in_place_ops_on_a_whole_view_fuse_on_both_trace_paths(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    q, k = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+    opt = optimize_strict(model, (q, k))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] == 3
+    with torch.no_grad():
+        q2 = torch.randn_like(q)
+        torch.testing.assert_close(opt(q2, k), model(q2, k))
