@@ -9,6 +9,7 @@ known at optimize time: it becomes a buffer of the graph (made once; eager makes
 call, so only where nothing can see the difference: no reader writes it or keeps a view of it,
 and forward() does not return it).
 """
+import functools
 import math
 import operator
 
@@ -110,7 +111,8 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
     except Exception:  # noqa: BLE001 -- what eager would raise, it raises at run time: left as it is
         return False
     if not isinstance(value, torch.Tensor) or meta is None or value.dtype != meta.dtype \
-            or tuple(value.shape) != tuple(meta.shape) or value.numel() > MAX_ELEMENTS:
+            or tuple(value.shape) != tuple(meta.shape) or value.numel() > (
+                FOLDED_MAX_ELEMENTS if all(a.target.startswith(LITERAL_PREFIX) for a in operands) else MAX_ELEMENTS):
         return False
     _note_snapshot(gm, operands)
     _replace_by_literal(gm, [node], value)
@@ -242,3 +244,51 @@ def full_as_expanded_literal(gm, node, is_pointwise_target) -> bool:
     node.op, node.target, node.args, node.kwargs = "call_method", "expand", (constant, tuple(meta.shape)), {}
     return True
 
+
+
+MASK_FACTORIES = {torch.full, torch.zeros, torch.ones, torch.arange, torch.eye}
+TRIANGLES = {torch.triu, torch.tril, "triu", "tril"}
+FOLDED_MAX_ELEMENTS = 1 << 16   # a 256 x 256 mask: 256 KiB in fp32, kept with the graph
+
+
+def fold_constant_mask(gm, node) -> bool:
+    """A mask forward() builds from sizes and numbers alone (`torch.triu(torch.full((T, T), -inf), 1)`,
+    `torch.ones(T, T).tril()`, then `.bool()`, `~m`): the specialization fixes T, so its value is known
+    here and it becomes a constant of the graph, made once by the ops eager runs, instead of library calls
+    on every call (fuzz48g: 2 per mask; HF's causal masks). fold_pointwise_of_literals takes the casts and
+    pointwise ops after it. Only where nothing writes it, keeps a view of it or returns it."""
+    from .normalize import _reads_without_alias   # normalize calls this: import late
+    target = node.target
+    if node.op == "call_function" and target in MASK_FACTORIES:
+        operands = ()
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args, *node.kwargs.values())) \
+                or set(node.kwargs) - {"dtype", "device", "layout", "requires_grad", "size", "fill_value"} \
+                or node.kwargs.get("requires_grad") or node.kwargs.get("layout") not in (None, torch.strided):
+            return False
+    elif node.op in ("call_function", "call_method") and target in TRIANGLES and node.args:
+        operands = node.args[:1]
+        if _literal(node.args[0]) is None or any(isinstance(a, torch.fx.Node)
+                                                 for a in (*node.args[1:], *node.kwargs.values())):
+            return False
+    else:
+        return False
+    meta, device = single_tensor_meta(node), fxfuse_meta(node).get("device")
+    if meta is None or device is None or math.prod(meta.shape) > FOLDED_MAX_ELEMENTS or not node.users \
+            or any(u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(gm, u)
+                   for u in node.users):
+        return False
+    try:
+        if operands:
+            source = _literal(operands[0])
+            call = getattr(source, target) if isinstance(target, str) else functools.partial(target, source)
+            value = call(*node.args[1:], **node.kwargs)
+        else:
+            value = target(*node.args, **{**node.kwargs, "device": device})
+    except Exception:  # noqa: BLE001 -- what eager would raise, it raises at run time: left as it is
+        return False
+    if not isinstance(value, torch.Tensor) or value.dtype != meta.dtype or tuple(value.shape) != tuple(meta.shape):
+        return False
+    if operands:
+        _note_snapshot(gm, list(operands))
+    _replace_by_literal(gm, [node], value)
+    return True

@@ -29,7 +29,7 @@ from fxfuse.tracing import fxfuse_meta
 from .contraction_forms import einsum_as_product
 from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
-                            fold_pointwise_of_literals, full_as_expanded_literal)
+                            fold_constant_mask, fold_pointwise_of_literals, full_as_expanded_literal)
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            part_of_fresh_tuple, whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where, whole_write_as_value
@@ -262,7 +262,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
                 or repeat_as_expand(node, is_pointwise_target):
             continue
         factory_without_template(node)   # (then as torch.full:)
-        if full_as_expanded_literal(gm, node, is_pointwise_target):
+        if full_as_expanded_literal(gm, node, is_pointwise_target) or fold_constant_mask(gm, node):
             continue
         if (source := read_only_clone(node, is_pointwise_target)) is not None:
             node.replace_all_uses_with(source)

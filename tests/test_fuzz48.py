@@ -299,3 +299,43 @@ def test_in_place_ops_on_a_whole_view_fuse_on_both_trace_paths(cls):
     with torch.no_grad():
         q2 = torch.randn_like(q)
         torch.testing.assert_close(opt(q2, k), model(q2, k))
+
+
+# fuzz48g: a mask forward() builds from sizes and numbers is made once, at optimize time
+
+class CausalScores(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k):
+        T = q.shape[-2]
+        att = q @ k.transpose(-2, -1) * 0.25
+        if self.kind == "float":
+            return (att + torch.triu(torch.full((T, T), float("-inf")), diagonal=1)).softmax(-1)
+        if self.kind == "bool":
+            return att.masked_fill(~torch.ones(T, T).tril().bool(), float("-inf")).softmax(-1)
+        if self.kind == "arange":
+            i = torch.arange(T)
+            return att.masked_fill(i[None, :] > i[:, None], -1e4).softmax(-1)
+        mask = torch.ones(T, T).tril()   # "returned": the caller gets a fresh mask, as from eager
+        return att.masked_fill(mask == 0, -1e4).softmax(-1), mask
+
+
+@pytest.mark.parametrize("kind", ["float", "bool", "arange", "returned"])
+def test_a_constant_mask_made_in_forward_is_folded(kind):
+    model = CausalScores(kind).eval()
+    q, k = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    opt = optimize_strict(model, (q, k))
+    st = fxfuse.stats(opt)
+    if kind == "returned":
+        assert st["library_calls"] == 3   # matmul, softmax, and the returned tril: made anew per call
+    elif kind != "arange":   # (the arange, read through views, is made per call)
+        assert st["library_calls"] == 2 and st["fused_kernels"] == 1
+    with torch.no_grad():
+        q2 = torch.randn_like(q)
+        got, want = opt(q2, k), model(q2, k)
+        torch.testing.assert_close(got, want)
+        if kind == "returned":
+            got[1].add_(1)
+            assert torch.equal(opt(q2, k)[1], want[1])
