@@ -339,3 +339,25 @@ def test_a_constant_mask_made_in_forward_is_folded(kind):
         if kind == "returned":
             got[1].add_(1)
             assert torch.equal(opt(q2, k)[1], want[1])
+
+
+# fuzz48b: a model that rejects its example is told so, also where forward() assigns an attribute
+
+class RevINLike(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        self.mean = x.mean(dim=1, keepdim=True)
+        return (x - self.mean) * self.w
+
+
+def test_a_wrong_example_is_named_before_the_state_forward_assigns():
+    x = torch.randn(2, 4, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxfuse.optimize(RevINLike(5).eval(), x)
+    assert not fxfuse.stats(opt)["optimized"]
+    assert any("itself raises on the example input" in str(w.message) for w in caught)
+    assert fxfuse.stats(fxfuse.optimize(RevINLike(3).eval(), x))["optimized"]
