@@ -60,6 +60,9 @@ def _equal_tensor(new, old) -> bool:
     return isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and same_value(new, old)
 
 
+RNN_CACHES = ("_flat_weights", "_flat_weight_refs")   # an RNN's own per-call lists of its (parametrized) weights
+#                                                       (fuzz48c: a weight-normed LSTM was refused as state)
+
 def _entries(container) -> dict:
     """A dict's entries: each value, with a tensor's version (`.add_(1)` on a counter) or a
     container's size (an append)."""
@@ -220,7 +223,8 @@ class _Snapshot:
                 del m.__dict__[k]
             for k, v in attrs.items():
                 if k not in m.__dict__ or not same_attr(m.__dict__[k], v):
-                    changed.append(f"{name}.{k}")
+                    if not (k in RNN_CACHES and isinstance(m, torch.nn.RNNBase)):
+                        changed.append(f"{name}.{k}")
                     m.__dict__[k] = v
             for k, (b, saved) in buffers.items():
                 if m._buffers.get(k) is not b:

@@ -361,3 +361,26 @@ def test_a_wrong_example_is_named_before_the_state_forward_assigns():
     assert not fxfuse.stats(opt)["optimized"]
     assert any("itself raises on the example input" in str(w.message) for w in caught)
     assert fxfuse.stats(fxfuse.optimize(RevINLike(3).eval(), x))["optimized"]
+
+
+# fuzz48c: an RNN's own per-call lists of its parametrized weights are no state of the model
+
+class WeightNormedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.r, self.l = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 3)
+        torch.nn.utils.parametrizations.weight_norm(self.r, "weight_hh_l0")
+
+    def forward(self, x):
+        return self.l(self.r(x)[0]).tanh()
+
+
+def test_a_parametrized_lstm_is_optimized_and_follows_its_weights():
+    model = WeightNormedLSTM().eval()
+    x = torch.randn(2, 3, 4)
+    opt = optimize_strict(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] >= 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model.r.parametrizations.weight_hh_l0.original1.mul_(2)
+        torch.testing.assert_close(opt(x), model(x))
