@@ -127,7 +127,8 @@ def node_table(gm: torch.fx.GraphModule) -> str:
 VIEWS = {"view", "unflatten", "transpose", "permute", "squeeze", "unsqueeze", "expand", "split", "chunk", "unbind",
          "narrow", "select", "t", "detach", "view_as", "expand_as", "getitem", "__getitem__", "movedim", "swapaxes",
          "slice", "tensor_split", "hsplit", "vsplit", "dsplit", "split_with_sizes", "moveaxis", "swapdims",
-         "diagonal", "adjoint"}   # (torch.export's aten.slice.Tensor; splits: fuzz47f; `x.mT`: api.is_view)
+         "diagonal", "adjoint", "real", "imag", "view_as_real", "view_as_complex"}   # (torch.export's aten.slice.Tensor;
+#                                                 splits: fuzz47f; `x.mT`: api.is_view; torch.real: review48r2)
 RESHAPES = {"reshape", "flatten", "contiguous"}   # views where the strides allow, else copies
 
 

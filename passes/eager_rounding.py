@@ -41,8 +41,9 @@ def number_literal(a, node):
     """A Python number operand of a fp32 / fp16 / bf16 op as eager's CUDA kernels read it: as an
     fp32 scalar (their compute type), so the kernel source holds that fp32 value. The GPU's Triton
     types an in-range float literal as fp32 anyway; the interpreter and an fp64 expression kept
-    it exact (review39: rsub(x, 0.1, alpha=2) at x = 0.05 gave -1.5e-9, eager 0). An int past 2**53
-    goes int64 -> fp32 in one rounding, not two through fp64 (`x == 2**60 + 2**36 + 1` flipped).
+    it exact (review39: rsub(x, 0.1, alpha=2) at x = 0.05 gave -1.5e-9, eager 0). An int past 2**24
+    goes int64 -> fp32 in one rounding, not two through fp64 (`x == 2**60 + 2**36 + 1` flipped), nor
+    exact into an fp64 expression (add_scaled's: review48r2).
     Comparisons round their operands in round_operands (to fp16 directly for an fp16 one)."""
     op = POINTWISE.get(node.target) if is_pointwise_target(node.target) else None
     if isinstance(a, bool) or not isinstance(a, (int, float)) or op is None:
@@ -50,8 +51,9 @@ def number_literal(a, node):
     dtype = comparison_dtype(node) if op.returns_bool else _meta(node).dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return a
-    if isinstance(a, int):
-        return float(torch.tensor(a, dtype=torch.int64, device="cpu").to(torch.float32)) if 2 ** 53 < abs(a) < 2 ** 63 else a
+    if isinstance(a, int):   # past 2**24 fp32 rounds it too (review48r2: rsub(h, 2**30 + 1, alpha=2), fp64 math)
+        return float(torch.tensor(a, dtype=torch.int64, device="cpu").to(torch.float32)) \
+            if 2 ** 24 < abs(a) < 2 ** 63 else a
     return a if op.returns_bool else float(torch.tensor(a, dtype=torch.float32, device="cpu"))
 
 

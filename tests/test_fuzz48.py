@@ -4,6 +4,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 import fxfuse
@@ -384,3 +385,50 @@ def test_a_parametrized_lstm_is_optimized_and_follows_its_weights():
         torch.testing.assert_close(opt(x), model(x))
         model.r.parametrizations.weight_hh_l0.original1.mul_(2)
         torch.testing.assert_close(opt(x), model(x))
+
+
+# review48r2: an fp16 addmm / F.linear bias that is no [N] row goes into the GEMM too; ints past 2**24 round
+
+class AddmmAnyBias(nn.Module):
+    def __init__(self, fn, shape):
+        super().__init__()
+        self.fn = fn
+        self.W, self.B = nn.Parameter(torch.full((8, 16), 256.0)), nn.Parameter(torch.full(shape, -40000.0))
+
+    def forward(self, x):
+        return torch.addmm(self.B, x, self.W.t()) if self.fn == "addmm" else F.linear(x, self.W, self.B)
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (4, 1), (), (1, 1)])
+@pytest.mark.parametrize("fn", ["addmm", "linear"])
+def test_an_fp16_addmm_bias_of_any_shape_is_added_before_the_rounding(fn, shape):
+    model = AddmmAnyBias(fn, shape).half().eval()
+    opt = fxfuse.optimize(model, torch.ones(4, 16, dtype=torch.float16))
+    x = torch.full((4, 16), 16.0, dtype=torch.float16)   # x @ W.T = 65536 (> 65504), + B = 25536
+    with torch.no_grad():
+        assert torch.equal(opt(x), model(x))
+
+
+class RsubBigInt(nn.Module):
+    def forward(self, h):
+        return torch.rsub(h.relu(), 2 ** 30 + 1, alpha=2)
+
+
+def test_an_int_past_2_to_24_is_read_as_fp32():
+    model = RsubBigInt().eval()
+    h = torch.full((3, 4), 2.0 ** 29)
+    opt = optimize_strict(model, h)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        assert torch.equal(opt(h), model(h))
+
+
+class ComplexParts(nn.Module):
+    def forward(self, x):
+        return torch.real(x) * 2 + torch.imag(x)
+
+
+def test_torch_real_and_imag_are_views():
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    opt = optimize_strict(ComplexParts().eval(), x)
+    assert fxfuse.stats(opt)["library_calls"] == 0 and fxfuse.stats(opt)["fused_kernels"] == 1
