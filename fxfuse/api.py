@@ -26,7 +26,7 @@ from .module_state import forward_hook_owner, storage_address
 from .options import Options
 from .runtime import OptimizedModule
 from .specialization import not_plain_tensor
-from .tracing import autocast_enabled, clone_args, trace
+from .tracing import autocast_enabled, clone_args, parametrization_cache_off, trace
 from .verify import _differs_at_all, _differs_beyond_rounding, _torch_random_state, _verify
 from .verify import _as_accurate_as_eager, _loosest_tolerance, _mismatch  # noqa: F401 (tests import them from api)
 
@@ -204,8 +204,9 @@ def build_graph(model, args: tuple, options: Options):
 
 def _build_graph(model, args: tuple, options: Options, warning):
     from fxfuse.passes import run_pipeline  # passes import fxfuse modules; import late
-    with torch.no_grad(), kept_state(model, options.verify) as snapshot:   # the model as before (but for the
-        #                                           memos verify's eager run filled); forward() with state refused
+    # the model as before (but for the memos verify's eager run filled); forward() with state refused; inside
+    # parametrize.cached(), the build's eager runs compute the weights, as the graph does (review48r1)
+    with torch.no_grad(), parametrization_cache_off(), kept_state(model, options.verify) as snapshot:
         gm = trace(model, args)
         snapshot.written_back = {label for _, _, label in gm.meta.get("fxfuse_attribute_writes", ())}
         snapshot.drop_proxies()

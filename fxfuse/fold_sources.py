@@ -26,8 +26,11 @@ METADATA = {"dtype", "shape", "device", "layout", "dim", "ndim", "ndimension", "
             "is_complex", "is_signed", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_inference",
             "get_device", "names", "grad_fn", "__len__", "data_ptr", "untyped_storage", "_version", "itemsize",
             "nbytes", "is_nested", "is_mkldnn", "__hash__", "output_nr", "type", "_base", "dim_order", "result_type",
-            "__dlpack_device__", "can_cast", "promote_types"}
+            "__dlpack_device__", "can_cast", "promote_types", "grad"}   # (a .grad read is refused apart: grad_read;
+#                                                                   torch.export's own reads of it are none: review48r1)
 NOT_WRITES = {"requires_grad_", "detach_", "share_memory_", "retain_grad", "rename_"}   # autograd or naming state
+TEMPLATES = {"to", "type_as", "view_as", "expand_as", "reshape_as", "broadcast_tensors"}   # an alias of their first
+#                                                             tensor, shaped or typed like the second
 LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
                   "new_zeros", "new_ones", "new_empty", "new_full"}
 
@@ -76,8 +79,8 @@ def _written(func, args, kwargs) -> list:
     return [t for t in targets if isinstance(t, torch.Tensor)]
 
 
-def _is_metadata(name: str) -> bool:
-    return name in METADATA or name.startswith("is_") and name != "is_nonzero"
+def _is_metadata(name: str) -> bool:   # (`_is_view`: torch.export's lift_constants_pass asks; review48r1)
+    return name in METADATA or name.startswith(("is_", "_is_")) and name != "is_nonzero"
 
 
 class FoldSources(TorchFunctionMode):
@@ -130,8 +133,15 @@ class FoldSources(TorchFunctionMode):
             for t in held:   # a value computed from them (or read as a number) becomes a constant
                 self._read.setdefault(id(t), t)
         for o in results:   # a view carries the held tensors it shares memory with; a write, all it read
-            self._note_made(o, () if id(o) not in aliases else held if written else
-                            [t for t in held if _storage(t) == _storage(o)])   # (`ones(6).to(t)`: fuzz48d)
+            if id(o) not in aliases or written:
+                self._note_made(o, held if id(o) in aliases else ())
+                continue
+            own = [t for t in held if _storage(t) == _storage(o)]
+            if name not in TEMPLATES:   # the others picked the view: `t[k]`, `t.narrow(0, k, 2)` (review48r1)
+                for t in held:
+                    if all(t is not u for u in own):
+                        self._read.setdefault(id(t), t)
+            self._note_made(o, own)   # (a template gives only its shape or dtype: `ones(6).to(t)`, fuzz48d)
         return out
 
     def _held(self, a) -> list:

@@ -61,7 +61,8 @@ from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
                              describe_mismatch, reads_unit_strides, signature, unit_strides_alike, writes_an_input)
-from .torch_hooks import MODE_CHANGES, OPTIMIZED, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS, swapped_now
+from .torch_hooks import (MODE_CHANGES, OPTIMIZED, PARAMETRIZE_CACHED, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS,
+                          swapped_now)
 from .tracing import autocast_enabled, clone_args
 
 
@@ -80,9 +81,6 @@ REBUILD_SERVED_CALLS = 8   # a rebuild after fewer calls than this counts toward
 REBUILD_WARN_AFTER = 8     # given at this many such rebuilds in a row (a change per call; a few edits by hand
 #                            between calls, as when tuning a model interactively, are no reason to warn)
 
-
-PARAMETRIZE_CACHED = ("torch.nn.utils.parametrize.cached() is on: eager computes each parametrized weight once and "
-                      "reuses it, the optimized graph would compute it at every read")
 
 class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
     """What fxfuse.optimize returns: the original module's behaviour, specialized and fused."""
@@ -112,6 +110,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
         self._parametrized = False         # a module of it is parametrized (_watch_state)
         self._model_storages = self._read_storages = frozenset()   # the aliasing guard's (add_specialization)
+        self._computed_from = frozenset()  # storages the builds' traces computed constants from (_watch_state)
         self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
         self._grad = GradRecording(model, self._plain_tensors)   # what the builds' probes found about autograd,
         #                                     and the rule; the list shared, not a closure: no cycle through self
@@ -127,14 +126,12 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self.register_load_state_dict_post_hook(keys_named_as_saved)
         self._passing_through = True   # from here, a write of the original's names is the original's
 
-    def _watch_state(self, computed_from=frozenset()) -> None:
+    def _watch_state(self, modules: tuple) -> None:
         """What forward() checks per call besides the guards, kept short for the hot path: the
         submodules whose mode may matter (all but the types below, whose forward ignores it)
         and each buffer's version counter (BatchNorm statistics move in place when the original
         runs in training mode, after which the folded copies are stale)."""
         model = self.original
-        modules = watched_modules(model, self._read_storages | computed_from)   # and those it holds unregistered
-        #                                                                          that the graph reads
         self._mode_modules = tuple(m for m in modules if m is not model and not mode_free(m))
         self._buffer_versions = watch_entries(model, dict.fromkeys(b for m in modules for b in m.buffers(recurse=False)))
         self._structure, self._registrations_seen = structure(modules), REGISTRATIONS[0]
@@ -257,8 +254,13 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a
         # plain tensor attribute too: review38; a module-level tensor, an unregistered weight: review38c)
         self._model_storages = own | self._read_storages | storages(elsewhere)
-        if first:   # after the build (its checks run the original once): the storages it read or computed from
-            self._watch_state(storages(gm.meta.get("fxfuse_fold_sources", ())))   # (fuzz48d: a listed encoder's bias)
+        self._computed_from |= storages(gm.meta.get("fxfuse_fold_sources", ()))   # (fuzz48d: a listed encoder's bias)
+        modules = watched_modules(self.original, self._read_storages | self._computed_from)   # and those it holds
+        if first or {id(m) for m in modules} != {id(m) for m, *_ in self._structure}:   # unregistered that a graph
+            kept, self._buffer_versions = self._buffer_versions, ()   # reads or computed from; after the build (its
+            self._watch_state(modules)                                 # checks run the original once); again where a
+            self._buffer_versions += tuple(e for e in kept if all(e[0] is not t for t, *_ in self._buffer_versions))
+            #                                                            later build reads more (review48r1)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
             self._read_storages, args)
@@ -306,7 +308,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
                         self._dropped[2] + sum(k.fallbacks for k in kernels), reason)
         self._specializations, self._misses, self._miss_count, self._last_miss = {}, [], 0, None
         self._grad.forget_builds()   # found again by the next build's probes
-        self._read_storages = frozenset()
+        self._read_storages = self._computed_from = frozenset()
         self._buffer_versions, self._attributes, self._attribute_reads = (), (), {}   # watched again from the
         self._structure, self._children, self._child_list = [], (), []                 # next build (_watch_state)
 
@@ -359,7 +361,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original(training_key(self.original), training_reason(self.original), *given)
         if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
             return self._run_original("swapped", SWAPPED, *given)
-        if parametrize._cache_enabled and self._parametrized:   # (fuzz48c: a noisy weight read twice)
+        if parametrize._cache_enabled and (self._parametrized or any(map(parametrize.is_parametrized,
+                                                                         self.original.modules()))):   # (fuzz48c)
             return self._run_original("parametrize", PARAMETRIZE_CACHED, *given)
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "

@@ -192,5 +192,8 @@ except ImportError:   # pragma: no cover -- torch < 2.0
     pass
 
 
+PARAMETRIZE_CACHED = ("torch.nn.utils.parametrize.cached() is on: eager computes each parametrized weight once and "
+                      "reuses it, the optimized graph would compute it at every read")
+
 SWAPPED = ("torch.func.functional_call (torch.nn.utils.stateless) swaps the model's tensors for others without "
            "the registrations fxfuse watches: the optimized graph would read the wrong ones")   # fuzz33e, review33b

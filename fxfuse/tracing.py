@@ -53,7 +53,7 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     held = held_tensor_versions(model)   # before the trace: a write during it moves a version
     inference_mode = torch.is_inference_mode_enabled()
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
-            _parametrization_cache_off(), dead_proxies_hidden(model):
+            parametrization_cache_off(), dead_proxies_hidden(model):
         gm, how = _trace(model, example_args, concrete, held)
     if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
         gm, how = _exported(model, example_args), "torch.export(strict=False)"
@@ -96,7 +96,7 @@ def _checks_tensor_type(reads: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _parametrization_cache_off():
+def parametrization_cache_off():
     """Inside torch.nn.utils.parametrize.cached(), a parametrized weight is read from (or put
     into) torch's cache: traced there, the graph held the cached tensor as a constant that no
     later edit reached, or torch's cache kept a tracing Proxy that the user's own eager calls

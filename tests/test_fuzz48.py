@@ -432,3 +432,111 @@ def test_torch_real_and_imag_are_views():
     x = torch.randn(3, 4, dtype=torch.complex64)
     opt = optimize_strict(ComplexParts().eval(), x)
     assert fxfuse.stats(opt)["library_calls"] == 0 and fxfuse.stats(opt)["fused_kernels"] == 1
+
+
+# review48r1: reads this stop's fold_sources changes missed or over-counted
+
+class PicksARow(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.state, self.spelling = {"table": torch.rand(4, 6) + 0.5, "k": torch.tensor(1)}, spelling
+
+    def forward(self, x):
+        t, k = self.state["table"], self.state["k"]
+        row = t[k] if self.spelling == "index" else torch.narrow(t, 0, k, 1)[0]
+        return x * (row.sqrt() if self.spelling != "live" else row)
+
+
+@pytest.mark.parametrize("spelling", ["index", "narrow", "live"])
+def test_a_held_index_that_picks_a_view_is_watched(spelling):
+    _edited_then_equal(PicksARow(spelling).eval(), lambda m: m.state["k"].add_(1), torch.randn(3, 6))
+
+
+class LoopsThenScales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = {"w": torch.randn(4)}
+
+    def forward(self, x):
+        out = x
+        for _ in range(x.shape[0]):   # torch.export traces it
+            out = out + 0
+        return out * self.cfg["w"]
+
+
+def test_a_tensor_an_export_graph_reads_live_rebuilds_nothing():
+    model = LoopsThenScales().eval()
+    x = torch.randn(3, 4)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        for _ in range(4):
+            model.cfg["w"].mul_(0.9).add_(0.01)
+            torch.testing.assert_close(opt(x), model(x))
+    assert opt._dropped[0] == 0
+
+
+class OwnAttention(nn.MultiheadAttention):
+    def forward(self, q, k, v, need_weights=False):   # returns one tensor
+        B, T, E = q.shape
+        qkv = F.linear(q, self.in_proj_weight, self.in_proj_bias).view(B, T, 3, self.num_heads, -1)
+        qh, kh, vh = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        return self.out_proj(F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).reshape(B, T, E))
+
+
+class UsesOwnAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.m = OwnAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.m(x, x, x, need_weights=False)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_attention_subclass_with_its_own_forward_keeps_its_output(verify):
+    model = UsesOwnAttention().eval()
+    x = torch.randn(2, 3, 8)
+    opt = fxfuse.optimize(model, x, verify=verify)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class ReadsAListedBiasAtOneShape(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.held = [nn.Linear(4, 4)]
+
+    def forward(self, x):
+        return x * self.held[0].bias.exp() if x.shape[0] == 2 else x + 1
+
+
+def test_a_listed_tensor_only_a_later_build_reads_is_watched():
+    model = ReadsAListedBiasAtOneShape().eval()
+    opt = fxfuse.optimize(model, torch.randn(3, 4))
+    x2 = torch.randn(2, 4)
+    with torch.no_grad():
+        opt(x2)
+        model.held[0].bias = nn.Parameter(torch.randn(4))
+        torch.testing.assert_close(opt(x2), model(x2))
+        model.held[0].bias.mul_(3)
+        torch.testing.assert_close(opt(x2), model(x2))
+
+
+class Scale(nn.Module):
+    def forward(self, w):
+        return w * 2.0
+
+
+def test_a_parametrization_registered_later_then_called_inside_cached():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(3, 8)
+    opt = fxfuse.optimize(model, x)
+    parametrize.register_parametrization(model[0], "weight", Scale())
+    model.eval()   # (the new parametrization module starts in training mode)
+    with torch.no_grad(), warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with parametrize.cached():
+            torch.testing.assert_close(opt(x), model(x))
+        torch.testing.assert_close(opt(x), model(x))
+    assert fxfuse.stats(opt)["optimized"] and len(opt._specializations) == 1   # built outside cached()
