@@ -23,6 +23,7 @@ failed exactly so on the H100.
 """
 import collections
 import sys
+import time
 
 import torch
 
@@ -37,6 +38,8 @@ AFFINITY_MAX_GPU_US = 16.0   # graphs of less GPU time settle inputs on copies b
 # copies in turn cost 1.9-3.3 us of GPU per call at hidden 1024 (graphs of 16.5-17.3 us) and <= 0.4 us up
 # to hidden 512 (host_ab_20261123.txt); whether the saved update (host time) outweighs that depends on the
 # host: on the H100 machine's fast host 1x1024 ran 17.7 us without and 19.2 with, on a slow one 23.4 and 19.6
+DIRECT_MIN_GPU_US = 100.0   # a graph of at least this much GPU time hides its launches when run directly;
+DIRECT_MARGIN = 0.8          # and direct runs must be this much faster than replays to be chosen (timing noise)
 OWN_POOL_MAX_BYTES = 8 << 20    # first graph's pool up to this: each copy gets a pool of its own
 # (small models, where the saved copy is a visible part of a call; at most 4 x 8 MiB more memory
 # per specialization; a pool with a tensor over 1 MiB has 20 MiB segments and keeps the copy)
@@ -224,6 +227,39 @@ class SlotChoice:
             return
         self.replay_us = min(times)
         self.affinity = self.replay_us < AFFINITY_MAX_GPU_US
+
+    def _choose_direct(self, args) -> None:
+        """Whether calls run the graph directly, without the CUDA graph: where the graph's GPU time hides
+        every launch (>= DIRECT_MIN_GPU_US) the replay only adds copies, of large inputs into the graph's
+        buffers and of its outputs out of a shared pool (review48: a GELU over 1 GiB took 1787 us replayed
+        against 1014 in eager). Both ways are timed here, through the paths a call takes; the direct one
+        must win clearly (DIRECT_MARGIN), and its graph copies and buffers are freed."""
+        if self.replay_us is None or self.replay_us < DIRECT_MIN_GPU_US:
+            return
+        def per_call(run):
+            run(args)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(3):
+                run(args)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / 3 * 1e6
+        try:
+            replayed = min(per_call(self._replay) for _ in range(2))
+            self._set_pdl(False)   # (the generated GEMMs' dependent launch: inside a CUDA graph only)
+            direct = min(per_call(self._run_directly) for _ in range(2))
+        except RuntimeError as e:
+            logger.info("timing the direct run failed, keeping the CUDA graph: %s", e)
+            direct = replayed = float("inf")
+        finally:
+            self.handed_out = self.cloned = 0   # the timing's calls are no calls of the user's
+        if not direct < DIRECT_MARGIN * replayed:
+            self._set_pdl(True)    # later graph copies capture the kernels again
+        else:
+            self.graph, self.handout, self.launcher, self.inputs = None, None, None, None   # frees the graphs
+            self.static_in, self.bound_in, self.static_out, self.slot_at = [], [], None, {}
+            self.cuda_graph_note = (f"off: running the graph directly measured faster ({direct:.0f} us per call "
+                                    f"against {replayed:.0f} replayed: the replay copies large inputs or outputs)")
 
     def affinity_note(self) -> str:
         if self.handout is None or self.inputs.exec is None:

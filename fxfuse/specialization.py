@@ -226,6 +226,7 @@ class Specialization(SlotChoice):
         self.handout_note = f"outputs handed out from up to {HANDOUT_SLOTS} graph copies while not held, else cloned"
         self.handout, self.slot_at = [], {}
         self._choose_affinity()
+        self._choose_direct(example_args)
 
     def _capture_graph(self, example_args) -> None:
         with torch.inference_mode(False), torch.no_grad():   # plain tensors: later calls may run outside it
