@@ -207,7 +207,7 @@ class SlotChoice:
         for a graph of little GPU time (timed here once), where the host is the likely bound."""
         bound = self.inputs.exec is not None
         self.affinity, self.replay_us = bound, None
-        if not bound or self.draws_random:   # no memcpy nodes; or a replay would move the generator
+        if self.draws_random:   # a replay would move the generator (timed also without memcpy nodes: _choose_direct)
             return
         try:
             warm_up_gpu()   # an idle GPU's clocks (345 MHz on the H100) would time the graph slow
@@ -226,7 +226,7 @@ class SlotChoice:
             self.affinity = False
             return
         self.replay_us = min(times)
-        self.affinity = self.replay_us < AFFINITY_MAX_GPU_US
+        self.affinity = bound and self.replay_us < AFFINITY_MAX_GPU_US
 
     def _choose_direct(self, args) -> None:
         """Whether calls run the graph directly, without the CUDA graph: where the graph's GPU time hides
