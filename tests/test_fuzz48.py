@@ -313,13 +313,13 @@ class CausalScores(nn.Module):
         T = q.shape[-2]
         att = q @ k.transpose(-2, -1) * 0.25
         if self.kind == "float":
-            return (att + torch.triu(torch.full((T, T), float("-inf")), diagonal=1)).softmax(-1)
+            return (att + torch.triu(torch.full((T, T), float("-inf"), device=q.device), diagonal=1)).softmax(-1)
         if self.kind == "bool":
-            return att.masked_fill(~torch.ones(T, T).tril().bool(), float("-inf")).softmax(-1)
+            return att.masked_fill(~torch.ones(T, T, device=q.device).tril().bool(), float("-inf")).softmax(-1)
         if self.kind == "arange":
-            i = torch.arange(T)
+            i = torch.arange(T, device=q.device)
             return att.masked_fill(i[None, :] > i[:, None], -1e4).softmax(-1)
-        mask = torch.ones(T, T).tril()   # "returned": the caller gets a fresh mask, as from eager
+        mask = torch.ones(T, T, device=q.device).tril()   # "returned": the caller gets a fresh mask, as from eager
         return att.masked_fill(mask == 0, -1e4).softmax(-1), mask
 
 
