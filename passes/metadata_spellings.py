@@ -34,6 +34,22 @@ def masked_fill_is_where(x, value) -> bool:
     return vmeta is not None and not vmeta.shape and vmeta.dtype == meta.dtype
 
 
+def masked_fill_value_cast(x, value, node):
+    """A cast node of a 0-d tensor value of another dtype to x's (fp16 scores filled with torch.tensor(-inf),
+    fp32 ones with an fp64 or int64 0-d value), which masked_fill converts so: with it, the fill is a where
+    like any other (fuzz48g: a library call between two kernels). None where that does not apply."""
+    from fxfuse.ops import cast   # (ops imports passes' helpers: late)
+    meta, vmeta = single_tensor_meta(x), single_tensor_meta(value)
+    if meta is None or vmeta is None or vmeta.shape or not meta.dtype.is_floating_point \
+            or vmeta.dtype in (torch.bool, meta.dtype) or vmeta.dtype.is_complex:
+        return None
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(cast, (value, meta.dtype))
+    new.meta = {**value.meta, "tensor_meta": vmeta._replace(dtype=meta.dtype),
+                "fxfuse": dict(value.meta.get("fxfuse", {}))}
+    return new
+
+
 def cast_target(node):
     """dtype of a pure dtype conversion (x.float(), x.to(torch.half), x.type(dtype), y.type_as(x)
     on one device, and torch.export's aten.to.dtype and aten.type_as), else None."""

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from fxfuse.node_meta import single_tensor_meta
 from fxfuse.ops import HALF_DTYPES, POINTWISE, lerp_scalar
 
-from .metadata_spellings import cast_target, masked_fill_is_where  # noqa: F401 (cast_target: re-exported)
+from .metadata_spellings import (cast_target, masked_fill_is_where,  # noqa: F401 (cast_target: re-exported)
+                                 masked_fill_value_cast)
 
 aten = torch.ops.aten
 
@@ -392,7 +393,9 @@ def canonical_call(row: Spelling, node: torch.fx.Node):
         if {"condition", "input", "other"} - set(params):  # torch.where(cond) is nonzero(), not pointwise
             return None
         if row.fixed.get("_masked_fill") and not masked_fill_is_where(params["other"], params["input"]):
-            return None
+            params["input"] = masked_fill_value_cast(params["other"], params["input"], node)
+            if params["input"] is None:
+                return None
         return canon, (params["condition"], params["input"], params["other"]), {}
     if canon in TERNARY:
         return _ternary_call(canon, params, node)

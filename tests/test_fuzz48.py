@@ -520,3 +520,31 @@ def test_a_parametrization_registered_later_then_called_inside_cached():
             torch.testing.assert_close(opt(x), model(x))
         torch.testing.assert_close(opt(x), model(x))
     assert fxfuse.stats(opt)["optimized"] and len(opt._specializations) == 1   # built outside cached()
+
+
+# fuzz48g: masked_fill with a 0-d tensor value of another dtype is a where like any other (one kernel)
+
+class FillsWithAnotherDtype(nn.Module):
+    def __init__(self, value, inplace):
+        super().__init__()
+        self.register_buffer("value", value)
+        self.inplace = inplace
+
+    def forward(self, s, m):
+        s = s * 0.5
+        s = s.masked_fill_(m, self.value) if self.inplace else s.masked_fill(m, self.value)
+        return s.relu() + 1
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype,value", [(torch.float16, torch.tensor(float("-inf"))),
+                                         (torch.float32, torch.tensor(-1e5, dtype=torch.float64)),
+                                         (torch.float32, torch.tensor(-3))])   # (70000 into fp16: eager raises)
+def test_masked_fill_with_a_value_of_another_dtype_fuses(dtype, value, inplace):
+    model = FillsWithAnotherDtype(value, inplace).eval()
+    s, m = torch.randn(3, 5).to(dtype), torch.rand(3, 5) > 0.5
+    opt = optimize_strict(model, (s, m))
+    assert fxfuse.stats(opt)["fused_kernels"] == 1 and fxfuse.stats(opt)["library_calls"] <= 1   # (an fp64 cast)
+    with torch.no_grad():
+        s2, m2 = torch.randn(3, 5).to(dtype), torch.rand(3, 5) > 0.5
+        assert torch.equal(opt(s2, m2), model(s2, m2))
