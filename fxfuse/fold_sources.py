@@ -29,8 +29,10 @@ METADATA = {"dtype", "shape", "device", "layout", "dim", "ndim", "ndimension", "
             "__dlpack_device__", "can_cast", "promote_types", "grad"}   # (a .grad read is refused apart: grad_read;
 #                                                                   torch.export's own reads of it are none: review48r1)
 NOT_WRITES = {"requires_grad_", "detach_", "share_memory_", "retain_grad", "rename_"}   # autograd or naming state
-TEMPLATES = {"to", "type_as", "view_as", "expand_as", "reshape_as", "broadcast_tensors"}   # an alias of their first
-#                                                             tensor, shaped or typed like the second
+TEMPLATES = {"to", "type_as", "view_as", "expand_as", "reshape_as"}   # the first tensor shaped or typed like the
+#                                                                      second, whose values they do not read
+PER_INPUT_VIEWS = {"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d"}   # a view of each
+#                                                                      input, reading no other (review48r3)
 LIKE_FACTORIES = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
                   "new_zeros", "new_ones", "new_empty", "new_full"}
 
@@ -126,6 +128,8 @@ class FoldSources(TorchFunctionMode):
         name = _name(func)
         if name == "new_tensor" or name in LIKE_FACTORIES:   # self's shape only; a fill value's value (review47r6)
             held = [t for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor) for t in self._held(a)]
+        elif name in TEMPLATES and args:   # `a.to(b)` of another dtype computes from a alone (review48r3)
+            held = self._held(args[0]) if isinstance(args[0], torch.Tensor) else []
         if name == "grad":
             self.grad_read = True   # a gradient changes with no version counter: refused (review47r4)
         computed = any(id(o) not in aliases for o in results) and not self._numbers_only
@@ -137,7 +141,8 @@ class FoldSources(TorchFunctionMode):
                 self._note_made(o, held if id(o) in aliases else ())
                 continue
             own = [t for t in held if _storage(t) == _storage(o)]
-            if name not in TEMPLATES:   # the others picked the view: `t[k]`, `t.narrow(0, k, 2)` (review48r1)
+            if name not in TEMPLATES | PER_INPUT_VIEWS:   # the others picked the view: `t[k]`, `t.narrow(0, k, 2)`
+                #                                               (review48r1)
                 for t in held:
                     if all(t is not u for u in own):
                         self._read.setdefault(id(t), t)

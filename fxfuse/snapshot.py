@@ -245,6 +245,9 @@ class _Snapshot:
                     changed.append(f"{name}.{k}")
                     with torch.inference_mode(p.is_inference()), torch.no_grad():   # inference_mode(False)
                         p.copy_(saved)                                              # turns grad on again
+            for k in [k for k in m._parameters if k not in params]:   # registered by forward() (review48r3)
+                changed.append(f"{name}.{k}")
+                del m._parameters[k]
             if dict(m._modules) != modules or any(m._modules[k] is not v for k, v in modules.items()):
                 changed.append(f"{name} (submodules)")
                 m._modules.clear()

@@ -98,8 +98,10 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
     """A canonical pointwise op whose tensor operands are all folded literals
     (`torch.sqrt(torch.tensor(d_k))`) is one too: computed here once, on the literals' device,
     by the op eager runs on every call, so its value is eager's bit for bit."""
+    from .normalize import _reads_without_alias   # normalize calls this: import late
     if node.op != "call_function" or node.target not in pointwise or not node.users or any(
-            u.op == "output" or _writes_in_place(u) is not None for u in node.users):
+            u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(node.graph.owning_module, u)
+            for u in node.users):   # (a view kept and written: `m.view(-1).mul_(3)` edited the constant; review48r3)
         return False
     operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if not operands or any(_literal(a) is None for a in operands) or \
@@ -246,8 +248,11 @@ def full_as_expanded_literal(gm, node, is_pointwise_target) -> bool:
 
 
 
-MASK_FACTORIES = {torch.full, torch.zeros, torch.ones, torch.arange, torch.eye}
-TRIANGLES = {torch.triu, torch.tril, "triu", "tril"}
+aten = torch.ops.aten
+MASK_FACTORIES = {torch.full, torch.zeros, torch.ones, torch.arange, torch.eye, aten.full.default, aten.zeros.default,
+                  aten.ones.default, aten.arange.default, aten.arange.start, aten.arange.start_step, aten.eye.default,
+                  aten.eye.m}   # (torch.export's: review48r3)
+TRIANGLES = {torch.triu, torch.tril, "triu", "tril", aten.triu.default, aten.tril.default}
 FOLDED_MAX_ELEMENTS = 1 << 16   # a 256 x 256 mask: 256 KiB in fp32, kept with the graph
 
 
@@ -262,7 +267,8 @@ def fold_constant_mask(gm, node) -> bool:
     if node.op == "call_function" and target in MASK_FACTORIES:
         operands = ()
         if any(isinstance(a, torch.fx.Node) for a in (*node.args, *node.kwargs.values())) \
-                or set(node.kwargs) - {"dtype", "device", "layout", "requires_grad", "size", "fill_value"} \
+                or set(node.kwargs) - {"dtype", "device", "layout", "requires_grad", "size", "fill_value", "start",
+                                       "end", "step", "n", "m", "pin_memory"} or node.kwargs.get("pin_memory") \
                 or node.kwargs.get("requires_grad") or node.kwargs.get("layout") not in (None, torch.strided):
             return False
     elif node.op in ("call_function", "call_method") and target in TRIANGLES and node.args:
