@@ -108,7 +108,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._hook_ids_seen = self._hook_ids_scanned = -1   # see _hook_added
         self._hooked = None
         self._writes_in_place = False      # a graph keeps an in-place op (its inputs must not alias)
-        self._parametrized = False         # a module of it is parametrized (_watch_state)
         self._model_storages = self._read_storages = frozenset()   # the aliasing guard's (add_specialization)
         self._computed_from = frozenset()  # storages the builds' traces computed constants from (_watch_state)
         self._plain_tensors = []           # tensor attributes the traces read (add_specialization); a list
@@ -138,7 +137,6 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         self._modes, self._modes_seen = tuple((m, m.training) for m in modules), MODE_CHANGES[0]
         self._steps_seen = UNVERSIONED_STEPS[0]
         self._mutable_defaults = mutable_defaults(model)
-        self._parametrized = any(parametrize.is_parametrized(m) for m in modules)   # (parametrize.cached())
         self._children = tuple(m._modules for m, _, _, children, _ in self._structure if children)   # live dicts
         self._child_list = children_now(self._children)
         self._hook_dicts = tuple(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)) \
@@ -254,13 +252,15 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         # the aliasing guard's: an input that is one of them must not be written under a copy's reader (a
         # plain tensor attribute too: review38; a module-level tensor, an unregistered weight: review38c)
         self._model_storages = own | self._read_storages | storages(elsewhere)
-        self._computed_from |= storages(gm.meta.get("fxfuse_fold_sources", ()))   # (fuzz48d: a listed encoder's bias)
-        modules = watched_modules(self.original, self._read_storages | self._computed_from)   # and those it holds
-        if first or {id(m) for m in modules} != {id(m) for m, *_ in self._structure}:   # unregistered that a graph
-            kept, self._buffer_versions = self._buffer_versions, ()   # reads or computed from; after the build (its
-            self._watch_state(modules)                                 # checks run the original once); again where a
-            self._buffer_versions += tuple(e for e in kept if all(e[0] is not t for t, *_ in self._buffer_versions))
-            #                                                            later build reads more (review48r1)
+        # watched after the build (its checks run the original once): with the modules held unregistered that a
+        # graph reads or computed from (fuzz48d), again where a later build reads more (review48r1)
+        self._computed_from |= storages(gm.meta.get("fxfuse_fold_sources", ()))
+        modules = watched_modules(self.original, self._read_storages | self._computed_from)
+        if first or {id(m) for m in modules} != {id(m) for m, *_ in self._structure}:
+            kept = self._buffer_versions   # the earlier builds' copies: unchanged, this call checked them
+            self._watch_state(modules)
+            seen = {id(t) for t, *_ in self._buffer_versions}
+            self._buffer_versions += tuple(e for e in kept if id(e[0]) not in seen)
         self._grad.note_build(gm.meta.get("fxfuse_trace", {}), any(
             getattr(fetch_attr(gm, n.target), "requires_grad", False) for n in gm.graph.nodes if n.op == "get_attr"),
             self._read_storages, args)
@@ -361,8 +361,7 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
             return self._run_original(training_key(self.original), training_reason(self.original), *given)
         if REPARAMETRIZING[0] and swapped_now(self, self.original):   # inside torch.func.functional_call
             return self._run_original("swapped", SWAPPED, *given)
-        if parametrize._cache_enabled and (self._parametrized or any(map(parametrize.is_parametrized,
-                                                                         self.original.modules()))):   # (fuzz48c)
+        if parametrize._cache_enabled and any(map(parametrize.is_parametrized, self.original.modules())):   # fuzz48c
             return self._run_original("parametrize", PARAMETRIZE_CACHED, *given)
         if autocast_enabled():
             return self._run_original("autocast", "torch.autocast is on; the optimized graph computes in the "

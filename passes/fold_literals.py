@@ -46,7 +46,6 @@ def _lifted_literal(node) -> torch.Tensor | None:
 
 
 def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    from .normalize import _reads_without_alias   # normalize calls this: import late
     if node.op == "call_function" and node.target in FACTORIES and len(node.args) == 1:
         data = node.args[0]
     elif node.op == "call_method" and node.target == "new_tensor" and len(node.args) == 2:
@@ -64,14 +63,21 @@ def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
             and next(iter(made[-1].users)).args == (made[-1],):
         made.append(next(iter(made[-1].users)))
     last = made[-1]
-    if not last.users or any(u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(gm, u)
-                             for u in last.users):
+    if not _only_read(gm, last):
         return False
     value = torch.tensor(data, dtype=meta.dtype, device=device)
     if tuple(value.shape) != tuple(meta.shape):
         return False
     _replace_by_literal(gm, made, value)
     return True
+
+
+def _only_read(gm, node) -> bool:
+    """Whether node's value may become a constant made once: read, and by nothing that returns it, writes it
+    or keeps a view of it (eager makes it anew each call, so nothing must see the difference)."""
+    from .normalize import _reads_without_alias   # normalize calls this: import late
+    return bool(node.users) and not any(u.op == "output" or _writes_in_place(u) is not None
+                                        or not _reads_without_alias(gm, u) for u in node.users)
 
 
 def _replace_by_literal(gm, made: list, value: torch.Tensor) -> None:
@@ -98,11 +104,8 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
     """A canonical pointwise op whose tensor operands are all folded literals
     (`torch.sqrt(torch.tensor(d_k))`) is one too: computed here once, on the literals' device,
     by the op eager runs on every call, so its value is eager's bit for bit."""
-    from .normalize import _reads_without_alias   # normalize calls this: import late
-    if node.op != "call_function" or node.target not in pointwise or not node.users or any(
-            u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(node.graph.owning_module, u)
-            for u in node.users):   # (a view kept and written: `m.view(-1).mul_(3)` edited the constant; review48r3)
-        return False
+    if node.op != "call_function" or node.target not in pointwise or not _only_read(node.graph.owning_module, node):
+        return False   # (a view kept and written: `m.view(-1).mul_(3)` edited the constant; review48r3)
     operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if not operands or any(_literal(a) is None for a in operands) or \
             any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
@@ -262,7 +265,6 @@ def fold_constant_mask(gm, node) -> bool:
     here and it becomes a constant of the graph, made once by the ops eager runs, instead of library calls
     on every call (fuzz48g: 2 per mask; HF's causal masks). fold_pointwise_of_literals takes the casts and
     pointwise ops after it. Only where nothing writes it, keeps a view of it or returns it."""
-    from .normalize import _reads_without_alias   # normalize calls this: import late
     target = node.target
     if node.op == "call_function" and target in MASK_FACTORIES:
         operands = ()
@@ -279,9 +281,7 @@ def fold_constant_mask(gm, node) -> bool:
     else:
         return False
     meta, device = single_tensor_meta(node), fxfuse_meta(node).get("device")
-    if meta is None or device is None or math.prod(meta.shape) > FOLDED_MAX_ELEMENTS or not node.users \
-            or any(u.op == "output" or _writes_in_place(u) is not None or not _reads_without_alias(gm, u)
-                   for u in node.users):
+    if meta is None or device is None or math.prod(meta.shape) > FOLDED_MAX_ELEMENTS or not _only_read(gm, node):
         return False
     try:
         if operands:
