@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from fxfuse.kernel import FusedKernel
 from fxfuse.node_meta import single_tensor_meta
 
+from .identity_ops import torch_contiguous
+
 aten = torch.ops.aten
 
 
@@ -78,6 +80,17 @@ FRESH_FUNCTIONS |= {getattr(packet, overload) for name in NEW_RESULTS + tuple(f"
                     if (packet := getattr(aten, name, None)) is not None
                     for overload in packet.overloads()
                     if not getattr(packet, overload)._schema.is_mutable}
+
+
+def copying_contiguous(node) -> bool:
+    """`h.contiguous()` of an h that is not contiguous (in the eager program's layouts, which the guards
+    pin): a copy, new memory (fuzz49b: TCN's Chomp1d `x[:, :, :-pad].contiguous()` then ReLU(inplace=True)
+    fused nothing). Of a contiguous h it is h itself."""
+    if node.op != "call_method" or node.target != "contiguous" or len(node.args) != 1 \
+            or any(k != "memory_format" or v is not torch.contiguous_format for k, v in node.kwargs.items()):
+        return False
+    src = single_tensor_meta(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+    return src is not None and not torch_contiguous(src.shape, src.stride)
 
 
 def part_of_fresh_tuple(node) -> bool:

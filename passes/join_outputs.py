@@ -259,6 +259,13 @@ def _group_reading(join, meta, d: int, kind: str, written: set):
     return group, spanning
 
 
+def _same_numbers(p, first, at: int) -> bool:
+    """p's arguments besides its operand are first's, compared by repr: `==` takes -0.0 for 0.0 and 1 for
+    True (fuzz49c: `clamp(min=-0.0)` merged into `clamp(min=0.0)` gave +0.0 where eager gives -0.0)."""
+    return repr((p.args[:at], p.args[at + 1:], sorted(p.kwargs.items()))) == \
+        repr((first.args[:at], first.args[at + 1:], sorted(first.kwargs.items())))
+
+
 def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
     """`torch.cat([relu(a), relu(b)], 1)` as `relu(torch.cat([a, b], 1))` where every piece is the same
     one-operand pointwise op (same arguments besides its operand, the operand's dtype kept) of a
@@ -277,8 +284,7 @@ def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:
         at = [i for i, a in enumerate(first.args) if isinstance(a, torch.fx.Node)]   # the one tensor operand
         if len(at) != 1 or not all(    # (`1 - h`, `2 / h` too: review46i)
                 p.op == "call_function" and p.target is first.target and is_pointwise_target(p.target)
-                and len(p.args) == len(first.args) and p.args[:at[0]] == first.args[:at[0]]
-                and p.args[at[0] + 1:] == first.args[at[0] + 1:] and p.kwargs == first.kwargs and len(p.users) == 1
+                and len(p.args) == len(first.args) and _same_numbers(p, first, at[0]) and len(p.users) == 1
                 and p not in written and isinstance(p.args[at[0]], torch.fx.Node) and p.args[at[0]] not in written
                 and not _computed(p.args[at[0]]) and p.args[at[0]].op != "get_attr"
                 and _meta(p.args[at[0]]) is not None and _meta(p.args[at[0]]).dtype == _meta(p).dtype == meta.dtype

@@ -30,7 +30,7 @@ from .contraction_forms import einsum_as_product
 from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
                             fold_constant_mask, fold_pointwise_of_literals, full_as_expanded_literal)
-from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
+from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index, copying_contiguous,  # noqa: F401
                            part_of_fresh_tuple, whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where, whole_write_as_value
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, pixel_shuffle_as_views,
@@ -49,7 +49,7 @@ aten = torch.ops.aten
 
 def _produces_fresh_tensor(node) -> bool:
     """True if node's output is a new tensor that no view or parameter shares."""
-    if part_of_fresh_tuple(node) or advanced_index(node):
+    if part_of_fresh_tuple(node) or advanced_index(node) or copying_contiguous(node):
         return True
     if node.op == "call_method":   # x.clone(), x.matmul(w): new memory
         return node.target in FRESH_METHODS and node.kwargs.get("out") is None
