@@ -291,6 +291,8 @@ _TABLE = [
     _op("isnan", torch.isnan, 1, lambda a: f"({a} != {a})", returns_bool=True),
     _op("isinf", torch.isinf, 1, lambda a: f"(tl.abs({a}) == 1e999)", returns_bool=True),
     _op("isfinite", torch.isfinite, 1, lambda a: f"(tl.abs({a}) < 1e999)", returns_bool=True),
+    _op("isposinf", torch.isposinf, 1, lambda a: f"({a} == 1e999)", returns_bool=True),   # (fuzz49g: library calls)
+    _op("isneginf", torch.isneginf, 1, lambda a: f"({a} == -1e999)", returns_bool=True),
     _op("expm1", torch.expm1, 1, lambda a: f"_expm1({a})"),
     _op("log1p", torch.log1p, 1, lambda a: f"_log1p({a})"),
     _op("clamp", torch.clamp, 1, _clamp, ("min", "max"), min=None, max=None),

@@ -39,7 +39,8 @@ from .implicit_args import explicit_softmax_dim
 from .join_outputs import cat_of_unsqueezed_as_stack
 from .metadata_spellings import copy_to_own_dtype_as_clone, overload_of, where_as_leaky_relu
 from .normalize_layers import (broadcast_drops_unit_view, fold_constant_slice, glu_as_gate, keywords_to_positions,
-                               matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer)
+                               matmul_as_linear, prelu_or_rrelu_as_pointwise, split_layer,
+                               trunc_division_as_trunc)
 from .spellings import (ARITH, ATEN_SPELLINGS, DROPOUT_FUNCTIONS, DROPOUT_MODULES, EXPORT_ASSERTS,
                         FUNCTION_SPELLINGS, METHOD_SPELLINGS, POSITIVE, SHAPE_ATTRS, SHAPE_METHODS, Spelling,
                         canonical_call, cast_target, spelling_of)
@@ -183,7 +184,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if fold_constant_slice(gm, node) or matmul_as_linear(gm, node) or fold_literal_tensor(gm, node) \
                 or einsum_as_product(gm, node):
             continue
-        if split_layer(gm, node) or glu_as_gate(gm, node) or prelu_or_rrelu_as_pointwise(gm, node):
+        if split_layer(gm, node) or glu_as_gate(gm, node) or prelu_or_rrelu_as_pointwise(gm, node) \
+                or trunc_division_as_trunc(gm, node):
             continue
         if copy_to_own_dtype_as_clone(node):   # a clone: fresh memory an in-place op after it may write
             continue

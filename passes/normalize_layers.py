@@ -414,6 +414,34 @@ def glu_as_gate(gm, node) -> bool:
     return True
 
 
+TRUNC_DIVISIONS = {torch.div, torch.divide, torch.ops.aten.div.Tensor_mode, torch.ops.aten.div.Scalar_mode}
+
+
+def trunc_division_as_trunc(gm, node) -> bool:
+    """fp32 `torch.div(a, b, rounding_mode="trunc")` -> `torch.trunc(a / b)`: ATen's float trunc division
+    (and CUDA's `trunc(a * (1 / b))` for a number b, which divide_as_cuda_does writes for `a / b`), as
+    pointwise ops where it was a library call between two kernels (fuzz49g). fp16/bf16 stay: eager
+    divides in fp32 there and truncates before rounding."""
+    if node.op == "call_method" and node.target in ("div", "divide") or node.op == "call_function" \
+            and node.target in TRUNC_DIVISIONS:
+        args = dict(zip(("input", "other"), node.args), **node.kwargs)
+    else:
+        return False
+    meta = node.meta.get("tensor_meta")
+    if args.pop("rounding_mode", None) != "trunc" or set(args) != {"input", "other"} or len(node.args) > 2 \
+            or getattr(meta, "dtype", None) != torch.float32 or not isinstance(args["input"], torch.fx.Node):
+        return False
+    g = gm.graph
+    with g.inserting_before(node):
+        quotient = g.call_function(operator.truediv, (args["input"], args["other"]))
+        out = g.call_function(torch.trunc, (quotient,))
+    quotient.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in node.meta.items()}
+    out.meta = node.meta
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return True
+
+
 def prelu_or_rrelu_as_pointwise(gm, node) -> bool:
     """`nn.PReLU` / `F.prelu(x, w)` -> `torch.where(x > 0, x, x * w)`, ATen's formula with w viewed
     along the channel dim (a view of the parameter: edits reach it); eval-mode `nn.RReLU` /

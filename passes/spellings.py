@@ -46,7 +46,7 @@ UNARY = {  # canonical target: function spellings (each also has methods `name` 
     torch.round: [torch.round, torch.special.round],
     torch.frac: [torch.frac], torch.sign: [torch.sign, torch.sgn], torch.exp2: [torch.exp2, torch.special.exp2],
     torch.log2: [torch.log2], torch.log10: [torch.log10], torch.isnan: [torch.isnan], torch.isinf: [torch.isinf],
-    torch.isfinite: [torch.isfinite],
+    torch.isfinite: [torch.isfinite], torch.isposinf: [torch.isposinf], torch.isneginf: [torch.isneginf],
 }
 METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
                 torch.abs: "abs", torch.sin: "sin", torch.cos: "cos", torch.erf: "erf",
@@ -54,7 +54,8 @@ METHOD_NAMES = {torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt", torch.rs
                 torch.log1p: "log1p", torch.reciprocal: "reciprocal", torch.relu: "relu",
                 torch.sigmoid: "sigmoid", torch.tanh: "tanh", operator.neg: "neg", torch.logical_not: "logical_not",
                 torch.trunc: "trunc", torch.round: "round", torch.frac: "frac", torch.sign: "sign", torch.exp2: "exp2",
-                torch.log2: "log2", torch.log10: "log10", torch.isnan: "isnan", torch.isinf: "isinf", torch.isfinite: "isfinite"}
+                torch.log2: "log2", torch.log10: "log10", torch.isnan: "isnan", torch.isinf: "isinf", torch.isfinite: "isfinite",
+                torch.isposinf: "isposinf", torch.isneginf: "isneginf"}
 # `~mask`, torch.bitwise_not(mask): logical_not where the operand is bool (on integers a bitwise not)
 BOOL_NOTS = {operator.invert, torch.bitwise_not, aten.bitwise_not.default, "bitwise_not", "__invert__"}
 BINARY = {operator.add: ("add", [torch.add]), operator.sub: ("sub", [torch.sub, torch.subtract]),

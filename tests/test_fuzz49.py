@@ -104,3 +104,62 @@ def test_inplace_op_on_contiguous_of_a_contiguous_tensor_writes_it(shape):
         xi = torch.randn_like(x)
         for got, want in zip(opt(xi), ContiguousAlias()(xi)):
             torch.testing.assert_close(got, want)
+
+
+class InfChecks(nn.Module):
+    def forward(self, x):
+        h = x.float() * 2 - 0.5
+        return torch.where(torch.isneginf(h), 0.0, h) * 3 + h.isposinf() + torch.isposinf(x)
+
+
+class ExportedInfChecks(InfChecks):
+    def forward(self, x):
+        if x.shape[0] > 0:   # symbolic_trace cannot follow this: torch.export traces
+            return super().forward(x)
+        return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
+@pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
+def test_isposinf_and_isneginf_fuse(dtype, export):
+    """fuzz49g: torch.isposinf / isneginf were library calls where `h == inf` fuses."""
+    x = (torch.randn(3, 5) * 4).to(dtype)
+    if dtype.is_floating_point:
+        x[0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    model = (ExportedInfChecks() if export else InfChecks()).eval()
+    opt = optimize_strict(model, x)
+    assert ("torch.export" in fxfuse.explain(opt)) == export
+    integer = not dtype.is_floating_point   # (an int32 comparison stays a library call: fp32 holds no int32)
+    assert fxfuse.stats(opt)["library_calls"] == integer and fxfuse.stats(opt)["fused_kernels"] == 1
+    torch.testing.assert_close(opt(x), model(x), equal_nan=True)
+
+
+class TruncDivisions(nn.Module):
+    def forward(self, x, y):
+        h = torch.sigmoid(x) * 20 - 7
+        return torch.div(h, 2, rounding_mode="trunc") * 3 + h.div(y, rounding_mode="trunc"), \
+            torch.divide(h, 0.37, rounding_mode="trunc").relu()
+
+
+def test_fp32_trunc_division_fuses():
+    """fuzz49g: fp32 `torch.div(h, c, rounding_mode="trunc")` was a library call where `torch.trunc(h / c)`
+    fuses."""
+    x, y = torch.randn(6, 5), torch.rand(5) + 0.5
+    x[0, 0], y[0] = 3.0, 0.0   # (a division by zero: inf/nan, truncated as eager)
+    opt = optimize_strict(TruncDivisions().eval(), (x, y))
+    assert fxfuse.stats(opt)["library_calls"] == 0
+    for got, want in zip(opt(x, y), TruncDivisions()(x, y)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+class HalfTruncDivision(nn.Module):
+    def forward(self, x):
+        return torch.div(x * 3, 7, rounding_mode="trunc") + 1, torch.div(x.int(), 2, rounding_mode="trunc") + 1
+
+
+def test_half_and_integer_trunc_divisions_stay_library_calls():
+    x = torch.randn(4, 5).half() * 10
+    opt = optimize_strict(HalfTruncDivision().eval(), x)
+    assert "div" in fxfuse.explain(opt)
+    for got, want in zip(opt(x), HalfTruncDivision()(x)):
+        torch.testing.assert_close(got, want)
