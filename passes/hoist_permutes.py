@@ -40,7 +40,7 @@ from fxfuse.ops import is_pointwise_target
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
 from .identity_ops import METADATA_INPLACE
-from .normalize_layers import LINEAR_BIAS, register_constant
+from .normalize_layers import LINEAR_BIAS, only_unit_indices, register_constant
 from .sink_views import reshape_source
 
 aten = torch.ops.aten
@@ -230,10 +230,20 @@ def _drop_contiguous_before_pointwise(gm, written, options) -> None:
             and node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format)   # (fuzz40h)
         if contiguous and node.users and node not in written and node.args[0] not in written and not any(
                 op_name(u) in METADATA_INPLACE for u in node.args[0].users) and all(   # (h.t_(): fuzz43h)
-                u.op == "call_function" and why_not_fusible(u, written) is None for u in node.users) \
-                and (options is None or options.fuse):   # each reader in a kernel, which writes eager's strides
+                u.op == "call_function" and why_not_fusible(u, written) is None or _unit_view_into_kernels(u, written)
+                for u in node.users) and (options is None or options.fuse):   # each reader in a kernel, which
+            #                                                                   writes eager's strides
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _unit_view_into_kernels(view, written) -> bool:
+    """`y.unsqueeze(0)`, `y[None]` read only by fusible pointwise ops: a view of any layout, which the kernels
+    read as they read y (fuzz49a: BEiT's `attn + rpb.permute(2, 0, 1).contiguous().unsqueeze(0)` kept the copy)."""
+    unit = op_name(view) == "unsqueeze" or view.op == "call_function" and view.target is operator.getitem \
+        and len(view.args) == 2 and only_unit_indices(view.args[1])
+    return unit and view not in written and bool(view.users) and all(
+        u.op == "call_function" and why_not_fusible(u, written) is None for u in view.users)
 
 
 EXPAND_METHODS = {"expand", "expand_as", "broadcast_to"}

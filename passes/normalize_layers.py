@@ -256,7 +256,7 @@ def unit_view_of_constant(node):
                or node.op == "call_function" and node.target in UNIT_VIEW_FUNCTIONS)
     if not is_view or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
-    if node.target is operator.getitem and not _only_unit_indices(node.args[1]):
+    if node.target is operator.getitem and not only_unit_indices(node.args[1]):
         return None      # table[None, idx] looks up rows, whatever its shape says
     base = node.args[0]
     while base.op != "get_attr" and unit_view_of_constant(base) is not None:   # g[None][None]
@@ -270,7 +270,7 @@ def unit_view_of_constant(node):
     return base if before and extra > 0 and after == (1,) * extra + before else None
 
 
-def _only_unit_indices(index) -> bool:
+def only_unit_indices(index) -> bool:
     """An index of None, ... and whole slices only (g[None], b[None, :], g[..., None, :])."""
     items = index if isinstance(index, tuple) else (index,)
     return all(i is None or i is Ellipsis or i == slice(None) for i in items)
@@ -316,7 +316,7 @@ def _selects_part(index) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) and not isinstance(i, bool)
                 for i in items)
-    return basic and not _only_unit_indices(index) and all(
+    return basic and not only_unit_indices(index) and all(
         not isinstance(i, slice) or all(v is None or type(v) is int for v in (i.start, i.stop, i.step)) for i in items)
 
 

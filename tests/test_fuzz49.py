@@ -163,3 +163,32 @@ def test_half_and_integer_trunc_divisions_stay_library_calls():
     assert "div" in fxfuse.explain(opt)
     for got, want in zip(opt(x), HalfTruncDivision()(x)):
         torch.testing.assert_close(got, want)
+
+
+class RelativeBias(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.table, self.spelling = nn.Parameter(torch.randn(10, 10, 2)), spelling
+
+    def forward(self, attn):
+        b = self.table.permute(2, 0, 1).contiguous()   # BEiT / Swin: rpb.permute(2, 0, 1).contiguous()
+        if self.spelling == "unsqueeze":
+            return (attn + b.unsqueeze(0)).softmax(-1)
+        if self.spelling == "index":
+            return (attn + b[None]).softmax(-1)
+        view = b.unsqueeze(0)   # returned too: the copy stays (the caller gets a contiguous tensor)
+        return (attn + view).softmax(-1), view
+
+
+@pytest.mark.parametrize("spelling", ["unsqueeze", "index", "returned"])
+def test_contiguous_copy_read_through_a_unit_view_is_dropped(spelling):
+    """fuzz49a: `attn + rpb.permute(2, 0, 1).contiguous().unsqueeze(0)` kept the copy as a library call, where
+    `attn + rpb.permute(2, 0, 1).contiguous()` reads the permute in the kernel."""
+    model, x = RelativeBias(spelling).eval(), torch.randn(2, 2, 10, 10)
+    opt = optimize_strict(model, x)
+    assert ("contiguous" in fxfuse.explain(opt)) == (spelling == "returned")
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w)
+        assert g.stride() == w.stride()
