@@ -16,6 +16,7 @@ fxfuse's counters overwrote them, and a parent read fxfuse's values)."""
 import torch
 
 from .errors import warn
+from .load_hooks import as_the_models_keys
 
 
 NOT_PASSED = {"parametrizations"}   # torch.nn.utils.parametrize takes a module holding it for parametrized
@@ -73,18 +74,12 @@ class PassesThroughToOriginal:
 
     # nn.Module's methods a model's class may override, run as the original's (fuzz39d: a load_state_dict
     # override that renames an old checkpoint's keys, loaded nothing with strict=False)
-    def load_state_dict(self, *args, **kwargs):
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """Straight into the model, its keys as its own (fuzz49f: through the wrapper, the model's load hooks saw
+        "original."-prefixed keys; review36: its submodules' state versions were looked up by those names).
+        Every submodule's load post hook (load_hooks.RebuildOnLoad) drops the specializations."""
         original = self._modules["original"]
-        if overrides(original, "load_state_dict"):   # its modules' load hooks drop the specializations
-            return original.load_state_dict(*args, **kwargs)
-        try:
-            return torch.nn.Module.load_state_dict(self, *args, **kwargs)
-        except RuntimeError as e:   # torch's error names this wrapper and its child's keys (fuzz39d): the
-            text = str(e)           # model's class and keys, as its state_dict() names them
-            if not text.startswith("Error(s) in loading state_dict for OptimizedModule:"):
-                raise
-            text = text.replace("OptimizedModule:", f"{type(original).__name__}:", 1)
-            raise RuntimeError(text.replace(" for original.", " for ").replace('named "original.', 'named "')) from None
+        return original.load_state_dict(as_the_models_keys(original, state_dict), *args, **kwargs)
 
     def eval(self):
         original = self._modules["original"]

@@ -64,10 +64,8 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
         del state_dict[key]
     ours = [k for k in ours if k in state_dict]
     inner = prefix + "original."
-    as_plain = sum(k[len(prefix):] in own for k in ours)
-    as_older = sum(k.startswith(inner) and k[len(inner):] in own for k in ours)
-    if not ours or as_older > as_plain:   # where the two readings overlap (a root "w" and a child
-        return                            # original's "w"), the one that names more of the model's keys
+    if not ours or _named_as_older(own, [k[len(prefix):] for k in ours]):
+        return
     if sensitive := version_sensitive(module.original):
         # torch looks each submodule's state version up by its full name, here "original."-prefixed,
         # which the checkpoint does not file: a module that converts old checkpoints by version
@@ -86,6 +84,36 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
     items = [(key, state_dict.pop(key)) for key in ours]   # all out first: "w" and "original.w" may both
     for key, value in items:                               # be the model's (a child called original)
         state_dict[inner + key[len(prefix):]] = value
+
+
+def _named_as_older(own: set, keys: list) -> bool:
+    """Whether a checkpoint's keys name the model's tensors as "original.x" (an fxfuse before stop 36): where
+    the two readings overlap (a root "w" and a child original's "w"), the one that names more of them."""
+    return sum(k.startswith("original.") and k[len("original."):] in own for k in keys) > sum(k in own for k in keys)
+
+
+def as_the_models_keys(model, state_dict):
+    """opt.load_state_dict's checkpoint as the model's own load_state_dict takes it: an older fxfuse's
+    "original.x" keys (and the metadata filed under them) as "x", its "specialization_N." keys dropped
+    unless the model has such keys itself. Loaded straight into the model, its own load hooks see the
+    names and prefix they see without fxfuse (fuzz49f: a post hook that accepts a checkpoint missing an
+    optional key saw "original.l2.bias", and the load raised where eager's loads)."""
+    own = set(model.state_dict(keep_vars=True))
+    stale = [k for k in state_dict if k.startswith("specialization_") and k not in own]
+    older = _named_as_older(own, [k for k in state_dict if k not in stale])
+    if not stale and not older:
+        return state_dict
+    inner = "original."
+    out = type(state_dict)() if isinstance(state_dict, dict) else dict()
+    for key, value in state_dict.items():
+        if key not in stale:
+            out[key[len(inner):] if older and key.startswith(inner) else key] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = type(metadata)(
+            ((name[len(inner):] if name.startswith(inner) else "" if name == inner[:-1] else name) if older else name,
+             value) for name, value in metadata.items())
+    return out
 
 
 def version_sensitive(model) -> str | None:
