@@ -418,10 +418,11 @@ TRUNC_DIVISIONS = {torch.div, torch.divide, torch.ops.aten.div.Tensor_mode, torc
 
 
 def trunc_division_as_trunc(gm, node) -> bool:
-    """fp32 `torch.div(a, b, rounding_mode="trunc")` -> `torch.trunc(a / b)`: ATen's float trunc division
-    (and CUDA's `trunc(a * (1 / b))` for a number b, which divide_as_cuda_does writes for `a / b`), as
-    pointwise ops where it was a library call between two kernels (fuzz49g). fp16/bf16 stay: eager
-    divides in fp32 there and truncates before rounding."""
+    """fp32 `torch.div(a, b, rounding_mode="trunc")` -> `torch.trunc(a / b)`: ATen's float trunc division, as
+    pointwise ops where it was a library call between two kernels (fuzz49g). On CUDA, for a number b,
+    `torch.trunc(a * r)` with r = 1/b computed in fp32, as BinaryDivTruncKernel.cu does (not true
+    division's reciprocal, divide_as_cuda_does': on an H200 -2.0 // 0.001 is -1999 there). fp16/bf16
+    stay: eager divides in fp32 there and truncates before rounding."""
     if node.op == "call_method" and node.target in ("div", "divide") or node.op == "call_function" \
             and node.target in TRUNC_DIVISIONS:
         args = dict(zip(("input", "other"), node.args), **node.kwargs)
@@ -431,9 +432,12 @@ def trunc_division_as_trunc(gm, node) -> bool:
     if args.pop("rounding_mode", None) != "trunc" or set(args) != {"input", "other"} or len(node.args) > 2 \
             or getattr(meta, "dtype", None) != torch.float32 or not isinstance(args["input"], torch.fx.Node):
         return False
-    g = gm.graph
+    g, other = gm.graph, args["other"]
+    op = operator.truediv
+    if getattr(node.meta.get("fxfuse", {}).get("device"), "type", None) == "cuda" and type(other) in (int, float):
+        op, other = operator.mul, (torch.ones(()) / torch.tensor(float(other), dtype=torch.float32)).item()
     with g.inserting_before(node):
-        quotient = g.call_function(operator.truediv, (args["input"], args["other"]))
+        quotient = g.call_function(op, (args["input"], other))
         out = g.call_function(torch.trunc, (quotient,))
     quotient.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in node.meta.items()}
     out.meta = node.meta
