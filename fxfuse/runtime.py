@@ -60,7 +60,8 @@ from .module_state import (GLOBAL_HOOKS, INFERENCE_COPIES, REGISTRATIONS, childr
 from .node_meta import fetch_attr
 from .precision import baked_settings, settings_changed
 from .specialization import (Specialization, UnsupportedInput, closest_signature,  # noqa: F401 (re-export)
-                             describe_mismatch, reads_unit_strides, signature, unit_strides_alike, writes_an_input)
+                             describe_mismatch, input_not_plain, reads_unit_strides, signature, unit_strides_alike,
+                             writes_an_input)
 from .torch_hooks import (MODE_CHANGES, OPTIMIZED, PARAMETRIZE_CACHED, REPARAMETRIZING, SWAPPED, UNVERSIONED_STEPS,
                           swapped_now)
 from .tracing import autocast_enabled, clone_args
@@ -423,6 +424,8 @@ class OptimizedModule(PassesThroughToOriginal, torch.nn.Module):
         """A call whose signature has no specialization: build one, or run the original."""
         if sig in self._failed_builds:
             return self._run_original(*self._failed_builds[sig], args)
+        if why := input_not_plain(args):   # a quantized tensor passes signature()'s short way
+            return self._run_original("layout", f"{why}; fxfuse's kernels take plain strided tensors", args)
         if bind_positional(self.original.forward, args, {}) is UNBINDABLE:   # o() or o(x, x) for forward(x): eager's TypeError,
             return self.original(*args)               # not a guard miss (nor its one warning)
         trimmed, full = without_trailing_defaults(self.original.forward, args), sig

@@ -79,6 +79,16 @@ def _is_plain_value(v) -> bool:
     return False
 
 
+def like_the_callers(copy: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """A copy of input `a` as forward() sees `a`: an nn.Parameter if it is one (`isinstance(x, nn.Parameter)`),
+    with the Python attributes set on it (`x.scale`). fuzz49j: the trace and verify's runs saw copies without
+    them and agreed on a wrong answer."""
+    if type(a) is torch.nn.Parameter:
+        copy = torch.nn.Parameter(copy, requires_grad=a.requires_grad)
+    copy.__dict__.update(a.__dict__)
+    return copy
+
+
 def clone_args(args) -> tuple:
     """Copies of the tensor arguments with the same strides and storage offset (other values as
     they are). Running a graph executes the model's in-place ops (`x.add_(1)` on an input), so
@@ -90,8 +100,8 @@ def clone_args(args) -> tuple:
             return a
         if id(a) not in copies:
             storage = a.untyped_storage().clone()
-            copies[id(a)] = torch.empty(0, dtype=a.dtype, device=a.device).set_(
-                storage, a.storage_offset(), a.shape, a.stride())
+            copies[id(a)] = like_the_callers(torch.empty(0, dtype=a.dtype, device=a.device).set_(
+                storage, a.storage_offset(), a.shape, a.stride()), a)
         return copies[id(a)]
     return tuple(clone(a) for a in args)
 

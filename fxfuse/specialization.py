@@ -38,15 +38,20 @@ def signature(args) -> tuple:
         first = {}   # a tensor passed twice (`f(a, a)`): forward() may test `key is query`, which the trace
         #              cannot see, so identity is part of the signature (fuzz31h)
         return tuple([((a.shape, a.dtype, a.device, a.stride(), a.requires_grad)
-                       + ((j,) if (j := first.setdefault(id(a), k)) != k else ()))
+                       + ((j,) if (j := first.setdefault(id(a), k)) != k else ())
+                       + (("Parameter",) if type(a) is torch.nn.Parameter else ()))   # (isinstance(x, nn.Parameter))
                       if isinstance(a, torch.Tensor) else ("const", type(a).__name__, const_text(a))
                       for k, a in enumerate(args)])
     except UnsupportedInput:
         raise
     except RuntimeError as e:      # a tensor without strides (a nested tensor): say which and why
-        why = next((f"input {k} {w}" for k, a in enumerate(args)
-                    if isinstance(a, torch.Tensor) and (w := not_plain_tensor(a))), f"an input has no strides ({e})")
-        raise UnsupportedInput(why) from e
+        raise UnsupportedInput(input_not_plain(args) or f"an input has no strides ({e})") from e
+
+
+def input_not_plain(args) -> str | None:
+    """Which input is no plain strided tensor and why (not_plain_tensor), else None."""
+    return next((f"input {k} {w}" for k, a in enumerate(args)
+                 if isinstance(a, torch.Tensor) and (w := not_plain_tensor(a))), None)
 
 
 def unit_strides_alike(sig: tuple, built) -> tuple | None:
@@ -112,6 +117,8 @@ def not_plain_tensor(a: torch.Tensor) -> str | None:
         return f"has layout {a.layout}"
     if a.is_nested:
         return "is a nested tensor"
+    if a.is_quantized:   # (strided, a torch.Tensor: its scale and zero point are no part of the kernels' inputs)
+        return "is a quantized tensor"
     if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
         return f"is a {type(a).__name__}, a torch.Tensor subclass"
     return None
@@ -139,7 +146,11 @@ def describe_mismatch(expected: tuple, got: tuple, names=()) -> str:
                 if ev != gv:
                     ev, gv = (tuple(v) if isinstance(v, torch.Size) else v for v in (ev, gv))
                     return f"{which}: {name} {gv} where the specialization has {ev}"
-            same = lambda entry: f"input {entry[5]}'s tensor" if len(entry) > 5 else "a tensor of its own"  # noqa: E731
+            kind = lambda entry: "an nn.Parameter" if entry[-1] == "Parameter" else "a plain tensor"  # noqa: E731
+            if kind(e) != kind(g):
+                return f"{which}: {kind(g)} where the specialization has {kind(e)}"
+            same = lambda entry: f"input {entry[5]}'s tensor" if len(entry) > 5 and type(entry[5]) is int \
+                else "a tensor of its own"  # noqa: E731
             return f"{which}: {same(g)} where the specialization has {same(e)}"
     return "no difference"
 

@@ -14,6 +14,7 @@ from .graph_launch import draws_random_numbers
 from .log import logger
 from .module_state import same_value, share_memory
 from .specialization import writes_an_input
+from .shape_propagation import like_the_callers
 from .tracing import _first_line, clone_args
 
 
@@ -43,6 +44,9 @@ def _verify(model, gm, args, rewind) -> list:
     if retyped:   # a tuple / list subclass, a torch.Size inside a NamedTuple: flatten_output's plain
         raise UnsupportedError(retyped)   # containers would not tell (fuzz40b)
     if expected_spec != got_spec:
+        if type(eager_out).__qualname__ == type(graph_out).__qualname__ and type(eager_out) is not type(graph_out):
+            raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, a class forward() makes anew "
+                                   "on each call (each call's is another class): define it once, outside forward()")
         if type(eager_out) is not type(graph_out):   # a dict subclass torch.fx rebuilds as a dict
             raise UnsupportedError(f"the model returns a {type(eager_out).__name__}, which the traced graph "
                                    f"rebuilds as a {type(graph_out).__name__}: return a dict, tuple, "
@@ -57,7 +61,11 @@ def _verify(model, gm, args, rewind) -> list:
                                    "out of place (x = x + 1) or as an explicit in-place op (x.add_(1))")
     for k, (e, g) in enumerate(zip(expected, got)):
         if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
-                and _differs_at_all(e, g):
+                and type(e).__module__.split(".")[0] == "numpy" and getattr(e, "ndim", 0) > 0:
+            raise UnsupportedError(f"output {k} is a numpy {type(e).__name__}, which fxfuse does not compare or "
+                                   "rebuild: return tensors, or Python numbers and sizes")   # (fuzz49j: it said
+        if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
+                and _differs_at_all(e, g):   # two equal arrays differed)
             raise UnsupportedError(   # review36d: a returned np.float64 came back a float (1 / 0 then raised)
                 f"output {k} is {type(e).__name__} {_SHORT.repr(e)} where the rewritten graph returns "
                 f"{type(g).__name__} {_SHORT.repr(g)}: "
@@ -256,8 +264,8 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     try:
         model64 = copy.deepcopy(model).double()
         wide = {}   # one float64 copy per tensor object: `f(a, a)` stays the same tensor twice
-        args64 = [wide.setdefault(id(a), a.double()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                  for a in clone_args(args)]
+        args64 = [wide.setdefault(id(a), like_the_callers(a.detach().double(), a))
+                  if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in clone_args(args)]
         ref = flatten_output(model64(*args64))[0][k].double()
     except Exception as err:  # noqa: BLE001 -- no float64 run (memory, ops without fp64): no excuse either
         logger.info("no float64 reference for the verification: %s", err)

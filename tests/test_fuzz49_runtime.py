@@ -1,6 +1,8 @@
 """Stop 49: helper findings in the optimized module's state handling (each test fails on the code before its fix)."""
+import collections
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -86,3 +88,86 @@ def test_a_wrong_checkpoint_names_the_models_class_and_keys():
             assert "for OptionalBias" in str(e) and '"l3.weight"' in str(e) and "original" not in str(e)
         else:
             raise AssertionError("an unexpected key loaded")
+
+
+class ParameterBranch(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x) * (2 if isinstance(x, nn.Parameter) else 3)
+
+
+def test_an_nn_parameter_input_is_seen_as_one():
+    """fuzz49j: the trace and verify ran on plain-tensor copies of an nn.Parameter example (and the float64
+    reference on a plain `.double()`), so `isinstance(x, nn.Parameter)` took the other branch, unseen. Now
+    verify sees eager's branch, and a Parameter is part of a call's signature."""
+    p = nn.Parameter(torch.randn(3, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(ParameterBranch().eval(), p)
+    assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
+    opt = fxfuse.optimize(ParameterBranch().eval(), torch.randn(3, 8))
+    with torch.no_grad(), warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        torch.testing.assert_close(opt(p), ParameterBranch()(p))   # another signature: built, or the original
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(opt(x), ParameterBranch()(x))
+
+
+class InputAttribute(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x) * x.scale
+
+
+def test_an_attribute_set_on_the_input_is_read():
+    """fuzz49j: `x.scale` set by the caller was missing on fxfuse's copies of the example: optimize refused,
+    saying the model itself raises."""
+    x = torch.randn(3, 8)
+    x.scale = 2.0
+    opt = optimize_strict(InputAttribute().eval(), x)
+    y = torch.randn(3, 8)
+    y.scale = 5.0
+    with torch.no_grad():
+        for t in (x, y):
+            torch.testing.assert_close(opt(t), InputAttribute()(t))
+
+
+class Dequantizes(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x.dequantize()) * 2 + 1
+
+
+def test_a_quantized_input_runs_the_original():
+    """fuzz49j: a quantized tensor passed the plain-tensor check (strided, a torch.Tensor) and the build's copy
+    lost its quantizer: under strict=True torch's INTERNAL ASSERT escaped; as the example, optimize said the
+    model itself raises."""
+    x = torch.randn(3, 8)
+    q = torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)
+    opt = optimize_strict(Dequantizes().eval(), x)
+    with pytest.raises(fxfuse.FxfuseError, match="input 0 is a quantized tensor"):
+        opt(q)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(Dequantizes().eval(), q)
+    assert not isinstance(refused, fxfuse.OptimizedModule)
+    assert [str(w.message) for w in caught if "quantized tensor" in str(w.message)], [str(w.message) for w in caught]
+
+
+class ReturnsNumpy(nn.Module):
+    def forward(self, x):
+        return (torch.relu(x) * 2).numpy()
+
+
+class NamedTupleInForward(nn.Module):
+    def forward(self, x):
+        Out = collections.namedtuple("Out", "y n")
+        return Out(torch.relu(x) * 2, 3)
+
+
+@pytest.mark.parametrize("model, words", [(ReturnsNumpy(), "output 0 is a numpy ndarray"),
+                                          (NamedTupleInForward(), "a class forward() makes anew on each call")])
+def test_refusals_name_the_output_kind(model, words):
+    """fuzz49j: a numpy output was refused as `ndarray X where the rewritten graph returns ndarray X` (two equal
+    values), a NamedTuple class made in forward() as `Out rebuilt as Out`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxfuse.optimize(model.eval(), torch.randn(3, 8))
+    assert len(caught) == 1 and words in str(caught[0].message), str(caught[0].message)
