@@ -16,6 +16,8 @@ Only value reads count: a result that is no alias of the input, or one that is n
 a tensor (`zeros_like`) reads no value; watching those rebuilt on every in-place update of a tensor read
 live (review47r2, review47r4: an EMA model).
 """
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -85,6 +87,16 @@ def _is_metadata(name: str) -> bool:   # (`_is_view`: torch.export's lift_consta
     return name in METADATA or name.startswith(("is_", "_is_")) and name != "is_nonzero"
 
 
+def _in_module_apply() -> bool:
+    """Whether nn.Module._apply (`module.half()`, `.to(dtype)`: it converts each parameter's .grad too) is running."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is torch.nn.Module._apply.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class FoldSources(TorchFunctionMode):
     """`with FoldSources() as folds: tracer.trace(...)`; then `folds.sources()`. Also notes the
     parameters an op wrote in place while tracing (`for p in self.parameters(): p.data.mul_(0.5)`: no
@@ -130,8 +142,8 @@ class FoldSources(TorchFunctionMode):
             held = [t for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor) for t in self._held(a)]
         elif name in TEMPLATES and args:   # `a.to(b)` of another dtype computes from a alone (review48r3)
             held = self._held(args[0]) if isinstance(args[0], torch.Tensor) else []
-        if name == "grad":
-            self.grad_read = True   # a gradient changes with no version counter: refused (review47r4)
+        if name == "grad":   # a gradient changes with no version counter: refused (review47r4); read by
+            self.grad_read = self.grad_read or ("apply" if _in_module_apply() else True)   # a conversion: named
         computed = any(id(o) not in aliases for o in results) and not self._numbers_only
         if computed or not results and not _is_metadata(name):
             for t in held:   # a value computed from them (or read as a number) becomes a constant

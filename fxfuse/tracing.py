@@ -361,6 +361,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     _check_traceable_forward(model)
     before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
         if isinstance(model, torch.nn.Module) else {}
+    datas = [(p, p.detach()) for p in model.parameters()] if isinstance(model, torch.nn.Module) else []
     generators = torch_states()
     with quiet_this_thread(logs=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
@@ -375,6 +376,14 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
                     graph = tracer.trace(model, concrete_args=concrete)
                 finally:
                     folds.restore()   # parameters written through real tensors (`p.data.mul_`): as they were
+            if folds.grad_read == "apply":   # (fuzz49k: `self.p.half()(x)` was refused as a .grad read, and
+                for p, data in datas:        # the model's parameters stayed converted)
+                    if (p.dtype, p.device, p.untyped_storage().data_ptr()) != \
+                            (data.dtype, data.device, data.untyped_storage().data_ptr()):
+                        p.data = data
+                raise UnsupportedError("forward() converts a module (module.half(), .to(dtype), .float(): "
+                                       "nn.Module._apply), which changes the model's parameters while it runs: "
+                                       "convert the model before optimize")
             if folds.grad_read:
                 raise UnsupportedError(GRAD_READ_REFUSAL.format("grad"))   # (review47r4)
             if folds.written:

@@ -145,6 +145,28 @@ def whole_view_of_fresh(node, produces_fresh_tensor) -> bool:
     #                                                                                   view too: fuzz46j)
 
 
+PART_NAMES = {"chunk", "split", "tensor_split", "unbind", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
+
+
+def disjoint_part_of_fresh(node, produces_fresh_tensor) -> bool:
+    """node is one part (`a` of `a, b = fc(x).chunk(2, -1)`) of a fresh tensor read only by the split, whose
+    parts are read by one getitem each: their memory does not overlap, so a write into this part reaches
+    no other reader (fuzz49k: SwiGLU's `nn.SiLU(inplace=True)(a) * b` fused nothing)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2 \
+            or type(node.args[1]) is not int or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    parts = node.args[0]
+    count = len(parts.meta.get("tensor_meta") or ()) if isinstance(parts.meta.get("tensor_meta"), (tuple, list)) else 0
+    src = parts.args[0] if parts.args else None
+    if _view_name(parts) not in PART_NAMES or not count or not isinstance(src, torch.fx.Node) \
+            or set(src.users) != {parts} or not (produces_fresh_tensor(src) or whole_view_of_fresh(src, produces_fresh_tensor)):
+        return False
+    readers = list(parts.users)
+    indices = [u.args[1] % count for u in readers if u.op == "call_function" and u.target is operator.getitem
+               and len(u.args) == 2 and type(u.args[1]) is int]
+    return len(indices) == len(readers) and len(set(indices)) == len(indices)
+
+
 def _view_name(node):
     """The name of the view node takes: `y.permute(..)`, `torch.permute(y, ..)`, `y.T` (review46i); else None."""
     if node.op == "call_method":

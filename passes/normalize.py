@@ -30,8 +30,9 @@ from .contraction_forms import einsum_as_product
 from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
                             fold_constant_mask, fold_pointwise_of_literals, full_as_expanded_literal)
-from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index, copying_contiguous,  # noqa: F401
-                           part_of_fresh_tuple, whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
+from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
+                           copying_contiguous, disjoint_part_of_fresh, part_of_fresh_tuple,
+                           whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
 from .functional_twins import functional_twin, mask_assignment_as_where, whole_write_as_value
 from .identity_ops import (atleast_of_enough_dims, copy_as_contiguous, is_no_op_conversion, pixel_shuffle_as_views,
                            read_only_clone, repeat_as_expand, respell_view, squeezed_slice_as_select, whole_slice)
@@ -224,7 +225,8 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         if row.inplace or _inplace_flag(row, node):
             base = node.args[0] if node.args else node.kwargs.get("input")
             fresh = isinstance(base, torch.fx.Node) and (
-                _produces_fresh_tensor(base) or whole_view_of_fresh(base, _produces_fresh_tensor))
+                _produces_fresh_tensor(base) or whole_view_of_fresh(base, _produces_fresh_tensor)
+                or disjoint_part_of_fresh(base, _produces_fresh_tensor))
             safe = fresh and all(   # a view taken
                 u is node or _reads_without_alias(gm, u) or order.get(u, -1) > order[node]   # after the write
                 for u in base.users)   # reads the result like any later reader (fuzz35e: y[:, None] after y.clamp_)

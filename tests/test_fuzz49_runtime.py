@@ -171,3 +171,24 @@ def test_refusals_name_the_output_kind(model, words):
         warnings.simplefilter("always")
         fxfuse.optimize(model.eval(), torch.randn(3, 8))
     assert len(caught) == 1 and words in str(caught[0].message), str(caught[0].message)
+
+
+class ConvertsItsLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.p.half()(x.half())
+
+
+def test_a_module_conversion_in_forward_is_named():
+    """fuzz49k: `self.p.half()` in forward() was refused as a `.grad` read (nn.Module._apply converts each
+    parameter's gradient too)."""
+    model = ConvertsItsLayer().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(model, torch.randn(2, 4))
+    assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
+    assert "converts a module" in str(caught[0].message) and ".grad" not in str(caught[0].message)
+    assert model.p.weight.dtype == torch.float32   # the model as it was
