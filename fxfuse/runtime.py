@@ -15,20 +15,15 @@ capture the caching allocator reuses an intermediate's block once it is dead.
 Outputs: a tensor returned by one call is never overwritten by the next; handout.py says how
 (graph copies whose outputs are handed out while nobody holds them, else a clone).
 
-Weights: a specialization holds copies of some weights (BatchNorm folded into Linear/Conv,
-packed fused-MLP weights, Strassen's combined blocks), so new weights need a new build. A
-load_state_dict on the model (or on the OptimizedModule, whose state_dict is the original's)
-drops every specialization and the next call rebuilds, and so does an in-place change of a
-buffer or of a parameter a copy was made from (version counters, read per call), a
-parameter, buffer or submodule replaced, or an attribute forward() reads assigned; edits
-through `.data` are not seen (torch gives `.data` a version counter of its own): call
-fxfuse.optimize again.
+Weights: a specialization holds copies of some weights (folded BatchNorm, packed fused-MLP weights,
+Strassen's blocks). A load_state_dict, an in-place change of a buffer or of a parameter a copy was
+made from (version counters, read per call), a parameter, buffer or submodule replaced, or an
+attribute forward() reads assigned drops every specialization; the next call rebuilds.
 
 Calls that run the original module instead, with one warning (GuardError under strict=True):
 training mode, a forward hook, autocast, torch.jit.trace, grad-recording calls, torch.func
 transforms and forward-mode AD, inputs aliasing each other where the graph writes in place,
-and specializations used up. torch.compile and torch.export of opt (or of a model holding it)
-trace the original module, as torch.jit.trace does.
+and specializations used up. torch.compile and torch.export of opt trace the original module.
 """
 import re
 import threading

@@ -16,10 +16,11 @@ import operator
 import torch
 import torch.fx
 
+from fxfuse.data_dependent import op_name
 from fxfuse.node_meta import fxfuse_meta, single_tensor_meta
 from fxfuse.state_writes import _writes_in_place
 
-from .normalize_layers import register_constant
+from .normalize_layers import only_unit_indices, register_constant
 
 FACTORIES = {torch.tensor, torch.as_tensor, torch.scalar_tensor}
 DETACHES = {torch.ops.aten.detach_.default, torch.ops.aten.detach.default}
@@ -74,10 +75,48 @@ def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 def _only_read(gm, node) -> bool:
     """Whether node's value may become a constant made once: read, and by nothing that returns it, writes it
-    or keeps a view of it (eager makes it anew each call, so nothing must see the difference)."""
+    or keeps a view of it (eager makes it anew each call, so nothing must see the difference); a dense view
+    of it that is itself only read counts as a read (fold_view_of_literal)."""
     from .normalize import _reads_without_alias   # normalize calls this: import late
-    return bool(node.users) and not any(u.op == "output" or _writes_in_place(u) is not None
-                                        or not _reads_without_alias(gm, u) for u in node.users)
+    return bool(node.users) and all(
+        u.op != "output" and _writes_in_place(u) is None
+        and (_reads_without_alias(gm, u) or _dense_view_of(u, node) and _only_read(gm, u)) for u in node.users)
+
+
+DENSE_VIEWS = {"unsqueeze", "view", "reshape", "flatten", "squeeze"}   # of a row-major tensor: row-major
+
+
+def _dense_view_of(node, source) -> bool:
+    """node views all of `source` in its order: unsqueeze / view / reshape / flatten / squeeze, or an index of
+    None, ... and whole slices (`t[:, None]`), with numbers for arguments."""
+    if node.op not in ("call_function", "call_method") or not node.args or node.args[0] is not source \
+            or any(isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+        return False
+    if node.op == "call_function" and node.target is operator.getitem:
+        return len(node.args) == 2 and only_unit_indices(node.args[1])
+    return op_name(node) in DENSE_VIEWS
+
+
+def fold_view_of_literal(gm, node) -> bool:
+    """A dense view of a literal this pass folded (`torch.arange(T)[:, None]`, `(c + 1).view(T, 1)`), read
+    only, is a literal too: the pointwise op reading it then folds (fuzz49i: `arange(T)[None, :] <=
+    arange(T)[:, None]`, a causal mask, cost 3 library calls on every call)."""
+    source = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
+    literal = _literal(source)
+    if literal is None or not source.target.startswith(LITERAL_PREFIX) or not _dense_view_of(node, source) \
+            or not _only_read(gm, node):
+        return False
+    meta = single_tensor_meta(node)
+    try:
+        view = getattr(literal, node.target) if node.op == "call_method" else functools.partial(node.target, literal)
+        value = view(*node.args[1:], **node.kwargs)
+    except Exception:  # noqa: BLE001 -- what eager would raise, it raises at run time: left as it is
+        return False
+    if not isinstance(value, torch.Tensor) or meta is None or value.dtype != meta.dtype \
+            or tuple(value.shape) != tuple(meta.shape):
+        return False
+    _replace_by_literal(gm, [node], value.clone())   # (dense: clone keeps the view's strides)
+    return True
 
 
 def _replace_by_literal(gm, made: list, value: torch.Tensor) -> None:

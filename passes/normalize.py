@@ -29,7 +29,8 @@ from fxfuse.tracing import fxfuse_meta
 from .contraction_forms import einsum_as_product
 from .detach import _detach_readers, _is_detach
 from .fold_literals import (cpu_literal_as_number, divide_as_cuda_does, factory_without_template, fold_literal_tensor,
-                            fold_constant_mask, fold_pointwise_of_literals, full_as_expanded_literal)
+                            fold_constant_mask, fold_pointwise_of_literals, fold_view_of_literal,
+                            full_as_expanded_literal)
 from .fresh_memory import (FRESH_FUNCTIONS, FRESH_METHODS, FRESH_MODULES, advanced_index,  # noqa: F401
                            copying_contiguous, disjoint_part_of_fresh, part_of_fresh_tuple,
                            whole_view_of_fresh)   # (FRESH_FUNCTIONS: linear_epilogue adds its own)
@@ -260,7 +261,7 @@ def normalize(gm: torch.fx.GraphModule, options=None) -> torch.fx.GraphModule:
         kept_inplace = [n for n in kept_inplace if n is not node]  # every call rebuilt (fuzz37h)
     gm.meta["fxfuse_inplace_kept"] = [n.name for n in kept_inplace]
     for node in list(g.nodes):   # after the loop: the pointwise users are canonical now
-        if fold_pointwise_of_literals(gm, node, POINTWISE):
+        if fold_pointwise_of_literals(gm, node, POINTWISE) or fold_view_of_literal(gm, node):
             continue
         if copy_as_contiguous(node) or cat_of_unsqueezed_as_stack(node) or squeezed_slice_as_select(node) \
                 or repeat_as_expand(node, is_pointwise_target):

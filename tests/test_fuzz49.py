@@ -235,3 +235,45 @@ def test_inplace_op_on_a_part_of_a_fresh_tensor(case):
             got, want = opt(xi), model(xi)
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 torch.testing.assert_close(g, w)
+
+
+class ArangeMasks(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+
+    def forward(self, x):
+        n = x.shape[-1]
+        if self.case == "compare":
+            return x.masked_fill(~(torch.arange(n)[None, :] <= torch.arange(n)[:, None]), 0.0) * 2
+        if self.case == "hf":   # transformers' _make_causal_mask: mask_cond < (mask_cond + 1).view(n, 1)
+            cond = torch.arange(n)
+            return torch.where(cond < (cond + 1).view(n, 1), x, -1.0) + 1
+        if self.case == "written":   # a view of the arange written in place: made anew each call
+            r = torch.arange(n * n).view(n, n)
+            r.mul_(2)
+            return x + r
+        r = torch.arange(n, dtype=x.dtype).unsqueeze(0)   # "returned": the view is returned too
+        return x * r, r
+
+
+@pytest.mark.parametrize("case", ["compare", "hf", "written", "returned"])
+def test_masks_built_from_aranges_fold(case):
+    """fuzz49i: `arange(T)[None, :] <= arange(T)[:, None]` cost 3 library calls on every call where
+    `torch.ones(T, T).tril()` folds: an arange read through a dense view was no fold (the view might be
+    written), and a view of a folded literal was no literal. Both now fold where only read."""
+    model = ArangeMasks(case).eval()
+    for n in (6, 9):
+        x = torch.randn(2, n, n)
+        opt = optimize_strict(model, x)
+        if case in ("compare", "hf"):
+            assert fxfuse.stats(opt)["library_calls"] == 0 and fxfuse.stats(opt)["fused_kernels"] == 1
+        for _ in range(2):
+            xi = torch.randn_like(x)
+            got, want = opt(xi), model(xi)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                torch.testing.assert_close(g, w)
+                assert g.stride() == w.stride()
+        if case == "returned":
+            got[1].add_(1)   # the caller's to change: the next call's is eager's again
+            torch.testing.assert_close(opt(x)[1], model(x)[1])

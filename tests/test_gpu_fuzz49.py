@@ -66,3 +66,13 @@ def test_generated_gemm_and_mlp_outputs_take_inplace_ops_with_grad(options):
     assert got._base is None
     p = torch.rand(33, device="cuda", requires_grad=True)
     torch.testing.assert_close(got.mul_(p), want.mul_(p))
+
+
+@pytest.mark.parametrize("case", ["compare", "hf"])
+def test_arange_masks_fold_on_cuda(case):
+    from test_fuzz49 import ArangeMasks
+    model, x = ArangeMasks(case).eval(), torch.randn(2, 7, 7, device="cuda")
+    opt = fxfuse.optimize(model, x, strict=True)
+    assert fxfuse.stats(opt)["library_calls"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
