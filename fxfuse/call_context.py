@@ -140,6 +140,7 @@ def quiet_export(model, args):
     asked = []
     for eager_flags in (True, False):
         with quiet_this_thread(logs=True), warnings.catch_warnings(), _attribute_objects_kept(model), \
+                _tensors_kept(model), \
                 compile_flags_as_eager(asked) if eager_flags else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             try:   # (the program, whether is_compiling() answered True for forward(): explain says so)
@@ -147,6 +148,32 @@ def quiet_export(model, args):
             except Exception:
                 if not (eager_flags and asked):
                     raise
+
+
+@contextlib.contextmanager
+def _tensors_kept(model):
+    """The parameters and buffers of the model's modules, and of those it holds unregistered (a module-level
+    encoder), as they were before torch.export: forward()'s `inner.to(x.dtype)` put fake tensors into them
+    (fuzz49k: the user's module then failed on every call, "Couldn't swap Linear.weight")."""
+    from .mode_watch import unregistered_modules   # (mode_watch imports this module)
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    modules = {id(m): m for h in (model, *unregistered_modules(model)) for m in h.modules()}.values()
+    before = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
+    datas = [(p, p.detach()) for _, params, _ in before for p in params.values() if p is not None]
+    try:
+        yield
+    finally:
+        for m, params, buffers in before:
+            for slots, kept in ((m._parameters, params), (m._buffers, buffers)):
+                for name, value in kept.items():
+                    if slots.get(name, value) is not value:
+                        slots[name] = value
+        for p, data in datas:
+            if (p.dtype, p.device, p.untyped_storage().data_ptr()) != \
+                    (data.dtype, data.device, data.untyped_storage().data_ptr()):
+                p.data = data
 
 
 @contextlib.contextmanager

@@ -155,6 +155,7 @@ class _Snapshot:
                           p.detach().clone() if renorms and p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
+        self.apart = _held_apart_tensors(model)
         self.leftovers, self.data_filled = TraceLeftovers(model), set()
         self.written_back = set()   # labels of the attributes the graph writes back (attribute_writes)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
@@ -252,12 +253,38 @@ class _Snapshot:
                 changed.append(f"{name} (submodules)")
                 m._modules.clear()
                 m._modules.update(modules)
+        _restore_apart(self.apart, changed)
         return [c for c in dict.fromkeys(changed) if c not in self.written_back]   # put back all the same
 
     def forget_memos(self) -> None:
         """The memos restore(keep_memos=True) kept, put back too (the build was refused)."""
         for container, saved in self.kept_memos:
             _put_back(container, saved)
+
+
+def _held_apart_tensors(model) -> list:
+    """(name, module, {name: (tensor, its data)}) of the parameters and buffers of the modules the model holds
+    unregistered (a module-level encoder): forward()'s `inner.to(x.dtype)` converts them (fuzz49k: the
+    build left them converted, the graph kept the old weights as constants and missed later edits)."""
+    from .mode_watch import unregistered_modules   # (mode_watch imports module_state, as this module)
+    own = {id(m) for m in model.modules()}
+    apart = {id(m): (name, m) for h in unregistered_modules(model) for name, m in h.named_modules(prefix=type(h).__name__)
+             if id(m) not in own}
+    return [(name, m, {k: (t, t.detach()) for k, t in (*m._parameters.items(), *m._buffers.items()) if t is not None})
+            for name, m in apart.values()]
+
+
+def _restore_apart(apart: list, changed: list) -> None:
+    for name, m, tensors in apart:
+        for k, (t, data) in tensors.items():
+            slots = m._parameters if k in m._parameters else m._buffers
+            if slots.get(k) is not t:
+                changed.append(f"{name}.{k} (held apart)")
+                slots[k] = t
+            if (t.dtype, t.device, t.untyped_storage().data_ptr()) != \
+                    (data.dtype, data.device, data.untyped_storage().data_ptr()):
+                changed.append(f"{name}.{k} (held apart)")
+                t.data = data
 
 
 def _cached(m: torch.nn.Module, k: str) -> bool:

@@ -192,3 +192,27 @@ def test_a_module_conversion_in_forward_is_named():
     assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
     assert "converts a module" in str(caught[0].message) and ".grad" not in str(caught[0].message)
     assert model.p.weight.dtype == torch.float32   # the model as it was
+
+
+OUTSIDE = nn.Linear(4, 4)   # a module-level layer forward() converts: no submodule of the model
+
+
+class ConvertsAnOutsideLayer(nn.Module):
+    def forward(self, x):
+        return OUTSIDE.to(x.dtype)(x)
+
+
+def test_a_conversion_of_a_module_held_apart_is_refused_and_undone():
+    """fuzz49k: torch.export (forward()'s `inner.to(x.dtype)` stops symbolic_trace) left fake tensors in the
+    module-level layer, so it failed on every later call ("Couldn't swap Linear.weight"), and optimize said
+    the model itself raises. Now the layer is as it was, and the conversion is named as a state change."""
+    weight = OUTSIDE.weight
+    x = torch.randn(2, 4, dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(ConvertsAnOutsideLayer().eval(), x)
+    assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
+    assert "changes the module's state" in str(caught[0].message) and "Linear.weight" in str(caught[0].message)
+    assert OUTSIDE.weight is weight and type(weight) is nn.Parameter and weight.dtype == torch.float32
+    with torch.no_grad():
+        assert refused(x).dtype == torch.float16   # eager converts it, as it would have
