@@ -156,12 +156,13 @@ def _tensors_kept(model):
     encoder), as they were before torch.export: forward()'s `inner.to(x.dtype)` put fake tensors into them
     (fuzz49k: the user's module then failed on every call, "Couldn't swap Linear.weight")."""
     from .mode_watch import unregistered_modules   # (mode_watch imports this module)
+    from .snapshot import data_put_back, tensor_data
     if not isinstance(model, torch.nn.Module):
         yield
         return
     modules = {id(m): m for h in (model, *unregistered_modules(model)) for m in h.modules()}.values()
     before = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
-    datas = [(p, p.detach()) for _, params, _ in before for p in params.values() if p is not None]
+    saved = tensor_data(("", p) for _, params, _ in before for p in params.values())
     try:
         yield
     finally:
@@ -170,10 +171,7 @@ def _tensors_kept(model):
                 for name, value in kept.items():
                     if slots.get(name, value) is not value:
                         slots[name] = value
-        for p, data in datas:
-            if (p.dtype, p.device, p.untyped_storage().data_ptr()) != \
-                    (data.dtype, data.device, data.untyped_storage().data_ptr()):
-                p.data = data
+        data_put_back(saved)
 
 
 @contextlib.contextmanager

@@ -126,6 +126,8 @@ class FoldSources(TorchFunctionMode):
             return out       # a factory, or a graph node computed on every call
         held = [t for a in leaves for t in self._held(a)]
         written = _written(func, args, kwargs) if not self._numbers_only else []
+        if written and _name(func) == "data" and _in_module_apply():   # a conversion's `param.data = ...` (or a
+            written = []   # no-op one's: review49r2): told by the data it changes (snapshot.data_put_back)
         for target in written:
             for t in self._held(target):
                 if isinstance(t, torch.nn.Parameter) and id(t) not in self.written:
@@ -142,8 +144,8 @@ class FoldSources(TorchFunctionMode):
             held = [t for a in tree_leaves((args[1:], kwargs)) if isinstance(a, torch.Tensor) for t in self._held(a)]
         elif name in TEMPLATES and args:   # `a.to(b)` of another dtype computes from a alone (review48r3)
             held = self._held(args[0]) if isinstance(args[0], torch.Tensor) else []
-        if name == "grad":   # a gradient changes with no version counter: refused (review47r4); read by
-            self.grad_read = self.grad_read or ("apply" if _in_module_apply() else True)   # a conversion: named
+        if name == "grad" and not _in_module_apply():   # a gradient changes with no version counter: refused
+            self.grad_read = True   # (review47r4); nn.Module._apply's (a conversion) is told by the data it changes
         computed = any(id(o) not in aliases for o in results) and not self._numbers_only
         if computed or not results and not _is_metadata(name):
             for t in held:   # a value computed from them (or read as a number) becomes a constant

@@ -58,7 +58,7 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
     module.drop_specializations("load_state_dict")
     module.__dict__["_load_prefix"] = prefix   # the names the post hook gives back
     module.__dict__["_absent"] = []
-    own = set(module.original.state_dict(keep_vars=True))
+    own = _own_keys(module.original)
     ours = [k for k in state_dict if k.startswith(prefix)]
     for key in [k for k in ours if k[len(prefix):].startswith("specialization_") and k[len(prefix):] not in own]:
         del state_dict[key]
@@ -86,6 +86,13 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
         state_dict[inner + key[len(prefix):]] = value
 
 
+def _own_keys(model) -> set:
+    """The names of the model's parameters and buffers, as its state_dict() keys them (not asked of its
+    state_dict(): a class may narrow its signature, review49r2)."""
+    return {name for name, _ in (*model.named_parameters(remove_duplicate=False),
+                                 *model.named_buffers(remove_duplicate=False))}
+
+
 def _named_as_older(own: set, keys: list) -> bool:
     """Whether a checkpoint's keys name the model's tensors as "original.x" (an fxfuse before stop 36): where
     the two readings overlap (a root "w" and a child original's "w"), the one that names more of them."""
@@ -95,13 +102,13 @@ def _named_as_older(own: set, keys: list) -> bool:
 def as_the_models_keys(model, state_dict):
     """opt.load_state_dict's checkpoint as the model's own load_state_dict takes it: an older fxfuse's
     "original.x" keys (and the metadata filed under them) as "x", its "specialization_N." keys dropped
-    unless the model has such keys itself. Loaded straight into the model, its own load hooks see the
+    there unless the model has such keys itself. Loaded straight into the model, its own load hooks see the
     names and prefix they see without fxfuse (fuzz49f: a post hook that accepts a checkpoint missing an
     optional key saw "original.l2.bias", and the load raised where eager's loads)."""
-    own = set(model.state_dict(keep_vars=True))
-    stale = [k for k in state_dict if k.startswith("specialization_") and k not in own]
-    older = _named_as_older(own, [k for k in state_dict if k not in stale])
-    if not stale and not older:
+    own = _own_keys(model)
+    older = _named_as_older(own, list(state_dict))
+    stale = [k for k in state_dict if k.startswith("specialization_") and k not in own] if older else []
+    if not older:   # (a "specialization_" key in a checkpoint of the model's own keys is unexpected: review49r2)
         return state_dict
     inner = "original."
     out = type(state_dict)() if isinstance(state_dict, dict) else dict()

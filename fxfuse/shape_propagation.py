@@ -85,7 +85,8 @@ def like_the_callers(copy: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     them and agreed on a wrong answer."""
     if type(a) is torch.nn.Parameter:
         copy = torch.nn.Parameter(copy, requires_grad=a.requires_grad)
-    copy.__dict__.update(a.__dict__)
+    copy.__dict__.update({k: v.detach().clone() if isinstance(v, torch.Tensor) else v   # (written by forward():
+                          for k, v in a.__dict__.items()})   # the build's runs must leave the caller's alone)
     return copy
 
 

@@ -155,7 +155,8 @@ class _Snapshot:
                           p.detach().clone() if renorms and p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
-        self.apart = _held_apart_tensors(model)
+        self.apart = _held_apart_tensors(model)   # and the data of the model's parameters (a conversion, review49r2)
+        self.datas = tensor_data((f"{name}.{k}", p) for name, m, *_ in self.modules for k, p in m._parameters.items())
         self.leftovers, self.data_filled = TraceLeftovers(model), set()
         self.written_back = set()   # labels of the attributes the graph writes back (attribute_writes)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
@@ -253,6 +254,7 @@ class _Snapshot:
                 changed.append(f"{name} (submodules)")
                 m._modules.clear()
                 m._modules.update(modules)
+        changed += data_put_back(self.datas)
         _restore_apart(self.apart, changed)
         return [c for c in dict.fromkeys(changed) if c not in self.written_back]   # put back all the same
 
@@ -262,29 +264,53 @@ class _Snapshot:
             _put_back(container, saved)
 
 
+def tensor_data(named) -> list:
+    """(name, tensor, an alias of its data, its .grad and an alias of that) of named tensors: what a conversion
+    (nn.Module._apply: `.half()`, `.to(device)`) replaces, data_put_back's record."""
+    return [(name, t, t.detach(), t.grad, t.grad.detach() if t.grad is not None else None)
+            for name, t in named if t is not None]
+
+
+def _data_moved(t, data) -> bool:
+    return (t.dtype, t.device, t.untyped_storage().data_ptr()) != (data.dtype, data.device, data.untyped_storage().data_ptr())
+
+
+def data_put_back(saved: list) -> list:
+    """Each tensor's data and .grad as tensor_data saved them, where a conversion replaced them; the names of
+    the tensors whose data it had replaced (a conversion converts the .grad in place too: review49r2)."""
+    changed = []
+    for name, t, data, grad, grad_data in saved:
+        if _data_moved(t, data):
+            changed.append(name)
+            t.data = data
+        if t.grad is not grad:
+            t.grad = grad
+        if grad is not None and _data_moved(grad, grad_data):
+            grad.data = grad_data
+    return changed
+
+
 def _held_apart_tensors(model) -> list:
-    """(name, module, {name: (tensor, its data)}) of the parameters and buffers of the modules the model holds
+    """(name, module, its parameters and buffers by name, their tensor_data) of the modules the model holds
     unregistered (a module-level encoder): forward()'s `inner.to(x.dtype)` converts them (fuzz49k: the
     build left them converted, the graph kept the old weights as constants and missed later edits)."""
     from .mode_watch import unregistered_modules   # (mode_watch imports module_state, as this module)
     own = {id(m) for m in model.modules()}
     apart = {id(m): (name, m) for h in unregistered_modules(model) for name, m in h.named_modules(prefix=type(h).__name__)
              if id(m) not in own}
-    return [(name, m, {k: (t, t.detach()) for k, t in (*m._parameters.items(), *m._buffers.items()) if t is not None})
+    return [(name, m, {**m._parameters, **m._buffers},
+             tensor_data((f"{name}.{k} (held apart)", t) for k, t in (*m._parameters.items(), *m._buffers.items())))
             for name, m in apart.values()]
 
 
 def _restore_apart(apart: list, changed: list) -> None:
-    for name, m, tensors in apart:
-        for k, (t, data) in tensors.items():
+    for name, m, slots_before, saved in apart:
+        for k, t in slots_before.items():
             slots = m._parameters if k in m._parameters else m._buffers
-            if slots.get(k) is not t:
+            if slots.get(k, t) is not t:
                 changed.append(f"{name}.{k} (held apart)")
                 slots[k] = t
-            if (t.dtype, t.device, t.untyped_storage().data_ptr()) != \
-                    (data.dtype, data.device, data.untyped_storage().data_ptr()):
-                changed.append(f"{name}.{k} (held apart)")
-                t.data = data
+        changed += data_put_back(saved)
 
 
 def _cached(m: torch.nn.Module, k: str) -> bool:

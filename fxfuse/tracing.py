@@ -38,6 +38,7 @@ from .module_state import dead_proxies_hidden, version
 from .node_meta import ancestors, fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
+from .snapshot import data_put_back, tensor_data
 from .shape_propagation import (ShapePropagation, ShapePropagationError, clone_args,  # noqa: F401 (re-exported)
                                 propagate_shapes, tensor_metadata)
 from .transformer_blocks import blocks_given_padding, opaque_blocks
@@ -118,6 +119,19 @@ def _clear_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
+def _refuse_input_attributes(gm) -> None:
+    """forward() reading a Python attribute set on an input tensor (`x.rows`, `getattr(x, "scale", 1.0)`):
+    the guards check a tensor's shape, dtype and strides, not its attributes, and torch.fx records the
+    read without its default (review49r2: a size read so was frozen at the example's)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is getattr and len(node.args) >= 2 \
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "placeholder" \
+                and isinstance(node.args[1], str) and not hasattr(torch.Tensor, node.args[1]):
+            raise UnsupportedError(f"forward() reads {node.args[0].name}.{node.args[1]}, a Python attribute set on an "
+                                   "input tensor: fxfuse's guards check the inputs' shapes, dtypes and strides, not "
+                                   "such attributes, so the original module runs")
+
+
 def _trace(model, example_args, concrete, held):
     """(GraphModule with shapes, the tracer's name): symbolic_trace, else torch.export (which
     binds the defaults itself, and specializes on non-tensor arguments as the runtime's
@@ -141,6 +155,7 @@ def _trace(model, example_args, concrete, held):
             gm = _quiet_symbolic_trace(model, concrete, proxy_buffers=True)
         how = "torch.fx.symbolic_trace"
         refuse_state_writes(gm)   # before the graph first runs on the model's own tensors
+        _refuse_input_attributes(gm)
         propagate_shapes(gm, example_args)  # concrete args stay placeholders (their values are checked)
         opaque = opaque_blocks(gm)
         if opaque:
@@ -361,7 +376,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     _check_traceable_forward(model)
     before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
         if isinstance(model, torch.nn.Module) else {}
-    datas = [(p, p.detach()) for p in model.parameters()] if isinstance(model, torch.nn.Module) else []
+    datas = tensor_data(model.named_parameters()) if isinstance(model, torch.nn.Module) else []
     generators = torch_states()
     with quiet_this_thread(logs=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")
@@ -371,19 +386,19 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
         swallowed = None
         swaps = REPARAMETRIZED[0]   # (torch.export swaps the module's tensors itself: counted here only)
         try:
-            with FoldSources() as folds:   # the real tensors ops ran on while tracing: their results are constants
-                try:
-                    graph = tracer.trace(model, concrete_args=concrete)
-                finally:
-                    folds.restore()   # parameters written through real tensors (`p.data.mul_`): as they were
-            if folds.grad_read == "apply":   # (fuzz49k: `self.p.half()(x)` was refused as a .grad read, and
-                for p, data in datas:        # the model's parameters stayed converted)
-                    if (p.dtype, p.device, p.untyped_storage().data_ptr()) != \
-                            (data.dtype, data.device, data.untyped_storage().data_ptr()):
-                        p.data = data
-                raise UnsupportedError("forward() converts a module (module.half(), .to(dtype), .float(): "
-                                       "nn.Module._apply), which changes the model's parameters while it runs: "
-                                       "convert the model before optimize")
+            try:
+                with FoldSources() as folds:   # the real tensors ops ran on while tracing: their results are constants
+                    try:
+                        graph = tracer.trace(model, concrete_args=concrete)
+                    finally:
+                        folds.restore()   # parameters written through real tensors (`p.data.mul_`): as they were
+            finally:
+                converted = data_put_back(datas)   # `self.p.half()`, `.to(x.device)` (fuzz49k, review49r2)
+            if converted:
+                more = f" and {len(converted) - 2} more" if len(converted) > 2 else ""
+                raise UnsupportedError(f"forward() converts {', '.join(converted[:2])}{more} (module.half(), .to(), "
+                                       ".float(): nn.Module._apply), which changes the model's parameters while it "
+                                       "runs: convert the model before optimize")
             if folds.grad_read:
                 raise UnsupportedError(GRAD_READ_REFUSAL.format("grad"))   # (review47r4)
             if folds.written:

@@ -112,24 +112,6 @@ def test_an_nn_parameter_input_is_seen_as_one():
         torch.testing.assert_close(opt(x), ParameterBranch()(x))
 
 
-class InputAttribute(nn.Module):
-    def forward(self, x):
-        return torch.sigmoid(x) * x.scale
-
-
-def test_an_attribute_set_on_the_input_is_read():
-    """fuzz49j: `x.scale` set by the caller was missing on fxfuse's copies of the example: optimize refused,
-    saying the model itself raises."""
-    x = torch.randn(3, 8)
-    x.scale = 2.0
-    opt = optimize_strict(InputAttribute().eval(), x)
-    y = torch.randn(3, 8)
-    y.scale = 5.0
-    with torch.no_grad():
-        for t in (x, y):
-            torch.testing.assert_close(opt(t), InputAttribute()(t))
-
-
 class Dequantizes(nn.Module):
     def forward(self, x):
         return torch.sigmoid(x.dequantize()) * 2 + 1
@@ -190,7 +172,7 @@ def test_a_module_conversion_in_forward_is_named():
         warnings.simplefilter("always")
         refused = fxfuse.optimize(model, torch.randn(2, 4))
     assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
-    assert "converts a module" in str(caught[0].message) and ".grad" not in str(caught[0].message)
+    assert "converts p.weight, p.bias" in str(caught[0].message) and ".grad" not in str(caught[0].message)
     assert model.p.weight.dtype == torch.float32   # the model as it was
 
 
@@ -216,3 +198,92 @@ def test_a_conversion_of_a_module_held_apart_is_refused_and_undone():
     assert OUTSIDE.weight is weight and type(weight) is nn.Parameter and weight.dtype == torch.float32
     with torch.no_grad():
         assert refused(x).dtype == torch.float16   # eager converts it, as it would have
+
+
+class ReadsInputAttributes(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+
+    def forward(self, x):
+        if self.case == "size":
+            return torch.relu(x).reshape(x.rows, -1) * 2
+        if self.case == "default":
+            return torch.sigmoid(x) * getattr(x, "scale", 1.0)
+        x.count.add_(1)   # "written": a counter carried on the input
+        return torch.relu(x) * 2
+
+
+@pytest.mark.parametrize("case", ["size", "default", "written"])
+def test_python_attributes_of_inputs_are_refused_and_left_alone(case):
+    """review49r2: with the example's attributes copied, `x.reshape(x.rows, -1)` was frozen at the example's
+    rows, and forward()'s in-place write into `x.count` ran on the caller's tensor at every build run. The
+    guards do not check attributes: such a model runs the original, and the build writes nothing of the
+    caller's."""
+    x = torch.randn(4, 6)
+    x.rows, x.scale, x.count = 2, 2.0, torch.zeros(())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(ReadsInputAttributes(case).eval(), x)
+    assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
+    assert "Python attribute set on an input tensor" in str(caught[0].message)
+    assert x.count.item() == 0
+
+
+class ConvertsMidway(nn.Module):
+    def __init__(self, conversion, branch=False):
+        super().__init__()
+        self.lin, self.conversion, self.branch = nn.Linear(4, 4), conversion, branch
+
+    def forward(self, x):
+        getattr(self.lin, self.conversion)()
+        if self.branch and x.sum() > 0:   # symbolic_trace stops here: torch.export traces
+            return self.lin(x.to(self.lin.weight.dtype))
+        return torch.relu(self.lin(x.to(self.lin.weight.dtype)))
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["fx", "then-export"])
+def test_a_refused_conversion_leaves_weights_and_grads_as_they_were(branch):
+    """review49r2: the put-back ran only where the trace finished (a branch after the conversion left the
+    weights in float64), and the gradients stayed converted."""
+    model = ConvertsMidway("double", branch).eval()
+    model.lin.weight.grad = torch.ones(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(model, torch.randn(2, 4))
+    assert not isinstance(refused, fxfuse.OptimizedModule) and len(caught) == 1
+    assert model.lin.weight.dtype == model.lin.weight.grad.dtype == model.lin.bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("conversion", ["float", "cpu", "share_memory"])
+def test_a_conversion_that_changes_nothing_is_no_state_change(conversion):
+    """review49r2: `self.head.float()` of an fp32 module (torch's `_apply` sets each `param.data`, reads each
+    `.grad`) was refused as a `.grad` read, then as a write into the parameter."""
+    model = ConvertsMidway(conversion).eval()
+    opt = optimize_strict(model, torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class NarrowStateDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+    def state_dict(self):   # noqa: D102 -- a class narrowing the signature (no keep_vars)
+        return super().state_dict()
+
+
+def test_loads_with_a_narrow_state_dict_and_unexpected_specialization_keys():
+    """review49r2: opt.load_state_dict asked the model's state_dict(keep_vars=True), a TypeError for a class
+    narrowing its signature; and it dropped any "specialization_" key the model lacks, where eager raises."""
+    opt = optimize_strict(NarrowStateDict().eval(), torch.randn(2, 4))
+    opt.load_state_dict(NarrowStateDict().state_dict())
+    checkpoint = NarrowStateDict().state_dict()
+    checkpoint["specialization_scale"] = torch.ones(1)
+    with pytest.raises(RuntimeError, match="Unexpected key.*specialization_scale"):
+        opt.load_state_dict(checkpoint)
