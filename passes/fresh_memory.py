@@ -145,7 +145,8 @@ def whole_view_of_fresh(node, produces_fresh_tensor) -> bool:
     #                                                                                   view too: fuzz46j)
 
 
-PART_NAMES = {"chunk", "split", "tensor_split", "unbind", "split_with_sizes", "hsplit", "vsplit", "dsplit"}
+PART_NAMES = {"chunk", "split", "unbind", "split_with_sizes"}   # parts that never overlap (tensor_split's indices
+#                                                                    may go back: `[5, 2]`, review49r1)
 
 
 def disjoint_part_of_fresh(node, produces_fresh_tensor) -> bool:
@@ -164,7 +165,8 @@ def disjoint_part_of_fresh(node, produces_fresh_tensor) -> bool:
     readers = list(parts.users)
     indices = [u.args[1] % count for u in readers if u.op == "call_function" and u.target is operator.getitem
                and len(u.args) == 2 and type(u.args[1]) is int]
-    return len(indices) == len(readers) and len(set(indices)) == len(indices)
+    returned = any(w.op == "output" for u in node.users for w in (u, *u.users))   # written, then returned: eager's
+    return len(indices) == len(readers) and len(set(indices)) == len(indices) and not returned   # view's strides
 
 
 def _view_name(node):

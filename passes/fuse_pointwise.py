@@ -114,7 +114,7 @@ EXACT_IN_FP32 = (torch.bool, torch.uint8, torch.int8, torch.int16)
 # ops that only ask whether a value is zero, NaN or infinite, or its sign: an int32/int64 value
 # loaded as fp32 keeps all of those exactly (fuzz43d: logical_and of int64 masks stayed unfused)
 ZERO_OR_CLASS_TESTS = {"logical_and", "logical_or", "logical_xor", "logical_not", "isnan", "isinf", "isfinite",
-                       "signbit"}
+                       "isposinf", "isneginf", "signbit"}
 
 
 def _compares_wide_integers(node) -> bool:

@@ -11,6 +11,7 @@ least one piece is computed by the kernel (the others are its inputs, which it l
 as the copy did), and the joined tensor is laid out contiguously (as torch lays out a stack or
 cat of such pieces).
 """
+import math
 import operator
 
 import torch
@@ -260,10 +261,20 @@ def _group_reading(join, meta, d: int, kind: str, written: set):
 
 
 def _same_numbers(p, first, at: int) -> bool:
-    """p's arguments besides its operand are first's, compared by repr: `==` takes -0.0 for 0.0 and 1 for
-    True (fuzz49c: `clamp(min=-0.0)` merged into `clamp(min=0.0)` gave +0.0 where eager gives -0.0)."""
-    return repr((p.args[:at], p.args[at + 1:], sorted(p.kwargs.items()))) == \
-        repr((first.args[:at], first.args[at + 1:], sorted(first.kwargs.items())))
+    """p's arguments besides its operand are first's: numbers equal with the sign of a zero (fuzz49c: `==` took
+    `clamp(min=-0.0)` for `clamp(min=0.0)`: +0.0 came back where eager gives -0.0), an int equal to a float
+    (`h * 2`, `h * 2.0`: the pieces' dtypes are checked apart), anything else by type and repr."""
+    return len(p.kwargs) == len(first.kwargs) and _same_value(
+        (p.args[:at], p.args[at + 1:], sorted(p.kwargs.items())),
+        (first.args[:at], first.args[at + 1:], sorted(first.kwargs.items())))
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    if type(a) in (int, float) and type(b) in (int, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return type(a) is type(b) and repr(a) == repr(b)
 
 
 def pointwise_out_of_joins(gm: torch.fx.GraphModule, written: set) -> bool:

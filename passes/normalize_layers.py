@@ -433,8 +433,10 @@ def trunc_division_as_trunc(gm, node) -> bool:
             or getattr(meta, "dtype", None) != torch.float32 or not isinstance(args["input"], torch.fx.Node):
         return False
     g, other = gm.graph, args["other"]
-    op = operator.truediv
-    if getattr(node.meta.get("fxfuse", {}).get("device"), "type", None) == "cuda" and type(other) in (int, float):
+    op, on_cuda = operator.truediv, getattr(node.meta.get("fxfuse", {}).get("device"), "type", None) == "cuda"
+    if on_cuda and isinstance(other, torch.fx.Node) and len(getattr(other.meta.get("tensor_meta"), "shape", (0,))) == 0:
+        return False   # a 0-d tensor divisor (CUDA reads a CPU one as a number: its own reciprocal; review49r1)
+    if on_cuda and type(other) in (int, float):
         op, other = operator.mul, (torch.ones(()) / torch.tensor(float(other), dtype=torch.float32)).item()
     with g.inserting_before(node):
         quotient = g.call_function(op, (args["input"], other))
