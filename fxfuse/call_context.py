@@ -160,7 +160,8 @@ def _tensors_kept(model):
     if not isinstance(model, torch.nn.Module):
         yield
         return
-    modules = {id(m): m for h in (model, *unregistered_modules(model)) for m in h.modules()}.values()
+    modules = {id(m): m for h in (model, *unregistered_modules(model)) for m in h.modules()
+               if not isinstance(m, torch.jit.ScriptModule)}.values()
     before = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
     saved = tensor_data(("", p) for _, params, _ in before for p in params.values())
     try:

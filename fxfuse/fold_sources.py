@@ -87,12 +87,17 @@ def _is_metadata(name: str) -> bool:   # (`_is_view`: torch.export's lift_consta
     return name in METADATA or name.startswith(("is_", "_is_")) and name != "is_nonzero"
 
 
+CONVERSIONS = {getattr(torch.nn.Module, name).__code__ for name in (
+    "to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type", "share_memory") if hasattr(torch.nn.Module, name)}
+
+
 def _in_module_apply() -> bool:
-    """Whether nn.Module._apply (`module.half()`, `.to(dtype)`: it converts each parameter's .grad too) is running."""
+    """Whether a conversion (`module.half()`, `.to(dtype)`: nn.Module._apply, which converts each parameter's
+    .grad too) is running; not `_apply(fn)` called with a function of forward()'s own (review49r4)."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is torch.nn.Module._apply.__code__:
-            return True
+            return frame.f_back is not None and frame.f_back.f_code in CONVERSIONS
         frame = frame.f_back
     return False
 

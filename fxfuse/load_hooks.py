@@ -89,8 +89,9 @@ def load_drops_specializations(module, state_dict, prefix, local_metadata, stric
 def _own_keys(model) -> set:
     """The names of the model's parameters and buffers, as its state_dict() keys them (not asked of its
     state_dict(): a class may narrow its signature, review49r2)."""
-    return {name for name, _ in (*model.named_parameters(remove_duplicate=False),
-                                 *model.named_buffers(remove_duplicate=False))}
+    return {name for name, _ in (*torch.nn.Module.named_parameters(model, remove_duplicate=False),   # (torch's own:
+                                 *torch.nn.Module.named_buffers(model, remove_duplicate=False))}   # a class may
+    #                                                                        narrow these too, review49r4)
 
 
 def _named_as_older(own: set, keys: list) -> bool:

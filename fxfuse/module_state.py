@@ -449,10 +449,11 @@ def _hook_advice(m) -> str:
 
 
 def storage_address(t: torch.Tensor):
-    """Where t's storage lies (views of one tensor share it), None for an empty or meta tensor and
-    for a sparse one (no storage of its own: a GCN's adjacency buffer, fuzz33k)."""
-    return t.untyped_storage().data_ptr() if t.numel() and t.device.type != "meta" and t.layout == torch.strided \
-        else None
+    """Where t's storage lies (views of one tensor share it), None for an empty or meta tensor, for a
+    sparse one (no storage of its own: a GCN's adjacency buffer, fuzz33k) and for a lazy module's
+    uninitialized parameter (review49r4: one held apart made every build an internal error)."""
+    return t.untyped_storage().data_ptr() if not isinstance(t, torch.nn.parameter.UninitializedTensorMixin) \
+        and t.numel() and t.device.type != "meta" and t.layout == torch.strided else None
 
 
 def share_memory(args, taken=frozenset()) -> bool:

@@ -265,14 +265,26 @@ class _Snapshot:
 
 
 def tensor_data(named) -> list:
-    """(name, tensor, an alias of its data, its .grad and an alias of that) of named tensors: what a conversion
+    """(name, tensor, an alias of its data, a parameter's .grad and an alias of that) of the named plain strided
+    tensors (sparse, mkldnn, uninitialized ones have no data to compare: review49r4): what a conversion
     (nn.Module._apply: `.half()`, `.to(device)`) replaces, data_put_back's record."""
-    return [(name, t, t.detach(), t.grad, t.grad.detach() if t.grad is not None else None)
-            for name, t in named if t is not None]
+    saved = []
+    for name, t in named:
+        if _storage_key(t) is not None:
+            grad = t.grad if isinstance(t, torch.nn.Parameter) else None   # (a buffer's .grad warns: a non-leaf)
+            saved.append((name, t, t.detach(), grad, grad.detach() if _storage_key(grad) is not None else None))
+    return saved
 
 
-def _data_moved(t, data) -> bool:
-    return (t.dtype, t.device, t.untyped_storage().data_ptr()) != (data.dtype, data.device, data.untyped_storage().data_ptr())
+def _storage_key(t):
+    """(dtype, device, storage address) of a plain strided tensor, else None."""
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_meta or t.is_mkldnn \
+            or isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        return None
+    try:
+        return t.dtype, t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # a wrapper subclass with no storage
+        return None
 
 
 def data_put_back(saved: list) -> list:
@@ -280,12 +292,12 @@ def data_put_back(saved: list) -> list:
     the tensors whose data it had replaced (a conversion converts the .grad in place too: review49r2)."""
     changed = []
     for name, t, data, grad, grad_data in saved:
-        if _data_moved(t, data):
+        if _storage_key(t) != _storage_key(data):
             changed.append(name)
             t.data = data
-        if t.grad is not grad:
+        if isinstance(t, torch.nn.Parameter) and t.grad is not grad:
             t.grad = grad
-        if grad is not None and _data_moved(grad, grad_data):
+        if grad_data is not None and _storage_key(grad) != _storage_key(grad_data):
             grad.data = grad_data
     return changed
 
@@ -297,7 +309,7 @@ def _held_apart_tensors(model) -> list:
     from .mode_watch import unregistered_modules   # (mode_watch imports module_state, as this module)
     own = {id(m) for m in model.modules()}
     apart = {id(m): (name, m) for h in unregistered_modules(model) for name, m in h.named_modules(prefix=type(h).__name__)
-             if id(m) not in own}
+             if id(m) not in own and not isinstance(m, torch.jit.ScriptModule)}   # (its dicts are no dicts: review49r4)
     return [(name, m, {**m._parameters, **m._buffers},
              tensor_data((f"{name}.{k} (held apart)", t) for k, t in (*m._parameters.items(), *m._buffers.items())))
             for name, m in apart.values()]

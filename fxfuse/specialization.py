@@ -395,7 +395,8 @@ def constant_address(t: torch.Tensor):
     """storage_address, or for an empty tensor its storage object (`return torch.zeros(0)`: a
     constant like any other, returned as one object every call otherwise; fuzz41c)."""
     address = storage_address(t)
-    if address is None and t.layout == torch.strided and t.device.type != "meta":
+    if address is None and t.layout == torch.strided and t.device.type != "meta" \
+            and not isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
         return "empty", t.untyped_storage()._cdata
     return address
 

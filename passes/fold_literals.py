@@ -73,14 +73,17 @@ def fold_literal_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return True
 
 
-def _only_read(gm, node) -> bool:
+def _only_read(gm, node, depth: int = 0) -> bool:
     """Whether node's value may become a constant made once: read, and by nothing that returns it, writes it
-    or keeps a view of it (eager makes it anew each call, so nothing must see the difference); a dense view
-    of it that is itself only read counts as a read (fold_view_of_literal)."""
+    (also a module with inplace=True: review49r3) or keeps a view of it (eager makes it anew each call, so
+    nothing must see the difference); a dense view of it that is itself only read counts as a read
+    (fold_view_of_literal), a few views deep."""
     from .normalize import _reads_without_alias   # normalize calls this: import late
     return bool(node.users) and all(
         u.op != "output" and _writes_in_place(u) is None
-        and (_reads_without_alias(gm, u) or _dense_view_of(u, node) and _only_read(gm, u)) for u in node.users)
+        and not (u.op == "call_module" and getattr(gm.get_submodule(u.target), "inplace", False) is True)
+        and (_reads_without_alias(gm, u) or depth < 8 and _dense_view_of(u, node) and _only_read(gm, u, depth + 1))
+        for u in node.users)
 
 
 DENSE_VIEWS = {"unsqueeze", "view", "reshape", "flatten", "squeeze"}   # of a row-major tensor: row-major
@@ -143,12 +146,13 @@ def fold_pointwise_of_literals(gm: torch.fx.GraphModule, node: torch.fx.Node, po
     """A canonical pointwise op whose tensor operands are all folded literals
     (`torch.sqrt(torch.tensor(d_k))`) is one too: computed here once, on the literals' device,
     by the op eager runs on every call, so its value is eager's bit for bit."""
-    if node.op != "call_function" or node.target not in pointwise or not _only_read(node.graph.owning_module, node):
-        return False   # (a view kept and written: `m.view(-1).mul_(3)` edited the constant; review48r3)
+    if node.op != "call_function" or node.target not in pointwise:
+        return False
     operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if not operands or any(_literal(a) is None for a in operands) or \
-            any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
-        return False
+            any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()) \
+            or not _only_read(node.graph.owning_module, node):   # (a view kept and written: `m.view(-1).mul_(3)`
+        return False                                            # edited the constant; review48r3)
     meta = single_tensor_meta(node)
     try:
         value = node.target(*[_literal(a) if isinstance(a, torch.fx.Node) else a for a in node.args], **node.kwargs)

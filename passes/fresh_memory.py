@@ -165,8 +165,24 @@ def disjoint_part_of_fresh(node, produces_fresh_tensor) -> bool:
     readers = list(parts.users)
     indices = [u.args[1] % count for u in readers if u.op == "call_function" and u.target is operator.getitem
                and len(u.args) == 2 and type(u.args[1]) is int]
-    returned = any(w.op == "output" for u in node.users for w in (u, *u.users))   # written, then returned: eager's
-    return len(indices) == len(readers) and len(set(indices)) == len(indices) and not returned   # view's strides
+    return len(indices) == len(readers) and len(set(indices)) == len(indices) \
+        and not _returned_as_view(node)   # written, then returned: eager's view's strides (review49r1, review49r3)
+
+
+def _returned_as_view(node, depth: int = 0) -> bool:
+    """Whether the graph returns node, or a view of it or of a write into it (`a.relu_()[None]`, `a.T.T`)."""
+    from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS, _writes_in_place
+    for u in node.users:
+        if u.op == "output":
+            return True
+        alias = _writes_in_place(u) is node or u.op == "call_module" and u.args and u.args[0] is node and getattr(
+            u.graph.owning_module.get_submodule(u.target), "inplace", False) is True \
+            or u.args and u.args[0] is node and (u.op == "call_method" and u.target in VIEW_METHODS | WHOLE_VIEWS
+                                                 or u.op == "call_function" and u.target in VIEW_FUNCTIONS
+                                                 or u.target is getattr)
+        if alias and (depth >= 16 or _returned_as_view(u, depth + 1)):
+            return True
+    return False
 
 
 def _view_name(node):

@@ -287,3 +287,48 @@ def test_loads_with_a_narrow_state_dict_and_unexpected_specialization_keys():
     checkpoint["specialization_scale"] = torch.ones(1)
     with pytest.raises(RuntimeError, match="Unexpected key.*specialization_scale"):
         opt.load_state_dict(checkpoint)
+
+
+class HoldsOddTensors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.helpers = [torch.jit.script(nn.Linear(4, 4)), nn.LazyLinear(4)]   # held apart, unused
+        self.helpers[1].register_buffer("sparse", torch.eye(3).to_sparse())
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + self.emb.weight[:2].sum()
+
+
+def test_models_holding_tensors_without_plain_storage_optimize():
+    """review49r4: the build's record of parameter data read the storage of a sparse gradient, a sparse buffer,
+    an uninitialized LazyLinear's parameters and a script module's dicts: internal errors, the model refused."""
+    model = HoldsOddTensors().eval()
+    model.emb.weight.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 4), (10, 4))
+    x = torch.randn(2, 4)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class ApplyOwnFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        got = []
+        self.l._apply(lambda t: (got.append(t.grad) if t.grad is not None and t.dim() == 2 else None, t)[1])
+        return torch.relu(self.l(x)) + x @ (got[0] if got else torch.zeros(8, 8))
+
+
+def test_a_grad_read_through_apply_with_forwards_own_function_is_refused():
+    """review49r4: `.grad` reads inside nn.Module._apply were all taken for a conversion's; one with forward()'s
+    own function baked the example's gradient in."""
+    model = ApplyOwnFunction().eval()
+    model.l.weight.grad = torch.ones(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        refused = fxfuse.optimize(model, torch.randn(3, 8))
+    assert not isinstance(refused, fxfuse.OptimizedModule) and ".grad" in str(caught[0].message)
