@@ -265,11 +265,12 @@ class ArangeMasks(nn.Module):
         self.case = case
 
     def forward(self, x):
-        n = x.shape[-1]
+        n, device = x.shape[-1], x.device
         if self.case == "compare":
-            return x.masked_fill(~(torch.arange(n)[None, :] <= torch.arange(n)[:, None]), 0.0) * 2
+            return x.masked_fill(~(torch.arange(n, device=device)[None, :] <= torch.arange(n, device=device)[:, None]),
+                                 0.0) * 2
         if self.case == "hf":   # transformers' _make_causal_mask: mask_cond < (mask_cond + 1).view(n, 1)
-            cond = torch.arange(n)
+            cond = torch.arange(n, device=device)
             return torch.where(cond < (cond + 1).view(n, 1), x, -1.0) + 1
         if self.case == "written":   # a view of the arange written in place: made anew each call
             r = torch.arange(n * n).view(n, n)
