@@ -8,6 +8,13 @@ import fxfuse
 from conftest import optimize_strict
 
 
+def assert_same_outputs(got, want) -> None:
+    """Values and strides of each output (one tensor or a tuple) as eager's."""
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w)
+        assert g.stride() == w.stride()
+
+
 class ClampJoin(nn.Module):
     def forward(self, x, y):
         return torch.cat([(x @ x.T).clamp(min=0.0), (y @ y.T).clamp(min=-0.0)], 1)
@@ -189,9 +196,7 @@ def test_contiguous_copy_read_through_a_unit_view_is_dropped(spelling):
     assert ("contiguous" in fxfuse.explain(opt)) == (spelling == "returned")
     with torch.no_grad():
         got, want = opt(x), model(x)
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-        torch.testing.assert_close(g, w)
-        assert g.stride() == w.stride()
+    assert_same_outputs(got, want)
 
 
 class InplaceGate(nn.Module):
@@ -241,9 +246,7 @@ def test_inplace_op_on_a_part_of_a_fresh_tensor(case):
         for _ in range(2):
             xi = torch.randn_like(x)
             got, want = opt(xi), model(xi)
-            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-                torch.testing.assert_close(g, w)
-                assert g.stride() == w.stride()
+            assert_same_outputs(got, want)
 
 
 class ScaledJoin(nn.Module):
@@ -294,9 +297,7 @@ def test_masks_built_from_aranges_fold(case):
         for _ in range(2):
             xi = torch.randn_like(x)
             got, want = opt(xi), model(xi)
-            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-                torch.testing.assert_close(g, w)
-                assert g.stride() == w.stride()
+            assert_same_outputs(got, want)
         if case == "returned":
             got[1].add_(1)   # the caller's to change: the next call's is eager's again
             torch.testing.assert_close(opt(x)[1], model(x)[1])
