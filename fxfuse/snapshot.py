@@ -156,7 +156,8 @@ class _Snapshot:
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
         self.apart = _held_apart_tensors(model)   # and the data of the model's parameters (a conversion, review49r2)
-        self.datas = tensor_data((f"{name}.{k}", p) for name, m, *_ in self.modules for k, p in m._parameters.items())
+        self.datas = tensor_data((f"{name}.{k}", p) for name, m, *_ in self.modules for k, p in m._parameters.items()
+                                 if not isinstance(m, DATA_REBINDING))
         self.leftovers, self.data_filled = TraceLeftovers(model), set()
         self.written_back = set()   # labels of the attributes the graph writes back (attribute_writes)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
@@ -264,6 +265,10 @@ class _Snapshot:
             _put_back(container, saved)
 
 
+DATA_REBINDING = (torch.nn.RNNBase, torch.jit.ScriptModule)   # an RNN's flatten_parameters() may move its weights
+#                              into one buffer on CUDA, on a call; a script module's dicts are no dicts (review49r4)
+
+
 def tensor_data(named) -> list:
     """(name, tensor, an alias of its data, a parameter's .grad and an alias of that) of the named plain strided
     tensors (sparse, mkldnn, uninitialized ones have no data to compare: review49r4): what a conversion
@@ -309,7 +314,7 @@ def _held_apart_tensors(model) -> list:
     from .mode_watch import unregistered_modules   # (mode_watch imports module_state, as this module)
     own = {id(m) for m in model.modules()}
     apart = {id(m): (name, m) for h in unregistered_modules(model) for name, m in h.named_modules(prefix=type(h).__name__)
-             if id(m) not in own and not isinstance(m, torch.jit.ScriptModule)}   # (its dicts are no dicts: review49r4)
+             if id(m) not in own and not isinstance(m, DATA_REBINDING)}
     return [(name, m, {**m._parameters, **m._buffers},
              tensor_data((f"{name}.{k} (held apart)", t) for k, t in (*m._parameters.items(), *m._buffers.items())))
             for name, m in apart.values()]
