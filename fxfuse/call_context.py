@@ -155,24 +155,14 @@ def _tensors_kept(model):
     """The parameters and buffers of the model's modules, and of those it holds unregistered (a module-level
     encoder), as they were before torch.export: forward()'s `inner.to(x.dtype)` put fake tensors into them
     (fuzz49k: the user's module then failed on every call, "Couldn't swap Linear.weight")."""
-    from .mode_watch import unregistered_modules   # (mode_watch imports this module)
-    from .snapshot import data_put_back, tensor_data
-    if not isinstance(model, torch.nn.Module):
-        yield
-        return
-    modules = {id(m): m for h in (model, *unregistered_modules(model)) for m in h.modules()
-               if not isinstance(m, torch.jit.ScriptModule)}.values()
-    before = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
-    saved = tensor_data(("", p) for _, params, _ in before for p in params.values())
+    from .snapshot import modules_held_apart, tensor_slots, tensor_slots_put_back   # (imports mode_watch, which
+    #                                                                                  imports this module)
+    saved = tensor_slots([*model.named_modules(), *modules_held_apart(model)]) \
+        if isinstance(model, torch.nn.Module) else []
     try:
         yield
     finally:
-        for m, params, buffers in before:
-            for slots, kept in ((m._parameters, params), (m._buffers, buffers)):
-                for name, value in kept.items():
-                    if slots.get(name, value) is not value:
-                        slots[name] = value
-        data_put_back(saved)
+        tensor_slots_put_back(saved)
 
 
 @contextlib.contextmanager

@@ -107,20 +107,17 @@ def as_the_models_keys(model, state_dict):
     names and prefix they see without fxfuse (fuzz49f: a post hook that accepts a checkpoint missing an
     optional key saw "original.l2.bias", and the load raised where eager's loads)."""
     own = _own_keys(model)
-    older = _named_as_older(own, list(state_dict))
-    stale = [k for k in state_dict if k.startswith("specialization_") and k not in own] if older else []
-    if not older:   # (a "specialization_" key in a checkpoint of the model's own keys is unexpected: review49r2)
+    if not _named_as_older(own, list(state_dict)):   # (then a "specialization_" key is unexpected: review49r2)
         return state_dict
     inner = "original."
     out = type(state_dict)() if isinstance(state_dict, dict) else dict()
     for key, value in state_dict.items():
-        if key not in stale:
-            out[key[len(inner):] if older and key.startswith(inner) else key] = value
+        if not key.startswith("specialization_") or key in own:
+            out[key[len(inner):] if key.startswith(inner) else key] = value
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        out._metadata = type(metadata)(
-            ((name[len(inner):] if name.startswith(inner) else "" if name == inner[:-1] else name) if older else name,
-             value) for name, value in metadata.items())
+        out._metadata = type(metadata)((name[len(inner):] if name.startswith(inner) else "" if name == inner[:-1]
+                                        else name, value) for name, value in metadata.items())
     return out
 
 

@@ -155,9 +155,9 @@ class _Snapshot:
                           p.detach().clone() if renorms and p is not None else None) for k, p in m._parameters.items()}
             self.modules.append((name or type(m).__name__, m, attrs, buffers, params, dict(m._modules), tensors,
                                  containers))
-        self.apart = _held_apart_tensors(model)   # and the data of the model's parameters (a conversion, review49r2)
-        self.datas = tensor_data((f"{name}.{k}", p) for name, m, *_ in self.modules for k, p in m._parameters.items()
-                                 if not isinstance(m, DATA_REBINDING))
+        # the tensors of the modules held apart, and the data of the model's parameters (a conversion: review49r2)
+        self.apart = tensor_slots(modules_held_apart(model), " (held apart)")
+        self.datas = parameter_data((name, m) for name, m, *_ in self.modules)
         self.leftovers, self.data_filled = TraceLeftovers(model), set()
         self.written_back = set()   # labels of the attributes the graph writes back (attribute_writes)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
@@ -255,8 +255,7 @@ class _Snapshot:
                 changed.append(f"{name} (submodules)")
                 m._modules.clear()
                 m._modules.update(modules)
-        changed += data_put_back(self.datas)
-        _restore_apart(self.apart, changed)
+        changed += data_put_back(self.datas) + tensor_slots_put_back(self.apart)
         return [c for c in dict.fromkeys(changed) if c not in self.written_back]   # put back all the same
 
     def forget_memos(self) -> None:
@@ -307,27 +306,44 @@ def data_put_back(saved: list) -> list:
     return changed
 
 
-def _held_apart_tensors(model) -> list:
-    """(name, module, its parameters and buffers by name, their tensor_data) of the modules the model holds
-    unregistered (a module-level encoder): forward()'s `inner.to(x.dtype)` converts them (fuzz49k: the
-    build left them converted, the graph kept the old weights as constants and missed later edits)."""
+def parameter_data(named_modules) -> list:
+    """tensor_data of the parameters of (name, module) pairs, RNNs' and script modules' aside."""
+    return tensor_data((f"{name}.{k}" if name else k, p) for name, m in named_modules
+                       if not isinstance(m, DATA_REBINDING) for k, p in m._parameters.items())
+
+
+def tensor_slots(named_modules, label: str = "") -> list:
+    """(name, module, its _parameters and _buffers entries, their tensor_data) of (name, module) pairs (not
+    script modules'; an RNN's data aside): tensor_slots_put_back's record of which tensor objects a module
+    holds, and their data; `label` follows each name in what it reports."""
+    return [(name, label, m, dict(m._parameters), dict(m._buffers),
+             tensor_data((f"{name}.{k}{label}", t) for k, t in (*m._parameters.items(), *m._buffers.items()))
+             if not isinstance(m, DATA_REBINDING) else [])
+            for name, m in named_modules if not isinstance(m, torch.jit.ScriptModule)]
+
+
+def tensor_slots_put_back(saved: list) -> list:
+    """Each module's parameters and buffers, and their data, as tensor_slots saved them (torch.export's fake
+    tensors, a conversion of a module held apart: fuzz49k); the names of what had changed."""
+    changed = []
+    for name, label, m, params, buffers, data in saved:
+        for slots, kept in ((m._parameters, params), (m._buffers, buffers)):
+            for k, t in kept.items():
+                if slots.get(k, t) is not t:
+                    changed.append(f"{name}.{k}{label}")
+                    slots[k] = t
+        changed += data_put_back(data)
+    return changed
+
+
+def modules_held_apart(model) -> list:
+    """(name, module) of the modules the model holds unregistered (a module-level encoder): forward()'s
+    `inner.to(x.dtype)` converts them (fuzz49k: the build left them converted, the graph kept the old
+    weights as constants and missed later edits)."""
     from .mode_watch import unregistered_modules   # (mode_watch imports module_state, as this module)
     own = {id(m) for m in model.modules()}
-    apart = {id(m): (name, m) for h in unregistered_modules(model) for name, m in h.named_modules(prefix=type(h).__name__)
-             if id(m) not in own and not isinstance(m, DATA_REBINDING)}
-    return [(name, m, {**m._parameters, **m._buffers},
-             tensor_data((f"{name}.{k} (held apart)", t) for k, t in (*m._parameters.items(), *m._buffers.items())))
-            for name, m in apart.values()]
-
-
-def _restore_apart(apart: list, changed: list) -> None:
-    for name, m, slots_before, saved in apart:
-        for k, t in slots_before.items():
-            slots = m._parameters if k in m._parameters else m._buffers
-            if slots.get(k, t) is not t:
-                changed.append(f"{name}.{k} (held apart)")
-                slots[k] = t
-        changed += data_put_back(saved)
+    return list({id(m): (name, m) for h in unregistered_modules(model)
+                 for name, m in h.named_modules(prefix=type(h).__name__) if id(m) not in own}.values())
 
 
 def _cached(m: torch.nn.Module, k: str) -> bool:

@@ -38,7 +38,7 @@ from .module_state import dead_proxies_hidden, version
 from .node_meta import ancestors, fetch_attr, fxfuse_meta, tensor_meta  # noqa: F401 (re-exported: the passes import them here)
 from .state_writes import (assigns_parameter, parameter_versions, refuse_state_writes,
                            refuse_written_parameters)
-from .snapshot import DATA_REBINDING, data_put_back, tensor_data
+from .snapshot import data_put_back, parameter_data
 from .shape_propagation import (ShapePropagation, ShapePropagationError, clone_args,  # noqa: F401 (re-exported)
                                 propagate_shapes, tensor_metadata)
 from .transformer_blocks import blocks_given_padding, opaque_blocks
@@ -376,8 +376,7 @@ def _quiet_symbolic_trace(model, concrete, proxy_buffers: bool = False):
     _check_traceable_forward(model)
     before = {id(m): (dict(vars(m)), dict(m._buffers)) for m in model.modules()} \
         if isinstance(model, torch.nn.Module) else {}
-    datas = tensor_data((f"{name}.{k}" if name else k, p) for name, m in model.named_modules() if not isinstance(
-        m, DATA_REBINDING) for k, p in m._parameters.items()) if isinstance(model, torch.nn.Module) else []
+    datas = parameter_data(model.named_modules()) if isinstance(model, torch.nn.Module) else []
     generators = torch_states()
     with quiet_this_thread(logs=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.fx")

@@ -60,16 +60,14 @@ def _verify(model, gm, args, rewind) -> list:
                                    "in a way the traced graph does not reproduce: write the update "
                                    "out of place (x = x + 1) or as an explicit in-place op (x.add_(1))")
     for k, (e, g) in enumerate(zip(expected, got)):
-        if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
-                and type(e).__module__.split(".")[0] == "numpy" and getattr(e, "ndim", 0) > 0:
-            raise UnsupportedError(f"output {k} is a numpy {type(e).__name__}, which fxfuse does not compare or "
-                                   "rebuild: return tensors, or Python numbers and sizes")   # (fuzz49j: it said
-        if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy) \
-                and _differs_at_all(e, g):   # two equal arrays differed)
-            raise UnsupportedError(   # review36d: a returned np.float64 came back a float (1 / 0 then raised)
-                f"output {k} is {type(e).__name__} {_SHORT.repr(e)} where the rewritten graph returns "
-                f"{type(g).__name__} {_SHORT.repr(g)}: "
-                "return tensors, or Python numbers and sizes")
+        if not isinstance(e, (torch.Tensor, torch.fx.Proxy)) and not isinstance(g, torch.fx.Proxy):
+            if type(e).__module__.split(".")[0] == "numpy" and getattr(e, "ndim", 0) > 0:   # (fuzz49j: "ndarray X
+                raise UnsupportedError(f"output {k} is a numpy {type(e).__name__}, which fxfuse does not compare "
+                                       "or rebuild: return tensors, or Python numbers and sizes")   # where ... X")
+            if _differs_at_all(e, g):   # review36d: a returned np.float64 came back a float (1 / 0 then raised)
+                raise UnsupportedError(f"output {k} is {type(e).__name__} {_SHORT.repr(e)} where the rewritten graph "
+                                       f"returns {type(g).__name__} {_SHORT.repr(g)}: "
+                                       "return tensors, or Python numbers and sizes")
         problem = _mismatch(e, g, floor)
         if problem:
             rewind()
@@ -264,8 +262,11 @@ def _as_accurate_as_eager(model, args, k: int, e, g) -> bool:
     try:
         model64 = copy.deepcopy(model).double()
         wide = {}   # one float64 copy per tensor object: `f(a, a)` stays the same tensor twice
-        args64 = [wide.setdefault(id(a), like_the_callers(a.detach().double(), a))
-                  if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in clone_args(args)]
+        copies = clone_args(args)
+        for a in copies:
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and id(a) not in wide:
+                wide[id(a)] = like_the_callers(a.detach().double(), a)
+        args64 = [wide.get(id(a), a) for a in copies]
         ref = flatten_output(model64(*args64))[0][k].double()
     except Exception as err:  # noqa: BLE001 -- no float64 run (memory, ops without fp64): no excuse either
         logger.info("no float64 reference for the verification: %s", err)
