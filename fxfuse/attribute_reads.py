@@ -18,6 +18,7 @@ modules, whose attributes the passes read directly after the trace (a LeakyReLU'
 subclasses running torch's forward, all are. Under a profiler the hook is a trace function
 that fires on calls only; with both a profiler and a tracer on, every attribute is watched.
 """
+import collections.abc
 import contextlib
 import dis
 import importlib.util
@@ -97,6 +98,7 @@ def recording_attribute_reads(model: torch.nn.Module):
     in the block could read}, or {"all": True}: that code reads attributes by computed names
     (DYNAMIC), or both a profiler and a tracer are installed (no hook left to use)."""
     reads, codes, own = {}, set(), class_code(model)
+    refuse_held_iterators(model, own)
 
     def hook(frame, event, arg):
         if event == "call":
@@ -130,6 +132,41 @@ def recording_attribute_reads(model: torch.nn.Module):
         else:
             reads["names"] = names
         reads["probed"] = _probed(codes)
+        reads["tests_identity"] = any(map(_tests_identity, codes))
+
+
+def _tests_identity(code) -> bool:
+    """Whether code tests a tensor's dtype, device or flag by identity (`x.dtype is torch.float16`,
+    `x.is_floating_point() is True`): under symbolic_trace the attribute is a Proxy, which is
+    nothing else, so the graph took the test's False way silently (fuzz50d: an fp16 input came back
+    fp16). Such a model is traced by torch.export (tracing._checks_tensor_type). `is None` tests pass."""
+    from .fx_tracer import PLAIN_ATTRIBUTES, PLAIN_METHODS
+    read = {*PLAIN_ATTRIBUTES, *PLAIN_METHODS} - {"shape", "size", "item", "tolist"}
+    ops = list(dis.get_instructions(code))
+    for i, op in enumerate(ops):
+        if op.opname == "IS_OP" and not (ops[i - 1].opname == "LOAD_CONST" and ops[i - 1].argval is None) and any(
+                w.opname in ("LOAD_ATTR", "LOAD_METHOD") and w.argval in read for w in ops[max(0, i - 6):i]):
+            return True
+    return False
+
+
+def refuse_held_iterators(model: torch.nn.Module, code) -> None:
+    """forward() taking values from an iterator a module, its class or its forward's globals hold
+    (`next(self.schedule)` of an itertools.cycle, a generator): each eager call takes the next
+    one, a graph would hold the trace's fixed, and the trace would consume the user's (fuzz50d).
+    Refused before the trace where the model's code names it."""
+    from .errors import UnsupportedError
+    from .module_state import forward_globals
+    names = None
+    for name, m in model.named_modules():
+        held = {**{k: v for c in _user_classes(m) for k, v in vars(c).items()}, **m.__dict__, **forward_globals(m)[1]}
+        for k, v in held.items():
+            if isinstance(v, collections.abc.Iterator) and not isinstance(v, (torch.Tensor, torch.nn.Module)):
+                names = set().union(*map(_names_of, code)) if names is None else names
+                if k in names:
+                    raise UnsupportedError(f"forward() may take values from {name + '.' if name else ''}{k}, an "
+                                           f"iterator ({type(v).__name__}): each eager call takes its next value, a "
+                                           "traced graph would hold one fixed; the original module runs")
 
 
 def _rng_setters() -> set:
@@ -290,7 +327,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
     # stats dict the training loop bumps, rebuilt the graph on every call)
     deeper = (reads or {}).get("code_names") if names is None else names
     probed = {} if reads is None else reads.get("probed", {})
-    out, absent, classes, contents = [], [], set(), []
+    out, absent, classes, contents = [], [], {}, []
     for m in dict.fromkeys(model.modules()):
         if isinstance(m, torch.jit.ScriptModule) or getattr(type(m), "fxfuse_runtime", False):
             continue
@@ -314,7 +351,8 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
         keys = tuple(k for k, v in m.__dict__.items()
                      if k not in _MODULE_INTERNALS and not k.startswith("_tensor_constant") and (id(m), k) not in written
                      and (free and type(v) not in WEAK_PROXIES and isinstance(v, torch.Tensor)
-                          or (k in names if narrowed else not free)))
+                          or (k in names if narrowed else True)))   # every attribute where the code
+        #                                 reads by computed names, a Linear's and a ReLU's too (fuzz50d)
         if keys:
             out.append(_entry(m.__dict__, keys))
             contents += [(k, m.__dict__[k]) for k in keys]
@@ -322,17 +360,17 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
         # user's classes its code names (`class ScaledLinear(nn.Linear): scale = 2.0`, fuzz41f, review41)
         mro = _classes(m) if own else _user_classes(m)
         for i, cls in enumerate(mro):
-            if cls in classes:
-                continue
-            classes.add(cls)
-            class_keys = tuple(k for k in vars(cls) if (k in names if names is not None else deeper is None
-                                                        or own or k in deeper) and not k.startswith("__"))
-            if class_keys:
-                out.append(_entry(vars(cls), class_keys))
-                contents += [(k, v) for k in class_keys if not isinstance(v := vars(cls)[k], DESCRIPTORS)]
-                absent += [(m, k) for k in class_keys if k not in m.__dict__]
-                # and on the subclasses before it: `Sub.scale = 5.0` shadows `A.scale` (fuzz34h)
-                absent += [(c, k) for c in mro[:i] for k in class_keys if k not in vars(c)]
+            if cls not in classes:
+                classes[cls] = tuple(k for k in vars(cls) if (k in names if names is not None else deeper is None
+                                                              or own or k in deeper) and not k.startswith("__"))
+                if classes[cls]:
+                    out.append(_entry(vars(cls), classes[cls]))
+                    contents += [(k, v) for k in classes[cls] if not isinstance(v := vars(cls)[k], DESCRIPTORS)]
+            # on every module of the class (`blocks[2].scale = 3.0` shadows `Block.scale`, fuzz50d: each
+            # class's first module only, before), and on the subclasses before it: `Sub.scale = 5.0`
+            # shadows `A.scale` (fuzz34h), also where an A came first (fuzz50d)
+            absent += [(m, k) for k in classes[cls] if k not in m.__dict__]
+            absent += [(c, k) for c in mro[:i] for k in classes[cls] if k not in vars(c)]
     if absent:   # grouped by owner (a module or a class)
         grouped = {}
         for owner, k in absent:

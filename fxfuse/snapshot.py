@@ -8,11 +8,12 @@ import array
 import collections
 import functools
 import inspect
+import types
 
 import torch
 import torch.fx
 
-from .module_state import _forward_state, _held, _is_record, is_ndarray, same_attr, same_value, version
+from .module_state import _forward_state, _held, forward_globals, _is_record, is_ndarray, same_attr, same_value, version
 from .trace_leftovers import TraceLeftovers, is_trace_value, reads_input_values
 
 
@@ -162,13 +163,20 @@ class _Snapshot:
         self.written_back = set()   # labels of the attributes the graph writes back (attribute_writes)
         # containers on the model's own classes (`_masks = {}` shared by every instance): a Proxy
         # stored there by the trace would reach every later eager call of the class
-        self.class_containers = []
+        self.class_containers, self.class_values = [], []   # and their plain values (`calls = 0`, which
+        #                                                     `type(self).calls += 1` moves: fuzz50d)
         for cls in dict.fromkeys(c for m in model.modules() for c in type(m).__mro__):   # base classes too
             if (cls.__module__ or "").startswith(("torch.", "builtins")):                  # (fuzz42h)
                 continue
             shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
             self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))
                                       for kind, k, v in _held(shared, {}, seen) if kind == "container"]
+            self.class_values.append((cls, {k: v for k, v in shared.items() if _plain(v)}))
+        # the cells of functions the modules hold or their forward()s call (`self.step = make_step()`
+        # counting with `nonlocal c`): a count moved by the trace was frozen into the graph (fuzz50d)
+        self.cells = [(f"{name}.{k} (closure)", cell, cell.cell_contents) for name, m, attrs, *_ in self.modules
+                      for k, fn in (*attrs.items(), *forward_globals(m)[1].items())
+                      if isinstance(fn, types.FunctionType) for cell in fn.__closure__ or () if _plain_cell(cell)]
 
     def drop_proxies(self) -> None:
         """The trace's Proxies and FakeTensors out of the snapshotted containers (a class's
@@ -212,6 +220,18 @@ class _Snapshot:
         self.leftovers.clean()
         for name, c, saved in self.class_containers:
             _restore_container(name, c, saved, changed, id(c) in self.data_filled, kept)
+        for cls, values in self.class_values:
+            for k in [k for k, v in vars(cls).items() if _plain(v) and k not in values and not k.startswith("__")]:
+                changed.append(f"{cls.__name__}.{k}")
+                delattr(cls, k)
+            for k, v in values.items():
+                if k not in vars(cls) or not same_attr(vars(cls)[k], v):
+                    changed.append(f"{cls.__name__}.{k}")
+                    setattr(cls, k, v)
+        for name, cell, value in self.cells:
+            if not _plain_cell(cell) or not same_attr(cell.cell_contents, value):
+                changed.append(name)
+                cell.cell_contents = value
         for name, m, attrs, buffers, params, modules, tensors, containers in self.modules:
             for k, (c, saved) in containers.items():
                 _restore_container(f"{name}.{k}", c, saved, changed, id(c) in self.data_filled, kept)
@@ -266,6 +286,21 @@ class _Snapshot:
 
 DATA_REBINDING = (torch.nn.RNNBase, torch.jit.ScriptModule)   # an RNN's flatten_parameters() may move its weights
 #                              into one buffer on CUDA, on a call; a script module's dicts are no dicts (review49r4)
+
+
+PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None))
+
+
+def _plain(v) -> bool:
+    """A number, string, flag or None, or a tuple of them: a value forward() may count with."""
+    return type(v) in PLAIN_TYPES or type(v) is tuple and len(v) <= 16 and all(type(a) in PLAIN_TYPES for a in v)
+
+
+def _plain_cell(cell) -> bool:
+    try:
+        return _plain(cell.cell_contents)
+    except ValueError:   # an empty cell (a name bound later in the enclosing function)
+        return False
 
 
 def tensor_data(named) -> list:

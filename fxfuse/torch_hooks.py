@@ -179,9 +179,37 @@ def _count_fused_step(optimizer, args, kwargs) -> None:
     the parameters are marked before the count moves, so a reader that sees it sees them."""
     groups = [g for g in getattr(optimizer, "param_groups", ()) if g.get("fused")]
     if groups:
-        step = UNVERSIONED_STEPS[0] + 1
-        UNVERSIONED_STEPS[1].update((id(p), step) for g in groups for p in g["params"])
-        UNVERSIONED_STEPS[0] = step
+        _mark_unversioned([p for g in groups for p in g["params"]])
+
+
+def _mark_unversioned(params) -> None:
+    step = UNVERSIONED_STEPS[0] + 1
+    UNVERSIONED_STEPS[1].update((id(p), step) for p in params)
+    UNVERSIONED_STEPS[0] = step
+
+
+def _marking_fused_writes(kernel):
+    """torch's fused step kernel itself (`torch._fused_adam_`), which torch.optim's functional API
+    (`torch.optim.adam.adam(..., fused=True)`), DDP's functional optimizers and optimizers of one's own
+    call without a "fused" param group (fuzz50e: a folded BatchNorm stayed stale): the parameters
+    it is given are marked, before and after, as the step hooks mark them."""
+    @functools.wraps(kernel)
+    def step(params, *args, **kwargs):
+        marks = not torch.compiler.is_compiling() and isinstance(params, (list, tuple))
+        if marks:
+            _mark_unversioned(params)
+        try:
+            return kernel(params, *args, **kwargs)
+        finally:
+            if marks:
+                _mark_unversioned(params)
+    step.fxfuse_marks = True
+    return step
+
+
+for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+    if getattr(torch, _name, None) is not None and not getattr(getattr(torch, _name), "fxfuse_marks", False):
+        setattr(torch, _name, _marking_fused_writes(getattr(torch, _name)))
 
 
 try:

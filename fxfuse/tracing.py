@@ -93,7 +93,8 @@ def _checks_tensor_type(reads: dict) -> bool:
     reads (attribute_reads): a type test and `Tensor`, or torch.is_tensor; also where the code
     reads attributes by computed names (getattr), whose names are all watched."""
     names = reads.get("code_names") or reads.get("names") or set()
-    return "is_tensor" in names or bool(names & TENSOR_TYPE_CHECKS) and "Tensor" in names
+    return "is_tensor" in names or bool(names & TENSOR_TYPE_CHECKS) and "Tensor" in names \
+        or reads.get("tests_identity", False)   # `x.dtype is torch.float16` (attribute_reads._tests_identity)
 
 
 @contextlib.contextmanager
@@ -213,6 +214,9 @@ def _trace(model, example_args, concrete, held):
                 advice_first = ("forward() converts a tensor to a Python int (`int(t)`, `int(t.item())`): torch.export "
                                 "keeps `t.item()` as a symbolic size, but int() asks for its value. Write `t.item()` "
                                 "where a size or an index needs the number")   # (fuzz47c, fuzz47d)
+            elif "DataDependent" in type(export_error).__name__ and "float() arg" in str(fx_error):
+                advice_first = ("forward() converts a tensor to a Python float (`float(t)`), whose value neither tracer "
+                                "has. Write `t.item()`: symbolic_trace records it as a read on every call")   # (fuzz50d)
             elif "DataDependent" in type(export_error).__name__ and re.search(r"\]\s*[-+*/]?=[^=]", export_where):
                 advice_first = ("forward() assigns into a tensor at a 0-d integer tensor index (`h[i] = v`), which "
                                 "torch.export reads as a value: `h[i.view(1)] = v` writes the same and both tracers "

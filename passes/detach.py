@@ -4,7 +4,6 @@ input's tensor object: returned, or reshaped in place (fuzz40b, review40)."""
 import torch
 import torch.fx
 
-from fxfuse.data_dependent import op_name
 from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
 
 aten = torch.ops.aten
@@ -54,16 +53,18 @@ def _is_detach(node) -> bool:
 def _keeps_the_alias(user, depth: int = 0) -> bool:
     """Returned, or stored on the module by the graph's write-back (`self.last = x.detach()`:
     eager's attribute is no input that requires grad: review41c), also through views and casts
-    that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d) and ops that
-    normalize removes as returning it (nn.Identity, eval Dropout, `torch.positive`: fuzz47f)."""
+    that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d), ops that
+    normalize removes as returning it (nn.Identity, eval Dropout, `torch.positive`: fuzz47f) and
+    in-place ops, which return it."""
     from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
     if user.op == "output" or user.op == "call_function" and user.target is write_attribute:
         return True
-    from .normalize import _is_identity   # (normalize imports this module)
+    from .normalize import _is_identity, _mutates   # (normalize imports this module)
     aliasing = user.op == "call_method" and user.target in ALIASING_METHODS or \
         user.op == "call_function" and user.target in VIEW_FUNCTIONS \
         or user.op in ("call_function", "call_method", "call_module") and (
-            _detach_source(user) is not None or _is_identity(user.graph.owning_module, user))
+            _detach_source(user) is not None or _is_identity(user.graph.owning_module, user)
+            or _mutates(user.graph.owning_module, user))   # `x.detach().mul_(2)` returns the alias (fuzz50c)
     return aliasing and depth < 8 and any(_keeps_the_alias(u, depth + 1) for u in user.users)
 
 
@@ -71,14 +72,11 @@ ALIASING_METHODS = VIEW_METHODS | {"float", "double", "half", "to", "type", "typ
 
 
 def _reshaped_in_place(node, source) -> bool:
-    users = list(node.users) + [u for u in (source.users if isinstance(source, torch.fx.Node) else ()) if u is not node]
-    return any(op_name(u) in RESHAPED_IN_PLACE for u in users)
+    """node or its source reshaped in place, also through ops that return it as it is (`d.float().t_()`,
+    `h.detach().mul_(2).unsqueeze_(0)`: fuzz50c)."""
+    from .identity_ops import reshaped_in_place
+    return reshaped_in_place(node) or reshaped_in_place(source)
 
-
-RESHAPED_IN_PLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
-                     "resize_", "resize_as_", "set_", "requires_grad_"}   # the tensor object's own state
-#                    (review40b: `d.requires_grad_()` set it on the source); a value write through the alias
-#                    is one through its source
 
 
 def _detach_readers(node) -> None:

@@ -39,7 +39,7 @@ from fxfuse.node_meta import fetch_attr, meta_tensor, single_tensor_meta as _met
 from fxfuse.ops import is_pointwise_target
 
 from .fuse_pointwise import _mutated_values, why_not_fusible
-from .identity_ops import METADATA_INPLACE
+from .identity_ops import reshaped_in_place
 from .normalize_layers import LINEAR_BIAS, only_unit_indices, register_constant
 from .sink_views import reshape_source
 
@@ -228,8 +228,8 @@ def _drop_contiguous_before_pointwise(gm, written, options) -> None:
             and node.kwargs.get("memory_format") is torch.contiguous_format) or (
             node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1   # export's
             and node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format)   # (fuzz40h)
-        if contiguous and node.users and node not in written and node.args[0] not in written and not any(
-                op_name(u) in METADATA_INPLACE for u in node.args[0].users) and all(   # (h.t_(): fuzz43h)
+        if contiguous and node.users and node not in written and node.args[0] not in written and not reshaped_in_place(
+                node.args[0]) and all(   # (h.t_(): fuzz43h)
                 u.op == "call_function" and why_not_fusible(u, written) is None or _unit_view_into_kernels(u, written)
                 for u in node.users) and (options is None or options.fuse):   # each reader in a kernel, which
             #                                                                   writes eager's strides

@@ -18,6 +18,51 @@ METADATA_INPLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "
                     "as_strided_", "set_", "detach_", "requires_grad_"}   # in-place ops on a tensor's view of its storage
 
 
+# methods and functions that may return their input as it is (a cast to its own dtype, contiguous() of a
+# contiguous tensor, +x, atleast_2d of a matrix, eval dropout): eager's result is then the input's tensor object
+MAY_RETURN_INPUT = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "positive",
+                    "__pos__", "pos", "resolve_conj", "resolve_neg", "atleast_1d", "atleast_2d", "atleast_3d",
+                    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+
+
+def same_object_users(node, depth: int = 0):
+    """node's users, and through the ops that may hand node's tensor object back as it is (an
+    in-place op on it: `h[:].add_(1)` returns the view; a no-op cast, contiguous(), +x, eval
+    dropout, nn.Identity), theirs: every op that sees node's very tensor object. A whole view
+    (`h[:]`, `h.detach()`) is another object than h: returned or reshaped in place through one
+    of those, it must stay (fuzz50c: `x[:].mul_(2)` returned came back as x itself)."""
+    from .normalize import _mutates   # (normalize imports this module)
+    from .spellings import DROPOUT_MODULES
+    for user in node.users:
+        yield user
+        if depth >= 8 or not user.args or user.args[0] is not node:
+            continue
+        gm = user.graph.owning_module
+        if user.op == "call_module":
+            passes = gm is not None and (isinstance(gm.get_submodule(user.target), DROPOUT_MODULES + (
+                torch.nn.Identity,)) or _mutates(gm, user))
+        else:
+            passes = user.op in ("call_function", "call_method") and (
+                op_name(user) in MAY_RETURN_INPUT or user.target is operator.pos
+                or op_name(user) not in METADATA_INPLACE and gm is not None and _mutates(gm, user))
+        if passes:
+            yield from same_object_users(user, depth + 1)
+
+
+def object_seen(node) -> bool:
+    """Whether node's tensor object itself is seen: returned, stored by the graph's write-back, or
+    reshaped in place, directly or through ops that return it as it is (same_object_users)."""
+    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
+    return any(u.op == "output" or u.op == "call_function" and u.target is write_attribute
+               or op_name(u) in METADATA_INPLACE for u in same_object_users(node))
+
+
+def reshaped_in_place(node) -> bool:
+    """Whether node's tensor object is reshaped in place (`h.t_()`, `h.float().unsqueeze_(0)`): a view
+    taken of it before keeps the old shape, so the view is no alias of h's later self."""
+    return isinstance(node, torch.fx.Node) and any(op_name(u) in METADATA_INPLACE for u in same_object_users(node))
+
+
 def torch_contiguous(shape, stride) -> bool:
     """Tensor.is_contiguous() from a shape and strides: size-1 dims' strides do not count, so `.contiguous()`
     of a [1, N] transpose returns it itself (review44h: read as a copy, it aliased the caller's input)."""
@@ -53,9 +98,8 @@ PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis
 def whole_slice(node) -> bool:
     """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim,
     a permute that moves nothing: h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
-    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or any(
-            u.op == "output" or op_name(u) in METADATA_INPLACE for u in node.users) \
-            or any(op_name(u) in METADATA_INPLACE for u in node.args[0].users):
+    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or object_seen(node) \
+            or reshaped_in_place(node.args[0]):
         return False   # eager's view is another tensor: `v.unsqueeze_(0)` (or h.t_() of its source: fuzz43h), or a caller's on a returned
     src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)   # slice, leave h as it is (fuzz42i)
     if src is None or out is None or tuple(src.shape) != tuple(out.shape) or tuple(src.stride) != tuple(out.stride):
@@ -83,7 +127,7 @@ def is_no_op_conversion(node) -> bool:
     src, out = node.args[0], single_tensor_meta(node)
     before = single_tensor_meta(src) if isinstance(src, torch.fx.Node) else None
     if before is None or out is None or tuple(out.stride) != tuple(before.stride) or out.dtype != before.dtype \
-            or any(op_name(u) in METADATA_INPLACE for u in src.users):   # h.t_(): src's metadata is stale (fuzz43h)
+            or reshaped_in_place(src):   # h.t_(): src's metadata is stale (fuzz43h)
         return False
     if node.target == "contiguous":
         return len(node.args) == 1 and node.kwargs.get("memory_format", torch.contiguous_format) \
@@ -117,7 +161,7 @@ def read_only_clone(node, is_pointwise_target):
         return None
     src, out, before = args[0], single_tensor_meta(node), single_tensor_meta(args[0])
     if out is None or before is None or tuple(out.stride) != tuple(before.stride) \
-            or any(op_name(u) in METADATA_INPLACE for u in src.users):
+            or reshaped_in_place(src):
         return None
     return src if _read_by_pointwise_only(node, is_pointwise_target) else None
 
@@ -233,7 +277,7 @@ def repeat_as_expand(node, is_pointwise_target) -> bool:
     reps = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
     src, out = single_tensor_meta(args[0]), single_tensor_meta(node)
     if src is None or out is None or not all(type(r) is int for r in reps) or len(reps) < len(src.shape) \
-            or any(op_name(u) in METADATA_INPLACE for u in args[0].users):
+            or reshaped_in_place(args[0]):
         return False
     padded = (1,) * (len(reps) - len(src.shape)) + tuple(src.shape)
     if any(r != 1 and size != 1 for r, size in zip(reps, padded)):

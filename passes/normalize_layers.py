@@ -189,7 +189,8 @@ def split_layer(gm, node) -> bool:
     g = gm.graph
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
-        if type(mod) is nn.Linear and len(node.args) == 1 and not node.kwargs:
+        if type(mod) is nn.Linear and len(node.args) == 1 and not node.kwargs \
+                and _bias_keeps_shape(node, None if mod.bias is None else mod.bias.shape):
             with g.inserting_before(node):
                 w = get_attr_quietly(g, f"{node.target}.weight")
                 out = g.call_function(F.linear, (node.args[0], w))
@@ -212,7 +213,8 @@ def split_layer(gm, node) -> bool:
             return False
     elif node.op == "call_function" and node.target in (F.linear, aten.linear.default):
         args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
-        if args.get("bias") is None:
+        bias = tensor_meta(args.get("bias"))
+        if args.get("bias") is None or not _bias_keeps_shape(node, getattr(bias, "shape", None)):
             return False
         with g.inserting_before(node):
             out = g.call_function(F.linear, (args["input"], args["weight"]))
@@ -226,6 +228,18 @@ def split_layer(gm, node) -> bool:
     node.replace_all_uses_with(out)
     g.erase_node(node)
     return True
+
+
+def _bias_keeps_shape(node, bias_shape) -> bool:
+    """Whether `F.linear(x, W) + b` has the layer's shape: ATen folds a [1, N] bias into a 1-D
+    input's product ([N]), the add would broadcast it up a rank ([1, N], fuzz50c)."""
+    out = tensor_meta(node)
+    if bias_shape is None or not hasattr(out, "shape"):
+        return bias_shape is None or len(bias_shape) <= 1
+    try:
+        return tuple(torch.broadcast_shapes(out.shape, bias_shape)) == tuple(out.shape)
+    except RuntimeError:
+        return False
 
 
 def keywords_to_positions(gm, node) -> None:

@@ -1,0 +1,302 @@
+"""Stop 50: helper findings (fuzz50*): views returned through ops that return their input, a bias of
+two dims, state the trace moved, values it froze (each test fails on the code before its fix)."""
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxfuse
+
+from conftest import optimize_strict
+
+WHOLE_VIEWS_WRITTEN = {
+    "slice_mul_": lambda x: x[:].mul_(2),
+    "ellipsis_relu_": lambda x: x[...].relu_(),
+    "detach_mul_": lambda x: x.detach().mul_(2),
+    "narrow_add_": lambda x: x.narrow(0, 0, 4).add_(1),
+    "permute_add_": lambda x: x.permute(0, 1).add_(1),
+    "data_mul_": lambda x: x.data.mul_(2),
+    "slice_contiguous": lambda x: x[:].contiguous(),
+    "slice_float": lambda x: x[:].float(),
+    "slice_dropout": lambda x: F.dropout(x[:], 0.1, False),
+}
+
+
+class Apply(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_VIEWS_WRITTEN))
+def test_a_returned_whole_view_is_not_the_input_itself(name):
+    """fuzz50c: `x[:].mul_(2)` returned came back as x itself (the view was dropped and the in-place op
+    returns its operand), so a caller's `out.unsqueeze_(0)` reshaped the caller's input too."""
+    model = Apply(WHOLE_VIEWS_WRITTEN[name]).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6))
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        xe, xo = torch.randn(4, 6), torch.randn(4, 6)
+        xo.copy_(xe)
+        want, got = model(xe), opt(xo)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(xo, xe)
+    assert (got is xo) == (want is xe) is False
+    got.unsqueeze_(0)
+    assert xo.shape == (4, 6)
+
+
+class TwiceThroughAWrite(nn.Module):
+    def forward(self, x):
+        h = x.exp()
+        return h, h[:].mul_(2)
+
+
+def test_a_value_and_its_written_whole_view_come_back_as_two_tensors():
+    opt = fxfuse.optimize(TwiceThroughAWrite().eval(), torch.randn(4, 6))
+    with torch.no_grad():
+        a, b = opt(torch.randn(4, 6))
+    assert a is not b
+    b.unsqueeze_(0)
+    assert a.shape == (4, 6)
+
+
+class ReshapedThroughAWrite(nn.Module):
+    def forward(self, x):
+        h = x.exp()
+        w = h[:].add_(1)
+        w.unsqueeze_(0)
+        return h * 2
+
+
+class DetachedReshapedThroughACast(nn.Module):
+    def forward(self, x):
+        h = x.exp()
+        w = h.detach().float()
+        w.t_()
+        return h + 1
+
+
+@pytest.mark.parametrize("model_class", [ReshapedThroughAWrite, DetachedReshapedThroughACast])
+def test_a_view_reshaped_in_place_through_an_op_returning_it_leaves_its_source(model_class):
+    """fuzz50c: the reshape landed on h ([1, 4, 6] where eager gives [4, 6]); verify refused it blaming the model."""
+    model, x = model_class().eval(), torch.randn(4, 6)
+    for verify in (False, True):
+        opt = fxfuse.optimize(model, x, verify=verify)
+        assert fxfuse.stats(opt)["optimized"]
+        with torch.no_grad():
+            xi = torch.randn(4, 6)
+            torch.testing.assert_close(opt(xi), model(xi))
+
+
+class RowBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 16))
+        self.bias = nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias).relu()
+
+
+def test_linear_of_one_sample_with_a_row_bias_keeps_its_shape():
+    """fuzz50c: the bias split out of F.linear broadcast a [1, N] bias up a rank: [1, 8] where eager gives [8]."""
+    model = RowBias().eval()
+    opt = fxfuse.optimize(model, torch.randn(16), verify=False)
+    assert fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        x = torch.randn(16)
+        got, want = opt(x), model(x)
+    assert got.shape == want.shape == (8,)
+    torch.testing.assert_close(got, want)
+
+
+def test_linear_of_a_batch_with_a_row_bias_is_still_split():
+    model = RowBias().eval()
+    x = torch.randn(5, 16)
+    opt = optimize_strict(model, x)
+    assert fxfuse.stats(opt)["fused_kernels"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class Block(nn.Module):
+    scale = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.scale
+
+
+class SubBlock(Block):
+    pass
+
+
+class Blocks(nn.Module):
+    def __init__(self, *classes):
+        super().__init__()
+        self.blocks = nn.ModuleList([c() for c in classes])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_a_class_attribute_shadowed_on_any_instance_rebuilds(k):
+    """fuzz50d: only the first module of a class was watched for an instance value shadowing the class's."""
+    model, x = Blocks(Block, Block, Block).eval(), torch.randn(3, 8)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        opt(x)
+        model.blocks[k].scale = 3.0
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_subclass_shadowing_its_base_after_a_base_module_rebuilds():
+    model, x = Blocks(Block, SubBlock).eval(), torch.randn(3, 8)
+    opt = optimize_strict(model, x)
+    try:
+        with torch.no_grad():
+            opt(x)
+            SubBlock.scale = 3.0
+            torch.testing.assert_close(opt(x), model(x))
+    finally:
+        del SubBlock.scale
+
+
+class ScaledChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.lin.scale = 2.0
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * getattr(self.lin, "scale")
+
+
+def test_attributes_of_torch_layers_are_watched_where_the_code_reads_by_computed_names():
+    """fuzz50d: with getattr in forward() every attribute was to be watched, but a Linear's or a ReLU's were not."""
+    model, x = ScaledChild().eval(), torch.randn(3, 8)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        opt(x)
+        model.lin.scale = 5.0
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class UpcastHalf(nn.Module):
+    def forward(self, x):
+        if x.dtype is torch.float16:
+            x = x.float()
+        return torch.sigmoid(x * 3.0) * 2
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_dtype_tested_by_identity_takes_eagers_branch(verify):
+    """fuzz50d: `x.dtype is torch.float16` is False for a Proxy: the graph returned fp16 where eager gives
+    fp32 (verify=False), or the model was refused (verify=True). Traced by torch.export now."""
+    model, x = UpcastHalf().eval(), torch.randn(3, 8).half()
+    opt = fxfuse.optimize(model, x, verify=verify, strict=True)
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
+class Scheduled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = itertools.cycle([1.0, 0.5, 0.25])
+
+    def forward(self, x):
+        return torch.relu(x) * next(self.scale)
+
+
+def test_an_iterator_forward_takes_from_is_refused_before_the_trace():
+    """fuzz50d: with verify=False the first value was frozen into the graph (and the trace took one)."""
+    model, x = Scheduled().eval(), torch.randn(3, 8)
+    with pytest.warns(fxfuse.FxfuseWarning, match="iterator"):
+        opt = fxfuse.optimize(model, x, verify=False)
+    assert not fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        assert [opt(torch.ones(1))[0].item() for _ in range(3)] == [1.0, 0.5, 0.25]
+
+
+class ClassCounter(nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return x * type(self).calls
+
+
+def _make_step():
+    c = 0
+
+    def step():
+        nonlocal c
+        c += 1
+        return c
+    return step
+
+
+class ClosureCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.step = _make_step()
+
+    def forward(self, x):
+        return x * self.step()
+
+
+@pytest.mark.parametrize("model_class", [ClassCounter, ClosureCounter])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_count_kept_on_the_class_or_in_a_closure_is_state(model_class, verify):
+    """fuzz50d: `type(self).calls += 1` and a closure's `nonlocal c` moved during the trace, and the graph
+    held the trace's count (verify=False), or verify refused the model as random."""
+    ClassCounter.calls = 0
+    model, x = model_class().eval(), torch.ones(2, 4)
+    with pytest.warns(fxfuse.FxfuseWarning, match="changes the module's state"):
+        opt = fxfuse.optimize(model, x, verify=verify)
+    assert not fxfuse.stats(opt)["optimized"]
+    with torch.no_grad():
+        assert [opt(x)[0, 0].item() for _ in range(3)] == [1.0, 2.0, 3.0]   # optimize left the count as it was
+
+
+def test_the_grad_probe_shows_no_warning_eager_does_not():
+    """fuzz50g: the grad probe's inputs require grad, so `math.sqrt(t)` of a 0-d input warned "Converting a
+    tensor with requires_grad=True to a scalar" from optimize, which eager never does."""
+    import math
+
+    class Sqrt(nn.Module):
+        def forward(self, x, t):
+            return x.relu() * math.sqrt(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxfuse.optimize(Sqrt().eval(), (torch.randn(3, 4), torch.tensor(4.0)))
+
+
+class Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tau = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return torch.softmax(x / float(self.tau), -1)
+
+
+def test_float_of_a_parameter_names_item_as_the_way():
+    """fuzz50d / fuzz50g: the refusal told the user to remove `.item()`, the spelling that works."""
+    with pytest.warns(fxfuse.FxfuseWarning, match=r"Write `t.item\(\)`"):
+        fxfuse.optimize(Tempered().eval(), torch.randn(3, 8))
