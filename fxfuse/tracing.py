@@ -215,8 +215,7 @@ def _trace(model, example_args, concrete, held):
                                 "keeps `t.item()` as a symbolic size, but int() asks for its value. Write `t.item()` "
                                 "where a size or an index needs the number")   # (fuzz47c, fuzz47d)
             elif "DataDependent" in type(export_error).__name__ and "float() arg" in str(fx_error):
-                advice_first = ("forward() converts a tensor to a Python float (`float(t)`), whose value neither tracer "
-                                "has. Write `t.item()`: symbolic_trace records it as a read on every call")   # (fuzz50d)
+                advice_first = "forward() converts a tensor with float(): write `t.item()`, which symbolic_trace records"
             elif "DataDependent" in type(export_error).__name__ and re.search(r"\]\s*[-+*/]?=[^=]", export_where):
                 advice_first = ("forward() assigns into a tensor at a 0-d integer tensor index (`h[i] = v`), which "
                                 "torch.export reads as a value: `h[i.view(1)] = v` writes the same and both tracers "

@@ -6,6 +6,8 @@ import torch.fx
 
 from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
 
+from .identity_ops import hands_back, held_by_caller, reshaped_in_place
+
 aten = torch.ops.aten
 
 
@@ -47,25 +49,27 @@ def _is_detach(node) -> bool:
         return False
     if node.target in ("detach_", aten.detach_.default):
         return True
-    return not _reshaped_in_place(node, source) and not any(_keeps_the_alias(u) for u in node.users)
+    return not _reshaped_in_place(node, source) and not any(_keeps_the_alias(u, node, source) for u in node.users)
 
 
-def _keeps_the_alias(user, depth: int = 0) -> bool:
+def _keeps_the_alias(user, of, source=None, depth: int = 0) -> bool:
     """Returned, or stored on the module by the graph's write-back (`self.last = x.detach()`:
     eager's attribute is no input that requires grad: review41c), also through views and casts
     that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d), ops that
     normalize removes as returning it (nn.Identity, eval Dropout, `torch.positive`: fuzz47f) and
     in-place ops, which return it."""
     from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
-    if user.op == "output" or user.op == "call_function" and user.target is write_attribute:
+    if user.op == "output":   # (a fresh intermediate's alias returned may be it: review50r1)
+        return source is None or held_by_caller(source)
+    if user.op == "call_function" and user.target is write_attribute:
         return True
-    from .normalize import _is_identity, _mutates   # (normalize imports this module)
+    from .normalize import _is_identity   # (normalize imports this module)
     aliasing = user.op == "call_method" and user.target in ALIASING_METHODS or \
         user.op == "call_function" and user.target in VIEW_FUNCTIONS \
         or user.op in ("call_function", "call_method", "call_module") and (
             _detach_source(user) is not None or _is_identity(user.graph.owning_module, user)
-            or _mutates(user.graph.owning_module, user))   # `x.detach().mul_(2)` returns the alias (fuzz50c)
-    return aliasing and depth < 8 and any(_keeps_the_alias(u, depth + 1) for u in user.users)
+            or hands_back(user, of))   # `x.detach().mul_(2)`, `.cpu()` return the alias (fuzz50c, review50r1)
+    return aliasing and depth < 64 and any(_keeps_the_alias(u, user, source, depth + 1) for u in user.users)
 
 
 ALIASING_METHODS = VIEW_METHODS | {"float", "double", "half", "to", "type", "type_as", "contiguous"}
@@ -74,7 +78,6 @@ ALIASING_METHODS = VIEW_METHODS | {"float", "double", "half", "to", "type", "typ
 def _reshaped_in_place(node, source) -> bool:
     """node or its source reshaped in place, also through ops that return it as it is (`d.float().t_()`,
     `h.detach().mul_(2).unsqueeze_(0)`: fuzz50c)."""
-    from .identity_ops import reshaped_in_place
     return reshaped_in_place(node) or reshaped_in_place(source)
 
 
@@ -84,5 +87,5 @@ def _detach_readers(node) -> None:
     so a pointwise reader still joins the source's kernel."""
     source = _detach_source(node)
     if source is not None and isinstance(source, torch.fx.Node) and not _reshaped_in_place(node, source):
-        for user in [u for u in node.users if not _keeps_the_alias(u)]:
+        for user in [u for u in node.users if not _keeps_the_alias(u, node, source)]:
             user.replace_input_with(node, source)

@@ -10,7 +10,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from fxfuse.data_dependent import op_name
 from fxfuse.node_meta import single_tensor_meta
-from fxfuse.ops import row_major
+from fxfuse.ops import is_pointwise_target, row_major
+from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
 from fxfuse.tracing import fxfuse_meta
 
 aten = torch.ops.aten
@@ -18,43 +19,76 @@ METADATA_INPLACE = {"unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "
                     "as_strided_", "set_", "detach_", "requires_grad_"}   # in-place ops on a tensor's view of its storage
 
 
-# methods and functions that may return their input as it is (a cast to its own dtype, contiguous() of a
-# contiguous tensor, +x, atleast_2d of a matrix, eval dropout): eager's result is then the input's tensor object
-MAY_RETURN_INPUT = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "positive",
-                    "__pos__", "pos", "resolve_conj", "resolve_neg", "atleast_1d", "atleast_2d", "atleast_3d",
-                    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+# views whose result is always another tensor object (flatten may return its input itself)
+NEW_OBJECT_VIEWS = VIEW_METHODS - {"flatten"}
 
 
-def same_object_users(node, depth: int = 0):
-    """node's users, and through the ops that may hand node's tensor object back as it is (an
-    in-place op on it: `h[:].add_(1)` returns the view; a no-op cast, contiguous(), +x, eval
-    dropout, nn.Identity), theirs: every op that sees node's very tensor object. A whole view
-    (`h[:]`, `h.detach()`) is another object than h: returned or reshaped in place through one
-    of those, it must stay (fuzz50c: `x[:].mul_(2)` returned came back as x itself)."""
-    from .normalize import _mutates   # (normalize imports this module)
-    from .spellings import DROPOUT_MODULES
-    for user in node.users:
-        yield user
-        if depth >= 8 or not user.args or user.args[0] is not node:
-            continue
-        gm = user.graph.owning_module
-        if user.op == "call_module":
-            passes = gm is not None and (isinstance(gm.get_submodule(user.target), DROPOUT_MODULES + (
-                torch.nn.Identity,)) or _mutates(gm, user))
-        else:
-            passes = user.op in ("call_function", "call_method") and (
-                op_name(user) in MAY_RETURN_INPUT or user.target is operator.pos
-                or op_name(user) not in METADATA_INPLACE and gm is not None and _mutates(gm, user))
-        if passes:
-            yield from same_object_users(user, depth + 1)
+def hands_back(user, node) -> bool:
+    """Whether user may return node's tensor object itself: any op reading node (positionally or by
+    keyword: `out=`, `input=`) but the views, which make another object, and the ops that make new
+    memory (normalize._produces_fresh_tensor, an out-of-place pointwise method): an in-place op, a
+    cast, cpu(), contiguous(), flatten(1, 1), sum_to_size, +x, eval dropout, a module (review50r1)."""
+    from .normalize import _mutates, _produces_fresh_tensor   # (normalize imports this module)
+    if user.op not in ("call_function", "call_method", "call_module") or node not in user.all_input_nodes:
+        return False
+    if user.graph.owning_module is not None and _mutates(user.graph.owning_module, user):   # returns what it writes:
+        return node in (user.args[:1] + tuple(user.kwargs.get(k) for k in ("input", "self", "out")))   # (not `h.add_(d)`'s d)
+    name = op_name(user)
+    if user.op == "call_method" and name in NEW_OBJECT_VIEWS or user.op == "call_function" and (
+            user.target in VIEW_FUNCTIONS and user.target is not torch.flatten):
+        return False
+    return not (_produces_fresh_tensor(user) or _pointwise_method(user))
 
 
-def object_seen(node) -> bool:
-    """Whether node's tensor object itself is seen: returned, stored by the graph's write-back, or
-    reshaped in place, directly or through ops that return it as it is (same_object_users)."""
+def _pointwise_method(node) -> bool:
+    """`h.sigmoid()`, `h.mul(2)`: an out-of-place pointwise method, whose result is new memory."""
+    fn = getattr(torch, node.target, None) if node.op == "call_method" else None
+    return fn is not None and not node.target.endswith("_") and node.target not in CASTS and "out" not in node.kwargs \
+        and is_pointwise_target(fn)
+
+
+CASTS = {"float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "to", "type",
+         "type_as", "positive", "real", "conj", "resolve_conj", "resolve_neg"}
+
+
+def same_object_users(node):
+    """node's users, and through the ops that may hand node's tensor object back as it is
+    (hands_back: `h[:].add_(1)` returns the view), theirs: every op that may see node's very tensor
+    object. A whole view (`h[:]`, `h.detach()`) is another object than h: returned or reshaped in
+    place through one of those, it must stay (fuzz50c: `x[:].mul_(2)` returned came back as x)."""
+    seen, stack, given = {node}, [node], set()
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user not in given:
+                given.add(user)
+                yield user
+            if user not in seen and hands_back(user, n):
+                seen.add(user)
+                stack.append(user)
+
+
+def object_seen(node, source=None) -> bool:
+    """Whether node's tensor object itself is seen: reshaped in place, or returned or stored by the
+    graph's write-back where the caller may also hold `source` (an input, a parameter, a value
+    returned itself; a fresh intermediate no one else sees may be given back in the view's place:
+    review50r1), directly or through ops that return it as it is (same_object_users)."""
     from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
+    users = list(same_object_users(node))
+    if any(op_name(u) in METADATA_INPLACE for u in users):
+        return True
+    returned = any(u.op == "output" or u.op == "call_function" and u.target is write_attribute for u in users)
+    return returned and (source is None or held_by_caller(source))
+
+
+def held_by_caller(source) -> bool:
+    """Whether the caller may hold source's tensor object: all but a fresh intermediate not returned."""
+    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
+    from .normalize import _produces_fresh_tensor   # (normalize imports this module)
+    if not isinstance(source, torch.fx.Node) or not (_produces_fresh_tensor(source) or _pointwise_method(source)):
+        return True
     return any(u.op == "output" or u.op == "call_function" and u.target is write_attribute
-               or op_name(u) in METADATA_INPLACE for u in same_object_users(node))
+               for u in same_object_users(source))
 
 
 def reshaped_in_place(node) -> bool:
@@ -98,7 +132,7 @@ PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis
 def whole_slice(node) -> bool:
     """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim,
     a permute that moves nothing: h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
-    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or object_seen(node) \
+    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or object_seen(node, node.args[0]) \
             or reshaped_in_place(node.args[0]):
         return False   # eager's view is another tensor: `v.unsqueeze_(0)` (or h.t_() of its source: fuzz43h), or a caller's on a returned
     src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)   # slice, leave h as it is (fuzz42i)

@@ -72,16 +72,15 @@ def test_non_finite_exponents_follow_c_pow(p):
 
 
 class VarArgs(nn.Module):
-    """forward(*xs): traced by export, and its OptimizedModule ends up in a reference cycle."""
-    collect = False
+    """forward(*xs): traced by export, and its OptimizedModule ends up in a reference cycle. Told to collect
+    through the environment: a flag on the class that forward() resets is state (stop 50)."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
 
     def forward(self, *xs):
-        if VarArgs.collect:
-            VarArgs.collect = False
+        if os.environ.pop("FXFUSE_TEST_COLLECT", None):
             gc.collect()   # a garbage collection that happens to run during the build
         return self.b(self.act(self.a(xs[0]), *xs[1:]))
 
@@ -98,7 +97,7 @@ def test_an_old_optimized_module_collected_during_a_build_is_no_state_change():
     holder = [opt]
     holder.append(holder)   # the user's own reference cycle: freed only by a garbage collection
     del opt, holder
-    VarArgs.collect = True
+    os.environ["FXFUSE_TEST_COLLECT"] = "1"
     again, warned = _optimize(model, torch.randn(4, 16))
     assert alive() is None and not warned and fxfuse.stats(again)["optimized"]
     x = torch.randn(4, 16)
