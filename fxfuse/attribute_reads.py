@@ -23,9 +23,11 @@ import contextlib
 import dis
 import importlib.util
 import inspect
+import io
 import operator
 import os
 import sys
+import types
 
 import torch
 
@@ -98,7 +100,7 @@ def recording_attribute_reads(model: torch.nn.Module):
     in the block could read}, or {"all": True}: that code reads attributes by computed names
     (DYNAMIC), or both a profiler and a tracer are installed (no hook left to use)."""
     reads, codes, own = {}, set(), class_code(model)
-    refuse_held_iterators(model, own)
+    iterators = held_iterators(model)
 
     def hook(frame, event, arg):
         if event == "call":
@@ -119,6 +121,7 @@ def recording_attribute_reads(model: torch.nn.Module):
     else:
         reads["all"] = True
         yield reads
+        refuse_iterators_read(iterators, None)
         return
     install()
     try:
@@ -133,40 +136,76 @@ def recording_attribute_reads(model: torch.nn.Module):
             reads["names"] = names
         reads["probed"] = _probed(codes)
         reads["tests_identity"] = any(map(_tests_identity, codes))
+        refuse_iterators_read(iterators, names)
 
 
 def _tests_identity(code) -> bool:
     """Whether code tests a tensor's dtype, device or flag by identity (`x.dtype is torch.float16`,
     `x.is_floating_point() is True`): under symbolic_trace the attribute is a Proxy, which is
     nothing else, so the graph took the test's False way silently (fuzz50d: an fp16 input came back
-    fp16). Such a model is traced by torch.export (tracing._checks_tensor_type). `is None` tests pass."""
+    fp16). Such a model is traced by torch.export (tracing._checks_tensor_type): one whose code reads
+    such a value and tests anything but None by identity (a value held in a local, review50r2)."""
     from .fx_tracer import PLAIN_ATTRIBUTES, PLAIN_METHODS
     read = {*PLAIN_ATTRIBUTES, *PLAIN_METHODS} - {"shape", "size", "item", "tolist"}
-    ops = list(dis.get_instructions(code))
-    for i, op in enumerate(ops):
-        if op.opname == "IS_OP" and not (ops[i - 1].opname == "LOAD_CONST" and ops[i - 1].argval is None) and any(
-                w.opname in ("LOAD_ATTR", "LOAD_METHOD") and w.argval in read for w in ops[max(0, i - 6):i]):
-            return True
-    return False
+    if not read & _names_of(code):   # (by attribute or by name: `getattr(x, "dtype")`, review50r2)
+        return False
+    ops = list(dis.get_instructions(code))   # anywhere in the code: `dt = x.dtype; ...; dt is torch.float16`
+    return any(op.opname == "IS_OP" and not (ops[i - 1].opname == "LOAD_CONST" and ops[i - 1].argval is None)
+               for i, op in enumerate(ops))
 
 
-def refuse_held_iterators(model: torch.nn.Module, code) -> None:
-    """forward() taking values from an iterator a module, its class or its forward's globals hold
-    (`next(self.schedule)` of an itertools.cycle, a generator): each eager call takes the next
-    one, a graph would hold the trace's fixed, and the trace would consume the user's (fuzz50d).
-    Refused before the trace where the model's code names it."""
-    from .errors import UnsupportedError
-    from .module_state import forward_globals
-    names = None
+def held_iterators(model: torch.nn.Module) -> list:
+    """(label, names, iterator) for the iterators a module, its class or its forward's globals hold,
+    also one level into a dict, list, tuple or record and in a held function's closure: where
+    forward() takes values from one (`next(self.schedule)` of an itertools.cycle, a generator), each
+    eager call takes the next, a graph would hold the trace's (fuzz50d, review50r2). Not files,
+    StringIOs (written logs) or weak proxies (every proxy type has __next__)."""
+    from .module_state import WEAK_PROXIES, forward_globals
+
+    def iterator(v):
+        return type(v) not in WEAK_PROXIES and isinstance(v, collections.abc.Iterator) and not isinstance(
+            v, (torch.Tensor, torch.nn.Module, io.IOBase))
+
+    found = []
     for name, m in model.named_modules():
         held = {**{k: v for c in _user_classes(m) for k, v in vars(c).items()}, **m.__dict__, **forward_globals(m)[1]}
         for k, v in held.items():
-            if isinstance(v, collections.abc.Iterator) and not isinstance(v, (torch.Tensor, torch.nn.Module)):
-                names = set().union(*map(_names_of, code)) if names is None else names
-                if k in names:
-                    raise UnsupportedError(f"forward() may take values from {name + '.' if name else ''}{k}, an "
-                                           f"iterator ({type(v).__name__}): each eager call takes its next value, a "
-                                           "traced graph would hold one fixed; the original module runs")
+            if type(v) in WEAK_PROXIES:
+                continue
+            try:   # (an object whose attribute lookup raises: not looked into)
+                inner = list(v.items()) if isinstance(v, dict) else list(enumerate(v)) if isinstance(
+                    v, (list, tuple)) else list(vars(v).items()) if _plain_record(v) else []
+                inner += list(enumerate(v.__closure__ or ())) if isinstance(v, types.FunctionType) else []
+            except Exception:  # noqa: BLE001
+                inner = []
+            for key, item in [(None, v)] + inner[:64]:
+                item = _cell_value(item) if isinstance(item, types.CellType) else item
+                if iterator(item):
+                    label = f"{name + '.' if name else ''}{k}" + ("" if key is None else f"[{key!r}]")
+                    found.append((label, {k} | ({key} if isinstance(key, str) else set()), item))
+    return found
+
+
+def _plain_record(v) -> bool:
+    return type(v).__module__ not in ("builtins",) and isinstance(getattr(v, "__dict__", None), dict) and not \
+        isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:   # an empty cell
+        return None
+
+
+def refuse_iterators_read(iterators: list, names) -> None:
+    """Refuse where the code that ran names a held iterator (held_iterators); names None: every one."""
+    from .errors import UnsupportedError
+    for label, keys, it in iterators:
+        if names is None or keys <= names:
+            raise UnsupportedError(f"forward() may take values from {label}, an iterator ({type(it).__name__}): "
+                                   "each eager call takes its next value, a traced graph would hold one fixed (the "
+                                   "trace took one); the original module runs")
 
 
 def _rng_setters() -> set:
@@ -369,7 +408,7 @@ def plain_attributes(model: torch.nn.Module, reads: dict | None, written: frozen
             # on every module of the class (`blocks[2].scale = 3.0` shadows `Block.scale`, fuzz50d: each
             # class's first module only, before), and on the subclasses before it: `Sub.scale = 5.0`
             # shadows `A.scale` (fuzz34h), also where an A came first (fuzz50d)
-            absent += [(m, k) for k in classes[cls] if k not in m.__dict__]
+            absent += [(m, k) for k in classes[cls] if k not in m.__dict__ and (id(m), k) not in written]
             absent += [(c, k) for c in mro[:i] for k in classes[cls] if k not in vars(c)]
     if absent:   # grouped by owner (a module or a class)
         grouped = {}

@@ -19,6 +19,10 @@ DATA_DEPENDENT_FUNCTIONS |= {getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name)}
 DATA_DEPENDENT_METHODS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
                           "repeat_interleave"}
+# the same by name, for the spellings the sets miss: aten overloads (`aten.repeat_interleave.self_Tensor`,
+# `aten.nonzero_numpy`), private functions (`torch._unique2`), unbound methods (`torch.Tensor.repeat_interleave`)
+DATA_DEPENDENT_NAMES = DATA_DEPENDENT_METHODS | {"nonzero_numpy", "_unique", "_unique2", "unique_dim",
+                                                 "unique_dim_consecutive"}
 INDEXING = {operator.getitem, torch.ops.aten.index.Tensor}
 
 
@@ -44,9 +48,11 @@ def _makes_data_dependent_shape(n) -> bool:
     if n.op == "call_function" and n.target in REPEATS_ONLY and len(n.args) == 1 \
             and n.kwargs.get("output_size") is None and "repeats" not in n.kwargs:
         return True
-    dynamic = (n.op == "call_function" and n.target in DATA_DEPENDENT_FUNCTIONS) or \
-        (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
-    if dynamic and n.target in (torch.repeat_interleave, "repeat_interleave"):   # tensor repeats only, and
+    if n.op == "call_function" and op_name(n) == "where":   # aten.where.default(cond) (fuzz50l)
+        return len(n.args) + len(n.kwargs) == 1
+    dynamic = (n.op == "call_function" and (n.target in DATA_DEPENDENT_FUNCTIONS or op_name(n) in DATA_DEPENDENT_NAMES)) \
+        or (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
+    if dynamic and op_name(n) == "repeat_interleave":   # tensor repeats only, and
         dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:3]) + [n.kwargs.get("repeats")]) \
             and n.kwargs.get("output_size", n.args[3] if len(n.args) > 3 else None) is None   # no output_size
     return dynamic
@@ -216,7 +222,7 @@ FROM_INPUTS = "fxfuse_from_inputs"
 
 def _reads_size(n) -> bool:
     return (n.op == "call_method" and n.target in ("size", "numel", "nelement")) or \
-        (n.op == "call_function" and (n.target is len or n.target in SIZE_OPS
+        (n.op == "call_function" and (n.target is len or n.target in SIZE_OPS or n.target is torch.numel
                                      or (n.target is getattr and n.args[1:] == ("shape",))))
 
 

@@ -13,7 +13,8 @@ import types
 import torch
 import torch.fx
 
-from .module_state import _forward_state, _held, forward_globals, _is_record, is_ndarray, same_attr, same_value, version
+from .module_state import (WEAK_PROXIES, _forward_state, _held, _is_record, forward_function, forward_globals, is_ndarray,
+                           same_attr, same_value, version)
 from .trace_leftovers import TraceLeftovers, is_trace_value, reads_input_values
 
 
@@ -165,8 +166,10 @@ class _Snapshot:
         # stored there by the trace would reach every later eager call of the class
         self.class_containers, self.class_values = [], []   # and their plain values (`calls = 0`, which
         #                                                     `type(self).calls += 1` moves: fuzz50d)
-        for cls in dict.fromkeys(c for m in model.modules() for c in type(m).__mro__):   # base classes too
-            if (cls.__module__ or "").startswith(("torch.", "builtins")):                  # (fuzz42h)
+        held_classes = [type(v) for _, _, attrs, *_ in self.modules for v in attrs.values()
+                        if type(v) not in WEAK_PROXIES and _is_record(v)]   # `type(self.cfg).calls += 1` (review50r2)
+        for cls in dict.fromkeys(c for t in (*map(type, model.modules()), *held_classes) for c in t.__mro__):
+            if (cls.__module__ or "").startswith(("torch.", "builtins")):   # base classes too (fuzz42h)
                 continue
             shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
             self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))
@@ -175,8 +178,7 @@ class _Snapshot:
         # the cells of functions the modules hold or their forward()s call (`self.step = make_step()`
         # counting with `nonlocal c`): a count moved by the trace was frozen into the graph (fuzz50d)
         self.cells = [(f"{name}.{k} (closure)", cell, cell.cell_contents) for name, m, attrs, *_ in self.modules
-                      for k, fn in (*attrs.items(), *forward_globals(m)[1].items())
-                      if isinstance(fn, types.FunctionType) for cell in fn.__closure__ or () if _plain_cell(cell)]
+                      for k, fn in _functions(m, attrs) for cell in fn.__closure__ or () if _plain_cell(cell)]
 
     def drop_proxies(self) -> None:
         """The trace's Proxies and FakeTensors out of the snapshotted containers (a class's
@@ -294,6 +296,27 @@ PLAIN_TYPES = (int, float, bool, str, bytes, complex, type(None))
 def _plain(v) -> bool:
     """A number, string, flag or None, or a tuple of them: a value forward() may count with."""
     return type(v) in PLAIN_TYPES or type(v) is tuple and len(v) <= 16 and all(type(a) in PLAIN_TYPES for a in v)
+
+
+def _functions(m, attrs: dict):
+    """(name, function) for the functions module m may call: its attributes (also in a dict, list or
+    tuple, a functools.partial's, a bound method's), the functions its forward() names as globals,
+    forward() itself and its class's static and class methods (review50r2: counters in each)."""
+    candidates = [*attrs.items(), *forward_globals(m)[1].items(), ("forward", forward_function(m))]
+    candidates += [(k, v) for c in type(m).__mro__ if not (c.__module__ or "").startswith(("torch.", "builtins"))
+                   for k, v in vars(c).items() if type(v) in (staticmethod, classmethod)]
+    for k, v in candidates:
+        if type(v) in WEAK_PROXIES:   # (a dead one raises on any use: review50r2)
+            continue
+        items = v.values() if isinstance(v, dict) and len(v) <= 64 else v if isinstance(v, (list, tuple)) \
+            and len(v) <= 64 else (v,)
+        for item in items:
+            if type(item) in WEAK_PROXIES:
+                continue
+            item = item.func if isinstance(item, functools.partial) else item
+            item = item.__func__ if isinstance(item, (staticmethod, classmethod, types.MethodType)) else item
+            if isinstance(item, types.FunctionType):
+                yield k, item
 
 
 def _plain_cell(cell) -> bool:

@@ -58,6 +58,9 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
         gm, how = _trace(model, example_args, concrete, held)
     if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
         gm, how = _exported(model, example_args), "torch.export(strict=False)"
+    elif how == "torch.fx.symbolic_trace" and attribute_reads.get("tests_identity"):   # `x.dtype is torch.float16`
+        with contextlib.suppress(Exception):   # (the test may be of another value: the fx graph stays, verified)
+            gm, how = _exported(model, example_args), "torch.export(strict=False)"
     if attribute_reads.get("rng"):
         raise UnsupportedError(f"forward() calls torch's {attribute_reads['rng']} (or fork_rng): the optimized graph "
                                "draws random numbers without setting or restoring the generator's state")
@@ -93,8 +96,7 @@ def _checks_tensor_type(reads: dict) -> bool:
     reads (attribute_reads): a type test and `Tensor`, or torch.is_tensor; also where the code
     reads attributes by computed names (getattr), whose names are all watched."""
     names = reads.get("code_names") or reads.get("names") or set()
-    return "is_tensor" in names or bool(names & TENSOR_TYPE_CHECKS) and "Tensor" in names \
-        or reads.get("tests_identity", False)   # `x.dtype is torch.float16` (attribute_reads._tests_identity)
+    return "is_tensor" in names or bool(names & TENSOR_TYPE_CHECKS) and "Tensor" in names
 
 
 @contextlib.contextmanager
@@ -214,7 +216,8 @@ def _trace(model, example_args, concrete, held):
                 advice_first = ("forward() converts a tensor to a Python int (`int(t)`, `int(t.item())`): torch.export "
                                 "keeps `t.item()` as a symbolic size, but int() asks for its value. Write `t.item()` "
                                 "where a size or an index needs the number")   # (fuzz47c, fuzz47d)
-            elif "DataDependent" in type(export_error).__name__ and "float() arg" in str(fx_error):
+            elif "DataDependent" in type(export_error).__name__ and "float() arg" in str(fx_error) \
+                    and not re.search(r"\b(if|elif|while|assert)\b|[<>]=?|==|!=", export_where):   # (a branch: review50r2)
                 advice_first = "forward() converts a tensor with float(): write `t.item()`, which symbolic_trace records"
             elif "DataDependent" in type(export_error).__name__ and re.search(r"\]\s*[-+*/]?=[^=]", export_where):
                 advice_first = ("forward() assigns into a tensor at a 0-d integer tensor index (`h[i] = v`), which "

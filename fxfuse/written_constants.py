@@ -11,7 +11,7 @@ import torch.fx
 
 from .code_walk import globals_read, globals_read_by, plain_functions
 from .errors import UnsupportedError
-from .module_state import storage_address
+from .module_state import WEAK_PROXIES, storage_address
 
 
 def refuse_written_constants(gm: torch.fx.GraphModule, held: dict, attributes: bool = False) -> None:
@@ -105,7 +105,7 @@ def held_tensors(model) -> list:
     for cls in dict.fromkeys(type(m) for m in modules):   # each class once (60 blocks of one class: review39d)
         for klass in cls.__mro__[:-1]:   # a tensor held as a class attribute (`T = torch.tensor(..)`)
             for value in vars(klass).values():
-                if isinstance(value, torch.Tensor):
+                if type(value) not in WEAK_PROXIES and isinstance(value, torch.Tensor):   # (a dead proxy: review50r2)
                     visit(value, 0)
         # the class's functions, decorated (`@torch.no_grad()`), static and properties too (review38e)
         for fn in [f for attr in list(vars(cls).values()) for f in plain_functions(attr)]:
