@@ -46,6 +46,9 @@ def _as_args(example_input, model) -> tuple:
             raise UnsupportedError("example_input holds no tensor (a list of numbers?): give a tensor, e.g. "
                                    "torch.tensor(...), or a tuple of the forward's arguments")
         return tuple(example_input)
+    if isinstance(example_input, torch.fx.Proxy):   # fxfuse.optimize inside a forward() being traced (fuzz50i)
+        raise UnsupportedError("fxfuse.optimize is called inside a forward() that is being traced (a submodule "
+                               "optimized lazily on the first call?): optimize the submodule before, outside forward()")
     raise UnsupportedError(f"example_input must be a tensor, a tuple of forward()'s arguments or a dict of them by "
                            f"name, got {type(example_input).__name__}")
 

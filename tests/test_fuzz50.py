@@ -559,3 +559,22 @@ def test_value_sized_spellings_are_not_frozen_at_the_example(name):
         for _ in range(3):
             x = torch.randn(6, 3)
             torch.testing.assert_close(opt(x), model(x))
+
+
+class LazyFast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.core, self.fast = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        if self.fast is None:
+            self.fast = fxfuse.optimize(self.core, x)
+        return self.fast(x) + 1
+
+
+def test_optimize_inside_a_traced_forward_says_so():
+    """fuzz50i: the refusal said "example_input must be a tensor ... got Proxy" about the user's tensor example."""
+    model = LazyFast().eval()
+    with pytest.warns(fxfuse.FxfuseWarning, match="called inside a forward"):
+        opt = fxfuse.optimize(model, torch.randn(4, 8))
+    assert model.fast is None and not fxfuse.stats(opt)["optimized"]
