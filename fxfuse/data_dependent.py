@@ -26,6 +26,12 @@ DATA_DEPENDENT_NAMES = DATA_DEPENDENT_METHODS | {"nonzero_numpy", "_unique", "_u
 INDEXING = {operator.getitem, torch.ops.aten.index.Tensor}
 
 
+def _torchs(target) -> bool:
+    """torch's own function, method or aten overload (not a user's helper named `unique`: review50r4)."""
+    return isinstance(target, torch._ops.OpOverload) or getattr(torch, getattr(target, "__name__", ""), None) is target \
+        or getattr(torch.Tensor, getattr(target, "__name__", ""), None) is target
+
+
 def _is_bool_tensor(a) -> bool:   # uint8 too: torch still indexes with it as a mask (deprecated; fuzz40e)
     meta = a.meta.get("tensor_meta") if isinstance(a, torch.fx.Node) else None
     return getattr(meta, "dtype", None) in (torch.bool, torch.uint8)
@@ -50,7 +56,8 @@ def _makes_data_dependent_shape(n) -> bool:
         return True
     if n.op == "call_function" and op_name(n) == "where":   # aten.where.default(cond) (fuzz50l)
         return len(n.args) + len(n.kwargs) == 1
-    dynamic = (n.op == "call_function" and (n.target in DATA_DEPENDENT_FUNCTIONS or op_name(n) in DATA_DEPENDENT_NAMES)) \
+    dynamic = (n.op == "call_function" and (n.target in DATA_DEPENDENT_FUNCTIONS or op_name(n) in DATA_DEPENDENT_NAMES
+                                            and _torchs(n.target))) \
         or (n.op == "call_method" and n.target in DATA_DEPENDENT_METHODS)
     if dynamic and op_name(n) == "repeat_interleave":   # tensor repeats only, and
         dynamic = any(isinstance(a, torch.fx.Node) for a in list(n.args[1:3]) + [n.kwargs.get("repeats")]) \

@@ -174,7 +174,7 @@ class _Snapshot:
             shared = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
             self.class_containers += [(f"{cls.__name__}.{k}", v, _contents(v))
                                       for kind, k, v in _held(shared, {}, seen) if kind == "container"]
-            self.class_values.append((cls, {k: v for k, v in shared.items() if _plain(v)}))
+            self.class_values.append((cls, {k: v for k, v in shared.items() if _counted(v)}))
         # the cells of functions the modules hold or their forward()s call (`self.step = make_step()`
         # counting with `nonlocal c`): a count moved by the trace was frozen into the graph (fuzz50d)
         self.cells = [(f"{name}.{k} (closure)", cell, cell.cell_contents) for name, m, attrs, *_ in self.modules
@@ -223,7 +223,7 @@ class _Snapshot:
         for name, c, saved in self.class_containers:
             _restore_container(name, c, saved, changed, id(c) in self.data_filled, kept)
         for cls, values in self.class_values:
-            for k in [k for k, v in vars(cls).items() if _plain(v) and k not in values and not k.startswith("__")]:
+            for k in [k for k, v in vars(cls).items() if _counted(v) and k not in values and not k.startswith("__")]:
                 changed.append(f"{cls.__name__}.{k}")
                 delattr(cls, k)
             for k, v in values.items():
@@ -298,11 +298,17 @@ def _plain(v) -> bool:
     return type(v) in PLAIN_TYPES or type(v) is tuple and len(v) <= 16 and all(type(a) in PLAIN_TYPES for a in v)
 
 
+def _counted(v) -> bool:
+    """A plain value but a flag: a warn-once decorator's `warned` moves once, as in eager (review50r4)."""
+    return _plain(v) and type(v) is not bool
+
+
 def _functions(m, attrs: dict):
     """(name, function) for the functions module m may call: its attributes (also in a dict, list or
     tuple, a functools.partial's, a bound method's), the functions its forward() names as globals,
     forward() itself and its class's static and class methods (review50r2: counters in each)."""
-    candidates = [*attrs.items(), *forward_globals(m)[1].items(), ("forward", forward_function(m))]
+    candidates = [*attrs.items(), *forward_globals(m)[1].items(), ("forward", forward_function(m)),
+                  ("forward", getattr(type(m), "forward", None))]   # (a decorator's closure: review50r4)
     candidates += [(k, v) for c in type(m).__mro__ if not (c.__module__ or "").startswith(("torch.", "builtins"))
                    for k, v in vars(c).items() if type(v) in (staticmethod, classmethod)]
     for k, v in candidates:
@@ -321,7 +327,7 @@ def _functions(m, attrs: dict):
 
 def _plain_cell(cell) -> bool:
     try:
-        return _plain(cell.cell_contents)
+        return _counted(cell.cell_contents)
     except ValueError:   # an empty cell (a name bound later in the enclosing function)
         return False
 

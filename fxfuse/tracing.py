@@ -28,7 +28,7 @@ from .export_asserts import users_checks
 from .fx_tracer import (GRAD_READ_REFUSAL, AutocastInForward, _AutocastWatchingTracer, _failing_line,
                         _swallowed_refusal, autocast_enabled)  # noqa: F401 (autocast_enabled re-exported: api, runtime)
 from .log import logger, quiet_this_thread
-from .attribute_reads import class_code, note_inplace_flags, recording_attribute_reads
+from .attribute_reads import class_code, merge_reads, note_inplace_flags, recording_attribute_reads
 from .attribute_writes import assigned_first, plan_attribute_writes
 from .mode_watch import mode_functions_imported, watching_mode_reads
 from .fold_sources import FoldSources
@@ -56,11 +56,12 @@ def trace(model: torch.nn.Module, example_args: tuple) -> torch.fx.GraphModule:
     with watching_mode_reads() as mode_reads, recording_attribute_reads(model) as attribute_reads, \
             parametrization_cache_off(), dead_proxies_hidden(model):
         gm, how = _trace(model, example_args, concrete, held)
-    if how == "torch.fx.symbolic_trace" and _checks_tensor_type(attribute_reads):
-        gm, how = _exported(model, example_args), "torch.export(strict=False)"
-    elif how == "torch.fx.symbolic_trace" and attribute_reads.get("tests_identity"):   # `x.dtype is torch.float16`
-        with contextlib.suppress(Exception):   # (the test may be of another value: the fx graph stays, verified)
-            gm, how = _exported(model, example_args), "torch.export(strict=False)"
+    identity = not _checks_tensor_type(attribute_reads) and attribute_reads.get("tests_identity")   # `x.dtype is
+    if how == "torch.fx.symbolic_trace" and (identity or _checks_tensor_type(attribute_reads)):   # torch.float16`
+        with recording_attribute_reads(model) as again, contextlib.suppress(*(Exception,) * bool(identity)):
+            gm, how = _exported(model, example_args), "torch.export(strict=False)"   # (an identity test may be of
+        attribute_reads = {**merge_reads(attribute_reads, again), "rng": attribute_reads.get("rng") or again.get(
+            "rng")}   # another value: the fx graph stays where export fails, verified; export's reads watched: review50r4)
     if attribute_reads.get("rng"):
         raise UnsupportedError(f"forward() calls torch's {attribute_reads['rng']} (or fork_rng): the optimized graph "
                                "draws random numbers without setting or restoring the generator's state")
@@ -218,7 +219,8 @@ def _trace(model, example_args, concrete, held):
                                 "where a size or an index needs the number")   # (fuzz47c, fuzz47d)
             elif "DataDependent" in type(export_error).__name__ and "float() arg" in str(fx_error) \
                     and not re.search(r"\b(if|elif|while|assert)\b|[<>]=?|==|!=", export_where):   # (a branch: review50r2)
-                advice_first = "forward() converts a tensor with float(): write `t.item()`, which symbolic_trace records"
+                advice_first = ("forward() converts a tensor with float(): where it is used as a number, write "
+                                "`t.item()`, which symbolic_trace records (a branch on it: torch.where)")
             elif "DataDependent" in type(export_error).__name__ and re.search(r"\]\s*[-+*/]?=[^=]", export_where):
                 advice_first = ("forward() assigns into a tensor at a 0-d integer tensor index (`h[i] = v`), which "
                                 "torch.export reads as a value: `h[i.view(1)] = v` writes the same and both tracers "

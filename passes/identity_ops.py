@@ -37,6 +37,10 @@ def hands_back(user, node) -> bool:
     if user.op == "call_method" and name in NEW_OBJECT_VIEWS or user.op == "call_function" and (
             user.target in VIEW_FUNCTIONS and user.target is not torch.flatten):
         return False
+    before, after = single_tensor_meta(node), single_tensor_meta(user)   # the same object: the same shape, dtype
+    if before is not None and after is not None and (tuple(before.shape), before.dtype, tuple(before.stride)) != (
+            tuple(after.shape), after.dtype, tuple(after.stride)):   # and strides (argmax, any, flatten(0): review50r3)
+        return False
     return not (_produces_fresh_tensor(user) or _pointwise_method(user))
 
 
@@ -84,11 +88,14 @@ def object_seen(node, source=None) -> bool:
 def held_by_caller(source) -> bool:
     """Whether the caller may hold source's tensor object: all but a fresh intermediate not returned."""
     from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
-    from .normalize import _produces_fresh_tensor   # (normalize imports this module)
-    if not isinstance(source, torch.fx.Node) or not (_produces_fresh_tensor(source) or _pointwise_method(source)):
-        return True
-    return any(u.op == "output" or u.op == "call_function" and u.target is write_attribute
-               for u in same_object_users(source))
+    from .normalize import _mutates, _produces_fresh_tensor   # (normalize imports this module)
+    if not isinstance(source, torch.fx.Node) or not (_produces_fresh_tensor(source) or _pointwise_method(source)) \
+            or source.graph.owning_module is not None and _mutates(source.graph.owning_module, source):
+        return True   # (`F.elu(x, inplace=True)` is x: review50r3)
+    whole = source.args[0] if source.op == "call_function" and source.target in (operator.getitem, getattr) \
+        and source.args and isinstance(source.args[0], torch.fx.Node) else None   # `torch.max(h, 1)[0]`, `.values`:
+    return any(u.op == "output" or u.op == "call_function" and u.target is write_attribute   # the tuple returned
+               for n in ((source, whole) if whole is not None else (source,)) for u in same_object_users(n))
 
 
 def reshaped_in_place(node) -> bool:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+from fxfuse.gemm_kernel import broadcasts_to
 from fxfuse.node_meta import fetch_attr, get_attr_quietly, tensor_meta
 from fxfuse.state_writes import written_attributes
 
@@ -236,10 +237,7 @@ def _bias_keeps_shape(node, bias_shape) -> bool:
     out = tensor_meta(node)
     if bias_shape is None or not hasattr(out, "shape"):
         return bias_shape is None or len(bias_shape) <= 1
-    try:
-        return tuple(torch.broadcast_shapes(out.shape, bias_shape)) == tuple(out.shape)
-    except RuntimeError:
-        return False
+    return broadcasts_to(tuple(bias_shape), tuple(out.shape))
 
 
 def keywords_to_positions(gm, node) -> None:

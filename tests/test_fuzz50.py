@@ -578,3 +578,160 @@ def test_optimize_inside_a_traced_forward_says_so():
     with pytest.warns(fxfuse.FxfuseWarning, match="called inside a forward"):
         opt = fxfuse.optimize(model, torch.randn(4, 8))
     assert model.fast is None and not fxfuse.stats(opt)["optimized"]
+
+
+IN_PLACE_ACTIVATION_VIEWS = {
+    "elu_slice": lambda x: F.elu(x, inplace=True)[:],
+    "leaky_relu_slice": lambda x: F.leaky_relu(x, 0.1, inplace=True)[:],
+    "hardswish_detach": lambda x: F.hardswish(x, inplace=True).detach(),
+    "max_values_detach": lambda x: (lambda m: (m, m.values.detach()))(torch.max(x * 2, 1)),
+    "max_item_slice": lambda x: (lambda m: (m, m[0][:]))(torch.max(x * 2, 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE_ACTIVATION_VIEWS))
+def test_a_view_of_a_value_the_caller_holds_stays_another_object(name):
+    """review50r3: an in-place activation's result (the input itself) and a returned max tuple's part were taken
+    for fresh values no caller holds, so their returned view came back as that very tensor."""
+    model = Apply(IN_PLACE_ACTIVATION_VIEWS[name]).eval()
+    opt = fxfuse.optimize(model, torch.randn(4, 6))
+    with torch.no_grad():
+        x = torch.randn(4, 6)
+        got, want = opt(x.clone()), model(x.clone())
+    if isinstance(want, tuple):
+        (got_max, got_view), (want_max, want_view) = got, want
+        torch.testing.assert_close(got_view, want_view)
+        assert got_view is not got_max.values
+        got_view.unsqueeze_(0)
+        assert got_max.values.shape == (4,)
+    else:
+        torch.testing.assert_close(got, want)
+        x = torch.randn(4, 6)
+        got = opt(x)
+        assert got is not x
+        got.unsqueeze_(0)
+        assert x.shape == (4, 6)
+
+
+class ReducedView(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, x):
+        h = x.sin()
+        v = h[:] if self.spelling == "slice" else h
+        return h, v.argmax(-1), v.flatten(0), v * 2 + 1
+
+
+def test_a_whole_view_read_by_reductions_still_goes():
+    """review50r3: argmax / flatten(0) of the view were taken for ops that may hand it back (2 kernels, not 1)."""
+    x = torch.randn(3, 4)
+    counts = [fxfuse.stats(optimize_strict(ReducedView(s).eval(), x))["fused_kernels"] for s in ("slice", "plain")]
+    assert counts[0] == counts[1]
+
+
+class HalfPath(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.half_scale = nn.Linear(8, 8), 2.0
+
+    def half_path(self, h):
+        return (h.float() * self.half_scale).relu()
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.dtype is torch.float16:
+            return self.half_path(h)
+        return h.relu()
+
+
+def test_attributes_read_only_in_the_export_retrys_branch_are_watched():
+    """review50r4: the retry ran after the attribute recording: `half_scale`, read only in export's branch,
+    was not watched, and assigning it kept the old graph."""
+    model, x = HalfPath().eval().half(), torch.randn(2, 8).half()
+    opt = fxfuse.optimize(model, x, strict=True)
+    with torch.no_grad():
+        opt(x)
+        model.half_scale = 5.0
+        torch.testing.assert_close(opt(x), model(x), atol=2e-3, rtol=2e-3)
+
+
+def _is_half(dtype):
+    return dtype is torch.float16
+
+
+class HelperTest(nn.Module):
+    def forward(self, x):
+        h = (x * 2).relu()
+        return h.float() if _is_half(x.dtype) else h
+
+
+def test_a_dtype_identity_test_in_a_helper_takes_eagers_branch():
+    model, x = HelperTest().eval(), torch.randn(3, 4).half()
+    opt = fxfuse.optimize(model, x, verify=False, strict=True)
+    with torch.no_grad():
+        assert opt(x).dtype == model(x).dtype == torch.float32
+
+
+class BoundNext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.step = itertools.cycle([1.0, 2.0, 3.0]).__next__
+
+    def forward(self, x):
+        return x * self.step()
+
+
+class TrainOnlySchedule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop_schedule = itertools.cycle([0.1, 0.2])
+
+    def forward(self, x):
+        if self.training:
+            return F.dropout(x, next(self.drop_schedule))
+        return x.relu() * 2
+
+
+def test_a_bound_next_is_refused_and_a_schedule_eval_never_advances_is_not():
+    """review50r4: `it.__next__` held was not looked into; a schedule read only in training was refused."""
+    with pytest.warns(fxfuse.FxfuseWarning, match="iterator"):
+        opt = fxfuse.optimize(BoundNext().eval(), torch.ones(2), verify=False)
+    assert not fxfuse.stats(opt)["optimized"]
+    model, x = TrainOnlySchedule().eval(), torch.randn(3, 4)
+    opt = optimize_strict(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def _warn_once(fn):
+    warned = False
+
+    def wrapper(*args):
+        nonlocal warned
+        if not warned:
+            warnings.warn("deprecated helper", DeprecationWarning)
+            warned = True
+        return fn(*args)
+    return wrapper
+
+
+class WarnsOnce(nn.Module):
+    @staticmethod
+    @_warn_once
+    def act(h):
+        return h.relu()
+
+    def forward(self, x):
+        return self.act(x) * 2
+
+
+def test_a_warn_once_flag_in_a_closure_is_no_state():
+    """review50r4: the decorator's `warned` moved once in the build's first run, as it does in eager."""
+    model, x = WarnsOnce().eval(), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = optimize_strict(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
