@@ -136,11 +136,12 @@ def recording_attribute_reads(model: torch.nn.Module):
         else:
             reads["names"] = names
         reads["probed"] = _probed(codes)
-        reads["tests_identity"] = _tests_identity(codes, names)
+        files = {c.co_filename for c in own}   # the model's own files: a library's `is` tests are no model's
+        reads["tests_identity"] = _tests_identity([c for c in codes if c.co_filename in files])
         refuse_iterators_read(iterators, names)
 
 
-def _tests_identity(codes, names: set) -> bool:
+def _tests_identity(codes) -> bool:
     """Whether the code that ran may test a tensor's dtype, device or flag by identity (`x.dtype is
     torch.float16`, `x.is_floating_point() is True`): under symbolic_trace the attribute is a Proxy,
     which is nothing else, so the graph took the test's False way silently (fuzz50d: an fp16 input
@@ -148,7 +149,8 @@ def _tests_identity(codes, names: set) -> bool:
     value (by attribute or by name: `getattr(x, "dtype")`) and anywhere, in any function of it, tests
     anything but None by identity (a value held in a local, passed to a helper: review50r2, r4)."""
     from .fx_tracer import PLAIN_ATTRIBUTES, PLAIN_METHODS
-    if not ({*PLAIN_ATTRIBUTES, *PLAIN_METHODS} - {"shape", "size", "item", "tolist"}) & names:
+    if not ({*PLAIN_ATTRIBUTES, *PLAIN_METHODS} - {"shape", "size", "item", "tolist"}) & set().union(
+            *map(_names_of, codes)):
         return False
     for code in codes:
         ops = list(dis.get_instructions(code))
