@@ -33,8 +33,8 @@ class FastSGD(torch.optim.Optimizer):
 def _functional_adam(params):
     from torch.optim.adam import adam
     adam(params, [p.grad for p in params], [torch.zeros_like(p) for p in params],
-         [torch.zeros_like(p) for p in params], [], [torch.tensor(0.0) for _ in params], fused=True, amsgrad=False,
-         beta1=0.9, beta2=0.999, lr=0.5, weight_decay=0.0, eps=1e-8, maximize=False)
+         [torch.zeros_like(p) for p in params], [], [torch.tensor(0.0, device=p.device) for p in params],
+         fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=0.5, weight_decay=0.0, eps=1e-8, maximize=False)
 
 
 @pytest.mark.parametrize("how", ["functional_adam", "own_optimizer"])
