@@ -133,8 +133,9 @@ def recording_attribute_reads(model: torch.nn.Module):
         else:
             reads["names"] = names
         reads["probed"] = _probed(codes)
-        files = {c.co_filename for c in own}   # the model's own files: a library's `is` tests are no model's
-        reads["tests_identity"] = tests_identity([c for c in codes if c.co_filename in files])
+        files = {c.co_filename for c in own}   # the model's own files and code outside installed packages (a
+        reads["tests_identity"] = tests_identity([c for c in codes if c.co_filename in files or "-packages" not in
+                                                  c.co_filename])   # utils.py): a library's `is` tests are none
         refuse_iterators_read(iterators, names)
 
 

@@ -7,7 +7,9 @@ import collections.abc
 import dis
 import functools
 import io
+import itertools
 import types
+import warnings
 
 import torch
 
@@ -48,7 +50,7 @@ def held_iterators(model: torch.nn.Module) -> list:
     found = []
     for name, m in model.named_modules():
         held = {**{k: v for c in _user_classes(m) for k, v in vars(c).items()}, **m.__dict__, **forward_globals(m)[1]}
-        forwards = [("", f) for f in {getattr(type(m), "forward", None), forward_function(m)} if f is not None]
+        forwards = [("", f) for f in (getattr(type(m), "forward", None), forward_function(m)) if f is not None]
         for k, v in [*held.items(), *forwards]:   # ("": forward's own closure, a decorator's: review50r4)
             if type(v) in WEAK_PROXIES:
                 continue
@@ -72,20 +74,30 @@ def held_iterators(model: torch.nn.Module) -> list:
     return found
 
 
+SEQUENCE_ITERATORS = tuple({type(iter(x)) for x in ([], (), range(1), "", b"")})   # reduce: (iter, (seq,), index)
+
+
 def _iterator_state(it, depth: int = 0):
-    """Where an iterator stands, where that can be told (a generator's frame, a reduce of plain
-    values and iterators: itertools.count, cycle, a list's iterator), else None: a refusal only
+    """Where an iterator stands, where that can be told for sure: a list's, tuple's, range's or
+    string's iterator by its index, itertools.count by its value, itertools.cycle by its source and
+    what it saved; else None (generators sit at the same `yield` after each next(), a callable's
+    iterator or a map keep no position: review50r5), where the name alone decides. A refusal only
     where it moved (review50r4: a schedule read in training only)."""
-    if isinstance(it, types.GeneratorType):
-        return ("generator", it.gi_frame.f_lasti if it.gi_frame is not None else -1)
     try:
-        state = it.__reduce__()
-    except Exception:  # noqa: BLE001
+        with warnings.catch_warnings():   # (Python 3.12 deprecates pickling itertools: a warning)
+            warnings.simplefilter("ignore")
+            if isinstance(it, SEQUENCE_ITERATORS):
+                state = it.__reduce__()
+                return (id(state[1][0]), state[2]) if len(state) > 2 else ("exhausted",)
+            if type(it) is itertools.count:
+                return repr(it)
+            if type(it) is itertools.cycle and depth < 3:
+                source, saved = it.__reduce__()[1][0], it.__reduce__()[2]
+                return (_iterator_state(source, depth + 1), len(saved[0]), saved[1]) \
+                    if _iterator_state(source, depth + 1) is not None else None
+    except Exception:  # noqa: BLE001 -- another Python's reduce format: the name decides
         return None
-    parts = [p for part in state[1:] for p in (part if isinstance(part, tuple) else (part,))]
-    inner = [_iterator_state(p, depth + 1) if depth < 3 else None for p in parts
-             if isinstance(p, collections.abc.Iterator)]
-    return None if None in inner else (repr([p for p in parts if not isinstance(p, collections.abc.Iterator)]), inner)
+    return None
 
 
 def _plain_record(v) -> bool:

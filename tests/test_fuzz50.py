@@ -735,3 +735,31 @@ def test_a_warn_once_flag_in_a_closure_is_no_state():
         opt = optimize_strict(model, x)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def _warmed_generator():
+    for v in itertools.count(1):
+        yield float(v)
+
+
+class HeldGenerator(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        if kind == "generator":
+            self.schedule = _warmed_generator()
+            next(self.schedule)   # already at its yield, as after an eager warm-up call
+        else:
+            values = iter([1.0, 2.0, 3.0, 4.0, 5.0])
+            self.schedule = iter(lambda: next(values), None)
+
+    def forward(self, x):
+        return x * next(self.schedule)
+
+
+@pytest.mark.parametrize("kind", ["generator", "callable"])
+def test_iterators_whose_position_cannot_be_told_are_refused_by_name(kind):
+    """review50r5: a started generator sits at the same yield after each next(), and iter(callable, sentinel)
+    reduces the same: both were taken for unmoved and frozen into the graph."""
+    with pytest.warns(fxfuse.FxfuseWarning, match="iterator"):
+        opt = fxfuse.optimize(HeldGenerator(kind).eval(), torch.ones(2), verify=False)
+    assert not fxfuse.stats(opt)["optimized"]
