@@ -14,6 +14,10 @@ import warnings
 import torch
 
 from .attribute_reads import _names_of, _user_classes
+from .fingerprint import _cell_contents
+from .module_state import WEAK_PROXIES, forward_function, forward_globals, plain_object
+
+BOUND = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 
 
 def tests_identity(codes) -> bool:
@@ -41,8 +45,6 @@ def held_iterators(model: torch.nn.Module) -> list:
     forward() takes values from one (`next(self.schedule)` of an itertools.cycle, a generator), each
     eager call takes the next, a graph would hold the trace's (fuzz50d, review50r2). Not files,
     StringIOs (written logs) or weak proxies (every proxy type has __next__)."""
-    from .module_state import WEAK_PROXIES, forward_function, forward_globals
-
     def iterator(v):
         return type(v) not in WEAK_PROXIES and isinstance(v, collections.abc.Iterator) and not isinstance(
             v, (torch.Tensor, torch.nn.Module, io.IOBase))
@@ -57,16 +59,15 @@ def held_iterators(model: torch.nn.Module) -> list:
             try:   # (an object whose attribute lookup raises: not looked into)
                 v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
                 inner = list(v.items()) if isinstance(v, dict) else list(enumerate(v)) if isinstance(
-                    v, (list, tuple)) else list(vars(v).items()) if _plain_record(v) else []
-                inner += list(enumerate(v.__closure__ or ())) if isinstance(v, types.FunctionType) else []
+                    v, (list, tuple)) else list(vars(v).items()) if plain_object(v) else []
+                inner += list(enumerate(_cell_contents(v))) if isinstance(v, types.FunctionType) else []
                 inner += list(enumerate((v.func, *v.args))) if isinstance(v, functools.partial) else []
-                inner += [(None, v.__self__)] if isinstance(v, (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)) else []
+                inner += [(None, v.__self__)] if isinstance(v, BOUND) else []   # `it.__next__` held
             except Exception:  # noqa: BLE001
                 inner = []
             for key, item in [(None, v)] + inner[:64]:
                 if type(item) in WEAK_PROXIES:   # (a dead one raises on any use)
                     continue
-                item = _cell_value(item) if isinstance(item, types.CellType) else item
                 if iterator(item):
                     label = f"{name + '.' if name else ''}{k or 'forward'}" + ("" if key is None else f"[{key!r}]")
                     keys = ({k} if k else set()) | ({key} if isinstance(key, str) else set())
@@ -98,18 +99,6 @@ def _iterator_state(it, depth: int = 0):
     except Exception:  # noqa: BLE001 -- another Python's reduce format: the name decides
         return None
     return None
-
-
-def _plain_record(v) -> bool:
-    return type(v).__module__ not in ("builtins",) and isinstance(getattr(v, "__dict__", None), dict) and not \
-        isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
-
-
-def _cell_value(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:   # an empty cell
-        return None
 
 
 def refuse_iterators_read(iterators: list, names) -> None:
