@@ -6,7 +6,7 @@ import torch.fx
 
 from fxfuse.state_writes import VIEW_FUNCTIONS, VIEW_METHODS
 
-from .identity_ops import hands_back, held_by_caller, reshaped_in_place
+from .identity_ops import hands_back, held_by_caller, reshaped_in_place, returned
 
 aten = torch.ops.aten
 
@@ -58,11 +58,8 @@ def _keeps_the_alias(user, of, source=None, depth: int = 0) -> bool:
     that may return their input (`x.detach().float()`, `[0]`, `.view(...)`: review41d), ops that
     normalize removes as returning it (nn.Identity, eval Dropout, `torch.positive`: fuzz47f) and
     in-place ops, which return it."""
-    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
-    if user.op == "output":   # (a fresh intermediate's alias returned may be it: review50r1)
-        return source is None or held_by_caller(source)
-    if user.op == "call_function" and user.target is write_attribute:
-        return True
+    if returned(user):   # (a fresh intermediate's alias returned may be it: review50r1)
+        return user.op != "output" or source is None or held_by_caller(source)
     from .normalize import _is_identity   # (normalize imports this module)
     aliasing = user.op == "call_method" and user.target in ALIASING_METHODS or \
         user.op == "call_function" and user.target in VIEW_FUNCTIONS \

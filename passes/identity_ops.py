@@ -31,8 +31,9 @@ def hands_back(user, node) -> bool:
     from .normalize import _mutates, _produces_fresh_tensor   # (normalize imports this module)
     if user.op not in ("call_function", "call_method", "call_module") or node not in user.all_input_nodes:
         return False
-    if user.graph.owning_module is not None and _mutates(user.graph.owning_module, user):   # returns what it writes:
-        return node in (user.args[:1] + tuple(user.kwargs.get(k) for k in ("input", "self", "out")))   # (not `h.add_(d)`'s d)
+    if user.graph.owning_module is not None and _mutates(user.graph.owning_module, user):   # returns what it
+        return node in (user.args[:1] + tuple(user.kwargs.get(k) for k in ("input", "self", "out")))   # writes
+    #                                                                                       (not `h.add_(d)`'s d)
     name = op_name(user)
     if user.op == "call_method" and name in NEW_OBJECT_VIEWS or user.op == "call_function" and (
             user.target in VIEW_FUNCTIONS and user.target is not torch.flatten):
@@ -77,25 +78,28 @@ def object_seen(node, source=None) -> bool:
     graph's write-back where the caller may also hold `source` (an input, a parameter, a value
     returned itself; a fresh intermediate no one else sees may be given back in the view's place:
     review50r1), directly or through ops that return it as it is (same_object_users)."""
-    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
     users = list(same_object_users(node))
     if any(op_name(u) in METADATA_INPLACE for u in users):
         return True
-    returned = any(u.op == "output" or u.op == "call_function" and u.target is write_attribute for u in users)
-    return returned and (source is None or held_by_caller(source))
+    return any(map(returned, users)) and (source is None or held_by_caller(source))
+
+
+def returned(user) -> bool:
+    """user returns its operand's tensor object to the caller, or stores it on the module (the graph's write-back)."""
+    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
+    return user.op == "output" or user.op == "call_function" and user.target is write_attribute
 
 
 def held_by_caller(source) -> bool:
     """Whether the caller may hold source's tensor object: all but a fresh intermediate not returned."""
-    from fxfuse.attribute_writes import write_attribute   # (fxfuse imports the passes late)
     from .normalize import _mutates, _produces_fresh_tensor   # (normalize imports this module)
     if not isinstance(source, torch.fx.Node) or not (_produces_fresh_tensor(source) or _pointwise_method(source)) \
             or source.graph.owning_module is not None and _mutates(source.graph.owning_module, source):
         return True   # (`F.elu(x, inplace=True)` is x: review50r3)
     whole = source.args[0] if source.op == "call_function" and source.target in (operator.getitem, getattr) \
         and source.args and isinstance(source.args[0], torch.fx.Node) else None   # `torch.max(h, 1)[0]`, `.values`:
-    return any(u.op == "output" or u.op == "call_function" and u.target is write_attribute   # the tuple returned
-               for n in ((source, whole) if whole is not None else (source,)) for u in same_object_users(n))
+    return any(returned(u) for n in ((source, whole) if whole is not None else (source,))   # (the tuple returned)
+               for u in same_object_users(n))
 
 
 def reshaped_in_place(node) -> bool:
@@ -138,25 +142,28 @@ PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis
 
 def whole_slice(node) -> bool:
     """`h[:, :]`, `h[...]`, `h[:]`, `h[0:n]` of n rows, h.narrow(d, 0, h.size(d)), export's aten.slice over a whole dim,
-    a permute that moves nothing: h itself (a view of all of it), which split a kernel in two (fuzz42c)."""
-    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs or object_seen(node, node.args[0]) \
-            or reshaped_in_place(node.args[0]):
-        return False   # eager's view is another tensor: `v.unsqueeze_(0)` (or h.t_() of its source: fuzz43h), or a caller's on a returned
-    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)   # slice, leave h as it is (fuzz42i)
+    a permute that moves nothing: h itself (a view of all of it), which split a kernel in two (fuzz42c). Not
+    where eager's view, another tensor, is seen as one: `v.unsqueeze_(0)` (or h.t_() of its source: fuzz43h), a
+    caller's on a returned view (fuzz42i); asked last, after the cheap checks (a walk of the users)."""
+    if not node.args or not _is_tensor_node(node.args[0]) or node.kwargs:
+        return False
+    src, out = single_tensor_meta(node.args[0]), single_tensor_meta(node)
     if src is None or out is None or tuple(src.shape) != tuple(out.shape) or tuple(src.stride) != tuple(out.stride):
         return False
     if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        return all(i is Ellipsis or isinstance(i, slice) and all(b is None or type(b) is int for b in (
+        whole = all(i is Ellipsis or isinstance(i, slice) and all(b is None or type(b) is int for b in (
             i.start, i.stop)) and i.step in (None, 1) for i in index)   # (`pe[:, :T]` with T the table's
         #       length, `h[0:4]` of 4 rows: the same shape and strides, so all of it; fuzz43b)
-    if op_name(node) in PERMUTES and node.op in ("call_function", "call_method"):
-        return True   # `g.permute(0, 1)`, `g.transpose(1, 1)`, a swap of two size-1 dims: the same shape and
-        #               strides, and a permute keeps the offset: g itself (fuzz45e: it split a kernel)
-    narrow = node.op == "call_method" and node.target == "narrow" or node.target in (torch.narrow, aten.narrow.default)
-    if narrow or node.target is aten.slice.Tensor:   # the same shape and strides: all of the dim, step 1
-        return all(type(a) is int for a in node.args[1:]) and (narrow or len(node.args) < 5 or node.args[4] == 1)
-    return False
+    elif op_name(node) in PERMUTES and node.op in ("call_function", "call_method"):
+        whole = True   # `g.permute(0, 1)`, `g.transpose(1, 1)`, a swap of two size-1 dims: the same shape and
+        #                strides, and a permute keeps the offset: g itself (fuzz45e: it split a kernel)
+    else:
+        narrow = node.op == "call_method" and node.target == "narrow" or node.target in (torch.narrow,
+                                                                                         aten.narrow.default)
+        whole = (narrow or node.target is aten.slice.Tensor) and all(type(a) is int for a in node.args[1:]) and (
+            narrow or len(node.args) < 5 or node.args[4] == 1)   # the same shape and strides: all of the dim, step 1
+    return whole and not object_seen(node, node.args[0]) and not reshaped_in_place(node.args[0])
 
 
 def is_no_op_conversion(node) -> bool:
